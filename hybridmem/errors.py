@@ -1,0 +1,111 @@
+"""The exceptions hybridmem raises.
+
+User mistakes (a bad config value, a call in the wrong phase) raise subclasses of the builtin
+``ValueError``/``RuntimeError`` so generic handlers still catch them; every message names the bad
+value and what was expected. A failed switch raises :class:`SwitchError`, which says which step failed
+and where the training state is now.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HybridMemError",
+    "ConfigError",
+    "PhaseError",
+    "SwitchError",
+    "RollbackError",
+    "MemoryPlanError",
+    "HostMemoryBudgetError",
+    "WeightSyncError",
+]
+
+
+class HybridMemError(Exception):
+    """Base class of every error hybridmem raises on purpose."""
+
+
+class ConfigError(HybridMemError, ValueError):
+    """A configuration key holds a value outside what is allowed.
+
+    Attributes:
+        key: The offending key (e.g. ``"infer_tensor_parallel_size"``).
+        value: The value that was given.
+    """
+
+    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None):
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        where = f" in {source}" if source else ""
+        super().__init__(f"{key}={value!r}{where} is not allowed: expected {allowed}")
+
+
+class PhaseError(HybridMemError, RuntimeError):
+    """An operation was asked for in a phase that does not allow it.
+
+    Attributes:
+        current: The phase the manager is in.
+        operation: What was asked for.
+    """
+
+    def __init__(self, operation: str, current: object, hint: str = ""):
+        self.operation = operation
+        self.current = current
+        name = getattr(current, "name", current)
+        msg = f"cannot {operation}: the manager is in phase {name}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+class SwitchError(HybridMemError, RuntimeError):
+    """A step of a switch raised.
+
+    Attributes:
+        direction: ``"to_infer"`` or ``"to_train"``.
+        step: Name of the step that raised.
+        phase_after: The phase the manager is in after handling the failure.
+    """
+
+    def __init__(self, message: str, *, direction: str, step: str, phase_after: object):
+        self.direction = direction
+        self.step = step
+        self.phase_after = phase_after
+        super().__init__(message)
+
+
+class RollbackError(SwitchError):
+    """Undoing a failed TRAIN->INFER switch failed too; the manager is in FAILED.
+
+    No training state is lost: every offloaded tensor still has its host copy. Call
+    ``ShardingManager.recover()`` once the cause (usually device memory) is fixed.
+    """
+
+
+class MemoryPlanError(HybridMemError, MemoryError):
+    """A switch was refused before it started because its predicted peak exceeds the device budget.
+
+    Attributes:
+        plan: The :class:`hybridmem.memplan.MemoryPlan` that did not fit; ``str(plan)`` is a table.
+    """
+
+    def __init__(self, plan: object):
+        self.plan = plan
+        super().__init__(f"switch refused, predicted peak exceeds the device budget:\n{plan}")
+
+
+class HostMemoryBudgetError(HybridMemError, MemoryError):
+    """The host buffer pool would exceed its configured budget."""
+
+    def __init__(self, *, key: str, requested_nbytes: int, held_nbytes: int, budget_nbytes: int):
+        self.key = key
+        self.requested_nbytes = requested_nbytes
+        self.held_nbytes = held_nbytes
+        self.budget_nbytes = budget_nbytes
+        super().__init__(
+            f"host buffer pool: arena {key!r} needs {requested_nbytes} bytes, "
+            f"{held_nbytes} bytes are held by other arenas, and host_memory_budget_bytes="
+            f"{budget_nbytes}; raise the budget or offload less"
+        )
+
+
+class WeightSyncError(HybridMemError, RuntimeError):
+    """The inference engine's weights do not match what training sent (checksum mismatch)."""
