@@ -1,0 +1,192 @@
+"""A pool of worker processes joined in one ``torch.distributed`` group, reused across tests.
+
+Spawning a process and importing torch costs 2-6 s on a small CPU machine, so distributed tests share
+one pool per session. The pool is created once with ``max_world_size`` processes; at start every worker
+also creates the subgroups made of the first ``k`` ranks for each ``k``, so a task can run on any world
+size up to the maximum without collective group creation per task.
+
+A task is a picklable (module-level) function ``fn(ctx, *args, **kwargs)``; it runs on ranks
+``0..world_size-1`` with ``ctx`` a :class:`WorkerContext`, and :meth:`WorkerPool.run` returns the list
+of per-rank results. If any rank raises, the pool is torn down (the other ranks may be stuck in a
+collective) and :class:`WorkerError` carries every rank's traceback; the next task starts a fresh pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["WorkerContext", "WorkerError", "WorkerPool"]
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a task sees in a worker.
+
+    Attributes:
+        rank: This process's rank in ``group``.
+        world_size: The task's world size.
+        group: The process group of ranks ``0..world_size-1`` (``None`` means the default group).
+        backend: ``"gloo"`` or ``"nccl"``.
+    """
+
+    rank: int
+    world_size: int
+    group: Any
+    backend: str
+
+
+class WorkerError(RuntimeError):
+    """A task raised on one or more ranks."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any, timeout_s: float):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    # Every rank takes part in creating every subgroup, in the same order (a collective).
+    groups = {k: (None if k == world else dist.new_group(list(range(k)))) for k in range(1, world + 1)}
+    results.put(("ready", rank, None))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        task_id, world_size, fn, args, kwargs = item
+        if rank >= world_size:
+            results.put((task_id, rank, ("skip", None)))
+            continue
+        ctx = WorkerContext(rank=rank, world_size=world_size, group=groups[world_size], backend=backend)
+        try:
+            results.put((task_id, rank, ("ok", fn(ctx, *args, **kwargs))))
+        except BaseException:  # noqa: BLE001 - report every failure to the parent, then keep serving
+            results.put((task_id, rank, ("error", traceback.format_exc())))
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``max_world_size`` processes in one process group, serving tasks until :meth:`close`.
+
+    Args:
+        max_world_size: Number of processes.
+        backend: ``"gloo"`` (CPU) or ``"nccl"``.
+        timeout_s: Collective timeout inside workers and result timeout in the parent.
+    """
+
+    def __init__(self, max_world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0):
+        if max_world_size < 1:
+            raise ValueError(f"max_world_size={max_world_size} must be >= 1")
+        self.max_world_size = max_world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._procs: list[Any] = []
+        self._task_queues: list[Any] = []
+        self._results: Any = None
+        self._next_id = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._task_queues = [ctx.Queue() for _ in range(self.max_world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(r, self.max_world_size, port, self.backend, self._task_queues[r], self._results, self.timeout_s),
+                daemon=True,
+            )
+            for r in range(self.max_world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = 0
+        while ready < self.max_world_size:
+            try:
+                tag, _, _ = self._results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                self.close()
+                raise WorkerError(f"worker pool of {self.max_world_size} did not start in {self.timeout_s} s") from None
+            ready += tag == "ready"
+
+    def run(self, fn: Callable[..., Any], *args: Any, world_size: int | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on ranks ``0..world_size-1`` and return their results by rank.
+
+        Raises:
+            ValueError: ``world_size`` exceeds the pool.
+            WorkerError: A rank raised or timed out (the pool is restarted on the next call).
+        """
+        world_size = self.max_world_size if world_size is None else world_size
+        if not 1 <= world_size <= self.max_world_size:
+            raise ValueError(f"world_size={world_size} must be in [1, {self.max_world_size}]")
+        if not self._procs:
+            self._start()
+        task_id = self._next_id
+        self._next_id += 1
+        for q in self._task_queues:
+            q.put((task_id, world_size, fn, args, kwargs))
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = self.max_world_size
+        while pending:
+            try:
+                tid, rank, (status, value) = self._results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                errors[-1] = f"no result within {self.timeout_s} s (ranks done: {sorted(out)})"
+                break
+            if tid != task_id:
+                continue
+            pending -= 1
+            if status == "ok":
+                out[rank] = value
+            elif status == "error":
+                errors[rank] = value
+        if errors:
+            self.close()
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise WorkerError(f"task {getattr(fn, '__name__', fn)} failed on world_size={world_size}:\n{detail}")
+        return [out[r] for r in range(world_size)]
+
+    def close(self) -> None:
+        """Stop every worker (safe to call twice)."""
+        for q in self._task_queues:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._task_queues = []
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
