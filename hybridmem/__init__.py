@@ -1,0 +1,48 @@
+"""hybridmem: switch an RL actor between training and inference on the same accelerators.
+
+>>> from hybridmem import ShardingManager, HybridConfig                        # doctest: +SKIP
+>>> manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig())
+>>> with manager.inference() as engine:
+...     engine.generate(...)
+"""
+
+from __future__ import annotations
+
+from hybridmem.config import HybridConfig, ParallelLayout
+from hybridmem.errors import (
+    ConfigError,
+    HostMemoryBudgetError,
+    HybridMemError,
+    MemoryPlanError,
+    PhaseError,
+    RollbackError,
+    SwitchError,
+    WeightSyncError,
+)
+from hybridmem.manager import ShardingManager
+from hybridmem.memplan import MemoryPlan
+from hybridmem.phase import Direction, Phase
+from hybridmem.report import StepReport, SwitchReport
+from hybridmem.residency import ResidencyReport
+
+__all__ = [
+    "ShardingManager",
+    "HybridConfig",
+    "ParallelLayout",
+    "Phase",
+    "Direction",
+    "SwitchReport",
+    "StepReport",
+    "MemoryPlan",
+    "ResidencyReport",
+    "HybridMemError",
+    "ConfigError",
+    "PhaseError",
+    "SwitchError",
+    "RollbackError",
+    "MemoryPlanError",
+    "HostMemoryBudgetError",
+    "WeightSyncError",
+]
+
+__version__ = "0.1.0"

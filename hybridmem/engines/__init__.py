@@ -1,0 +1,8 @@
+"""Inference engines: the protocol, and the engines hybridmem ships."""
+
+from __future__ import annotations
+
+from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.engines.torch_copy import EngineMemoryState, TorchCopyEngine
+
+__all__ = ["InferenceEngine", "TorchCopyEngine", "EngineMemoryState", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS"]

@@ -1,0 +1,75 @@
+"""The TRAIN <-> INFER state machine. The only module that imports ``transitions``.
+
+Legal transitions (trigger: source -> destination)::
+
+    begin_infer:    TRAIN        -> TO_INFER       a TRAIN->INFER switch starts
+    end_infer:      TO_INFER     -> INFER          every step ran
+    begin_rollback: TO_INFER     -> ROLLING_BACK   a step failed (or the memory plan refused the switch)
+    end_rollback:   ROLLING_BACK -> TRAIN          the done steps were undone in reverse
+    begin_train:    INFER        -> TO_TRAIN       an INFER->TRAIN switch starts
+    end_train:      TO_TRAIN     -> TRAIN          every step ran
+    abort_train:    TO_TRAIN     -> INFER          refused by the memory plan before any step ran
+    fail:           TO_INFER | TO_TRAIN | ROLLING_BACK -> FAILED
+    recover:        FAILED       -> TO_TRAIN       re-run the INFER->TRAIN steps (each idempotent)
+
+The machine only records the phase and refuses illegal transitions; the steps themselves run in
+:class:`hybridmem.manager.ShardingManager` between a ``begin_*`` and an ``end_*`` trigger. No callback
+does fallible work after a state change, because ``transitions`` has no rollback of its own.
+"""
+
+from __future__ import annotations
+
+from transitions import Machine, MachineError
+
+from hybridmem.errors import PhaseError
+from hybridmem.phase import Phase
+
+__all__ = ["PhaseMachine", "TRANSITIONS"]
+
+TRANSITIONS: tuple[tuple[str, tuple[Phase, ...], Phase], ...] = (
+    ("begin_infer", (Phase.TRAIN,), Phase.TO_INFER),
+    ("end_infer", (Phase.TO_INFER,), Phase.INFER),
+    ("begin_rollback", (Phase.TO_INFER,), Phase.ROLLING_BACK),
+    ("end_rollback", (Phase.ROLLING_BACK,), Phase.TRAIN),
+    ("begin_train", (Phase.INFER,), Phase.TO_TRAIN),
+    ("end_train", (Phase.TO_TRAIN,), Phase.TRAIN),
+    ("abort_train", (Phase.TO_TRAIN,), Phase.INFER),
+    ("fail", (Phase.TO_INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK), Phase.FAILED),
+    ("recover", (Phase.FAILED,), Phase.TO_TRAIN),
+)
+"""(trigger, sources, destination) for every legal transition."""
+
+
+class PhaseMachine:
+    """Holds the current :class:`Phase` and allows only the transitions in :data:`TRANSITIONS`."""
+
+    def __init__(self, initial: Phase = Phase.TRAIN):
+        self.state: Phase = initial
+        self._machine = Machine(
+            model=self,
+            states=Phase,
+            initial=initial,
+            auto_transitions=False,
+            ignore_invalid_triggers=False,
+            transitions=[{"trigger": t, "source": list(src), "dest": dst} for t, src, dst in TRANSITIONS],
+        )
+
+    @property
+    def phase(self) -> Phase:
+        """The current phase."""
+        return self.state
+
+    def fire(self, trigger: str, *, operation: str) -> None:
+        """Take the transition ``trigger``.
+
+        Raises:
+            PhaseError: ``trigger`` is not allowed from the current phase; names the phase and ``operation``.
+        """
+        allowed = [src for t, src, _ in TRANSITIONS if t == trigger]
+        if not allowed:
+            raise ValueError(f"unknown trigger {trigger!r}; known: {[t for t, _, _ in TRANSITIONS]}")
+        try:
+            self.trigger(trigger)
+        except MachineError:
+            names = "/".join(p.name for p in allowed[0])
+            raise PhaseError(operation, self.state, f"it needs phase {names}") from None

@@ -1,0 +1,431 @@
+"""ShardingManager: switches an actor between TRAIN and INFER on the same devices.
+
+>>> manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig())   # doctest: +SKIP
+>>> with manager.inference() as engine:                                               # doctest: +SKIP
+...     outputs = engine.generate(prompts)
+
+The manager owns no policy of its own: the steps of a switch and their order are in
+:mod:`hybridmem.steps` (see [Note: step order]), the state machine in :mod:`hybridmem.machine`, the
+mechanism that moves bytes in :mod:`hybridmem.offload`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.profiler import record_function
+
+from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures, get_accelerator
+from hybridmem.config import HybridConfig
+from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, SwitchError
+from hybridmem.host_pool import HostBufferPool
+from hybridmem.kinds import StateKind
+from hybridmem.machine import PhaseMachine
+from hybridmem.memplan import MemoryPlan, plan_switch
+from hybridmem.offload import Offloader, OffloadState
+from hybridmem.phase import Direction, Phase
+from hybridmem.report import StepReport, SwitchReport
+from hybridmem.residency import ResidencyReport
+from hybridmem.steps import (
+    EmptyCacheStep,
+    EngineReleaseStep,
+    EngineResumeStep,
+    OffloadStep,
+    OnloadStep,
+    SwitchStep,
+    ToInferOrder,
+    ToTrainOrder,
+    WeightSyncStep,
+)
+from hybridmem.sync import LoadWeightsSync, WeightSync
+from hybridmem.training_state import TorchTrainingState, TrainingState
+
+__all__ = ["ShardingManager"]
+
+log = logging.getLogger(__name__)
+
+_OWNER = {
+    StateKind.PARAM: "train param",
+    StateKind.GRAD: "train grad",
+    StateKind.OPTIMIZER: "optimizer",
+}
+_ENGINE_OWNER = {WEIGHTS: "engine weights", KV_CACHE: "kv cache"}
+
+
+@dataclass
+class _Run:
+    """What :meth:`ShardingManager._execute` did."""
+
+    done: list[SwitchStep]
+    reports: list[StepReport]
+    failed_step: SwitchStep | None = None
+    error: BaseException | None = None
+    tracked_peak_nbytes: int = 0
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    add = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add is not None:
+        add(note)
+
+
+class ShardingManager:
+    """Switches one actor (training state + inference engine) between TRAIN and INFER.
+
+    Args:
+        model: The training model: a ``torch.nn.Module``, a list of module chunks, or an object
+            implementing :class:`~hybridmem.training_state.TrainingState` (e.g. the Megatron adapter).
+        engine: The inference engine (see :class:`~hybridmem.engines.protocol.InferenceEngine`), or
+            ``None`` to only offload training state.
+        optimizer: The optimizer(s) whose state to offload (plain PyTorch models only; adapters carry
+            their own).
+        config: Offload switches, layouts and budgets; defaults to ``HybridConfig()``.
+        accel: The accelerator; defaults to ``config.device``.
+        weight_sync: How training weights reach the engine; defaults to streaming this rank's
+            ``named_weights()`` into ``engine.load_weights``.
+
+    Call order: construct in TRAIN (training state on the device, engine memory released); then
+    alternate :meth:`to_infer` / :meth:`to_train`, or use :meth:`inference` as a context manager.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        engine: InferenceEngine | None = None,
+        *,
+        optimizer: Any = None,
+        config: HybridConfig | None = None,
+        accel: Accelerator | str | None = None,
+        weight_sync: WeightSync | None = None,
+    ):
+        self.config = HybridConfig() if config is None else config
+        if not isinstance(self.config, HybridConfig):
+            raise TypeError(f"config must be a HybridConfig, got {type(self.config).__name__}")
+        self.accel = get_accelerator(self.config.device if accel is None else accel)
+        if isinstance(model, TrainingState):
+            if optimizer is not None:
+                raise ValueError(f"optimizer= is for plain PyTorch models; {type(model).__name__} carries its own")
+            self.training: TrainingState = model
+        else:
+            self.training = TorchTrainingState(model, optimizer)
+        if engine is not None and not isinstance(engine, InferenceEngine):
+            missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
+            raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
+        self.engine = engine
+        self.pool = HostBufferPool(
+            self.accel, budget_nbytes=self.config.host_memory_budget_bytes, pin=self.config.pin_memory
+        )
+        self.offloaders: dict[StateKind, Offloader] = dict(self.training.build_offloaders(self.accel, self.pool, self.config))
+        self._enabled = {
+            StateKind.PARAM: self.config.offload_train_param,
+            StateKind.GRAD: self.config.offload_train_grad,
+            StateKind.OPTIMIZER: self.config.offload_train_optimizer,
+        }
+        if weight_sync is None and engine is not None:
+            weight_sync = LoadWeightsSync(self.training.named_weights, engine)
+        self.weight_sync = weight_sync
+        self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
+        self._extra_owners: dict[str, tuple[Callable[[], int], tuple[Phase, ...]]] = {}
+        self._machine = PhaseMachine()
+        self.last_reports: dict[Direction, SwitchReport] = {}
+        """The latest report of each direction."""
+        self.last_report: SwitchReport | None = None
+        """The latest report of any direction."""
+
+    # Introspection --------------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        """The current :class:`~hybridmem.phase.Phase`."""
+        return self._machine.phase
+
+    def register_step(self, direction: Direction, step: SwitchStep, order: int) -> None:
+        """Add a step to every later switch of ``direction``, sorted by ``order`` among the built-in
+        steps (:class:`~hybridmem.steps.ToInferOrder` / :class:`~hybridmem.steps.ToTrainOrder`)."""
+        self._check_phase("register a step", Phase.TRAIN)
+        self._extra_steps[Direction(direction)].append((int(order), step))
+
+    def register_owner(self, name: str, resident_nbytes: Callable[[], int], *, empty_in: tuple[Phase, ...] = ()) -> None:
+        """Count ``resident_nbytes()`` as owner ``name`` in residency reports; a leftover in ``empty_in``."""
+        if name in self._owner_nbytes():
+            raise ValueError(f"owner {name!r} is already registered")
+        self._extra_owners[name] = (resident_nbytes, tuple(empty_in))
+
+    def steps(self, direction: Direction) -> list[SwitchStep]:
+        """The steps a switch in ``direction`` runs now, in order (see [Note: step order])."""
+        direction = Direction(direction)
+        items: list[tuple[int, SwitchStep]] = []
+        offloadable = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in self.offloaders and self._enabled[k]]
+        if direction is Direction.TO_INFER:
+            items += [(ToInferOrder[k.name], OffloadStep(self.offloaders[k])) for k in offloadable]
+            items.append((ToInferOrder.EMPTY_CACHE, EmptyCacheStep(self.accel)))
+            if self.engine is not None:
+                items.append((ToInferOrder.ENGINE_WEIGHTS, EngineResumeStep(self.engine, WEIGHTS)))
+                if self.weight_sync is not None:
+                    items.append((ToInferOrder.WEIGHT_SYNC, WeightSyncStep(self.weight_sync)))
+                items.append((ToInferOrder.KV_CACHE, EngineResumeStep(self.engine, KV_CACHE)))
+        else:
+            items += [(ToTrainOrder[k.name], OnloadStep(self.offloaders[k])) for k in offloadable]
+            if self.engine is not None:
+                items.append((ToTrainOrder.KV_CACHE, EngineReleaseStep(self.engine, KV_CACHE)))
+                items.append((ToTrainOrder.ENGINE_WEIGHTS, EngineReleaseStep(self.engine, WEIGHTS)))
+        items += self._extra_steps[direction]
+        return [step for _, step in sorted(items, key=lambda item: item[0])]
+
+    def _owner_nbytes(self) -> dict[str, int]:
+        owners = {_OWNER.get(k, str(k)): off.resident_nbytes() for k, off in self.offloaders.items()}
+        if self.engine is not None:
+            for tag, name in _ENGINE_OWNER.items():
+                fn = getattr(self.engine, "resident_nbytes", None)
+                owners[name] = int(fn(tag)) if callable(fn) else 0
+        for name, (fn, _) in self._extra_owners.items():
+            owners[name] = int(fn())
+        return owners
+
+    def memory(self) -> MemoryFigures:
+        """Device memory figures now (on CPU, "allocated" is the sum over known owners)."""
+        return self.accel.memory_figures(sum(self._owner_nbytes().values()))
+
+    def residency(self) -> ResidencyReport:
+        """Device bytes by owner now; owners that should be empty in the current phase are flagged."""
+        owners = self._owner_nbytes()
+        figures = self.accel.memory_figures(sum(owners.values()))
+        expected_empty: list[str] = []
+        if self.phase is Phase.INFER:
+            expected_empty += [_OWNER[k] for k in self.offloaders if self._enabled.get(k) and k in _OWNER]
+        if self.phase is Phase.TRAIN:
+            expected_empty += list(_ENGINE_OWNER.values())
+        expected_empty += [n for n, (_, phases) in self._extra_owners.items() if self.phase in phases]
+        return ResidencyReport(
+            phase=self.phase,
+            by_owner=owners,
+            allocated_nbytes=figures.allocated_nbytes,
+            reserved_nbytes=figures.reserved_nbytes,
+            expected_empty=tuple(expected_empty),
+        )
+
+    def plan(self, direction: Direction, steps: list[SwitchStep] | None = None) -> MemoryPlan:
+        """The predicted memory curve of a switch in ``direction`` from the current state."""
+        direction = Direction(direction)
+        steps = self.steps(direction) if steps is None else steps
+        figures = self.memory()
+        if self.config.device_memory_budget_bytes is not None:
+            budget, source = self.config.device_memory_budget_bytes, "device_memory_budget_bytes"
+        elif isinstance(self.accel, CpuAccelerator):
+            budget, source = figures.total_nbytes, "cpu capacity_nbytes"
+        else:
+            budget = figures.allocated_nbytes + figures.free_nbytes + figures.cached_nbytes
+            source = "allocated + device free + allocator cache"
+        return plan_switch(
+            direction,
+            figures.allocated_nbytes,
+            [(s.name, s.estimate()) for s in steps],
+            budget_nbytes=budget,
+            budget_source=source,
+        )
+
+    # Switches -------------------------------------------------------------------------------------
+    def to_infer(self) -> SwitchReport:
+        """Switch TRAIN -> INFER.
+
+        Returns:
+            The switch's report (also in :attr:`last_report`).
+
+        Raises:
+            PhaseError: Not in TRAIN.
+            MemoryPlanError: The predicted peak exceeds the device budget; nothing was done.
+            SwitchError: A step raised; the done steps were undone and the manager is in TRAIN.
+            RollbackError: Undoing failed too; the manager is in FAILED (call :meth:`recover`).
+        """
+        self._machine.fire("begin_infer", operation="switch to INFER")
+        steps = self.steps(Direction.TO_INFER)
+        try:
+            plan = self.plan(Direction.TO_INFER, steps)
+            if not plan.fits:
+                raise MemoryPlanError(plan)
+        except BaseException:
+            self._machine.fire("begin_rollback", operation="refuse the switch")
+            self._machine.fire("end_rollback", operation="refuse the switch")
+            raise
+        start = time.perf_counter()
+        before = self.memory()
+        run = self._execute(Direction.TO_INFER, steps, before)
+        if run.error is not None:
+            self._rollback(run)
+        self._machine.fire("end_infer", operation="finish the switch to INFER")
+        report = self._report(Direction.TO_INFER, run, before, start, plan, residency=self.residency())
+        if report.residency is not None and report.residency.leftovers:
+            log.warning("hybridmem: training state still resident in INFER: %s", report.residency.leftovers)
+        return report
+
+    def to_train(self) -> SwitchReport:
+        """Switch INFER -> TRAIN.
+
+        Raises:
+            PhaseError: Not in INFER.
+            MemoryPlanError: The predicted peak exceeds the device budget; nothing was done and the
+                manager stays in INFER.
+            SwitchError: A step raised; the manager is in FAILED with the training state safe in host
+                arenas; call :meth:`recover` once the cause is fixed.
+        """
+        self._machine.fire("begin_train", operation="switch to TRAIN")
+        return self._finish_to_train(abort_trigger="abort_train")
+
+    def recover(self) -> SwitchReport:
+        """From FAILED, bring every part back to TRAIN (each step is a no-op where already done)."""
+        self._machine.fire("recover", operation="recover")
+        return self._finish_to_train(abort_trigger="fail")
+
+    def _finish_to_train(self, *, abort_trigger: str) -> SwitchReport:
+        steps = self.steps(Direction.TO_TRAIN)
+        try:
+            plan = self.plan(Direction.TO_TRAIN, steps)
+            if not plan.fits:
+                raise MemoryPlanError(plan)
+        except BaseException:
+            self._machine.fire(abort_trigger, operation="refuse the switch to TRAIN")
+            raise
+        start = time.perf_counter()
+        before = self.memory()
+        run = self._execute(Direction.TO_TRAIN, steps, before)
+        if run.error is not None:
+            self._machine.fire("fail", operation="record a failed switch")
+            assert run.failed_step is not None
+            msg = (
+                f"INFER->TRAIN step {run.failed_step.name!r} failed: {run.error!r}. Phase is FAILED; no "
+                f"training state is lost (offloaded bytes stay in host arenas); call recover() once the "
+                f"cause is fixed"
+            )
+            if not isinstance(run.error, Exception):
+                raise run.error
+            raise SwitchError(msg, direction="to_train", step=run.failed_step.name, phase_after=self.phase) from run.error
+        self._machine.fire("end_train", operation="finish the switch to TRAIN")
+        return self._report(Direction.TO_TRAIN, run, before, start, plan)
+
+    @contextlib.contextmanager
+    def inference(self) -> Iterator[InferenceEngine | None]:
+        """Context manager: TRAIN -> INFER on entry, INFER -> TRAIN on exit (also on an exception).
+
+        An exception raised by the body propagates unchanged after the switch back; if the switch back
+        fails too, a note saying so is attached to the body's exception.
+
+        Yields:
+            The engine.
+        """
+        self.to_infer()
+        try:
+            yield self.engine
+        except BaseException as exc:
+            try:
+                self.to_train()
+            except Exception as switch_exc:  # noqa: BLE001 - reported on the user's exception
+                _add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; phase {self.phase.name}")
+            raise
+        self.to_train()
+
+    def close(self) -> None:
+        """Drop the host arenas. Only in TRAIN, where they hold nothing of value."""
+        self._check_phase("close", Phase.TRAIN)
+        self.pool.free()
+
+    # Internals ------------------------------------------------------------------------------------
+    def _check_phase(self, operation: str, *phases: Phase) -> None:
+        if self.phase not in phases:
+            raise PhaseError(operation, self.phase, f"it needs phase {'/'.join(p.name for p in phases)}")
+
+    def _execute(self, direction: Direction, steps: list[SwitchStep], before: MemoryFigures) -> _Run:
+        self.accel.reset_peak()
+        run = _Run(done=[], reports=[], tracked_peak_nbytes=before.allocated_nbytes)
+        for step in steps:
+            start = time.perf_counter()
+            try:
+                with record_function(f"hybridmem.{direction.value}.{step.name}"):
+                    result = step.run()
+            except BaseException as exc:  # noqa: BLE001 - handled by the caller (rollback or FAILED)
+                run.failed_step, run.error = step, exc
+                return run
+            seconds = time.perf_counter() - start
+            run.done.append(step)
+            after = self.memory()
+            run.tracked_peak_nbytes = max(run.tracked_peak_nbytes, after.allocated_nbytes)
+            run.reports.append(
+                StepReport(
+                    name=step.name,
+                    kind=result.kind,
+                    seconds=seconds,
+                    copied_nbytes=result.copied_nbytes,
+                    zero_nbytes=result.zero_nbytes,
+                    allocated_after_nbytes=after.allocated_nbytes,
+                    extra=result.extra,
+                )
+            )
+        return run
+
+    def _rollback(self, run: _Run) -> None:
+        """Undo ``run.done`` in reverse after a failed TRAIN->INFER step, then raise."""
+        assert run.failed_step is not None and run.error is not None
+        self._machine.fire("begin_rollback", operation="roll back")
+        for step in reversed(run.done):
+            try:
+                step.undo()
+            except BaseException as undo_exc:  # noqa: BLE001
+                self._machine.fire("fail", operation="record a failed rollback")
+                raise RollbackError(
+                    f"TRAIN->INFER step {run.failed_step.name!r} failed ({run.error!r}) and undoing "
+                    f"{step.name!r} failed too ({undo_exc!r}). Phase is FAILED; no training state is lost "
+                    f"(offloaded bytes stay in host arenas); call recover() once the cause is fixed",
+                    direction="to_infer",
+                    step=run.failed_step.name,
+                    phase_after=self.phase,
+                ) from run.error
+        self._machine.fire("end_rollback", operation="finish the rollback")
+        if not isinstance(run.error, Exception):
+            raise run.error  # KeyboardInterrupt and the like: rolled back, re-raised as is
+        undone = ", ".join(s.name for s in reversed(run.done)) or "nothing"
+        raise SwitchError(
+            f"TRAIN->INFER step {run.failed_step.name!r} failed: {run.error!r}. Rolled back ({undone}); "
+            f"phase is TRAIN with all training state on the device",
+            direction="to_infer",
+            step=run.failed_step.name,
+            phase_after=self.phase,
+        ) from run.error
+
+    def _report(
+        self,
+        direction: Direction,
+        run: _Run,
+        before: MemoryFigures,
+        start: float,
+        plan: MemoryPlan,
+        residency: ResidencyReport | None = None,
+    ) -> SwitchReport:
+        after = self.memory()
+        allocator_peak = self.accel.peak_allocated_nbytes()
+        report = SwitchReport(
+            direction=direction,
+            steps=tuple(run.reports),
+            seconds=time.perf_counter() - start,
+            device_before_nbytes=before.allocated_nbytes,
+            device_after_nbytes=after.allocated_nbytes,
+            device_peak_nbytes=run.tracked_peak_nbytes if allocator_peak is None else allocator_peak,
+            peak_source="tracked" if allocator_peak is None else "allocator",
+            host_nbytes=self.pool.held_nbytes(),
+            device_backend=str(self.accel.device),
+            plan=plan,
+            residency=residency,
+        )
+        self.last_reports[direction] = report
+        self.last_report = report
+        return report
+
+    def offload_states(self) -> dict[str, OffloadState]:
+        """Each offloader's state, by owner."""
+        return {off.owner: off.state for off in self.offloaders.values()}
+
+    def __repr__(self) -> str:
+        return f"ShardingManager(phase={self.phase.name}, accel={self.accel}, engine={type(self.engine).__name__})"

@@ -1,0 +1,46 @@
+"""Offload a model's weights (and, by default, its buffers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+
+from hybridmem.accel import Accelerator
+from hybridmem.host_pool import HostBufferPool
+from hybridmem.kinds import StateKind
+from hybridmem.offload.base import Offloader
+
+__all__ = ["ParamOffloader"]
+
+
+class ParamOffloader(Offloader):
+    """Moves the parameters (and buffers) of one or more modules.
+
+    Args:
+        modules: The model, or its chunks (pipeline stages / virtual stages).
+        include_buffers: Also move registered buffers (norm statistics, rotary caches).
+        accel, pool, owner: See :class:`~hybridmem.offload.base.Offloader`.
+    """
+
+    kind: ClassVar[StateKind] = StateKind.PARAM
+
+    def __init__(
+        self,
+        modules: torch.nn.Module | Iterable[torch.nn.Module],
+        accel: Accelerator,
+        pool: HostBufferPool,
+        *,
+        include_buffers: bool = True,
+        owner: str | None = None,
+    ):
+        super().__init__(accel, pool, owner=owner)
+        self.modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+        self.include_buffers = include_buffers
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        for module in self.modules:
+            yield from module.parameters()
+            if self.include_buffers:
+                yield from module.buffers()

@@ -1,0 +1,254 @@
+"""The steps a switch runs, and the order they run in.
+
+[Note: step order]
+TRAIN->INFER runs, in this order (only the steps that apply):
+
+1. offload optimizer state  - the largest training state (12 bytes/param for fp32 Adam + master),
+2. offload grads            - dead until the next backward; all-zero ones cost no copy,
+3. resume engine weights    - allocate the engine's weight storage,
+4. weight sync              - write the current training weights into it (needs training params
+                              on the device, so it must come before step 5),
+5. offload training params,
+   then return the allocator's cached blocks to the device (``empty_cache``), so engines with their
+   own allocator (vLLM's ``CuMemAllocator``) and other processes see the freed bytes,
+6. resume KV cache          - last, so it can take everything the steps above freed.
+
+The peak is therefore reached at step 4 (training params + engine weights + sync buffers, with the
+optimizer state and grads already gone) or at step 6.
+
+INFER->TRAIN releases first and onloads after:
+
+1. release KV cache, 2. release engine weights (discarded, they are derived), 3. onload params,
+4. onload grads, 5. onload optimizer state.
+
+Every TRAIN->INFER step has an ``undo`` (offload <-> onload, resume <-> release, sync: nothing), so a
+failure at step k undoes steps k-1..1 in reverse. INFER->TRAIN steps need no undo: if one fails, the
+manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op when
+already done.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from hybridmem.accel import Accelerator
+from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.kinds import StateKind
+from hybridmem.memplan import StepEstimate
+from hybridmem.offload import Offloader
+from hybridmem.sync import WeightSync
+
+__all__ = [
+    "ToInferOrder",
+    "ToTrainOrder",
+    "StepResult",
+    "SwitchStep",
+    "OffloadStep",
+    "OnloadStep",
+    "EngineResumeStep",
+    "EngineReleaseStep",
+    "WeightSyncStep",
+    "EmptyCacheStep",
+]
+
+
+class ToInferOrder(IntEnum):
+    """Sort keys of the TRAIN->INFER steps (see [Note: step order]); extensions pick values between."""
+
+    OPTIMIZER = 10
+    GRAD = 20
+    ENGINE_WEIGHTS = 30
+    WEIGHT_SYNC = 40
+    PARAM = 50
+    EMPTY_CACHE = 55
+    KV_CACHE = 60
+
+
+class ToTrainOrder(IntEnum):
+    """Sort keys of the INFER->TRAIN steps (see [Note: step order])."""
+
+    KV_CACHE = 10
+    ENGINE_WEIGHTS = 20
+    PARAM = 30
+    GRAD = 40
+    OPTIMIZER = 50
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What a step did, as the switch report shows it."""
+
+    kind: StateKind | None = None
+    copied_nbytes: int = 0
+    """Bytes copied between host and device (or across ranks, for a weight sync)."""
+    zero_nbytes: int = 0
+    """Bytes released or re-created without a copy (all-zero grads)."""
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+    """Step-specific figures (e.g. a sync's bytes sent and received)."""
+
+
+class SwitchStep(ABC):
+    """One step of a switch.
+
+    Attributes:
+        name: Shown in plans and reports.
+        kind: The memory kind the step moves.
+    """
+
+    name: str
+    kind: StateKind | None
+
+    @abstractmethod
+    def estimate(self) -> StepEstimate:
+        """Device bytes the step will allocate, free and need transiently (for the memory plan)."""
+
+    @abstractmethod
+    def run(self) -> StepResult:
+        """Do the step. Must be atomic: on failure it leaves memory as it found it."""
+
+    def undo(self) -> None:
+        """Reverse a completed :meth:`run` (rollback of TRAIN->INFER)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class OffloadStep(SwitchStep):
+    """Offload an :class:`~hybridmem.offload.Offloader`; undo onloads."""
+
+    def __init__(self, offloader: Offloader):
+        self.offloader = offloader
+        self.name = f"offload {offloader.owner}"
+        self.kind = offloader.kind
+
+    def estimate(self) -> StepEstimate:
+        return StepEstimate(free_nbytes=self.offloader.live_nbytes())
+
+    def run(self) -> StepResult:
+        s = self.offloader.offload()
+        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes, zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+
+    def undo(self) -> None:
+        self.offloader.onload()
+
+
+class OnloadStep(SwitchStep):
+    """Onload an :class:`~hybridmem.offload.Offloader`; undo offloads."""
+
+    def __init__(self, offloader: Offloader):
+        self.offloader = offloader
+        self.name = f"onload {offloader.owner}"
+        self.kind = offloader.kind
+
+    def estimate(self) -> StepEstimate:
+        on_host = self.offloader.state.name == "ON_HOST"
+        return StepEstimate(alloc_nbytes=self.offloader.live_nbytes() if on_host else 0)
+
+    def run(self) -> StepResult:
+        s = self.offloader.onload()
+        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes, zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+
+    def undo(self) -> None:
+        self.offloader.offload()
+
+
+def _engine_nbytes(engine: InferenceEngine, method: str, tag: str) -> int:
+    fn = getattr(engine, method, None)
+    return int(fn(tag)) if callable(fn) else 0
+
+
+_TAG_KIND = {WEIGHTS: StateKind.ENGINE_WEIGHTS, KV_CACHE: StateKind.KV_CACHE}
+
+
+class EngineResumeStep(SwitchStep):
+    """``engine.resume([tag])``; undo releases."""
+
+    def __init__(self, engine: InferenceEngine, tag: str):
+        self.engine = engine
+        self.tag = tag
+        self.name = f"resume engine {tag}"
+        self.kind = _TAG_KIND[tag]
+
+    def estimate(self) -> StepEstimate:
+        return StepEstimate(alloc_nbytes=_engine_nbytes(self.engine, "planned_nbytes", self.tag))
+
+    def run(self) -> StepResult:
+        start = time.perf_counter()
+        self.engine.resume([self.tag])
+        return StepResult(kind=self.kind, seconds=time.perf_counter() - start)
+
+    def undo(self) -> None:
+        self.engine.release([self.tag])
+
+
+class EngineReleaseStep(SwitchStep):
+    """``engine.release([tag])``: the memory is discarded, not copied (see [Note: engine memory tags])."""
+
+    def __init__(self, engine: InferenceEngine, tag: str):
+        self.engine = engine
+        self.tag = tag
+        self.name = f"release engine {tag}"
+        self.kind = _TAG_KIND[tag]
+
+    def estimate(self) -> StepEstimate:
+        return StepEstimate(free_nbytes=_engine_nbytes(self.engine, "resident_nbytes", self.tag))
+
+    def run(self) -> StepResult:
+        start = time.perf_counter()
+        freed = _engine_nbytes(self.engine, "resident_nbytes", self.tag)
+        self.engine.release([self.tag])
+        return StepResult(kind=self.kind, zero_nbytes=freed, seconds=time.perf_counter() - start)
+
+    def undo(self) -> None:
+        self.engine.resume([self.tag])
+
+
+class WeightSyncStep(SwitchStep):
+    """Run a :class:`~hybridmem.sync.WeightSync`; nothing to undo (the engine weights are released by
+    the undo of the engine-weights resume)."""
+
+    name = "weight sync"
+    kind = StateKind.ENGINE_WEIGHTS
+
+    def __init__(self, sync: WeightSync):
+        self.sync = sync
+
+    def estimate(self) -> StepEstimate:
+        return StepEstimate(transient_nbytes=self.sync.temp_nbytes())
+
+    def run(self) -> StepResult:
+        s = self.sync.sync()
+        return StepResult(
+            kind=self.kind,
+            copied_nbytes=s.received_nbytes,
+            seconds=s.seconds,
+            extra={
+                "num_tensors": s.num_tensors,
+                "sent_nbytes": s.sent_nbytes,
+                "received_nbytes": s.received_nbytes,
+                "min_received_nbytes": s.min_received_nbytes,
+                "temp_peak_nbytes": s.temp_peak_nbytes,
+            },
+        )
+
+
+class EmptyCacheStep(SwitchStep):
+    """Return the caching allocator's free blocks to the device; nothing to undo."""
+
+    name = "empty cache"
+    kind = None
+
+    def __init__(self, accel: Accelerator):
+        self.accel = accel
+
+    def estimate(self) -> StepEstimate:
+        return StepEstimate()
+
+    def run(self) -> StepResult:
+        start = time.perf_counter()
+        self.accel.empty_cache()
+        return StepResult(seconds=time.perf_counter() - start)

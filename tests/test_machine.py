@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hybridmem import Phase, PhaseError
+from hybridmem.machine import TRANSITIONS, PhaseMachine
+
+TRIGGERS = sorted({t for t, _, _ in TRANSITIONS})
+
+
+def test_starts_in_train():
+    assert PhaseMachine().phase is Phase.TRAIN
+
+
+@pytest.mark.parametrize("start, trigger", list(itertools.product(list(Phase), TRIGGERS)))
+def test_every_trigger_from_every_phase(start, trigger):
+    machine = PhaseMachine(initial=start)
+    legal = {t: dst for t, srcs, dst in TRANSITIONS if start in srcs}
+    if trigger in legal:
+        machine.fire(trigger, operation="test")
+        assert machine.phase is legal[trigger]
+    else:
+        with pytest.raises(PhaseError) as info:
+            machine.fire(trigger, operation=f"fire {trigger}")
+        assert info.value.current is start and start.name in str(info.value) and trigger in str(info.value)
+        assert machine.phase is start  # an illegal trigger changes nothing
+
+
+def test_a_full_cycle_and_the_failure_path():
+    m = PhaseMachine()
+    path = ["begin_infer", "end_infer", "begin_train", "end_train", "begin_infer", "begin_rollback",
+            "end_rollback", "begin_infer", "fail", "recover", "end_train"]
+    seen = []
+    for trig in path:
+        m.fire(trig, operation=trig)
+        seen.append(m.phase)
+    assert seen == [Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.TRAIN, Phase.TO_INFER, Phase.ROLLING_BACK,
+                    Phase.TRAIN, Phase.TO_INFER, Phase.FAILED, Phase.TO_TRAIN, Phase.TRAIN]
+
+
+def test_unknown_trigger_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown trigger 'jump'"):
+        PhaseMachine().fire("jump", operation="jump")
+
+
+def test_only_machine_module_imports_transitions():
+    import pathlib
+
+    import hybridmem
+
+    root = pathlib.Path(hybridmem.__file__).parent
+    importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                       if "import transitions" in p.read_text() or "from transitions" in p.read_text())
+    assert importers == ["machine.py"]
