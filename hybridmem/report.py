@@ -159,6 +159,16 @@ class SwitchReport:
         table.caption_justify = "left"
         return table
 
+    def __rich__(self):
+        """What ``rich.console.Console.print(report)`` shows: the table, then the residency."""
+        from rich.console import Group
+        from rich.text import Text
+
+        parts = [self.to_table()]
+        if self.residency is not None:
+            parts.append(Text(str(self.residency)))
+        return Group(*parts)
+
     def __str__(self) -> str:
         from rich.console import Console
 

@@ -1,0 +1,5 @@
+"""``python -m hybridmem`` is the ``hybridmem`` command."""
+
+from hybridmem.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Runnable examples shipped with the package (``hybridmem demo`` runs them)."""

@@ -1,0 +1,82 @@
+"""CUDA versions of the memory tests: allocator byte counts and mem_get_info (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem import HybridConfig, ShardingManager
+from hybridmem.accel import get_accelerator
+from hybridmem.host_pool import HostBufferPool
+from hybridmem.offload import ParamOffloader
+from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MIB = 1 << 20
+
+
+def _model_with_state(num_layers: int = 8, dim: int = 1024):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(dim, dim, bias=False) for _ in range(num_layers))).cuda()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # step counters stay on the CPU (capturable=False)
+    opt.step()
+    torch.cuda.synchronize()
+    return model, opt
+
+
+def test_offload_frees_exactly_the_formula_and_returns_it_to_the_device():
+    torch.cuda.empty_cache()
+    model, opt = _model_with_state()
+    before = snapshot(model, opt)
+    per_tensor = 1024 * 1024 * 4
+    expected = 8 * per_tensor * (1 + 1 + 2)  # params, grads, exp_avg + exp_avg_sq
+    mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"), config=HybridConfig(skip_zero_grads=False))
+    alloc0 = torch.cuda.memory_allocated()
+    free0 = torch.cuda.mem_get_info()[0]
+    report = mgr.to_infer()
+    assert alloc0 - torch.cuda.memory_allocated() == expected == report.copied_nbytes
+    freed = torch.cuda.mem_get_info()[0] - free0
+    assert freed >= 0.99 * expected, f"only {freed / MIB:.1f} MiB of {expected / MIB:.1f} MiB returned to the device"
+    assert report.peak_source == "allocator" and report.device_peak_nbytes <= alloc0
+    mgr.to_train()
+    assert torch.cuda.memory_allocated() == alloc0
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
+def test_cycles_keep_allocator_figures_flat():
+    model, opt = _model_with_state(num_layers=4)
+    mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"))
+    mgr.to_infer()
+    mgr.to_train()
+    alloc, reserved, host = torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), mgr.pool.held_nbytes()
+    for _ in range(50):
+        mgr.to_infer()
+        mgr.to_train()
+        assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), mgr.pool.held_nbytes()) == (alloc, reserved, host)
+
+
+def test_offload_waits_for_pending_writes_on_the_compute_stream():
+    accel = get_accelerator("cuda")
+    p = torch.nn.Parameter(torch.zeros(1 << 22, device="cuda"))
+    module = torch.nn.Module()
+    module.p = p
+    off = ParamOffloader(module, accel, HostBufferPool(accel))
+    torch.cuda._sleep(200_000_000)  # keep the compute stream busy so a racing copy would read zeros
+    with torch.no_grad():
+        p.fill_(7.0)
+    off.offload()
+    off.onload()
+    assert bool((p == 7.0).all()), "the device->host copy ran before the pending write"
+
+
+def test_host_arenas_are_pinned_and_reused():
+    model, opt = _model_with_state(num_layers=2)
+    mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"))
+    for _ in range(3):
+        mgr.to_infer()
+        mgr.to_train()
+    infos = mgr.pool.report()
+    assert infos and all(i.pinned and i.num_grows == 1 for i in infos)
