@@ -10,7 +10,8 @@
 >>> kv.resume(); cache.shape
 torch.Size([4, 512])
 
-``cuda-vmm`` (:mod:`hybridmem.kv.vmm`) is registered too; it imports ``cuda.bindings`` only when used.
+``torch`` (:mod:`hybridmem.kv.torch_pool`) works on every backend; ``cuda-vmm`` (:mod:`hybridmem.kv.vmm`) keeps
+addresses fixed so CUDA graphs survive, and imports ``cuda.bindings`` only when it allocates.
 See [Note: KV views stay valid] in :mod:`hybridmem.kv.base`.
 """
 
@@ -27,6 +28,7 @@ from hybridmem.kv.base import (
     register_kv_allocator,
 )
 from hybridmem.kv.torch_pool import TorchKVAllocator
+from hybridmem.kv.vmm import CudaVmmKVAllocator
 
 __all__ = [
     "KVState",
@@ -36,4 +38,5 @@ __all__ = [
     "get_kv_allocator",
     "blocks_for_utilization",
     "TorchKVAllocator",
+    "CudaVmmKVAllocator",
 ]
