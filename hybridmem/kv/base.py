@@ -229,7 +229,7 @@ class KVCacheAllocator(ABC):
         if self.state is KVState.EMPTY:
             raise KVStateError("view", self.state, allocator=self.name, hint="call allocate first")
         shape = tuple(int(d) for d in shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         view_nbytes = math.prod(shape) * itemsize
         if view_nbytes != self.nbytes or any(d < 0 for d in shape):
             raise ValueError(

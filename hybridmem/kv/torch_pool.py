@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from hybridmem.accel import Accelerator
+from hybridmem.errors import KVResumeError
 from hybridmem.kv.base import KVCacheAllocator, register_kv_allocator
 
 __all__ = ["TorchKVAllocator"]
@@ -54,7 +55,16 @@ class TorchKVAllocator(KVCacheAllocator):
         return freed_nbytes
 
     def _resume(self) -> None:
-        self.storage.resize_(self.nbytes)
+        try:
+            self.storage.resize_(self.nbytes)
+        except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, a RuntimeError from the CPU allocator
+            self.storage.resize_(0)
+            raise KVResumeError(
+                f"resuming the torch KV pool of {self.nbytes} bytes on {self.accel.device} failed: {exc}",
+                requested_nbytes=self.nbytes,
+                mapped_nbytes=0,
+                step="UntypedStorage.resize_",
+            ) from exc
 
     def _view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(0, dtype=dtype, device=self.accel.device).set_(self.storage, 0, shape)

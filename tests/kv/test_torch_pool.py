@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmem.accel import CpuAccelerator, get_accelerator
+from hybridmem.accel import get_accelerator
+from hybridmem.errors import KVResumeError
 from hybridmem.kv import KVState, TorchKVAllocator, get_kv_allocator
 
 MIB = 1 << 20
@@ -88,3 +89,45 @@ def test_allocate_by_utilization_on_cuda_matches_mem_get_info():
     util = (total - free + 4 * block + block // 2) / total  # room for exactly 4.5 blocks
     assert kv.allocate(block_nbytes=block, utilization=util) == 4
     kv.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resume_without_enough_memory_on_cuda_raises_and_stays_released():
+    torch.cuda.empty_cache()
+    kv = TorchKVAllocator(get_accelerator("cuda"))
+    nbytes = 1 << 30
+    kv.allocate(block_nbytes=2 * MIB, num_blocks=nbytes // (2 * MIB))
+    kv.release()
+    filler = torch.empty(torch.cuda.mem_get_info()[0] - nbytes // 2, dtype=torch.uint8, device="cuda")
+    with pytest.raises(KVResumeError, match="resuming the torch KV pool of 1073741824 bytes"):
+        kv.resume()
+    assert kv.state is KVState.RELEASED and kv.storage.nbytes() == 0
+    del filler
+    torch.cuda.empty_cache()
+    kv.resume()
+    assert kv.storage.nbytes() == nbytes
+    kv.close()
+
+
+def test_a_failed_resume_raises_kv_resume_error_and_stays_released(monkeypatch):
+    kv = get_kv_allocator("torch", "cpu")
+    kv.allocate(block_nbytes=4096, num_blocks=4)
+    view = kv.view(torch.int32, (4096,))
+    kv.release()
+    real_resize = torch.UntypedStorage.resize_
+
+    def failing_resize(storage, nbytes):
+        if nbytes > 0:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (injected)")
+        return real_resize(storage, nbytes)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", failing_resize)
+    with pytest.raises(KVResumeError, match=r"16384 bytes on cpu failed: .*injected") as info:
+        kv.resume()
+    assert info.value.requested_nbytes == 16384 and info.value.mapped_nbytes == 0
+    assert kv.state is KVState.RELEASED and kv.storage.nbytes() == 0 and kv.resident_nbytes() == 0
+    monkeypatch.undo()
+    kv.resume()
+    view.fill_(7)
+    assert torch.equal(view, torch.full((4096,), 7, dtype=torch.int32))
