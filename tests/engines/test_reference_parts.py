@@ -85,6 +85,7 @@ def test_place_refuses_unknown_names_and_shapes():
     with pytest.raises(ValueError, match=r"shape \(33, 32\), expected \(32, 32\)"):
         place_hf_weight(shard, "model.layers.0.self_attn.q_proj.weight", torch.ones(33, 32))
     assert place_hf_weight(shard, "model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4)) is None
+    assert place_hf_weight(shard, "model.rotary_emb.original_inv_freq", torch.ones(4)) is None
 
 
 def test_block_manager_tables_slots_and_exhaustion():

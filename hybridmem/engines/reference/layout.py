@@ -94,7 +94,7 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> Placement 
     """Slice the HF-full tensor ``name`` for this rank and say where it goes.
 
     Returns:
-        The placement, or ``None`` for a tensor vLLM skips (``rotary_emb.inv_freq``; ``lm_head.weight``
+        The placement, or ``None`` for a tensor vLLM skips (RoPE buffers such as ``rotary_emb.inv_freq``; ``lm_head.weight``
         when embeddings are tied).
 
     Raises:
@@ -103,7 +103,7 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> Placement 
     """
     s = shard.spec
     d, h, r = s.head_dim, s.hidden_size, shard.tp_rank
-    if name.endswith("rotary_emb.inv_freq"):
+    if ".rotary_emb." in name:  # inv_freq, original_inv_freq, cos/sin caches: recomputed, as vLLM skips them
         return None
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name == "lm_head.weight" and s.tie_word_embeddings:
