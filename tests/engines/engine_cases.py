@@ -27,8 +27,8 @@ CONFIGS = {
                             tie_word_embeddings=True)),
     # kv heads split evenly at every TP size; head_dim 8 given explicitly.
     "llama_even": (LlamaConfig, LlamaForCausalLM,
-                   dict(_COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=8, rope_theta=500000.0,
-                        tie_word_embeddings=False)),
+                   dict(_COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                        rope_theta=500000.0, tie_word_embeddings=False)),
 }
 PROMPTS = [[3, 17, 42, 99, 5], [7, 8], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 249, 0]]
 MAX_TOKENS = 10

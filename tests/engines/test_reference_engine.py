@@ -29,7 +29,8 @@ def _engine(config, model, **kwargs) -> ReferenceEngine:
 
 def _hf_greedy(model, prompt, n=MAX_TOKENS):
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -52,7 +53,8 @@ def test_byte_counts_follow_the_formulas(qwen):
     engine.release(["weights"])  # a second release is a no-op
     assert engine.resident_nbytes("weights") == 0
     engine.resume(["weights", "kv_cache"])
-    assert engine.resident_nbytes("weights") == weight_nbytes and engine.resident_nbytes("kv_cache") == kv_nbytes
+    assert engine.resident_nbytes("weights") == weight_nbytes
+    assert engine.resident_nbytes("kv_cache") == kv_nbytes
 
 
 def test_generate_when_released_names_the_state(qwen):
@@ -116,7 +118,8 @@ def test_stop_token_ends_a_sequence(qwen):
     full = engine.generate([PROMPTS[0]], greedy())[0].token_ids
     stop = full[3]
     first = full.index(stop)
-    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop]))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop])
+    out = engine.generate([PROMPTS[0]], params)
     assert out[0].token_ids == full[: first + 1]
     assert out[0].logprobs is None and out[0].prompt_ids == PROMPTS[0]
 
@@ -128,8 +131,8 @@ def test_compute_logprobs_equals_hf_forward(qwen):
     for seq, lp in zip(PROMPTS, got):
         ref = hf_logprobs(model, seq[:1], seq[1:])
         assert len(lp) == len(seq) - 1
-        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
-                                   atol=2e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64),
+                                   torch.tensor(ref, dtype=torch.float64), atol=2e-4, rtol=0)
 
 
 def test_bad_prompts_are_refused(qwen):

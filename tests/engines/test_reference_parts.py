@@ -7,14 +7,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridmem.engines.reference import BlockManager, KVBlocksExhaustedError, ModelSpec, SamplingParams, pad_vocab
+from hybridmem.engines.reference import (
+    BlockManager,
+    KVBlocksExhaustedError,
+    ModelSpec,
+    SamplingParams,
+    pad_vocab,
+)
 from hybridmem.engines.reference.layout import param_shapes, place_hf_weight
 from hybridmem.engines.reference.sampling import make_generator, sample_next
 
 
 def _spec(**kw) -> ModelSpec:
-    base = dict(vocab_size=250, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                head_dim=8, qkv_bias=True)
+    base = dict(vocab_size=250, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                num_kv_heads=2, head_dim=8, qkv_bias=True)
     base.update(kw)
     return ModelSpec(**base)
 
@@ -25,8 +31,8 @@ def test_from_hf_reads_qwen2_and_llama_dicts():
                                   rope_theta=1e6, tie_word_embeddings=True))
     assert (qwen.qkv_bias, qwen.tie_word_embeddings, qwen.head_dim, qwen.rope_theta) == (True, True, 4, 1e6)
     llama = ModelSpec.from_hf(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
-                                   num_hidden_layers=1, num_attention_heads=2, rope_parameters={"rope_theta": 5.0,
-                                                                                                "rope_type": "default"}))
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   rope_parameters={"rope_theta": 5.0, "rope_type": "default"}))
     assert (llama.qkv_bias, llama.num_kv_heads, llama.rope_theta) == (False, 2, 5.0)
     with pytest.raises(ValueError, match="model_type='mistral'"):
         ModelSpec.from_hf(dict(model_type="mistral"))
@@ -37,7 +43,8 @@ def test_from_hf_reads_qwen2_and_llama_dicts():
 @pytest.mark.parametrize("tp,kv_heads,replicas,start", [(1, 2, 1, 0), (2, 1, 1, 1), (4, 1, 2, 1)])
 def test_tp_shard_kv_heads(tp, kv_heads, replicas, start):
     shard = _spec().shard(tp, tp - 1)
-    assert (shard.num_kv_heads, shard.num_kv_head_replicas, shard.kv_head_start) == (kv_heads, replicas, start)
+    got = (shard.num_kv_heads, shard.num_kv_head_replicas, shard.kv_head_start)
+    assert got == (kv_heads, replicas, start)
     assert shard.vocab_rows * tp == pad_vocab(250) == 256
 
 
@@ -52,14 +59,16 @@ def test_tp_shard_refuses_uneven_splits():
 @given(tp=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2, 4]), bias=st.booleans(), tied=st.booleans())
 def test_placements_fill_every_parameter_exactly_once(tp, kv, bias, tied):
     spec = _spec(num_heads=4, num_kv_heads=kv, qkv_bias=bias, tie_word_embeddings=tied)
-    hf = {"model.embed_tokens.weight": (250, 32), "model.norm.weight": (32,), "lm_head.weight": (250, 32),
-          "model.layers.0.input_layernorm.weight": (32,), "model.layers.0.post_attention_layernorm.weight": (32,),
-          "model.layers.0.self_attn.q_proj.weight": (32, 32), "model.layers.0.self_attn.k_proj.weight": (kv * 8, 32),
-          "model.layers.0.self_attn.v_proj.weight": (kv * 8, 32), "model.layers.0.self_attn.o_proj.weight": (32, 32),
-          "model.layers.0.mlp.gate_proj.weight": (64, 32), "model.layers.0.mlp.up_proj.weight": (64, 32),
-          "model.layers.0.mlp.down_proj.weight": (32, 64)}
+    layer = {"input_layernorm.weight": (32,), "post_attention_layernorm.weight": (32,),
+             "self_attn.q_proj.weight": (32, 32), "self_attn.k_proj.weight": (kv * 8, 32),
+             "self_attn.v_proj.weight": (kv * 8, 32), "self_attn.o_proj.weight": (32, 32),
+             "mlp.gate_proj.weight": (64, 32), "mlp.up_proj.weight": (64, 32),
+             "mlp.down_proj.weight": (32, 64)}
     if bias:
-        hf.update({f"model.layers.0.self_attn.{x}_proj.bias": (n,) for x, n in (("q", 32), ("k", kv * 8), ("v", kv * 8))})
+        layer.update({"self_attn.q_proj.bias": (32,), "self_attn.k_proj.bias": (kv * 8,),
+                      "self_attn.v_proj.bias": (kv * 8,)})
+    hf = {"model.embed_tokens.weight": (250, 32), "model.norm.weight": (32,), "lm_head.weight": (250, 32)}
+    hf.update({f"model.layers.0.{k}": v for k, v in layer.items()})
     for rank in range(tp):
         shard = spec.shard(tp, rank)
         shapes = param_shapes(shard)
@@ -131,6 +140,7 @@ def test_top_p_restricts_draws_to_the_nucleus():
 def test_same_seed_same_draws():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=0.7, top_p=0.95)
-    a = [sample_next(logits, params, g)[0] for g in [make_generator(5, torch.device("cpu"))] for _ in range(20)]
-    b = [sample_next(logits, params, g)[0] for g in [make_generator(5, torch.device("cpu"))] for _ in range(20)]
+    gen_a, gen_b = make_generator(5, torch.device("cpu")), make_generator(5, torch.device("cpu"))
+    a = [sample_next(logits, params, gen_a)[0] for _ in range(20)]
+    b = [sample_next(logits, params, gen_b)[0] for _ in range(20)]
     assert a == b and len(set(a)) > 1

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import CONFIGS, MAX_TOKENS, PROMPTS, build_case, greedy, task_cycles, task_generate, task_params
+from engine_cases import (
+    CONFIGS,
+    MAX_TOKENS,
+    PROMPTS,
+    build_case,
+    greedy,
+    task_cycles,
+    task_generate,
+    task_params,
+)
 
 from hybridmem.engines import SamplingParams
 from hybridmem.engines.reference import pad_vocab
@@ -32,7 +41,8 @@ def test_greedy_equals_hf(pool, cases, name, tp):
         assert tokens == case.ref_tokens, f"rank {rank} of TP{tp} differs from HF greedy"
         for got, ref in zip(logprobs, case.ref_logprobs):
             assert len(got) == MAX_TOKENS
-            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64), atol=2e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
+                                       torch.tensor(ref, dtype=torch.float64), atol=2e-4, rtol=0)
 
 
 def _expected_rank_params(case, tp: int, rank: int) -> dict[str, torch.Tensor]:
@@ -53,12 +63,14 @@ def _expected_rank_params(case, tp: int, rank: int) -> dict[str, torch.Tensor]:
         heads(sd[p + "self_attn.v_proj.weight"], kv_heads),
     ])}
     if p + "self_attn.q_proj.bias" in sd:
-        out[p + "self_attn.qkv_proj.bias"] = torch.cat([heads(sd[p + f"self_attn.{x}_proj.bias"], hs)
-                                                        for x, hs in (("q", q_heads), ("k", kv_heads), ("v", kv_heads))])
+        parts = (("q", q_heads), ("k", kv_heads), ("v", kv_heads))
+        biases = [heads(sd[p + f"self_attn.{x}_proj.bias"], hs) for x, hs in parts]
+        out[p + "self_attn.qkv_proj.bias"] = torch.cat(biases)
     inter = cfg["intermediate_size"] // tp
-    out[p + "mlp.gate_up_proj.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"][rank * inter:(rank + 1) * inter],
-                                                   sd[p + "mlp.up_proj.weight"][rank * inter:(rank + 1) * inter]])
-    out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, rank * inter:(rank + 1) * inter]
+    mine = slice(rank * inter, (rank + 1) * inter)
+    out[p + "mlp.gate_up_proj.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"][mine],
+                                                   sd[p + "mlp.up_proj.weight"][mine]])
+    out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"][:, mine]
     out[p + "self_attn.o_proj.weight"] = torch.cat([sd[p + "self_attn.o_proj.weight"][:, h * d:(h + 1) * d]
                                                    for h in q_heads], dim=1)
     padded = torch.zeros(pad_vocab(cfg["vocab_size"]), cfg["hidden_size"])

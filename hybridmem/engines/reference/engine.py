@@ -12,6 +12,7 @@ and temperature/top-p sampling with a seed, and per-token log-probs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,8 +101,9 @@ class ReferenceEngine:
         self.model = ReferenceModel(self.shard, group=group, device=self.device, dtype=dtype)
         self._weight_nbytes = {n: t.untyped_storage().nbytes() for n, t in self.model.params.items()}
 
-        kv_shape = (self.spec.num_layers, 2, block_size, self.shard.num_kv_heads, self.spec.head_dim)
-        block_nbytes = kv_shape[0] * kv_shape[1] * block_size * kv_shape[3] * kv_shape[4] * dtype.itemsize
+        # One block: K and V of every layer for block_size tokens (see the cache shape below).
+        block_shape = (block_size, self.shard.num_kv_heads, self.spec.head_dim)
+        block_nbytes = self.spec.num_layers * 2 * math.prod(block_shape) * dtype.itemsize
         if kv_utilization is not None:
             figures = self.accel.memory_figures()
             num_kv_blocks = blocks_for_utilization(
@@ -111,16 +113,15 @@ class ReferenceEngine:
             num_kv_blocks = self._min_over_group(num_kv_blocks)
             if num_kv_blocks < 1:
                 raise ValueError(
-                    f"kv_utilization={kv_utilization} leaves no room for one KV block of {block_nbytes} bytes "
-                    f"(total_nbytes={figures.total_nbytes}, free_nbytes={figures.free_nbytes})"
+                    f"kv_utilization={kv_utilization} leaves no room for one KV block of {block_nbytes} "
+                    f"bytes (total_nbytes={figures.total_nbytes}, free_nbytes={figures.free_nbytes})"
                 )
         elif num_kv_blocks is None:
             num_kv_blocks = DEFAULT_NUM_KV_BLOCKS
         self.kv_allocator = get_kv_allocator(kv_allocator, self.accel)
         self.num_kv_blocks = self.kv_allocator.allocate(block_nbytes=block_nbytes, num_blocks=num_kv_blocks)
-        self.kv_cache = self.kv_allocator.view(
-            dtype, (self.spec.num_layers, 2, self.num_kv_blocks, block_size, self.shard.num_kv_heads, self.spec.head_dim)
-        )
+        cache_shape = (self.spec.num_layers, 2, self.num_kv_blocks, *block_shape)
+        self.kv_cache = self.kv_allocator.view(dtype, cache_shape)
         self.blocks = BlockManager(self.num_kv_blocks, block_size)
         self._state = {WEIGHTS: EngineMemoryState.RESIDENT, KV_CACHE: EngineMemoryState.RESIDENT}
 
@@ -210,7 +211,9 @@ class ReferenceEngine:
 
     # Inference ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[GenerationOutput]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
+    ) -> list[GenerationOutput]:
         """Continue every prompt; outputs in prompt order.
 
         Sequences are admitted while the KV blocks for their whole length (prompt + ``max_tokens``)
@@ -282,9 +285,9 @@ class ReferenceEngine:
     # Internals ------------------------------------------------------------------------------------
     def _require(self, tag: str, operation: str) -> None:
         if self._state[tag] is not EngineMemoryState.RESIDENT:
-            raise PhaseError(
-                operation, self._state[tag], f"the engine's {tag!r} are {self._state[tag].name}; resume([{tag!r}]) first"
-            )
+            state = self._state[tag]
+            hint = f"the engine's {tag!r} are {state.name}; resume([{tag!r}]) first"
+            raise PhaseError(operation, state, hint)
 
     def _new_seqs(self, prompts: Sequence[Sequence[int]]) -> list[_Seq]:
         self._require(WEIGHTS, "generate")
@@ -296,7 +299,9 @@ class ReferenceEngine:
                 raise ValueError(f"prompt {i} is empty")
             bad = [t for t in tokens if not 0 <= t < self.spec.vocab_size]
             if bad:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, vocab_size={self.spec.vocab_size})")
+                raise ValueError(
+                    f"prompt {i} has token ids {bad[:5]} outside [0, vocab_size={self.spec.vocab_size})"
+                )
             seqs.append(_Seq(index=i, tokens=tokens, prompt_len=len(tokens)))
         return seqs
 

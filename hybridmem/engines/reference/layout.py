@@ -13,7 +13,8 @@ into it as it writes into vLLM. On rank ``r`` of ``tp`` (sizes from :class:`~.sp
   ``QKVParallelLinear``, rows ``[q_r; k_r; v_r]``; q heads split evenly; kv heads split evenly, or,
   when ``tp > num_kv_heads``, one kv head per rank, ``r // (tp // num_kv_heads)``.
 - ``model.layers.{i}.self_attn.o_proj.weight`` [H, nh_r * D]: ``RowParallelLinear`` (input dim split).
-- ``model.layers.{i}.mlp.gate_up_proj.weight`` [2 * I_r, H]: ``MergedColumnParallelLinear``, ``[gate_r; up_r]``.
+- ``model.layers.{i}.mlp.gate_up_proj.weight`` [2 * I_r, H]: ``MergedColumnParallelLinear``,
+  ``[gate_r; up_r]``.
 - ``model.layers.{i}.mlp.down_proj.weight`` [H, I_r]: ``RowParallelLinear``.
 - ``model.layers.{i}.input_layernorm.weight``, ``...post_attention_layernorm.weight``, ``model.norm.weight``
   [H]: replicated.
@@ -94,8 +95,8 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> Placement 
     """Slice the HF-full tensor ``name`` for this rank and say where it goes.
 
     Returns:
-        The placement, or ``None`` for a tensor vLLM skips (RoPE buffers such as ``rotary_emb.inv_freq``; ``lm_head.weight``
-        when embeddings are tied).
+        The placement, or ``None`` for a tensor vLLM skips (RoPE buffers such as
+        ``rotary_emb.inv_freq``; ``lm_head.weight`` when embeddings are tied).
 
     Raises:
         KeyError: ``name`` is not a weight of this architecture.
@@ -132,7 +133,7 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> Placement 
     if module not in _STACKED or kind not in ("weight", "bias"):
         raise KeyError(f"no engine weight for HF name {name!r}")
     if kind == "bias" and not (s.qkv_bias and module.startswith("self_attn")):
-        raise KeyError(f"HF weight {name!r} is a bias this architecture does not have (qkv_bias={s.qkv_bias})")
+        raise KeyError(f"HF weight {name!r} is a bias this model does not have (qkv_bias={s.qkv_bias})")
     fused, shard_id = _STACKED[module]
     tail = (h,) if kind == "weight" else ()
     if shard_id == "q":

@@ -60,8 +60,9 @@ class ReferenceModel:
         self.group = group
         self.device = device
         self.dtype = dtype
+        shapes = param_shapes(shard)
         self.params: dict[str, torch.Tensor] = {
-            name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in param_shapes(shard).items()
+            name: torch.zeros(shape, dtype=dtype, device=device) for name, shape in shapes.items()
         }
 
     @property
@@ -114,9 +115,10 @@ class ReferenceModel:
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: Chunk,
                 positions: torch.Tensor) -> torch.Tensor:
         """Causal attention of one chunk's queries ``[n, nh, d]`` over its cached keys; ``[n, nh * d]``."""
-        nh, nkv = q.shape[1], k_cache.shape[1]
+        (n, nh, d), nkv = q.shape, k_cache.shape[1]
         k = k_cache.index_select(0, chunk.slots).repeat_interleave(nh // nkv, dim=1)
         v = v_cache.index_select(0, chunk.slots).repeat_interleave(nh // nkv, dim=1)
         mask = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        return out.transpose(0, 1).reshape(q.shape[0], nh * q.shape[2])
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(0, 1).reshape(n, nh * d)

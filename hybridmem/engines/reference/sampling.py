@@ -70,7 +70,9 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return gen
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
     """Choose the next token from one sequence's full logits (``[vocab_size]``).
 
     Returns:

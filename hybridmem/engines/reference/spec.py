@@ -53,12 +53,16 @@ class ModelSpec:
     """Whether the LM head reuses the embedding matrix."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim")
+        for name in sizes:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
@@ -129,9 +133,13 @@ class TPShard:
                 f"num_kv_heads={s.num_kv_heads} and tp_size={self.tp_size}: one must divide the other"
             )
         if s.intermediate_size % self.tp_size:
-            raise ValueError(f"intermediate_size={s.intermediate_size} is not divisible by tp_size={self.tp_size}")
+            raise ValueError(
+                f"intermediate_size={s.intermediate_size} is not divisible by tp_size={self.tp_size}"
+            )
         if self.padded_vocab_size % self.tp_size:
-            raise ValueError(f"padded vocab {self.padded_vocab_size} is not divisible by tp_size={self.tp_size}")
+            raise ValueError(
+                f"padded vocab {self.padded_vocab_size} is not divisible by tp_size={self.tp_size}"
+            )
 
     @property
     def num_heads(self) -> int:
