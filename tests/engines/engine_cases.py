@@ -107,15 +107,24 @@ def task_params(ctx, config_dict, state_dict):
 
 
 def task_cycles(ctx, config_dict, state_dict, num_cycles):
-    """Generate, then ``num_cycles`` x (release both tags, check bytes, resume, reload, generate)."""
+    """Generate, then ``num_cycles`` x (release both tags, check bytes, resume, rewrite weights, generate).
+
+    Odd cycles rewrite the weights through ``load_weights`` (HF names); even ones write per-rank shards
+    in place into ``named_parameters()``, as the resharding engine does.
+    """
     engine = _engine(ctx, config_dict, state_dict)
+    shards = {n: t.clone() for n, t in engine.named_parameters()}
     before = [o.token_ids for o in engine.generate(PROMPTS, greedy())]
     after, released = [], []
-    for _ in range(num_cycles):
+    for cycle in range(num_cycles):
         engine.release(["weights", "kv_cache"])
         released.append((engine.resident_nbytes("weights"), engine.resident_nbytes("kv_cache")))
         engine.resume(["weights", "kv_cache"])
-        engine.load_weights(state_dict.items())
+        if cycle % 2:
+            engine.load_weights(state_dict.items())
+        else:
+            for name, t in engine.named_parameters():
+                t.copy_(shards[name])
         after.append([o.token_ids for o in engine.generate(PROMPTS, greedy())])
     planned = (engine.planned_nbytes("weights"), engine.planned_nbytes("kv_cache"))
     return before, after, released, planned
