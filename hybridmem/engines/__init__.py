@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.engines.reference import GenerationOutput, ReferenceEngine, SamplingParams
 from hybridmem.engines.torch_copy import EngineMemoryState, TorchCopyEngine
 
-__all__ = ["InferenceEngine", "TorchCopyEngine", "EngineMemoryState", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS"]
+__all__ = [
+    "InferenceEngine",
+    "ReferenceEngine",
+    "SamplingParams",
+    "GenerationOutput",
+    "TorchCopyEngine",
+    "EngineMemoryState",
+    "WEIGHTS",
+    "KV_CACHE",
+    "ENGINE_TAGS",
+]

@@ -1,0 +1,94 @@
+"""Sampling: SamplingParams, and choosing the next token from full-vocabulary logits.
+
+[Note: sampling on every TP rank]
+Every tensor-parallel rank gathers the full logits and samples itself, with its own ``torch.Generator``
+seeded identically (``seed + sequence index``), so all ranks draw the same tokens without a broadcast.
+This needs the gathered logits to be bitwise equal on every rank, which all-gather guarantees.
+
+Log-probs are ``log_softmax`` of the raw (temperature-free, unfiltered) logits in float32, taken at the
+chosen token: what vLLM returns by default (``logprobs_mode="raw_logprobs"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "GenerationOutput", "sample_next", "make_generator"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample one request's continuation (a subset of vLLM's ``SamplingParams``)."""
+
+    max_tokens: int = 16
+    """Tokens to generate at most."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus: keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
+    seed: int = 0
+    """Seed of the sampling generator; sequence ``i`` of a batch uses ``seed + i``."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sequence stops after it emits one of these (the stop token is kept)."""
+    logprobs: bool = False
+    """Whether to return the log-prob of each sampled token."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be a positive int")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if not isinstance(self.seed, int):
+            raise TypeError(f"seed={self.seed!r} must be an int")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """One request's result.
+
+    Attributes:
+        prompt_ids: The prompt.
+        token_ids: Generated tokens (a stop token included).
+        logprobs: Log-prob of each generated token under the raw model distribution, or ``None`` when
+            ``SamplingParams.logprobs`` is false.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
+    """Choose the next token from one sequence's full logits (``[vocab_size]``).
+
+    Returns:
+        ``(token, logprob)``, the log-prob as in [Note: sampling on every TP rank].
+    """
+    logits = logits.float()
+    if params.temperature == 0.0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep a token if the mass before it is < top_p: the smallest prefix reaching top_p.
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    logprob = float(torch.log_softmax(logits, dim=-1)[token])
+    return token, logprob

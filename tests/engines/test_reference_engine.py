@@ -1,0 +1,182 @@
+"""ReferenceEngine in one process (TP1): memory tags and byte counts, errors, KV block scheduling,
+stop tokens, scoring; CUDA variants skip without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_cases import MAX_TOKENS, PROMPTS, build_hf, greedy, hf_logprobs
+
+from hybridmem.engines import ReferenceEngine, SamplingParams
+from hybridmem.engines.reference import KVBlocksExhaustedError, param_shapes
+from hybridmem.errors import PhaseError
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return build_hf("qwen2_gqa_bias")
+
+
+def _engine(config, model, **kwargs) -> ReferenceEngine:
+    kwargs.setdefault("num_kv_blocks", 32)
+    kwargs.setdefault("block_size", 4)
+    engine = ReferenceEngine(config, **kwargs)
+    engine.load_weights(model.state_dict().items())
+    return engine
+
+
+def _hf_greedy(model, prompt, n=MAX_TOKENS):
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_byte_counts_follow_the_formulas(qwen):
+    config, model = qwen
+    engine = _engine(config, model, num_kv_blocks=10, block_size=8)
+    c = config
+    d = c.hidden_size // c.num_attention_heads
+    kv_nbytes = c.num_hidden_layers * 2 * 10 * 8 * c.num_key_value_heads * d * 4
+    weight_nbytes = 4 * sum(torch.Size(s).numel() for s in param_shapes(engine.shard).values())
+    assert engine.planned_nbytes("kv_cache") == engine.resident_nbytes("kv_cache") == kv_nbytes
+    assert engine.planned_nbytes("weights") == engine.resident_nbytes("weights") == weight_nbytes
+    # The HF model minus the padding: vocab 250 padded to 256 rows, embedding and LM head.
+    hf_nbytes = sum(p.numel() for p in model.parameters()) * 4
+    assert weight_nbytes == hf_nbytes + 2 * (256 - 250) * c.hidden_size * 4
+    engine.release(["kv_cache"])
+    assert engine.resident_nbytes("kv_cache") == 0 and engine.kv_allocator.resident_nbytes() == 0
+    assert engine.resident_nbytes("weights") == weight_nbytes
+    engine.release(["weights"])
+    engine.release(["weights"])  # a second release is a no-op
+    assert engine.resident_nbytes("weights") == 0
+    engine.resume(["weights", "kv_cache"])
+    assert engine.resident_nbytes("weights") == weight_nbytes
+    assert engine.resident_nbytes("kv_cache") == kv_nbytes
+
+
+def test_generate_when_released_names_the_state(qwen):
+    config, model = qwen
+    engine = _engine(config, model)
+    engine.release(["weights"])
+    with pytest.raises(PhaseError, match="RELEASED.*'weights'"):
+        engine.generate(PROMPTS, greedy())
+    with pytest.raises(PhaseError, match="RELEASED"):
+        engine.load_weights(model.state_dict().items())
+    engine.resume(["weights"])
+    engine.release(["kv_cache"])
+    with pytest.raises(PhaseError, match="RELEASED.*'kv_cache'"):
+        engine.generate(PROMPTS, greedy())
+
+
+def test_bad_tags_are_refused(qwen):
+    engine = _engine(*qwen)
+    with pytest.raises(ValueError, match="'optimizer'"):
+        engine.release(["optimizer"])
+    with pytest.raises(TypeError, match="string"):
+        engine.resume("weights")
+
+
+def test_weights_resume_failure_releases_again(qwen, monkeypatch):
+    engine = _engine(*qwen)
+    engine.release(["weights", "kv_cache"])
+
+    def fail():
+        raise MemoryError("no room for the KV pool")
+
+    monkeypatch.setattr(engine.kv_allocator, "resume", fail)
+    with pytest.raises(MemoryError, match="no room"):
+        engine.resume(["weights", "kv_cache"])
+    assert engine.resident_nbytes("weights") == 0 and engine.state("weights").name == "RELEASED"
+
+
+def test_kv_exhaustion_names_needed_and_available(qwen):
+    engine = _engine(*qwen, num_kv_blocks=3, block_size=4)
+    # 19 prompt tokens + 10 generated - 1 = 28 tokens -> 7 blocks of 4.
+    with pytest.raises(KVBlocksExhaustedError, match="needs 7 KV blocks.*only 3") as info:
+        engine.generate([PROMPTS[2]], greedy())
+    assert (info.value.needed_blocks, info.value.num_blocks) == (7, 3)
+    assert engine.blocks.num_free_blocks == 3  # nothing leaked
+
+
+def test_small_cache_runs_prompts_in_waves(qwen):
+    config, model = qwen
+    roomy = _engine(config, model, num_kv_blocks=64).generate(PROMPTS, greedy())
+    # 7 blocks fit the longest sequence alone; the others wait for its blocks.
+    tight_engine = _engine(config, model, num_kv_blocks=7)
+    tight = tight_engine.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert [o.token_ids for o in roomy] == [_hf_greedy(model, p) for p in PROMPTS]
+    assert tight_engine.blocks.num_free_blocks == 7
+
+
+def test_stop_token_ends_a_sequence(qwen):
+    config, model = qwen
+    engine = _engine(config, model)
+    full = engine.generate([PROMPTS[0]], greedy())[0].token_ids
+    stop = full[3]
+    first = full.index(stop)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop])
+    out = engine.generate([PROMPTS[0]], params)
+    assert out[0].token_ids == full[: first + 1]
+    assert out[0].logprobs is None and out[0].prompt_ids == PROMPTS[0]
+
+
+def test_compute_logprobs_equals_hf_forward(qwen):
+    config, model = qwen
+    engine = _engine(config, model, num_kv_blocks=8)
+    got = engine.compute_logprobs(PROMPTS)
+    for seq, lp in zip(PROMPTS, got):
+        ref = hf_logprobs(model, seq[:1], seq[1:])
+        assert len(lp) == len(seq) - 1
+        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64),
+                                   torch.tensor(ref, dtype=torch.float64), atol=2e-4, rtol=0)
+
+
+def test_bad_prompts_are_refused(qwen):
+    engine = _engine(*qwen)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[1], []], greedy())
+    with pytest.raises(ValueError, match=r"\[250\] outside \[0, vocab_size=250\)"):
+        engine.generate([[1, 250]], greedy())
+
+
+def test_kv_utilization_sizes_the_pool(qwen):
+    config, model = qwen
+    engine = ReferenceEngine(config, kv_utilization=1.0, block_size=4)
+    figures = engine.accel.memory_figures()
+    assert engine.num_kv_blocks >= 1
+    assert engine.kv_allocator.nbytes == engine.num_kv_blocks * engine.kv_allocator.block_nbytes
+    assert engine.kv_allocator.nbytes <= figures.total_nbytes
+    with pytest.raises(ValueError, match="at most one"):
+        ReferenceEngine(config, kv_utilization=0.5, num_kv_blocks=4)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("allocator", ["torch", "cuda-vmm"])
+def test_cuda_greedy_and_release(allocator):
+    config, model = build_hf("llama_tied_mqa")
+    model = model.cuda()
+    engine = _engine(config, model, device="cuda", kv_allocator=allocator)
+    before = [o.token_ids for o in engine.generate(PROMPTS, greedy())]
+    assert before == [_hf_greedy(model, p) for p in PROMPTS]
+    ptr = engine.kv_cache.data_ptr()
+    for _ in range(3):
+        torch.cuda.synchronize()
+        free_before, _ = torch.cuda.mem_get_info()
+        engine.release(["weights", "kv_cache"])
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info()
+        assert engine.resident_nbytes("weights") == engine.resident_nbytes("kv_cache") == 0
+        if engine.kv_allocator.preserves_addresses:
+            # VMM unmaps its own physical memory; the torch pool's small blocks may share caching-allocator
+            # segments with other tensors, so only the allocator's accounting is checked for it.
+            assert free_after - free_before >= engine.planned_nbytes("kv_cache")
+        engine.resume(["weights", "kv_cache"])
+        engine.load_weights(model.state_dict().items())
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy())] == before
+        if engine.kv_allocator.preserves_addresses:
+            assert engine.kv_cache.data_ptr() == ptr
