@@ -112,6 +112,15 @@ def test_create_builds_llm_with_sleep_mode_and_external_launcher(fake_vllm, monk
     assert engine.state("weights") is TagState.RELEASED and engine.state("kv_cache") is TagState.RELEASED
 
 
+def test_create_on_npu_turns_off_nz_layout(fake_vllm, monkeypatch):
+    class FakeNpu(FakeDeviceAccelerator):
+        name = "npu"
+
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    engine = VLLMEngine.create("some/model", accel=FakeNpu())
+    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0" and engine.accel.name == "npu"
+
+
 def test_create_from_a_config_writes_it_and_loads_dummy_weights(fake_vllm):
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)

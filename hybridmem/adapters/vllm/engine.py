@@ -227,7 +227,8 @@ class VLLMEngine:
                 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless already set, and makes
                 :meth:`named_parameters` available; ``None``/``"mp"``/``"ray"`` run workers elsewhere.
             accel: See :class:`VLLMEngine`; on Ascend NPUs (``"npu"``) the same call builds a
-                vllm-ascend LLM (vllm-ascend registers itself as vLLM's platform plugin).
+                vllm-ascend LLM (vllm-ascend registers itself as vLLM's platform plugin) and sets
+                ``VLLM_ASCEND_ENABLE_NZ=0`` unless already set.
             engine_kwargs: Keyword arguments for :class:`VLLMEngine` (``bucket_nbytes``...).
             **llm_kwargs: More ``vllm.LLM`` arguments (``dtype``, ``max_model_len``, ``seed``...).
 
@@ -235,8 +236,13 @@ class VLLMEngine:
             ImportError: vLLM is not installed; the message names ``pip install hybridmem[vllm]``.
         """
         vllm = import_vllm("vllm")
+        accel = get_accelerator("auto" if accel is None else accel)
         if distributed_executor_backend == "external_launcher":
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if accel.name == "npu":
+            # vllm-ascend's NPUWorker.wake_up refuses weights kept in FRACTAL_NZ layout, which an RL
+            # weight update would corrupt; turn it off unless the user chose.
+            os.environ.setdefault("VLLM_ASCEND_ENABLE_NZ", "0")
         model = model_path_or_config
         if hasattr(model_path_or_config, "save_pretrained"):
             model = tempfile.mkdtemp(prefix="hybridmem-vllm-config-")
