@@ -102,6 +102,8 @@ class FakeLLM:
             Used for generation when it maps token ids ``[1, T]`` to logits ``[1, T, vocab]``.
         accel: Receives the bytes the fake maps and unmaps.
         kv_cache_nbytes: Size of the fake KV pool.
+        kv_block_nbytes: Bytes of one KV block (``cache_config.num_gpu_blocks`` is the quotient).
+        gpu_memory_utilization: Reported in ``cache_config``.
         backend: ``distributed_executor_backend`` reported in the config.
         enable_sleep_mode: Reported in the config.
     """
@@ -114,6 +116,8 @@ class FakeLLM:
         kv_cache_nbytes: int = 1 << 16,
         backend: str = "external_launcher",
         enable_sleep_mode: bool = True,
+        kv_block_nbytes: int = 1024,
+        gpu_memory_utilization: float = 0.5,
     ):
         model.load_weights = types.MethodType(_fake_load_weights, model)
         model.load_calls = []
@@ -129,6 +133,10 @@ class FakeLLM:
             vllm_config=types.SimpleNamespace(
                 model_config=types.SimpleNamespace(enable_sleep_mode=enable_sleep_mode),
                 parallel_config=types.SimpleNamespace(distributed_executor_backend=backend),
+                cache_config=types.SimpleNamespace(
+                    num_gpu_blocks=kv_cache_nbytes // kv_block_nbytes,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                ),
             )
         )
         self._sizes = {s._cdata: s.nbytes() for s in self._weight_storages()}
