@@ -260,6 +260,23 @@ def test_kv_only_release_offload_weights_parks_them_on_host(fake_vllm):
     assert engine.state("weights") is TagState.RELEASED
 
 
+def test_offloaded_weights_survive_a_second_kv_only_release(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, accel = build(kv_only_release="offload_weights")
+    awake(engine, model)
+    before = {n: p.detach().clone() for n, p in llm.worker.model.named_parameters()}
+    engine.release(["kv_cache"])
+    engine.resume(["kv_cache"])  # weights stay on host
+    engine.release(["kv_cache"])  # must wake the weights so vLLM accepts the sleep, and keep them
+    assert without_resets(llm.calls) == [("sleep", 1), ("wake_up", ["kv_cache"]), ("wake_up", ["weights"]), ("sleep", 1)]
+    assert engine.state("weights") is TagState.ON_HOST
+    engine.resume(["weights", "kv_cache"])
+    for name, p in llm.worker.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert engine.generate([[3, 1]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [3, 1], 2)[0]
+
+
 def test_releasing_weights_while_kv_sleeps_wakes_kv_first():
     """Undoing resume(["weights"]) before the KV cache was resumed (a TRAIN->INFER rollback)."""
     torch.manual_seed(0)

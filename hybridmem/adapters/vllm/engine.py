@@ -278,6 +278,8 @@ class VLLMEngine:
         if not to_free:
             return
         keep = {t for t in ENGINE_TAGS if self._state[t] is TagState.RESIDENT} - to_free
+        # Weights whose contents must survive: resident ones not asked for, and ones parked on host.
+        weights_kept = WEIGHTS not in to_free and self._state[WEIGHTS] in (TagState.RESIDENT, TagState.ON_HOST)
         if self._asleep:
             # vLLM's executor ignores sleep() while any tag sleeps: wake them all first.
             log.warning(
@@ -286,7 +288,7 @@ class VLLMEngine:
                 sorted(to_free), sorted(self._asleep), sorted(self._asleep), sum(self._nbytes[t] for t in self._asleep),
             )
             self._wake(sorted(self._asleep, key=ENGINE_TAGS.index))
-        level = 1 if (WEIGHTS in keep and self.kv_only_release is KVOnlyRelease.OFFLOAD_WEIGHTS) else 2
+        level = 1 if (weights_kept and self.kv_only_release is KVOnlyRelease.OFFLOAD_WEIGHTS) else 2
         free_before = self._free_nbytes()
         self.llm.sleep(level=level)
         self.last_freed_nbytes = self._free_nbytes() - free_before
