@@ -20,6 +20,7 @@ from hybridmem import Direction, ShardingManager
 from hybridmem.adapters.vllm import GenerationParams, KVOnlyRelease, TagState, VLLMEngine, bucket_weights
 from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
 from hybridmem.errors import PhaseError, SwitchError
+from hybridmem.sync import SyncStats, WeightSync
 from hybridmem.testing.fake_vllm import FakeDeviceAccelerator, FakeLLM, make_fake_vllm_module
 from hybridmem.testing.tiny import TinyNet, train_step
 
@@ -177,6 +178,46 @@ def test_full_cycle_call_order_weights_and_generation(fake_vllm):
         assert accel.used_nbytes == 0 and engine.last_freed_nbytes == weights_nbytes(model) + KV_NBYTES
         assert engine.resident_nbytes("weights") == 0 and engine.resident_nbytes("kv_cache") == 0
         assert engine.planned_nbytes("weights") == weights_nbytes(model)
+    assert llm.stale_prefix_hits == 0
+
+
+class InPlaceSync(WeightSync):
+    """Writes training tensors straight into the engine's own parameters, as ReshardSync does."""
+
+    def __init__(self, model, engine):
+        self.model, self.engine = model, engine
+
+    def sync(self) -> SyncStats:
+        dst = dict(self.engine.named_parameters())
+        with torch.no_grad():
+            for name, tensor in self.model.named_parameters():
+                dst[name].copy_(tensor)
+        return SyncStats(num_tensors=len(dst))
+
+
+def test_in_place_sync_through_named_parameters(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    llm, engine, _ = build()
+    manager = ShardingManager(model, engine, optimizer=opt, weight_sync=InPlaceSync(model, engine))
+    for cycle in range(2):
+        train_step(model, opt, cycle)
+        scale = model.scale.clone()  # the training model's storage is offloaded in INFER
+        expected = reference_greedy(model, [2, 4, 6], 4)[0]
+        llm.calls.clear()
+        manager.to_infer()
+        # The KV resume after an in-place write resets the prefix cache.
+        assert llm.calls == [
+            ("wake_up", ["weights"]),
+            ("apply_model", "_identity"),
+            ("wake_up", ["kv_cache"]),
+            ("reset_prefix_cache",),
+        ]
+        # Buffers are not written by the sync: vLLM's level-2 sleep saved and restored them.
+        assert torch.equal(dict(llm.worker.model.named_buffers())["scale"], scale)
+        assert engine.generate([[2, 4, 6]], GenerationParams(max_tokens=4))[0].token_ids == expected
+        manager.to_train()
     assert llm.stale_prefix_hits == 0
 
 
@@ -374,8 +415,10 @@ def test_named_parameters_are_the_in_process_models_own_tensors():
 def test_named_parameters_out_of_process_raises_with_the_reason():
     _, engine, _ = build(backend="mp")
     assert not engine.in_process
-    with pytest.raises(RuntimeError, match="external_launcher.*'mp'"):
+    with pytest.raises(AttributeError, match="external_launcher.*'mp'"):
         engine.named_parameters()
+    # Probing callers (ReshardSync) see no in-place path and fall back to load_weights.
+    assert getattr(engine, "named_parameters", None) is None
 
 
 def test_out_of_process_load_sends_host_tensors():

@@ -35,7 +35,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -361,22 +361,28 @@ class VLLMEngine:
         self.last_load = LoadStats(count, nbytes, num_buckets, time.perf_counter() - start)
 
     # Optional protocol methods --------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The in-process model's own (per-rank, vLLM-layout) parameters, for in-place weight sync.
+    @property
+    def named_parameters(self) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+        """``named_parameters()``: the in-process model's own (per-rank, vLLM-layout) parameters, for
+        in-place weight sync (the resharding engine writes into them).
 
-        CuMemAllocator re-maps a woken pool at the same addresses, so these tensors stay valid
-        across sleep/wake; write them only while the weights are resident. Handing them out marks
-        the weights as updated (valid, and the prefix cache to be reset on the next KV resume).
+        Present only when the worker is in this process (``external_launcher``): out of process the
+        attribute raises ``AttributeError`` with the reason, so callers that probe for it (``getattr(
+        engine, "named_parameters", None)``, as ``ReshardSync`` does) fall back to :meth:`load_weights`.
 
-        Raises:
-            RuntimeError: The worker is not in this process (any backend but external_launcher).
+        CuMemAllocator re-maps a woken pool at the same addresses, so these tensors stay valid across
+        sleep/wake; write them only while the weights are resident. Calling it marks the weights as
+        updated (valid, and the prefix cache to be reset on the next KV resume or generate).
         """
         if not self.in_process:
-            raise RuntimeError(
+            raise AttributeError(
                 f"named_parameters() needs the vLLM worker in this process "
                 f"(distributed_executor_backend='external_launcher'); this LLM uses {self.backend!r}, "
                 f"whose workers are other processes: use load_weights() instead"
             )
+        return self._named_parameters
+
+    def _named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         models = self.llm.apply_model(_identity)
         if len(models) != 1:
             raise RuntimeError(f"expected one in-process vLLM worker per rank, got {len(models)}")
