@@ -363,6 +363,34 @@ def test_resume_is_all_or_nothing_when_the_undo_can_wake_kv(monkeypatch):
     assert accel.used_nbytes == 0
 
 
+def test_resume_undo_puts_host_parked_weights_back_on_host(monkeypatch, fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, accel = build(kv_only_release="offload_weights")
+    awake(engine, model)
+    before = {n: p.detach().clone() for n, p in llm.worker.model.named_parameters()}
+    engine.release(["kv_cache"])
+    real_wake = llm.wake_up
+    failures = []
+
+    def wake_failing_once(tags=None):
+        if tags == ["kv_cache"] and not failures:
+            failures.append(tags)
+            raise RuntimeError("out of memory")
+        real_wake(tags)
+
+    monkeypatch.setattr(llm, "wake_up", wake_failing_once)
+    llm.calls.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.resume(["weights", "kv_cache"])
+    assert without_resets(llm.calls) == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), ("sleep", 1)]
+    assert engine.state("weights") is TagState.ON_HOST and accel.used_nbytes == 0
+    engine.resume(["weights", "kv_cache"])
+    for name, p in llm.worker.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert engine.generate([[9]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [9], 2)[0]
+
+
 def test_resume_undo_that_cannot_wake_kv_says_so(monkeypatch):
     llm, engine, accel = build()
     real_wake = llm.wake_up

@@ -277,18 +277,22 @@ class VLLMEngine:
         to_free = {t for t in wanted if self._state[t] is TagState.RESIDENT}
         if not to_free:
             return
-        keep = {t for t in ENGINE_TAGS if self._state[t] is TagState.RESIDENT} - to_free
         # Weights whose contents must survive: resident ones not asked for, and ones parked on host.
         weights_kept = WEIGHTS not in to_free and self._state[WEIGHTS] in (TagState.RESIDENT, TagState.ON_HOST)
+        level = 1 if (weights_kept and self.kv_only_release is KVOnlyRelease.OFFLOAD_WEIGHTS) else 2
+        kv_kept = KV_CACHE not in to_free and self._state[KV_CACHE] is TagState.RESIDENT
+        self._sleep(level, rewake=[KV_CACHE] if kv_kept else [])
+
+    def _sleep(self, level: int, *, rewake: list[str]) -> None:
+        """``LLM.sleep(level)`` (both pools), waking any sleeping tag first, then waking ``rewake``."""
         if self._asleep:
             # vLLM's executor ignores sleep() while any tag sleeps: wake them all first.
             log.warning(
-                "hybridmem vLLM adapter: releasing %s while %s sleep; waking %s first (their memory is "
+                "hybridmem vLLM adapter: a level-%d sleep while %s sleep; waking them first (their memory is "
                 "mapped again briefly, about %d bytes)",
-                sorted(to_free), sorted(self._asleep), sorted(self._asleep), sum(self._nbytes[t] for t in self._asleep),
+                level, sorted(self._asleep), sum(self._nbytes[t] for t in self._asleep),
             )
             self._wake(sorted(self._asleep, key=ENGINE_TAGS.index))
-        level = 1 if (weights_kept and self.kv_only_release is KVOnlyRelease.OFFLOAD_WEIGHTS) else 2
         free_before = self._free_nbytes()
         self.llm.sleep(level=level)
         self.last_freed_nbytes = self._free_nbytes() - free_before
@@ -300,8 +304,7 @@ class VLLMEngine:
         else:
             self._state[WEIGHTS] = TagState.RELEASED
             self._weights_valid = False
-        if KV_CACHE in keep:
-            self._wake([KV_CACHE])
+        self._wake(rewake)
 
     def resume(self, tags: Sequence[str]) -> None:
         """Map the memory of ``tags`` again, weights before KV cache; all-or-nothing.
@@ -313,6 +316,7 @@ class VLLMEngine:
             ValueError, TypeError: An unknown tag, or a string instead of a list.
         """
         order = [t for t in ENGINE_TAGS if t in check_tags(tags) and self._state[t] is not TagState.RESIDENT]
+        prior = dict(self._state)
         done: list[str] = []
         try:
             for tag in order:
@@ -320,8 +324,11 @@ class VLLMEngine:
                 done.append(tag)
         except BaseException as exc:
             if done:
+                # Undo: put what this call woke back where it was (weights from a level-1 sleep go
+                # back to host, at level 1; a KV cache that was resident before stays resident).
+                level = 1 if prior[WEIGHTS] is TagState.ON_HOST else 2
                 try:
-                    self.release(done)
+                    self._sleep(level, rewake=[t for t in ENGINE_TAGS if prior[t] is TagState.RESIDENT])
                 except Exception as undo_exc:  # noqa: BLE001 - reported on the original error
                     _add_note(
                         exc,
