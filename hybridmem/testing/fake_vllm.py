@@ -262,12 +262,12 @@ class FakeLLM:
             logits = self.worker.model(torch.tensor([tokens]))[0, -1].double()
             if torch.isnan(logits).any():
                 raise RuntimeError("fake vLLM: NaN logits (weights were discarded and never loaded)")
+            lp = torch.log_softmax(logits, -1)  # vLLM's default logprobs_mode="raw_logprobs"
             if sp.temperature == 0:
                 token = int(logits.argmax())
-                lp = torch.log_softmax(logits, -1)
             else:
-                lp = torch.log_softmax(logits / sp.temperature, -1)
-                token = int(torch.multinomial(lp.exp(), 1, generator=gen))
+                probs = torch.softmax(logits / sp.temperature, -1)
+                token = int(torch.multinomial(probs, 1, generator=gen))
             tokens.append(token)
             logprobs.append({token: FakeLogprob(float(lp[token]))})
         new = tokens[len(ids):]

@@ -48,7 +48,9 @@ class GenerationOutput:
     token_ids: tuple[int, ...]
     """The generated token ids."""
     logprobs: tuple[float, ...] | None
-    """Log-prob of each generated token under the sampling distribution, or ``None`` if not asked for."""
+    """Log-prob of each generated token, or ``None`` if not asked for. vLLM computes it from the raw
+    logits by default (``logprobs_mode="raw_logprobs"``: before temperature and top-p); build the LLM
+    with ``logprobs_mode="processed_logprobs"`` for the log-probs of the sampling distribution."""
 
 
 def to_vllm_sampling_kwargs(params: Any) -> dict[str, Any]:
