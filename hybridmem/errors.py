@@ -17,6 +17,8 @@ __all__ = [
     "MemoryPlanError",
     "HostMemoryBudgetError",
     "WeightSyncError",
+    "KVStateError",
+    "KVResumeError",
 ]
 
 
@@ -109,3 +111,35 @@ class HostMemoryBudgetError(HybridMemError, MemoryError):
 
 class WeightSyncError(HybridMemError, RuntimeError):
     """The inference engine's weights do not match what training sent (checksum mismatch)."""
+
+
+class KVStateError(HybridMemError, RuntimeError):
+    """A KV-cache allocator was asked for an operation its state does not allow.
+
+    Attributes:
+        operation: What was asked for (``"release"``, ``"view"``, ...).
+        state: The allocator's :class:`hybridmem.kv.KVState` at the time.
+    """
+
+    def __init__(self, operation: str, state: object, *, allocator: str, hint: str = ""):
+        self.operation = operation
+        self.state = state
+        name = getattr(state, "name", state)
+        msg = f"{allocator} KV-cache allocator cannot {operation} in state {name}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+class KVResumeError(HybridMemError, MemoryError):
+    """Re-creating a released KV pool failed; whatever it had mapped was undone, nothing is resident.
+
+    Attributes:
+        requested_nbytes: Bytes the resume needed.
+        mapped_nbytes: Bytes it had mapped when the step failed (all of them unmapped again).
+        step: The call that failed (e.g. ``"cuMemCreate"``).
+    """
+
+    def __init__(self, message: str, *, requested_nbytes: int, mapped_nbytes: int, step: str):
+        self.requested_nbytes = requested_nbytes
+        self.mapped_nbytes = mapped_nbytes
+        self.step = step
+        super().__init__(message)
