@@ -11,6 +11,7 @@
 torch.Size([4, 512])
 
 ``cuda-vmm`` (:mod:`hybridmem.kv.vmm`) is registered too; it imports ``cuda.bindings`` only when used.
+``vllm-sleep`` (:mod:`hybridmem.kv.vllm_sleep`) delegates to a ``VLLMEngine``; it never imports vLLM.
 See [Note: KV views stay valid] in :mod:`hybridmem.kv.base`.
 """
 
@@ -27,6 +28,7 @@ from hybridmem.kv.base import (
     register_kv_allocator,
 )
 from hybridmem.kv.torch_pool import TorchKVAllocator
+from hybridmem.kv.vllm_sleep import VLLMSleepKVAllocator
 
 __all__ = [
     "KVState",
@@ -36,4 +38,5 @@ __all__ = [
     "get_kv_allocator",
     "blocks_for_utilization",
     "TorchKVAllocator",
+    "VLLMSleepKVAllocator",
 ]

@@ -22,6 +22,7 @@ import torch
 
 from hybridmem.accel import Accelerator
 from hybridmem.engines.protocol import KV_CACHE
+from hybridmem.errors import KVStateError
 from hybridmem.kv.base import KVCacheAllocator, KVState, register_kv_allocator
 
 __all__ = ["VLLMSleepKVAllocator"]
@@ -41,15 +42,19 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
     """vLLM's KV pool behind hybridmem's KV-allocator interface.
 
     Args:
-        accel: The accelerator whose free-memory figure measures released bytes.
+        accel: The accelerator whose free-memory figure measures released bytes (``cuda`` or ``npu``).
         engine: The :class:`~hybridmem.adapters.vllm.VLLMEngine` wrapping the ``LLM`` (one tracker of
             vLLM's sleep state per LLM: pass the engine the manager uses).
+
+    Raises:
+        ValueError: ``accel`` is not a CUDA or NPU accelerator (vLLM's sleep mode needs one).
+        TypeError: ``engine`` is not a VLLMEngine.
     """
 
     name: ClassVar[str] = "vllm-sleep"
     preserves_addresses: ClassVar[bool] = True
     """``CuMemAllocator``/``CaMemAllocator`` re-map a woken pool at the same virtual addresses."""
-    backends: ClassVar[tuple[str, ...]] = ("cuda", "npu")
+    backends: ClassVar[frozenset[str]] = frozenset({"cuda", "npu"})
 
     def __init__(self, accel: Accelerator, *, engine: Any):
         super().__init__(accel)
@@ -57,8 +62,6 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
             if not callable(getattr(engine, method, None)):
                 raise TypeError(f"engine must be a VLLMEngine (it lacks {method}()), got {type(engine).__name__}")
         self.engine = engine
-        self.block_nbytes = 0
-        self.num_blocks = 0
 
     def allocate(
         self,
@@ -70,6 +73,8 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
     ) -> int:
         """Record vLLM's pool: vLLM sized it when the LLM was built; nothing is allocated here.
 
+        Unlike the other allocators, ``num_blocks`` and ``utilization`` are optional checks, not sizes.
+
         Args:
             block_nbytes: Bytes of one KV block (all layers), as the caller computes it.
             num_blocks: If given, must equal vLLM's ``cache_config.num_gpu_blocks``.
@@ -80,12 +85,15 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
             vLLM's number of KV blocks.
 
         Raises:
+            KVStateError: Already allocated.
             ValueError: A request that differs from what vLLM built (size vLLM's pool with
                 ``num_gpu_blocks_override``, ``kv_cache_memory_bytes`` or ``gpu_memory_utilization``
                 when building the LLM instead), or vLLM's block count is unknown.
         """
-        if block_nbytes < 1:
-            raise ValueError(f"block_nbytes={block_nbytes} must be positive")
+        if self.state is not KVState.EMPTY:
+            raise KVStateError("allocate", self.state, allocator=self.name, hint="allocate once, then release/resume")
+        if not isinstance(block_nbytes, int) or block_nbytes < 1:
+            raise ValueError(f"block_nbytes={block_nbytes!r} must be a positive int")
         llm = self.engine.llm
         vllm_blocks = _config_value(llm, "llm_engine.vllm_config.cache_config.num_gpu_blocks")
         vllm_util = _config_value(llm, "llm_engine.vllm_config.cache_config.gpu_memory_utilization")
@@ -100,51 +108,48 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
             raise ValueError(f"utilization={utilization} but the LLM was built with gpu_memory_utilization={vllm_util}")
         if reserve_nbytes:
             raise ValueError(f"reserve_nbytes={reserve_nbytes} must be 0 for vllm-sleep: vLLM reserved its headroom itself")
-        self.block_nbytes = int(block_nbytes)
         self.num_blocks = int(vllm_blocks)
-        self.nbytes = self.num_blocks * self.block_nbytes
-        self.state = KVState.RESIDENT if self.engine.state(KV_CACHE).value == "resident" else KVState.RELEASED
+        self.block_nbytes = int(block_nbytes)
+        self.state = KVState.ALLOCATED if self.engine.state(KV_CACHE).value == "resident" else KVState.RELEASED
         return self.num_blocks
 
-    def release(self) -> int:
-        """Release vLLM's KV pool; returns the device bytes freed (free-memory figure after - before).
-
-        The figure includes the weights when the engine had to release them too (see the module
-        docstring). Releasing twice is a no-op returning 0.
-        """
-        self._check_allocated("release")
-        if self.state is KVState.RELEASED:
-            return 0
-        free_before = self.accel.memory_figures().free_nbytes
-        self.engine.release([KV_CACHE])
-        self.state = KVState.RELEASED
-        return max(0, self.accel.memory_figures().free_nbytes - free_before)
-
-    def resume(self) -> None:
-        """Wake vLLM's KV pool (``wake_up(tags=["kv_cache"])``); contents are undefined."""
-        self._check_allocated("resume")
-        if self.state is KVState.RESIDENT:
-            return
-        self.engine.resume([KV_CACHE])
-        self.state = KVState.RESIDENT
-
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Not available: vLLM owns its KV tensors (per-layer, in its attention backend's layout), and
-        only vLLM's model runner reads and writes them."""
+        """Not available: vLLM owns its KV tensors (one per attention layer, in its attention backend's
+        layout), and only vLLM's model runner reads and writes them.
+
+        Raises:
+            NotImplementedError: Always.
+        """
         raise NotImplementedError(
             f"vllm-sleep cannot view its pool as {dtype}{tuple(shape)}: vLLM owns its KV tensors (one per "
             f"attention layer, in the attention backend's layout); use the 'torch' or 'cuda-vmm' allocator "
             f"for an engine that needs KV views"
         )
 
-    def resident_nbytes(self) -> int:
-        """Device bytes of vLLM's KV pool now (measured at its last wake-up by the engine)."""
-        return int(self.engine.resident_nbytes(KV_CACHE)) if self.state is KVState.RESIDENT else 0
+    # Backend steps --------------------------------------------------------------------------------
+    def _allocate(self, nbytes: int) -> None:
+        raise AssertionError("unreachable: vllm-sleep overrides allocate()")
 
-    def close(self) -> None:
+    def _release(self) -> int:
+        """``engine.release(["kv_cache"])``; the bytes freed by the free-memory figure (after - before).
+
+        The figure includes the weights when the engine had to release them too (see the module
+        docstring).
+        """
+        free_before = self.accel.memory_figures().free_nbytes
+        self.engine.release([KV_CACHE])
+        return max(0, self.accel.memory_figures().free_nbytes - free_before)
+
+    def _resume(self) -> None:
+        """``engine.resume(["kv_cache"])``, i.e. ``wake_up(tags=["kv_cache"])``; contents undefined."""
+        self.engine.resume([KV_CACHE])
+
+    def _view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        raise AssertionError("unreachable: vllm-sleep overrides view()")
+
+    def _resident_nbytes(self) -> int:
+        """vLLM's KV pool bytes now, as the engine measured them at its last wake-up."""
+        return int(self.engine.resident_nbytes(KV_CACHE))
+
+    def _close(self) -> None:
         """Forget the pool; vLLM keeps owning it (shut the LLM down to free it)."""
-        self.state = KVState.CLOSED
-
-    def _check_allocated(self, operation: str) -> None:
-        if self.state in (KVState.UNALLOCATED, KVState.CLOSED):
-            raise RuntimeError(f"cannot {operation} the vllm-sleep pool in state {self.state.name}; call allocate() first")

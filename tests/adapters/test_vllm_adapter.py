@@ -80,7 +80,8 @@ def test_importing_hybridmem_never_imports_vllm():
                 return None
 
         sys.meta_path.insert(0, Refuse())
-        import hybridmem, hybridmem.adapters, hybridmem.adapters.vllm, hybridmem.testing.fake_vllm
+        import hybridmem, hybridmem.adapters, hybridmem.adapters.vllm, hybridmem.kv, hybridmem.testing.fake_vllm
+        assert 'vllm-sleep' in hybridmem.kv.KV_ALLOCATORS
         assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
         print("ok")
         """

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("hybridmem.kv.base", reason="needs the KV allocator base from branch kv")
-
-from hybridmem.adapters.vllm import TagState, VLLMEngine  # noqa: E402
-from hybridmem.kv.base import KVState, get_kv_allocator  # noqa: E402
-from hybridmem.kv.vllm_sleep import VLLMSleepKVAllocator  # noqa: E402
-from hybridmem.testing.fake_vllm import FakeDeviceAccelerator, FakeLLM  # noqa: E402
-from hybridmem.testing.tiny import TinyNet  # noqa: E402
+from hybridmem.accel import CpuAccelerator
+from hybridmem.adapters.vllm import TagState, VLLMEngine
+from hybridmem.errors import KVStateError
+from hybridmem.kv import KVState, get_kv_allocator
+from hybridmem.kv.vllm_sleep import VLLMSleepKVAllocator
+from hybridmem.testing.fake_vllm import FakeDeviceAccelerator, FakeLLM
+from hybridmem.testing.tiny import TinyNet
 
 BLOCK_NBYTES = 2048
 NUM_BLOCKS = 24
@@ -26,9 +26,15 @@ def weights_nbytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+class FakeCuda(FakeDeviceAccelerator):
+    """The fake device, named as the backend vLLM's sleep mode runs on."""
+
+    name = "cuda"
+
+
 @pytest.fixture
 def setup():
-    accel = FakeDeviceAccelerator()
+    accel = FakeCuda()
     llm = FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES, kv_block_nbytes=BLOCK_NBYTES, gpu_memory_utilization=0.6)
     engine = VLLMEngine(llm, accel=accel, kv_only_release="offload_weights")
     engine.resume(["weights", "kv_cache"])  # as after TRAIN->INFER
@@ -43,12 +49,24 @@ def test_registered_with_capabilities(setup):
     assert kv.name == "vllm-sleep" and kv.preserves_addresses and set(kv.backends) == {"cuda", "npu"}
 
 
+def test_refuses_the_cpu_backend(setup):
+    *_, engine, _ = setup
+    with pytest.raises(ValueError, match="'cpu'"):
+        get_kv_allocator("vllm-sleep", CpuAccelerator(), engine=engine)
+
+
 def test_allocate_records_vllms_pool(setup):
     accel, llm, engine, kv = setup
     assert kv.allocate(block_nbytes=BLOCK_NBYTES) == NUM_BLOCKS
-    assert kv.nbytes == KV_NBYTES and kv.state is KVState.RESIDENT
+    assert kv.nbytes == KV_NBYTES and kv.state is KVState.ALLOCATED
     assert kv.resident_nbytes() == KV_NBYTES  # measured by the engine's wake-up
     assert llm.calls == []  # nothing allocated, nothing called
+    with pytest.raises(KVStateError, match="allocate"):
+        kv.allocate(block_nbytes=BLOCK_NBYTES)
+
+
+def test_allocate_accepts_matching_checks(setup):
+    *_, kv = setup
     assert kv.allocate(block_nbytes=BLOCK_NBYTES, num_blocks=NUM_BLOCKS, utilization=0.6) == NUM_BLOCKS
 
 
@@ -58,7 +76,7 @@ def test_allocate_records_vllms_pool(setup):
         ({"num_blocks": NUM_BLOCKS + 1}, f"num_blocks={NUM_BLOCKS + 1} but vLLM built {NUM_BLOCKS}"),
         ({"utilization": 0.9}, "utilization=0.9 but .*gpu_memory_utilization=0.6"),
         ({"reserve_nbytes": 1}, "reserve_nbytes=1"),
-        ({"block_nbytes": 0}, "block_nbytes=0"),
+        ({"block_nbytes": 0}, "block_nbytes=0 must be"),
     ],
 )
 def test_allocate_refuses_what_vllm_did_not_build(setup, kwargs, match):
@@ -79,7 +97,7 @@ def test_release_and_resume_go_through_sleep_and_wake_up(setup):
         assert engine.state("weights") is TagState.ON_HOST
         assert kv.release() == 0  # twice: no-op
         kv.resume()
-        assert kv.state is KVState.RESIDENT and kv.resident_nbytes() == KV_NBYTES
+        assert kv.state is KVState.ALLOCATED and kv.resident_nbytes() == KV_NBYTES
         engine.resume(["weights"])
         assert accel.used_nbytes == KV_NBYTES + model_nbytes
     calls = [c for c in llm.calls if c[0] != "reset_prefix_cache"]
@@ -94,15 +112,17 @@ def test_view_is_not_available(setup):
 
 
 def test_release_before_allocate_and_after_close_raise(setup):
-    *_, kv = setup
-    with pytest.raises(RuntimeError, match="allocate"):
+    accel, llm, engine, kv = setup
+    with pytest.raises(KVStateError, match="release"):
         kv.release()
     kv.allocate(block_nbytes=BLOCK_NBYTES)
     kv.close()
-    with pytest.raises(RuntimeError, match="CLOSED"):
+    assert kv.state is KVState.EMPTY and kv.nbytes == 0
+    assert engine.state("kv_cache") is TagState.RESIDENT  # vLLM still owns its pool
+    with pytest.raises(KVStateError, match="resume"):
         kv.resume()
 
 
 def test_needs_an_engine():
     with pytest.raises(TypeError, match="VLLMEngine"):
-        VLLMSleepKVAllocator(FakeDeviceAccelerator(), engine=object())
+        VLLMSleepKVAllocator(FakeCuda(), engine=object())
