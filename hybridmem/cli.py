@@ -1,6 +1,7 @@
 """The ``hybridmem`` command.
 
-``hybridmem demo`` runs the main example on the embedded default (CPU unless an accelerator is there).
+``hybridmem demo`` runs the GRPO example on the embedded engine (CPU by default);
+``hybridmem switch-loop`` the torch-only switch loop.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="hybridmem", description="hybridmem: train and infer on the same devices")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the demo (pass --help after 'demo' for its options)", add_help=False)
+    sub.add_parser("demo", help="the GRPO demo (pass --help after 'demo' for its options)", add_help=False)
+    sub.add_parser("switch-loop", help="the torch-only switch loop (pass --help for its options)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
+        from hybridmem.examples import grpo
+
+        grpo.main(rest)
+    elif args.command == "switch-loop":
         from hybridmem.examples import switch_loop
 
         switch_loop.main(rest)

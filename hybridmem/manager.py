@@ -18,16 +18,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.profiler import record_function
 
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures, get_accelerator
+from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
 from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, SwitchError
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.machine import PhaseMachine
-from hybridmem.memplan import MemoryPlan, plan_switch
+from hybridmem.memplan import MemoryPlan, StepEstimate, plan_switch
 from hybridmem.offload import Offloader, OffloadState
 from hybridmem.phase import Direction, Phase
 from hybridmem.report import StepReport, SwitchReport
@@ -133,6 +135,8 @@ class ShardingManager:
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
         self._extra_owners: dict[str, tuple[Callable[[], int], tuple[Phase, ...]]] = {}
         self._machine = PhaseMachine()
+        self.coresidents: dict[str, CoResident] = {}
+        """Co-resident models by name (see [Note: co-resident phases])."""
         self.last_reports: dict[Direction, SwitchReport] = {}
         """The latest report of each direction."""
         self.last_report: SwitchReport | None = None
@@ -185,6 +189,8 @@ class ShardingManager:
                 owners[name] = int(fn(tag)) if callable(fn) else 0
         for name, (fn, _) in self._extra_owners.items():
             owners[name] = int(fn())
+        for name, co in self.coresidents.items():
+            owners[name] = co.resident_nbytes()
         return owners
 
     def memory(self) -> MemoryFigures:
@@ -201,6 +207,7 @@ class ShardingManager:
         if self.phase is Phase.TRAIN:
             expected_empty += list(_ENGINE_OWNER.values())
         expected_empty += [n for n, (_, phases) in self._extra_owners.items() if self.phase in phases]
+        expected_empty += [n for n, co in self.coresidents.items() if co.state is CoResidentState.OFFLOADED]
         return ResidencyReport(
             phase=self.phase,
             by_owner=owners,
@@ -213,6 +220,9 @@ class ShardingManager:
         """The predicted memory curve of a switch in ``direction`` from the current state."""
         direction = Direction(direction)
         steps = self.steps(direction) if steps is None else steps
+        return self._plan(direction, [(s.name, s.estimate()) for s in steps])
+
+    def _plan(self, direction: Direction, estimates: list[tuple[str, StepEstimate]]) -> MemoryPlan:
         figures = self.memory()
         if self.config.device_memory_budget_bytes is not None:
             budget, source = self.config.device_memory_budget_bytes, "device_memory_budget_bytes"
@@ -221,13 +231,53 @@ class ShardingManager:
         else:
             budget = figures.allocated_nbytes + figures.free_nbytes + figures.cached_nbytes
             source = "allocated + device free + allocator cache"
-        return plan_switch(
-            direction,
-            figures.allocated_nbytes,
-            [(s.name, s.estimate()) for s in steps],
-            budget_nbytes=budget,
-            budget_source=source,
-        )
+        return plan_switch(direction, figures.allocated_nbytes, estimates, budget_nbytes=budget, budget_source=source)
+
+    # Co-resident models ---------------------------------------------------------------------------
+    def add_coresident(self, name: str, model: Any) -> CoResident:
+        """Register a second model sharing the devices (e.g. the reference policy) and offload it.
+
+        It stays in host arenas except inside :meth:`onloaded` (see [Note: co-resident phases]).
+
+        Raises:
+            PhaseError: Not in TRAIN.
+            ValueError: ``name`` is taken by another owner.
+        """
+        self._check_phase(f"add co-resident {name!r}", Phase.TRAIN)
+        if name in self._owner_nbytes():
+            raise ValueError(f"owner name {name!r} is already taken; taken: {sorted(self._owner_nbytes())}")
+        co = CoResident(name, model, self.accel, self.pool)
+        co.offload()
+        self.coresidents[name] = co
+        return co
+
+    @contextlib.contextmanager
+    def onloaded(self, name: str) -> Iterator[torch.nn.Module]:
+        """Onload co-resident ``name`` for the body, offload it after (also on an exception).
+
+        Yields:
+            The model (its first chunk when there are several).
+
+        Raises:
+            KeyError: No co-resident of that name.
+            PhaseError: Not in TRAIN or INFER, or ``name`` is already onloaded.
+            MemoryPlanError: Its weights do not fit beside what is resident now; nothing was moved.
+        """
+        if name not in self.coresidents:
+            raise KeyError(f"no co-resident named {name!r}; registered: {sorted(self.coresidents)}")
+        co = self.coresidents[name]
+        self._check_phase(f"onload co-resident {name!r}", Phase.TRAIN, Phase.INFER)
+        if co.state is CoResidentState.ONLOADED:
+            raise PhaseError(f"onload co-resident {name!r}", self.phase, "it is already onloaded (nested onloaded())")
+        direction = Direction.TO_INFER if self.phase is Phase.INFER else Direction.TO_TRAIN
+        plan = self._plan(direction, [(f"onload {name}", StepEstimate(alloc_nbytes=co.live_nbytes()))])
+        if not plan.fits:
+            raise MemoryPlanError(plan)
+        co.onload()
+        try:
+            yield co.module
+        finally:
+            co.offload()
 
     # Switches -------------------------------------------------------------------------------------
     def to_infer(self) -> SwitchReport:
@@ -242,6 +292,7 @@ class ShardingManager:
             SwitchError: A step raised; the done steps were undone and the manager is in TRAIN.
             RollbackError: Undoing failed too; the manager is in FAILED (call :meth:`recover`).
         """
+        self._check_coresidents_offloaded("switch to INFER")
         self._machine.fire("begin_infer", operation="switch to INFER")
         steps = self.steps(Direction.TO_INFER)
         try:
@@ -273,6 +324,7 @@ class ShardingManager:
             SwitchError: A step raised; the manager is in FAILED with the training state safe in host
                 arenas; call :meth:`recover` once the cause is fixed.
         """
+        self._check_coresidents_offloaded("switch to TRAIN")
         self._machine.fire("begin_train", operation="switch to TRAIN")
         return self._finish_to_train(abort_trigger="abort_train")
 
@@ -329,14 +381,21 @@ class ShardingManager:
         self.to_train()
 
     def close(self) -> None:
-        """Drop the host arenas. Only in TRAIN, where they hold nothing of value."""
+        """Drop the host arenas. Only in TRAIN; co-resident models are onloaded first so nothing is lost."""
         self._check_phase("close", Phase.TRAIN)
+        for co in self.coresidents.values():
+            co.onload()
         self.pool.free()
 
     # Internals ------------------------------------------------------------------------------------
     def _check_phase(self, operation: str, *phases: Phase) -> None:
         if self.phase not in phases:
             raise PhaseError(operation, self.phase, f"it needs phase {'/'.join(p.name for p in phases)}")
+
+    def _check_coresidents_offloaded(self, operation: str) -> None:
+        onloaded = [n for n, co in self.coresidents.items() if co.state is CoResidentState.ONLOADED]
+        if onloaded:
+            raise PhaseError(operation, self.phase, f"co-resident {onloaded} is onloaded; leave onloaded() first")
 
     def _execute(self, direction: Direction, steps: list[SwitchStep], before: MemoryFigures) -> _Run:
         self.accel.reset_peak()

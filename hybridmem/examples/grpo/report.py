@@ -1,0 +1,79 @@
+"""Rank 0's view of a GRPO run: progress bar, per-iteration table, summary, plots and JSON log."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from hybridmem.examples.grpo.loop import DemoConfig, IterationStats
+from hybridmem.examples.grpo.plots import plot_memory, plot_rewards
+from hybridmem.memplan import format_nbytes
+
+__all__ = ["RankZeroReporter"]
+
+_COLUMNS = ("iter", "reward", "KL", "lp gap", "to INFER ms", "to TRAIN ms", "ref ms", "moved", "dev TRAIN", "dev INFER", "iter s")
+
+
+class RankZeroReporter:
+    """Collects rank 0's iteration figures and renders them."""
+
+    def __init__(self, cfg: DemoConfig, out: Path):
+        self.cfg = cfg
+        self.out = out
+        self.console = Console()
+        self.bar = tqdm(total=cfg.iters, desc="GRPO", unit="iter")
+        self.samples: list[tuple[float, str, int]] = []
+        self.ends: list[int] = []
+        """``len(samples)`` at the end of each iteration."""
+        layout = f"train {cfg.hybrid.train_layout}, infer {cfg.hybrid.infer_layout}"
+        self.console.print(f"[bold]hybridmem GRPO demo[/]: {cfg.trainer} trainer, {layout}, {cfg.hybrid.device}")
+
+    def on_iteration(self, row: IterationStats, samples: list[tuple[float, str, int]]) -> None:
+        self.samples = list(samples)
+        self.ends.append(len(samples))
+        self.bar.set_postfix(reward=f"{row.reward:.3f}", kl=f"{row.kl:.3f}")
+        self.bar.update(1)
+
+    def _table(self, stats: list[IterationStats]) -> Table:
+        table = Table(title="per-iteration figures (rank 0)")
+        for c in _COLUMNS:
+            table.add_column(c, justify="right")
+        for r in stats:
+            table.add_row(
+                str(r.iteration), f"{r.reward:.3f}", f"{r.kl:.4f}", f"{r.logprob_gap:.1e}", f"{r.to_infer_s * 1e3:.1f}",
+                f"{r.to_train_s * 1e3:.1f}", f"{r.ref_onload_s * 1e3:.1f}", format_nbytes(r.moved_nbytes),
+                format_nbytes(r.device_train_nbytes), format_nbytes(r.device_infer_nbytes), f"{r.iter_s:.2f}",
+            )
+        return table
+
+    def finish(self, stats: list[IterationStats]) -> dict[str, Any]:
+        self.bar.close()
+        self.console.print(self._table(stats))
+        rewards = [r.reward for r in stats]
+        k = min(5, len(rewards))
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        self.out.mkdir(parents=True, exist_ok=True)
+        begin = self.ends[-4] if len(self.ends) >= 4 else 0  # the last 3 iterations
+        plots = [
+            plot_rewards(rewards, self.out / "reward.png"),
+            plot_memory(self.samples[begin:], self.out / "memory.png"),
+        ]
+        summary = {
+            "first5_reward": first,
+            "last5_reward": last,
+            "max_logprob_gap": max(r.logprob_gap for r in stats),
+            "iterations": [asdict(r) for r in stats],
+            "memory_samples": self.samples,
+        }
+        (self.out / "grpo.json").write_text(json.dumps(summary, indent=1))
+        self.console.print(f"mean reward, first {k} iterations: [bold]{first:.3f}[/]; last {k}: [bold]{last:.3f}[/]")
+        self.console.print(f"max |engine - actor| log-prob over sampled tokens: {summary['max_logprob_gap']:.2e}")
+        self.console.print("wrote " + ", ".join(str(p) for p in [*plots, self.out / "grpo.json"]))
+        return summary
+

@@ -1,0 +1,57 @@
+"""GRPO arithmetic and the counting task, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridmem.examples.grpo.algo import GRPOConfig, group_advantages, policy_loss
+from hybridmem.examples.grpo.task import CountTask
+
+
+def test_count_task_prompts_and_rewards():
+    task = CountTask(vocab_size=5, prompt_len=3, completion_len=4)
+    prompts = task.prompts(4, seed=0)
+    assert prompts == task.prompts(4, seed=0)
+    for p in prompts:
+        assert [(b - a) % 5 for a, b in zip(p, p[1:])] == [1, 1]
+    r = task.rewards([[2, 3, 4], [2, 3, 4]], [[0, 1, 2, 3], [0, 2, 3, 0]])
+    assert r.tolist() == [1.0, 0.5]  # 4->0 wraps; second: 4->0 ok, 0->2 no, 2->3 ok, 3->0 no
+    with pytest.raises(ValueError, match="CountTask.vocab_size=0"):
+        CountTask(vocab_size=0)
+
+
+def test_group_advantages_are_normalised_per_group():
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 4.0, 6.0, 8.0])
+    adv = group_advantages(r, 4)
+    g1 = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    torch.testing.assert_close(adv[:4], (g1 - 0.5) / (g1.std() + 1e-6))
+    torch.testing.assert_close(adv[4:].mean(), torch.tensor(0.0))
+    assert torch.equal(group_advantages(torch.ones(4), 2), torch.zeros(4))  # no signal in a tied group
+    with pytest.raises(ValueError, match="5 rewards do not split into groups of 2"):
+        group_advantages(torch.ones(5), 2)
+
+
+def test_policy_loss_clips_and_penalises_kl():
+    adv = torch.tensor([1.0, -1.0])
+    old = torch.zeros(2, 1)
+    ref = torch.zeros(2, 1)
+    lp = torch.tensor([[math.log(1.5)], [math.log(1.5)]])  # ratio 1.5 on both rows
+    loss, stats = policy_loss(lp, old, ref, adv, clip_ratio=0.2, kl_coef=0.0)
+    # row 0 (A=+1): min(1.5, 1.2) = 1.2; row 1 (A=-1): min(-1.5, -1.2) = -1.5
+    torch.testing.assert_close(loss, torch.tensor(-(1.2 - 1.5) / 2))
+    assert stats["clip_frac"] == 1.0
+    loss_kl, stats_kl = policy_loss(lp, old, ref, adv, clip_ratio=0.2, kl_coef=1.0)
+    d = -math.log(1.5)
+    expected_kl = math.exp(d) - d - 1
+    assert stats_kl["kl"] == pytest.approx(expected_kl)
+    torch.testing.assert_close(loss_kl, loss + expected_kl)
+
+
+def test_grpo_config_errors():
+    with pytest.raises(ValueError, match="group_size=1"):
+        GRPOConfig(group_size=1)
+    with pytest.raises(ValueError, match="clip_ratio=1.5"):
+        GRPOConfig(clip_ratio=1.5)
