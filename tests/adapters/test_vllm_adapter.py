@@ -170,6 +170,8 @@ def test_full_cycle_call_order_weights_and_generation(fake_vllm):
         assert engine.resident_nbytes("weights") == weights_nbytes(model)
         assert engine.resident_nbytes("kv_cache") == KV_NBYTES
         assert accel.used_nbytes == weights_nbytes(model) + KV_NBYTES
+        owners = manager.residency().by_owner
+        assert owners["engine weights"] == weights_nbytes(model) and owners["kv cache"] == KV_NBYTES
         outputs = engine.generate(prompts, GenerationParams(max_tokens=5))
         for out, prompt, (tokens, logprobs) in zip(outputs, prompts, expected):
             assert out.prompt_ids == tuple(prompt) and out.token_ids == tokens
@@ -221,6 +223,24 @@ def test_in_place_sync_through_named_parameters(fake_vllm):
         assert torch.equal(dict(llm.worker.model.named_buffers())["scale"], scale)
         assert engine.generate([[2, 4, 6]], GenerationParams(max_tokens=4))[0].token_ids == expected
         manager.to_train()
+    assert llm.stale_prefix_hits == 0
+
+
+def test_manager_cycle_with_offload_weights_policy(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    llm, engine, accel = build(kv_only_release="offload_weights")
+    manager = ShardingManager(model, engine, optimizer=opt)
+    for cycle in range(2):
+        train_step(model, opt, cycle)
+        expected = reference_greedy(model, [5, 5], 3)[0]
+        llm.calls.clear()
+        with manager.inference():
+            assert engine.generate([[5, 5]], GenerationParams(max_tokens=3))[0].token_ids == expected
+        # KV release: a level-1 sleep parks the weights on host; the weights release is bookkeeping.
+        assert without_resets(llm.calls)[-2:] == [("generate", 1), ("sleep", 1)]
+        assert engine.state("weights") is TagState.RELEASED and accel.used_nbytes == 0
     assert llm.stale_prefix_hits == 0
 
 
