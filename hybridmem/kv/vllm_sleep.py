@@ -60,7 +60,9 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
         super().__init__(accel)
         for method in ("release", "resume", "resident_nbytes", "state"):
             if not callable(getattr(engine, method, None)):
-                raise TypeError(f"engine must be a VLLMEngine (it lacks {method}()), got {type(engine).__name__}")
+                raise TypeError(
+                    f"engine must be a VLLMEngine (it lacks {method}()), got {type(engine).__name__}"
+                )
         self.engine = engine
 
     def allocate(
@@ -91,7 +93,9 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
                 when building the LLM instead), or vLLM's block count is unknown.
         """
         if self.state is not KVState.EMPTY:
-            raise KVStateError("allocate", self.state, allocator=self.name, hint="allocate once, then release/resume")
+            raise KVStateError(
+                "allocate", self.state, allocator=self.name, hint="allocate once, then release/resume"
+            )
         if not isinstance(block_nbytes, int) or block_nbytes < 1:
             raise ValueError(f"block_nbytes={block_nbytes!r} must be a positive int")
         llm = self.engine.llm
@@ -105,12 +109,17 @@ class VLLMSleepKVAllocator(KVCacheAllocator):
                 f"(set num_gpu_blocks_override or kv_cache_memory_bytes when building the LLM)"
             )
         if utilization is not None and vllm_util is not None and abs(utilization - vllm_util) > 1e-9:
-            raise ValueError(f"utilization={utilization} but the LLM was built with gpu_memory_utilization={vllm_util}")
+            raise ValueError(
+                f"utilization={utilization} but the LLM was built with gpu_memory_utilization={vllm_util}"
+            )
         if reserve_nbytes:
-            raise ValueError(f"reserve_nbytes={reserve_nbytes} must be 0 for vllm-sleep: vLLM reserved its headroom itself")
+            raise ValueError(
+                f"reserve_nbytes={reserve_nbytes} must be 0 for vllm-sleep: vLLM reserved its headroom itself"
+            )
         self.num_blocks = int(vllm_blocks)
         self.block_nbytes = int(block_nbytes)
-        self.state = KVState.ALLOCATED if self.engine.state(KV_CACHE).value == "resident" else KVState.RELEASED
+        resident = self.engine.state(KV_CACHE).value == "resident"
+        self.state = KVState.ALLOCATED if resident else KVState.RELEASED
         return self.num_blocks
 
     def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -79,7 +79,7 @@ def _fake_load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torc
         for name, tensor in weights:
             dst = tensors[name]
             if dst.untyped_storage().nbytes() == 0:
-                raise RuntimeError(f"fake vLLM: load_weights({name!r}) into unmapped memory (weights are asleep)")
+                raise RuntimeError(f"fake vLLM: load_weights({name!r}) into unmapped memory (weights asleep)")
             dst.copy_(tensor)
             loaded.add(name)
     model.load_calls.append(sorted(loaded))
@@ -145,7 +145,8 @@ class FakeLLM:
     # Memory pools ---------------------------------------------------------------------------------
     def _weight_storages(self) -> list[torch.UntypedStorage]:
         model = self.worker.model
-        storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in [*model.parameters(), *model.buffers()]}
+        tensors = [*model.parameters(), *model.buffers()]
+        storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
         return list(storages.values())
 
     def pool_nbytes(self, tag: str) -> int:
@@ -224,7 +225,9 @@ class FakeLLM:
         self.sleeping_tags -= set(tags)
         self.is_sleeping = bool(self.sleeping_tags)
 
-    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
         self.calls.append(("collective_rpc", getattr(method, "__name__", method)))
         kwargs = kwargs or {}
         if callable(method):
@@ -240,7 +243,9 @@ class FakeLLM:
         return [result]
 
     @torch.no_grad()
-    def generate(self, prompts: list[dict], sampling_params: FakeSamplingParams | None = None, *, use_tqdm: bool = True) -> list[FakeRequestOutput]:
+    def generate(
+        self, prompts: list[dict], sampling_params: FakeSamplingParams | None = None, *, use_tqdm: bool = True
+    ) -> list[FakeRequestOutput]:
         self.calls.append(("generate", len(prompts)))
         if self.is_sleeping or not (self.mapped("weights") and self.mapped("kv_cache")):
             raise RuntimeError(f"fake vLLM: generate while sleeping (tags {sorted(self.sleeping_tags)})")
@@ -271,7 +276,8 @@ class FakeLLM:
             tokens.append(token)
             logprobs.append({token: FakeLogprob(float(lp[token]))})
         new = tokens[len(ids):]
-        return FakeRequestOutput(request_id, ids, [FakeCompletion(new, logprobs if sp.logprobs is not None else None)])
+        completion = FakeCompletion(new, logprobs if sp.logprobs is not None else None)
+        return FakeRequestOutput(request_id, ids, [completion])
 
 
 def make_fake_vllm_module(build_llm: Any) -> types.ModuleType:

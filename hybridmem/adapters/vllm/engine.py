@@ -180,7 +180,9 @@ class VLLMEngine:
             raise ValueError(f"bucket_nbytes={bucket_nbytes} must be positive")
         sleep_enabled = _attr_path(llm, "llm_engine.vllm_config.model_config.enable_sleep_mode")
         if sleep_enabled is False:
-            raise ValueError("the vllm.LLM was built with enable_sleep_mode=False; VLLMEngine needs enable_sleep_mode=True")
+            raise ValueError(
+                "the vllm.LLM was built with enable_sleep_mode=False; VLLMEngine needs enable_sleep_mode=True"
+            )
         self.llm = llm
         self.accel = get_accelerator("auto" if accel is None else accel)
         self.bucket_nbytes = int(bucket_nbytes)
@@ -278,7 +280,7 @@ class VLLMEngine:
         if not to_free:
             return
         # Weights whose contents must survive: resident ones not asked for, and ones parked on host.
-        weights_kept = WEIGHTS not in to_free and self._state[WEIGHTS] in (TagState.RESIDENT, TagState.ON_HOST)
+        weights_kept = WEIGHTS not in to_free and self._state[WEIGHTS] is not TagState.RELEASED
         level = 1 if (weights_kept and self.kv_only_release is KVOnlyRelease.OFFLOAD_WEIGHTS) else 2
         kv_kept = KV_CACHE not in to_free and self._state[KV_CACHE] is TagState.RESIDENT
         self._sleep(level, rewake=[KV_CACHE] if kv_kept else [])
@@ -332,9 +334,10 @@ class VLLMEngine:
                 except Exception as undo_exc:  # noqa: BLE001 - reported on the original error
                     _add_note(
                         exc,
-                        f"hybridmem vLLM adapter: could not release {done} again ({undo_exc!r}): vLLM cannot put "
-                        f"one tag back to sleep while another sleeps, so it had to wake {sorted(self._asleep)} "
-                        f"first; {done} stay resident (see [Note: vllm sleep granularity])"
+                        f"hybridmem vLLM adapter: could not release {done} again ({undo_exc!r}): vLLM "
+                        f"cannot put one tag back to sleep while another sleeps, so it had to wake "
+                        f"{sorted(self._asleep)} first; {done} stay resident (see [Note: vllm sleep "
+                        f"granularity])"
                     )
             raise
         if KV_CACHE in done and self._prefix_stale:
@@ -426,9 +429,13 @@ class VLLMEngine:
         """
         for tag in ENGINE_TAGS:
             if self._state[tag] is not TagState.RESIDENT:
-                raise PhaseError("generate with vLLM", self._state[tag], f"{tag!r} is not resident; resume it first")
+                raise PhaseError(
+                    "generate with vLLM", self._state[tag], f"{tag!r} is not resident; resume it first"
+                )
         if not self._weights_valid:
-            raise PhaseError("generate with vLLM", "STALE_WEIGHTS", "the weights were discarded by a sleep and not loaded since")
+            raise PhaseError(
+                "generate with vLLM", "STALE_WEIGHTS", "the weights were discarded by a sleep, not loaded since"
+            )
         params = GenerationParams() if params is None else params
         kwargs = to_vllm_sampling_kwargs(params)
         sampling_params = import_vllm("vllm").SamplingParams(**kwargs)
@@ -439,7 +446,8 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-        return [from_request_output(p, o, want_logprobs=bool(params.logprobs)) for p, o in zip(prompt_ids, outputs)]
+        want = bool(params.logprobs)
+        return [from_request_output(p, o, want_logprobs=want) for p, o in zip(prompt_ids, outputs)]
 
     # Internals ------------------------------------------------------------------------------------
     def _free_nbytes(self) -> int:

@@ -64,7 +64,10 @@ def to_vllm_sampling_kwargs(params: Any) -> dict[str, Any]:
     """
     missing = [f for f in GenerationParams.__slots__ if not hasattr(params, f)]
     if missing:
-        raise TypeError(f"sampling params {type(params).__name__} lacks fields {missing}; expected those of GenerationParams")
+        raise TypeError(
+            f"sampling params {type(params).__name__} lacks fields {missing}; "
+            f"expected those of GenerationParams"
+        )
     return {
         "max_tokens": int(params.max_tokens),
         "temperature": float(params.temperature),
@@ -81,17 +84,19 @@ def from_request_output(prompt_ids: Sequence[int], output: Any, *, want_logprobs
         ValueError: Log-probs were asked for but a generated token has none.
     """
     completion = output.outputs[0]
+    request = getattr(output, "request_id", "?")
     token_ids = tuple(int(t) for t in completion.token_ids)
     logprobs: tuple[float, ...] | None = None
     if want_logprobs:
         per_token = completion.logprobs
         if per_token is None or len(per_token) != len(token_ids):
             got = None if per_token is None else len(per_token)
-            raise ValueError(f"request {getattr(output, 'request_id', '?')}: {len(token_ids)} tokens but {got} log-prob entries")
+            raise ValueError(f"request {request}: {len(token_ids)} tokens but {got} log-prob entries")
         values = []
         for position, (token, entry) in enumerate(zip(token_ids, per_token)):
             if token not in entry:
-                raise ValueError(f"request {getattr(output, 'request_id', '?')}: no log-prob for sampled token {token} at position {position}")
+                raise ValueError(f"request {request}: no log-prob for sampled token {token} at {position=}")
             values.append(float(entry[token].logprob))
         logprobs = tuple(values)
-    return GenerationOutput(prompt_ids=tuple(int(t) for t in prompt_ids), token_ids=token_ids, logprobs=logprobs)
+    prompt = tuple(int(t) for t in prompt_ids)
+    return GenerationOutput(prompt_ids=prompt, token_ids=token_ids, logprobs=logprobs)
