@@ -434,7 +434,7 @@ class VLLMEngine:
                 )
         if not self._weights_valid:
             raise PhaseError(
-                "generate with vLLM", "STALE_WEIGHTS", "the weights were discarded by a sleep, not loaded since"
+                "generate with vLLM", "STALE_WEIGHTS", "the weights were discarded by a sleep, not reloaded"
             )
         params = GenerationParams() if params is None else params
         kwargs = to_vllm_sampling_kwargs(params)
