@@ -12,6 +12,7 @@ torch.Size([4, 512])
 
 ``torch`` (:mod:`hybridmem.kv.torch_pool`) works on every backend; ``cuda-vmm`` (:mod:`hybridmem.kv.vmm`) keeps
 addresses fixed so CUDA graphs survive, and imports ``cuda.bindings`` only when it allocates.
+``vllm-sleep`` (:mod:`hybridmem.kv.vllm_sleep`) delegates to a ``VLLMEngine``; it never imports vLLM.
 See [Note: KV views stay valid] in :mod:`hybridmem.kv.base`.
 """
 
@@ -28,6 +29,7 @@ from hybridmem.kv.base import (
     register_kv_allocator,
 )
 from hybridmem.kv.torch_pool import TorchKVAllocator
+from hybridmem.kv.vllm_sleep import VLLMSleepKVAllocator
 from hybridmem.kv.vmm import CudaVmmKVAllocator
 
 __all__ = [
@@ -39,4 +41,5 @@ __all__ = [
     "blocks_for_utilization",
     "TorchKVAllocator",
     "CudaVmmKVAllocator",
+    "VLLMSleepKVAllocator",
 ]

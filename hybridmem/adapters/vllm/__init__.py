@@ -1,0 +1,24 @@
+"""The vLLM adapter: a ``vllm.LLM`` as a hybridmem inference engine.
+
+Not run against a real vLLM in this project's CI: written against vLLM's public API as read from its
+source (see :mod:`hybridmem.adapters.vllm.compat`) and tested against a fake ``LLM``. Importing this
+package does not import vLLM; :meth:`VLLMEngine.create` and :meth:`VLLMEngine.generate` do.
+"""
+
+from __future__ import annotations
+
+from hybridmem.adapters.vllm.compat import VLLM_API_COMMIT, import_vllm
+from hybridmem.adapters.vllm.engine import KVOnlyRelease, LoadStats, TagState, VLLMEngine, bucket_weights
+from hybridmem.adapters.vllm.outputs import GenerationOutput, GenerationParams
+
+__all__ = [
+    "VLLMEngine",
+    "TagState",
+    "KVOnlyRelease",
+    "LoadStats",
+    "GenerationParams",
+    "GenerationOutput",
+    "bucket_weights",
+    "import_vllm",
+    "VLLM_API_COMMIT",
+]

@@ -1,0 +1,61 @@
+"""What the vLLM adapter knows about vLLM itself: the lazy import and the API version it was read from.
+
+[Note: vllm API reference]
+The adapter uses only vLLM's public ``LLM`` API, as read from vllm-project/vllm
+``vllm/entrypoints/llm.py`` at commit 10fdb8f0d75a3ad1122b87020f1359d3fc51f2ca (the newest stored
+copy; it has ``init_weight_transfer_engine``/``update_weights`` and
+``reset_prefix_cache(reset_running_requests=False, reset_connector=False)``), which the project's
+issue calls 0.33:
+
+- ``LLM.sleep(level=1)``: calls ``reset_prefix_cache()``, then the executor's ``sleep``, which is a
+  no-op (a logged warning) when the executor is already sleeping, and otherwise marks both tags
+  ``{"weights", "kv_cache"}`` as sleeping. In each worker (``vllm/v1/worker/gpu_worker.py``)
+  ``CuMemAllocator.sleep(offload_tags=("weights",) if level == 1 else ())`` unmaps *every* pool:
+  level 1 backs the weights up to pinned host memory first, level 2 discards them (saving only the
+  model's buffers, e.g. RoPE caches, to host). The KV cache is always discarded.
+- ``LLM.wake_up(tags=None)``: ``tags`` in ``("weights", "kv_cache")``; re-maps those pools (restoring
+  level-1 weight backups and level-2 buffers). The executor ignores the call, with a warning, when it is
+  not sleeping or when a tag is not in its sleeping set; it stops sleeping once every tag is awake.
+- ``LLM.collective_rpc(method, timeout=None, args=(), kwargs=None) -> list``: ``method`` is a worker
+  method name or a callable taking the worker first. ``LLM.apply_model(func) -> list``: ``func(model)``
+  in each worker.
+- The model's ``load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]`` takes full HF-named
+  tensors and shards them itself (``QKVParallelLinear``, ``MergedColumnParallelLinear``...).
+- ``LLM.generate(prompts, sampling_params, *, use_tqdm=True, ...) -> list[RequestOutput]``; a prompt
+  ``{"prompt_token_ids": [...]}`` is a ``TokensPrompt``; ``SamplingParams(logprobs=0)`` returns the
+  log-prob of the sampled token only; ``RequestOutput.outputs[0]`` has ``token_ids`` and ``logprobs``
+  (one ``{token_id: Logprob(logprob=...)}`` dict per generated token).
+
+vllm-ascend (Ascend NPUs) keeps the same ``LLM`` API; its ``NPUWorker.sleep``/``wake_up`` use
+``CaMemAllocator`` with the same tags and levels.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["VLLM_API_COMMIT", "VLLM_EXTRA_HINT", "import_vllm", "IN_PROCESS_BACKENDS"]
+
+VLLM_API_COMMIT = "10fdb8f0d75a3ad1122b87020f1359d3fc51f2ca"
+"""The vllm-project/vllm commit whose ``LLM`` API this adapter follows (see [Note: vllm API reference])."""
+
+VLLM_EXTRA_HINT = "pip install hybridmem[vllm]"
+
+IN_PROCESS_BACKENDS = ("external_launcher",)
+"""``distributed_executor_backend`` values whose worker (and model) live in the calling process."""
+
+
+def import_vllm(module: str = "vllm") -> ModuleType:
+    """Import ``module`` (``vllm`` or one of its submodules) or raise an ImportError naming the extra.
+
+    Raises:
+        ImportError: vLLM is not installed (or fails to import); the message says how to install it.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"hybridmem's vLLM adapter needs vLLM ({module!r} could not be imported: {exc}); install it "
+            f"with `{VLLM_EXTRA_HINT}` (vllm-ascend on Ascend NPUs)"
+        ) from exc

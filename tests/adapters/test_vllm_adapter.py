@@ -1,0 +1,515 @@
+"""VLLMEngine against a fake vllm.LLM (hybridmem.testing.fake_vllm).
+
+These tests check hybridmem's side of the contract only (which vLLM calls, in which order, with which
+tags and tensors); the adapter has not been run against a real vLLM in this project's CI.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridmem import Direction, ShardingManager
+from hybridmem.adapters.vllm import GenerationParams, KVOnlyRelease, TagState, VLLMEngine, bucket_weights
+from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
+from hybridmem.errors import PhaseError, SwitchError
+from hybridmem.sync import SyncStats, WeightSync
+from hybridmem.testing.fake_vllm import FakeDeviceAccelerator, FakeLLM, make_fake_vllm_module
+from hybridmem.testing.tiny import TinyNet, train_step
+
+KV_NBYTES = 1 << 16
+
+
+def weights_nbytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct storage of params and buffers (the fake's "weights" pool)."""
+    seen = {t.untyped_storage()._cdata: t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    return sum(seen.values())
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A stand-in ``vllm`` module in sys.modules (for SamplingParams and LLM)."""
+    accel = FakeDeviceAccelerator()
+    module = make_fake_vllm_module(lambda **kw: FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES))
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def build(*, backend: str = "external_launcher", **engine_kwargs):
+    accel = FakeDeviceAccelerator()
+    torch.manual_seed(1)  # the engine starts with different weights than training
+    llm = FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES, backend=backend)
+    engine = VLLMEngine(llm, accel=accel, **engine_kwargs)
+    return llm, engine, accel
+
+
+@torch.no_grad()
+def reference_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int):
+    """Greedy decoding and per-token log-probs computed directly with the training model."""
+    tokens, logprobs = list(prompt), []
+    for _ in range(max_tokens):
+        lp = torch.log_softmax(model(torch.tensor([tokens]))[0, -1].double(), -1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(float(lp[token]))
+    return tuple(tokens[len(prompt):]), tuple(logprobs)
+
+
+def without_resets(calls):
+    return [c for c in calls if c[0] != "reset_prefix_cache"]
+
+
+# Lazy import ---------------------------------------------------------------------------------------
+def test_importing_hybridmem_never_imports_vllm():
+    code = textwrap.dedent(
+        """
+        import sys
+
+        class Refuse:
+            def find_spec(self, name, path=None, target=None):
+                if name == "vllm" or name.startswith("vllm."):
+                    raise AssertionError(f"import of {name} at hybridmem import time")
+                return None
+
+        sys.meta_path.insert(0, Refuse())
+        import hybridmem, hybridmem.adapters, hybridmem.adapters.vllm, hybridmem.kv, hybridmem.testing.fake_vllm
+        assert 'vllm-sleep' in hybridmem.kv.KV_ALLOCATORS
+        assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
+        print("ok")
+        """
+    )
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_create_without_vllm_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install hybridmem\[vllm\]"):
+        VLLMEngine.create("Qwen/Qwen2.5-0.5B", tensor_parallel_size=1)
+
+
+def test_create_builds_llm_with_sleep_mode_and_external_launcher(fake_vllm, monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    engine = VLLMEngine.create("some/model", tensor_parallel_size=2, gpu_memory_utilization=0.4, dtype="bfloat16")
+    (kwargs,) = fake_vllm.llm_kwargs
+    assert kwargs == {
+        "model": "some/model",
+        "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.4,
+        "enable_sleep_mode": True,
+        "distributed_executor_backend": "external_launcher",
+        "dtype": "bfloat16",
+    }
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # Built released, as ShardingManager expects: one level-2 sleep, nothing resident.
+    assert without_resets(engine.llm.calls) == [("sleep", 2)]
+    assert engine.state("weights") is TagState.RELEASED and engine.state("kv_cache") is TagState.RELEASED
+
+
+def test_create_on_npu_turns_off_nz_layout(fake_vllm, monkeypatch):
+    class FakeNpu(FakeDeviceAccelerator):
+        name = "npu"
+
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    engine = VLLMEngine.create("some/model", accel=FakeNpu())
+    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0" and engine.accel.name == "npu"
+
+
+def test_create_from_a_config_writes_it_and_loads_dummy_weights(fake_vllm):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    VLLMEngine.create(config, distributed_executor_backend=None)
+    (kwargs,) = fake_vllm.llm_kwargs
+    assert kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"] is True
+    assert "distributed_executor_backend" not in kwargs
+    saved = transformers.AutoConfig.from_pretrained(kwargs["model"])
+    assert saved.hidden_size == 32 and saved.vocab_size == 64
+
+
+def test_llm_without_sleep_mode_is_refused():
+    accel = FakeDeviceAccelerator()
+    llm = FakeLLM(TinyNet(), accel=accel, enable_sleep_mode=False)
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        VLLMEngine(llm, accel=accel)
+
+
+# A full TRAIN -> INFER -> TRAIN cycle through ShardingManager -------------------------------------------
+def test_full_cycle_call_order_weights_and_generation(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    llm, engine, accel = build(bucket_nbytes=8 << 10)
+    assert accel.used_nbytes == 0 and engine.last_freed_nbytes == weights_nbytes(model) + KV_NBYTES
+    manager = ShardingManager(model, engine, optimizer=opt)
+    names = sorted(n for n, _ in [*model.named_parameters(), *model.named_buffers()])
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    for cycle in range(3):
+        train_step(model, opt, cycle)
+        expected = [reference_greedy(model, p, max_tokens=5) for p in prompts]
+        llm.calls.clear()
+        llm.worker.model.load_calls.clear()
+        manager.to_infer()
+        # Weights first, then the load in buckets, a prefix-cache reset, then the KV cache.
+        num_buckets = engine.last_load.num_buckets
+        assert num_buckets > 1, "bucket_nbytes=8 KiB must split TinyNet's 40 KiB"
+        assert llm.calls == [("wake_up", ["weights"])] + [("apply_model", "_load_bucket")] * num_buckets + [
+            ("reset_prefix_cache",),
+            ("wake_up", ["kv_cache"]),
+        ]
+        assert sorted(n for call in llm.worker.model.load_calls for n in call) == names
+        assert engine.resident_nbytes("weights") == weights_nbytes(model)
+        assert engine.resident_nbytes("kv_cache") == KV_NBYTES
+        assert accel.used_nbytes == weights_nbytes(model) + KV_NBYTES
+        owners = manager.residency().by_owner
+        assert owners["engine weights"] == weights_nbytes(model) and owners["kv cache"] == KV_NBYTES
+        outputs = engine.generate(prompts, GenerationParams(max_tokens=5))
+        for out, prompt, (tokens, logprobs) in zip(outputs, prompts, expected):
+            assert out.prompt_ids == tuple(prompt) and out.token_ids == tokens
+            assert out.logprobs == pytest.approx(logprobs, abs=1e-6)
+        llm.calls.clear()
+        manager.to_train()
+        # KV release: one level-2 sleep (LLM.sleep resets the prefix cache itself); weights: no call.
+        assert llm.calls == [("sleep", 2), ("reset_prefix_cache",)]
+        assert accel.used_nbytes == 0 and engine.last_freed_nbytes == weights_nbytes(model) + KV_NBYTES
+        assert engine.resident_nbytes("weights") == 0 and engine.resident_nbytes("kv_cache") == 0
+        assert engine.planned_nbytes("weights") == weights_nbytes(model)
+    assert llm.stale_prefix_hits == 0
+
+
+class InPlaceSync(WeightSync):
+    """Writes training tensors straight into the engine's own parameters, as ReshardSync does."""
+
+    def __init__(self, model, engine):
+        self.model, self.engine = model, engine
+
+    def sync(self) -> SyncStats:
+        dst = dict(self.engine.named_parameters())
+        with torch.no_grad():
+            for name, tensor in self.model.named_parameters():
+                dst[name].copy_(tensor)
+        return SyncStats(num_tensors=len(dst))
+
+
+def test_in_place_sync_through_named_parameters(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    llm, engine, _ = build()
+    manager = ShardingManager(model, engine, optimizer=opt, weight_sync=InPlaceSync(model, engine))
+    for cycle in range(2):
+        train_step(model, opt, cycle)
+        scale = model.scale.clone()  # the training model's storage is offloaded in INFER
+        expected = reference_greedy(model, [2, 4, 6], 4)[0]
+        llm.calls.clear()
+        manager.to_infer()
+        # The KV resume after an in-place write resets the prefix cache.
+        assert llm.calls == [
+            ("wake_up", ["weights"]),
+            ("apply_model", "_identity"),
+            ("wake_up", ["kv_cache"]),
+            ("reset_prefix_cache",),
+        ]
+        # Buffers are not written by the sync: vLLM's level-2 sleep saved and restored them.
+        assert torch.equal(dict(llm.worker.model.named_buffers())["scale"], scale)
+        assert engine.generate([[2, 4, 6]], GenerationParams(max_tokens=4))[0].token_ids == expected
+        manager.to_train()
+    assert llm.stale_prefix_hits == 0
+
+
+def test_manager_cycle_with_offload_weights_policy(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    llm, engine, accel = build(kv_only_release="offload_weights")
+    manager = ShardingManager(model, engine, optimizer=opt)
+    for cycle in range(2):
+        train_step(model, opt, cycle)
+        expected = reference_greedy(model, [5, 5], 3)[0]
+        llm.calls.clear()
+        with manager.inference():
+            assert engine.generate([[5, 5]], GenerationParams(max_tokens=3))[0].token_ids == expected
+        # KV release: a level-1 sleep parks the weights on host; the weights release is bookkeeping.
+        assert without_resets(llm.calls)[-2:] == [("generate", 1), ("sleep", 1)]
+        assert engine.state("weights") is TagState.RELEASED and accel.used_nbytes == 0
+    assert llm.stale_prefix_hits == 0
+
+
+def test_plan_uses_measured_nbytes(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, _ = build()
+    manager = ShardingManager(model, engine)
+    assert engine.planned_nbytes("kv_cache") == 0  # unknown before the first wake-up
+    manager.to_infer()
+    manager.to_train()
+    estimates = {s.name: s.estimate() for s in manager.steps(Direction.TO_INFER)}
+    assert estimates["resume engine weights"].alloc_nbytes == weights_nbytes(model)
+    assert estimates["resume engine kv_cache"].alloc_nbytes == KV_NBYTES
+
+
+def test_generate_with_seeded_sampling_maps_params(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, _ = build()
+    engine.resume(["weights"])
+    engine.load_weights(model.named_parameters())
+    engine.resume(["kv_cache"])
+    params = GenerationParams(max_tokens=4, temperature=0.7, top_p=1.0, seed=3, logprobs=False)
+    a = engine.generate([[5, 6]], params)
+    b = engine.generate([[5, 6]], params)
+    assert a == b and a[0].logprobs is None and len(a[0].token_ids) == 4
+
+
+# Tags and levels ------------------------------------------------------------------------------------
+def awake(engine, model):
+    engine.resume(["weights", "kv_cache"])
+    engine.load_weights([*model.named_parameters(), *model.named_buffers()])
+    engine.llm.calls.clear()
+
+
+def test_release_weights_alone_keeps_kv_resident():
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, accel = build()
+    awake(engine, model)
+    engine.release(["weights"])
+    assert without_resets(llm.calls) == [("sleep", 2), ("wake_up", ["kv_cache"])]
+    assert engine.state("weights") is TagState.RELEASED and engine.state("kv_cache") is TagState.RESIDENT
+    assert accel.used_nbytes == KV_NBYTES
+
+
+def test_kv_only_release_discard_weights_requires_a_reload(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, _ = build()
+    awake(engine, model)
+    engine.release(["kv_cache"])
+    assert without_resets(llm.calls) == [("sleep", 2)]
+    engine.resume(["weights", "kv_cache"])
+    with pytest.raises(PhaseError, match="discarded"):
+        engine.generate([[1, 2]])
+    engine.load_weights([*model.named_parameters(), *model.named_buffers()])
+    assert engine.generate([[1, 2]], GenerationParams(max_tokens=3))[0].token_ids == reference_greedy(model, [1, 2], 3)[0]
+
+
+def test_kv_only_release_offload_weights_parks_them_on_host(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, accel = build(kv_only_release="offload_weights")
+    assert engine.kv_only_release is KVOnlyRelease.OFFLOAD_WEIGHTS
+    awake(engine, model)
+    before = {n: p.detach().clone() for n, p in llm.worker.model.named_parameters()}
+    engine.release(["kv_cache"])
+    assert without_resets(llm.calls) == [("sleep", 1)]
+    assert engine.state("weights") is TagState.ON_HOST and accel.used_nbytes == 0
+    with pytest.raises(PhaseError, match="resume"):
+        engine.load_weights(model.named_parameters())
+    engine.resume(["weights", "kv_cache"])  # restored from the host backup, no reload
+    for name, p in llm.worker.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert engine.generate([[4]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [4], 2)[0]
+    engine.release(["kv_cache"])
+    engine.release(["weights"])  # already off the device: bookkeeping only, no vLLM call
+    assert without_resets(llm.calls)[-1] == ("sleep", 1)
+    assert engine.state("weights") is TagState.RELEASED
+
+
+def test_offloaded_weights_survive_a_second_kv_only_release(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, accel = build(kv_only_release="offload_weights")
+    awake(engine, model)
+    before = {n: p.detach().clone() for n, p in llm.worker.model.named_parameters()}
+    engine.release(["kv_cache"])
+    engine.resume(["kv_cache"])  # weights stay on host
+    engine.release(["kv_cache"])  # must wake the weights so vLLM accepts the sleep, and keep them
+    assert without_resets(llm.calls) == [("sleep", 1), ("wake_up", ["kv_cache"]), ("wake_up", ["weights"]), ("sleep", 1)]
+    assert engine.state("weights") is TagState.ON_HOST
+    engine.resume(["weights", "kv_cache"])
+    for name, p in llm.worker.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert engine.generate([[3, 1]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [3, 1], 2)[0]
+
+
+def test_releasing_weights_while_kv_sleeps_wakes_kv_first():
+    """Undoing resume(["weights"]) before the KV cache was resumed (a TRAIN->INFER rollback)."""
+    torch.manual_seed(0)
+    llm, engine, accel = build()
+    llm.calls.clear()
+    engine.resume(["weights"])
+    engine.release(["weights"])
+    assert without_resets(llm.calls) == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), ("sleep", 2)]
+    assert not llm.is_sleeping or llm.sleeping_tags == {"weights", "kv_cache"}
+    assert accel.used_nbytes == 0
+
+
+def test_unknown_and_malformed_tags_raise():
+    llm, engine, _ = build()
+    with pytest.raises(ValueError, match="'kv'"):
+        engine.release(["kv"])
+    with pytest.raises(ValueError, match="'activations'"):
+        engine.resume(["weights", "activations"])
+    with pytest.raises(TypeError, match="string"):
+        engine.release("weights")
+    with pytest.raises(ValueError, match="'kv'"):
+        engine.resident_nbytes("kv")
+    assert llm.calls == [("sleep", 2), ("reset_prefix_cache",)]  # nothing else reached vLLM
+
+
+def test_resume_is_all_or_nothing_when_the_undo_can_wake_kv(monkeypatch):
+    llm, engine, accel = build()
+    real_wake = llm.wake_up
+    failures = []
+
+    def wake_failing_once(tags=None):
+        if tags == ["kv_cache"] and not failures:
+            failures.append(tags)
+            raise RuntimeError("out of memory")
+        real_wake(tags)
+
+    monkeypatch.setattr(llm, "wake_up", wake_failing_once)
+    llm.calls.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.resume(["weights", "kv_cache"])
+    assert engine.state("weights") is TagState.RELEASED and engine.state("kv_cache") is TagState.RELEASED
+    assert without_resets(llm.calls) == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), ("sleep", 2)]
+    assert accel.used_nbytes == 0
+
+
+def test_resume_undo_puts_host_parked_weights_back_on_host(monkeypatch, fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, accel = build(kv_only_release="offload_weights")
+    awake(engine, model)
+    before = {n: p.detach().clone() for n, p in llm.worker.model.named_parameters()}
+    engine.release(["kv_cache"])
+    real_wake = llm.wake_up
+    failures = []
+
+    def wake_failing_once(tags=None):
+        if tags == ["kv_cache"] and not failures:
+            failures.append(tags)
+            raise RuntimeError("out of memory")
+        real_wake(tags)
+
+    monkeypatch.setattr(llm, "wake_up", wake_failing_once)
+    llm.calls.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.resume(["weights", "kv_cache"])
+    assert without_resets(llm.calls) == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), ("sleep", 1)]
+    assert engine.state("weights") is TagState.ON_HOST and accel.used_nbytes == 0
+    engine.resume(["weights", "kv_cache"])
+    for name, p in llm.worker.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    assert engine.generate([[9]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [9], 2)[0]
+
+
+def test_resume_undo_that_cannot_wake_kv_says_so(monkeypatch):
+    llm, engine, accel = build()
+    real_wake = llm.wake_up
+
+    def wake_never_kv(tags=None):
+        if tags == ["kv_cache"]:
+            raise RuntimeError("out of memory")
+        real_wake(tags)
+
+    monkeypatch.setattr(llm, "wake_up", wake_never_kv)
+    with pytest.raises(RuntimeError, match="out of memory") as info:
+        engine.resume(["weights", "kv_cache"])
+    assert any("cannot put one tag back to sleep" in note for note in info.value.__notes__)
+    assert engine.state("weights") is TagState.RESIDENT and engine.state("kv_cache") is TagState.RELEASED
+
+
+def test_manager_rolls_back_a_failed_kv_resume(monkeypatch, fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    llm, engine, accel = build()
+    manager = ShardingManager(model, engine)
+    real_wake = llm.wake_up
+    failures = []
+
+    def wake_failing_once(tags=None):
+        if tags == ["kv_cache"] and not failures:
+            failures.append(tags)
+            raise RuntimeError("oom")
+        real_wake(tags)
+
+    monkeypatch.setattr(llm, "wake_up", wake_failing_once)
+    with pytest.raises(SwitchError, match="resume engine kv_cache"):
+        manager.to_infer()
+    assert manager.phase.name == "TRAIN" and accel.used_nbytes == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, snapshot[n]), n
+
+
+# Weights ---------------------------------------------------------------------------------------------
+def test_named_parameters_are_the_in_process_models_own_tensors():
+    llm, engine, _ = build()
+    engine.resume(["weights"])
+    ours = dict(engine.named_parameters())
+    theirs = dict(llm.worker.model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(ours[n] is theirs[n] for n in ours)
+
+
+def test_named_parameters_out_of_process_raises_with_the_reason():
+    _, engine, _ = build(backend="mp")
+    assert not engine.in_process
+    with pytest.raises(AttributeError, match="external_launcher.*'mp'"):
+        engine.named_parameters()
+    # Probing callers (ReshardSync) see no in-place path and fall back to load_weights.
+    assert getattr(engine, "named_parameters", None) is None
+
+
+def test_out_of_process_load_sends_host_tensors():
+    torch.manual_seed(0)
+    model = TinyNet()
+    llm, engine, _ = build(backend="mp")
+    engine.resume(["weights"])
+    seen = []
+    real = llm.apply_model
+    llm.apply_model = lambda func: (seen.extend(t.device.type for _, t in func.keywords["bucket"]), real(func))[1]
+    engine.load_weights(model.named_parameters())
+    assert seen and set(seen) == {"cpu"}
+    for n, p in llm.worker.model.named_parameters():
+        assert torch.equal(p, dict(model.named_parameters())[n])
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), max_size=12), limit=st.integers(4, 64))
+def test_bucket_weights_partitions_in_order(sizes, limit):
+    weights = [(f"w{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate(sizes)]
+    buckets = list(bucket_weights(weights, limit))
+    assert [name for b in buckets for name, _ in b] == [name for name, _ in weights]
+    for b in buckets:
+        nbytes = sum(t.numel() * 4 for _, t in b)
+        assert b and (nbytes <= limit or len(b) == 1)
+    for b, nxt in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit
+        assert sum(t.numel() * 4 for _, t in b) + nxt[0][1].numel() * 4 > limit
+
+
+def test_sampling_params_mapping_and_validation():
+    kw = to_vllm_sampling_kwargs(GenerationParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=11))
+    assert kw == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 11, "logprobs": 0}
+    assert to_vllm_sampling_kwargs(GenerationParams(logprobs=False))["logprobs"] is None
+    with pytest.raises(ValueError, match="top_p=0"):
+        GenerationParams(top_p=0)
+    with pytest.raises(TypeError, match="lacks fields"):
+        to_vllm_sampling_kwargs(object())
+
+
+def test_generate_while_released_raises():
+    _, engine, _ = build()
+    with pytest.raises(PhaseError, match="not resident"):
+        engine.generate([[1]])
