@@ -61,7 +61,6 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return None if any(lo >= hi for lo, hi in out) else out
 
 
-
 def _numel(box: Box) -> int:
     n = 1
     for a, b in box:
