@@ -116,10 +116,12 @@ class ModelSpec:
         kv = get("num_key_value_heads") or heads
         head_dim = get("head_dim") or get("hidden_size") // heads
         is_moe = family in _MOE_FAMILIES
-        if family == "qwen2":
+        if get("qkv_bias") is not None:  # Qwen2-MoE's config key
+            bias = bool(get("qkv_bias"))
+        elif family == "qwen2":
             bias = True  # Qwen2Attention always builds q/k/v with bias=True.
         else:
-            bias = bool(get("attention_bias", False)) or (family == "qwen2_moe")
+            bias = bool(get("attention_bias", False))
         return cls(
             family=family,
             hidden_size=int(get("hidden_size")),
