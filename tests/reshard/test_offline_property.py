@@ -13,11 +13,11 @@ from tests.reshard.reference import megatron_shard, random_full, vllm_shard
 
 
 @st.composite
-def dense_case(draw):
-    """A dense spec and a (train, infer) layout pair valid on a world of 1-8 ranks."""
-    tp_t = draw(st.sampled_from([1, 2, 4, 8]))
-    pp_t = draw(st.sampled_from([p for p in (1, 2, 4) if tp_t * p <= 8]))
-    dp_t = draw(st.sampled_from([d for d in (1, 2, 4, 8) if tp_t * pp_t * d <= 8]))
+def dense_case(draw, max_world: int = 8):
+    """A dense spec and a (train, infer) layout pair valid on a world of 1-``max_world`` ranks."""
+    tp_t = draw(st.sampled_from([t for t in (1, 2, 4, 8) if t <= max_world]))
+    pp_t = draw(st.sampled_from([p for p in (1, 2, 4) if tp_t * p <= max_world]))
+    dp_t = draw(st.sampled_from([d for d in (1, 2, 4, 8) if tp_t * pp_t * d <= max_world]))
     world = tp_t * pp_t * dp_t
     tp_i = draw(st.sampled_from([t for t in (1, 2, 4, 8) if world % t == 0]))
     pp_i = draw(st.sampled_from([p for p in (1, 2) if world % (tp_i * p) == 0]))
