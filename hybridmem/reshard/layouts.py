@@ -227,6 +227,15 @@ def _vocab_rows(side: Side, spec: ModelSpec, conv: object, c: RankCoords) -> int
     return -(-v // multiple) * multiple
 
 
+def _expert_range(num_experts: int, ep_rank: int, ep: int) -> tuple[int, int]:
+    """Contiguous experts of ``ep_rank``: vLLM's "linear" placement (``determine_expert_map``), where the
+    first ``num_experts % ep`` ranks take one extra expert; Megatron requires ``ep | num_experts``, for
+    which both rules agree."""
+    base, extra = divmod(num_experts, ep)
+    start = ep_rank * base + min(ep_rank, extra)
+    return start, start + base + (1 if ep_rank < extra else 0)
+
+
 def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int, local_layer: int,
                 shapes: Shapes) -> dict[str, LocalTensor]:
     spec, side = layout.spec, layout.side
@@ -247,7 +256,7 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
     if rule.kind == "gate_up":
         return {prefix + name: _gate_up(hf, shapes, c.tp_rank, c.tp)}
     if rule.kind in ("experts_gate_up", "experts_row"):
-        lo, hi = chunk(spec.num_experts, c.ep_rank, c.ep, what="num_experts")
+        lo, hi = _expert_range(spec.num_experts, c.ep_rank, c.ep)
         parts = []
         for e in range(lo, hi):
             names = tuple(s.format(e=e) for s in hf)
@@ -428,9 +437,9 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     if not spec.is_moe and spec.intermediate_size % tp:
         raise ValueError(f"inference tp={tp} does not divide intermediate_size={spec.intermediate_size}")
     if spec.is_moe:
-        if (dp * tp) % ep or spec.num_experts % ep:
+        if (dp * tp) % ep or ep > spec.num_experts:
             raise ValueError(
-                f"inference ep={ep} must divide dp*tp={dp}*{tp} and num_experts={spec.num_experts}"
+                f"inference ep={ep} must divide dp*tp={dp}*{tp} and not exceed num_experts={spec.num_experts}"
             )
         moe_tp = 1 if ep > 1 else tp
         if spec.moe_intermediate_size % moe_tp or spec.shared_expert_intermediate_size % tp:

@@ -116,8 +116,10 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
             out[h + "mlp.down_proj.weight"] = full[h + "mlp.down_proj.weight"].chunk(tp, 1)[r].clone()
             continue
         out[h + "mlp.gate.weight"] = full[h + "mlp.gate.weight"].clone()
-        e_local = spec.num_experts // ep
-        experts = range(ep_rank * e_local, (ep_rank + 1) * e_local)
+        # vLLM determine_expert_map, "linear": the first (E % ep) ranks hold one extra expert.
+        sizes = [spec.num_experts // ep + (1 if k < spec.num_experts % ep else 0) for k in range(ep)]
+        first = sum(sizes[:ep_rank])
+        experts = range(first, first + sizes[ep_rank])
         out[h + "mlp.experts.w13_weight"] = torch.stack([
             torch.cat([full[h + f"mlp.experts.{e}.gate_proj.weight"].chunk(moe_tp)[moe_r],
                        full[h + f"mlp.experts.{e}.up_proj.weight"].chunk(moe_tp)[moe_r]]) for e in experts])

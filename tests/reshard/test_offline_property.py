@@ -118,6 +118,16 @@ def test_moe_named_conversions(src, dst, world):
     _check(spec, src, dst, world)
 
 
+def test_moe_uneven_vllm_experts():
+    """vLLM spreads 6 experts over ep=4 as 2, 2, 1, 1 (linear placement); Megatron holds 3 + 3 (ep=2)."""
+    spec = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+                     intermediate_size=0, num_hidden_layers=1, vocab_size=64, qk_norm=True, num_experts=6,
+                     moe_intermediate_size=4)
+    _check(spec, ParallelLayout(ep=2), ParallelLayout(tp=1, ep=4), 4)
+    layout = vllm_layout(spec, ParallelLayout(tp=1, ep=4), 4)
+    assert [layout.tensors(r)["model.layers.0.mlp.experts.w13_weight"].shape[0] for r in range(4)] == [2, 2, 1, 1]
+
+
 def test_moe_ep_to_tp_moves_only_missing_bytes():
     """EP4 -> TP4 on 4 ranks: each rank had 2 whole experts, now needs a quarter of each of 8."""
     spec = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=2,

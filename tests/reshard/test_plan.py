@@ -129,7 +129,7 @@ def test_invalid_moe_layouts_name_numbers():
         megatron_layout(moe, ParallelLayout(tp=2, ep=4), 4)
     with pytest.raises(ValueError, match="training ep=4 does not divide num_experts=6"):
         megatron_layout(moe, ParallelLayout(ep=4), 4)
-    with pytest.raises(ValueError, match=r"inference ep=4 must divide dp\*tp=1\*2 and num_experts=6"):
+    with pytest.raises(ValueError, match=r"inference ep=4 must divide dp\*tp=1\*2 and not exceed num_experts=6"):
         vllm_layout(moe, ParallelLayout(tp=2, ep=4), 2)
 
 
