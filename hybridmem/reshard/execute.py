@@ -151,6 +151,19 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     )
 
 
+class _AllocateOnFirstUse(dict):
+    """Destination tensors allocated when first indexed (so a stream holds only tensors in flight)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        tensor = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+        self[name] = tensor
+        return tensor
+
+
 def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor],
                       group: Any = None, stats: list[SyncStats] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for this rank's pipeline stage, each as soon as it is complete.
@@ -171,23 +184,14 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     dtype, device = first.dtype, first.device
     expected = plan.dst.tensors(rank)
     remaining = {name: local.numel for name, local in expected.items()}
-    live: dict[str, torch.Tensor] = {}
-
-    class _Lazy(dict):
-        def __missing__(self, name: str) -> torch.Tensor:
-            live[name] = t = torch.empty(expected[name].shape, dtype=dtype, device=device)
-            self[name] = t
-            return t
-
-    dst = _Lazy()
+    dst = _AllocateOnFirstUse({n: t.shape for n, t in expected.items()}, dtype, device)
+    order = {name: i for i, name in enumerate(expected)}
     sent = received = peak = 0
 
     def done(names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in sorted(names, key=list(expected).index):
-            if remaining[name] == 0 and name in live:
-                tensor = live.pop(name)
-                dst.pop(name, None)
-                yield name, tensor
+        for name in sorted(names, key=order.__getitem__):
+            if remaining[name] == 0 and name in dst:
+                yield name, dst.pop(name)
 
     with torch.no_grad():
         touched: set[str] = set()
