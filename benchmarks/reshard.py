@@ -6,8 +6,8 @@ Methods, all in one run on gloo with spawned processes (hybridmem.testing.worker
 (b) all-gather-to-full then slice (verl's approach): every TP-split Megatron tensor is all-gathered in
     its TP group, every stage's tensors are broadcast along the PP group, each rank rebuilds the full
     HF tensors and slices its vLLM shard.
-(c) megatron-core ``megatron.core.resharding.swap_model_weights``: Megatron -> Megatron only; needs two
-    Megatron GPTModels built on this CPU (a CUDA-shim harness); not run here, the reason is printed.
+(c) megatron-core ``megatron.core.resharding.swap_model_weights``: Megatron -> Megatron only; not run
+    here, the reason is printed (see ``_megatron_reason``).
 
 Example::
 
@@ -175,9 +175,11 @@ def _megatron_reason() -> str:
         import megatron.core.resharding as mr  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - report why it is absent
         return f"megatron.core.resharding not importable ({type(exc).__name__}: {exc})"
-    return ("megatron-core has megatron.core.resharding.swap_model_weights, but it refits Megatron GPTModel -> "
-            "Megatron GPTModel (no vLLM layout) and needs both models built on this CPU under a CUDA-shim "
-            "harness (its GlooCopyService creates torch.cuda.Stream); not run in this benchmark")
+    return ("megatron-core 0.16.1 has megatron.core.resharding.swap_model_weights, but it refits Megatron GPTModel "
+            "-> Megatron GPTModel only (no vLLM layout) and needs both models built on this CPU under a CUDA shim "
+            "(its GlooCopyService creates torch.cuda.Stream). A trial with such a shim (tiny model, world 4) "
+            "failed inside GlooCopyService's local copy for TP4->TP2 (512 vs 256 rows) and hung for TP2->TP1; "
+            "the cause was not investigated, so (c) is not run")
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,7 @@ from hybridmem.testing.workers import WorkerPool
 from tests.reshard import _mcore_tasks
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron
 
 
 @pytest.fixture(scope="module")
