@@ -36,6 +36,17 @@ def _global(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def _warm_group(plan: ReshardPlan, group: Any, device: torch.device) -> None:
+    """Initialise the communicator with one collective before the first p2p batch.
+
+    NCCL requires every rank of a group to take part in ``batch_isend_irecv`` when it is the first
+    collective on that group; ranks with nothing to move in a bucket skip the call, so a tiny
+    all_reduce comes first (gloo has no such rule).
+    """
+    if plan.buckets and plan.world_size > 1 and dist.get_backend(group) != "gloo":
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
 def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]) -> torch.Tensor:
     expected = plan.src.tensors(rank)
     missing = [n for n in expected if n not in src]
@@ -131,6 +142,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     accel = get_accelerator(device)
     side = accel.new_stream()
     sent = received = peak = 0
+    _warm_group(plan, group, device)
     with torch.no_grad(), accel.on_side_stream(side):
         for t in plan.local[rank]:
             dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)])
@@ -193,6 +205,7 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
             if remaining[name] == 0 and name in dst:
                 yield name, dst.pop(name)
 
+    _warm_group(plan, group, device)
     with torch.no_grad():
         touched: set[str] = set()
         for t in plan.local[rank]:
