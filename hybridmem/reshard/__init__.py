@@ -1,0 +1,54 @@
+"""The resharding engine: training layout (Megatron TP/PP/EP) -> inference layout (vLLM TP/PP/EP).
+
+- :class:`ModelSpec`: the shapes sharding depends on (``ModelSpec.from_hf_config``).
+- :func:`megatron_layout`, :func:`vllm_layout`, :func:`hf_layout`: layouts as data (see [Note: pieces]
+  in :mod:`hybridmem.reshard.transforms`).
+- :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
+- :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
+- :func:`run_plan`, :func:`iter_full_tensors`: the plan run over a ``torch.distributed`` group.
+- :class:`ReshardSync`: the TRAIN->INFER weight sync for ShardingManager (optional checksum check).
+"""
+
+from __future__ import annotations
+
+from hybridmem.reshard.checksum import CellChecksums, verify_offline
+from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
+from hybridmem.reshard.execute import iter_full_tensors, run_plan
+from hybridmem.reshard.layouts import (
+    HFConvention,
+    MegatronConvention,
+    ShardLayout,
+    Side,
+    VLLMConvention,
+    hf_layout,
+    megatron_layout,
+    vllm_layout,
+)
+from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, Transfer, build_plan
+from hybridmem.reshard.spec import ModelSpec
+from hybridmem.reshard.sync import ReshardSync
+
+__all__ = [
+    "ModelSpec",
+    "Side",
+    "ShardLayout",
+    "MegatronConvention",
+    "VLLMConvention",
+    "HFConvention",
+    "megatron_layout",
+    "vllm_layout",
+    "hf_layout",
+    "ReshardPlan",
+    "Transfer",
+    "build_plan",
+    "DEFAULT_BUCKET_NBYTES",
+    "shard",
+    "unshard",
+    "allocate_local",
+    "reshard_offline",
+    "run_plan",
+    "iter_full_tensors",
+    "CellChecksums",
+    "verify_offline",
+    "ReshardSync",
+]

@@ -1,0 +1,233 @@
+"""Run a :class:`~hybridmem.reshard.plan.ReshardPlan` over a ``torch.distributed`` process group.
+
+Every rank calls :func:`run_plan` (or iterates :func:`iter_full_tensors` to the end) with the same plan,
+in the same order relative to other collectives on ``group``. Per bucket, each rank packs what it sends
+to each peer into one flat buffer, posts one ``isend`` per peer and one ``irecv`` per peer through
+``dist.batch_isend_irecv`` (gloo on CPU, NCCL on GPU, HCCL on NPU), waits, then copies the received
+slices into the destination tensors. The staging buffers of a bucket are dropped before the next one,
+so temporary memory is bounded by the plan's ``peak_temp_nbytes``. On an accelerator with streams the
+work runs on a side stream that first waits for the current one; the current stream waits for it at
+the end, so the results are ready for whatever is queued next.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridmem.accel import get_accelerator
+from hybridmem.reshard.layouts import Side
+from hybridmem.reshard.plan import ReshardPlan, Transfer, piece_index
+from hybridmem.sync import SyncStats
+
+__all__ = ["run_plan", "iter_full_tensors"]
+
+
+def _box_shape(t: Transfer) -> tuple[int, ...]:
+    return tuple(b - a for a, b in t.box)
+
+
+def _global(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _warm_group(plan: ReshardPlan, group: Any, device: torch.device) -> None:
+    """Initialise the communicator with one collective before the first p2p batch.
+
+    NCCL requires every rank of a group to take part in ``batch_isend_irecv`` when it is the first
+    collective on that group; ranks with nothing to move in a bucket skip the call, so a tiny
+    all_reduce comes first (gloo has no such rule).
+    """
+    if plan.buckets and plan.world_size > 1 and dist.get_backend(group) != "gloo":
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    expected = plan.src.tensors(rank)
+    missing = [n for n in expected if n not in src]
+    if missing:
+        raise ValueError(f"rank {rank}: source tensors lack {missing[:5]} ({len(missing)} of {len(expected)})")
+    for name, local in expected.items():
+        if tuple(src[name].shape) != local.shape:
+            raise ValueError(
+                f"rank {rank}: source {name} has shape {tuple(src[name].shape)}, the {plan.src.side.value} "
+                f"layout {plan.src.parallel} expects {local.shape}"
+            )
+    first = next(iter(src.values()))
+    if first.element_size() != plan.itemsize:
+        raise ValueError(f"rank {rank}: tensors have {first.element_size()} bytes per element, plan has {plan.itemsize}")
+    return first
+
+
+def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: Mapping[str, torch.Tensor],
+              group: Any, dtype: torch.dtype, device: torch.device) -> tuple[dict[int, list[Transfer]], dict[int, torch.Tensor], int, int]:
+    """Post and wait for one bucket's sends and receives; returns what arrived, per peer."""
+    sends: dict[int, list[Transfer]] = defaultdict(list)
+    recvs: dict[int, list[Transfer]] = defaultdict(list)
+    for t in bucket:
+        if t.src_rank == rank:
+            sends[t.dst_rank].append(t)
+        if t.dst_rank == rank:
+            recvs[t.src_rank].append(t)
+    ops = []
+    send_bufs = {}
+    for peer, ts in sends.items():
+        buf = torch.cat([src[t.src_name][piece_index(t.src_piece, t.box)].reshape(-1) for t in ts])
+        send_bufs[peer] = buf
+        ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
+    recv_bufs = {}
+    for peer, ts in recvs.items():
+        buf = torch.empty(sum(t.numel for t in ts), dtype=dtype, device=device)
+        recv_bufs[peer] = buf
+        ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    itemsize = plan.itemsize
+    sent = sum(b.numel() for b in send_bufs.values()) * itemsize
+    received = sum(b.numel() for b in recv_bufs.values()) * itemsize
+    return recvs, recv_bufs, sent, received
+
+
+def _unpack(recvs: dict[int, list[Transfer]], bufs: dict[int, torch.Tensor],
+            dst: MutableMapping[str, torch.Tensor]) -> None:
+    for peer, ts in recvs.items():
+        offset = 0
+        for t in ts:
+            n = t.numel
+            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(bufs[peer][offset:offset + n].view(_box_shape(t)))
+            offset += n
+
+
+def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
+             dst: MutableMapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], SyncStats]:
+    """Write this rank's destination tensors from every rank's source tensors.
+
+    Call on every rank of ``group`` with the same ``plan``.
+
+    Args:
+        plan: The plan (``plan.world_size`` must be the size of ``group``).
+        rank: This process's rank in ``group``.
+        src: This rank's source tensors by name (e.g. the Megatron model's ``named_parameters()``).
+        group: The process group (``None``: the default group).
+        dst: The destination tensors to write into, by name (e.g. the engine's ``named_parameters()``);
+            ``None`` allocates them. Tensors with padding rows are zeroed first.
+
+    Returns:
+        The destination tensors and this rank's figures (``received_nbytes`` counts bytes that arrived
+        from other ranks; local slices are copied, not counted).
+
+    Raises:
+        ValueError: A source or destination tensor is missing or has the wrong shape.
+    """
+    start = time.perf_counter()
+    first = _check_sources(plan, rank, src)
+    dtype, device = first.dtype, first.device
+    expected = plan.dst.tensors(rank)
+    if dst is None:
+        dst = {name: torch.zeros(local.shape, dtype=dtype, device=device) for name, local in expected.items()}
+    else:
+        for name, local in expected.items():
+            if name not in dst:
+                raise ValueError(f"rank {rank}: destination lacks {name} (a {plan.dst.side.value} {plan.dst.parallel} tensor)")
+            if tuple(dst[name].shape) != local.shape:
+                raise ValueError(f"rank {rank}: destination {name} has shape {tuple(dst[name].shape)}, expected {local.shape}")
+            if sum(p.numel for p in local.pieces) < local.numel:
+                dst[name].zero_()
+    accel = get_accelerator(device)
+    side = accel.new_stream()
+    sent = received = peak = 0
+    _warm_group(plan, group, device)
+    with torch.no_grad(), accel.on_side_stream(side):
+        for t in plan.local[rank]:
+            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)])
+        for bucket in plan.buckets:
+            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)
+            _unpack(recvs, bufs, dst)
+            sent, received, peak = sent + s, received + r, max(peak, s + r)
+            del bufs
+    accel.current_stream().wait_stream(side)
+    accel.synchronize()  # so ``seconds`` is the time to completion
+    return dict(dst), SyncStats(
+        num_tensors=len(expected),
+        sent_nbytes=sent,
+        received_nbytes=received,
+        min_received_nbytes=plan.min_recv_nbytes(rank),
+        temp_peak_nbytes=peak,
+        seconds=time.perf_counter() - start,
+    )
+
+
+class _AllocateOnFirstUse(dict):
+    """Destination tensors allocated when first indexed (so a stream holds only tensors in flight)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        tensor = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+        self[name] = tensor
+        return tensor
+
+
+def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor],
+                      group: Any = None, stats: list[SyncStats] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for this rank's pipeline stage, each as soon as it is complete.
+
+    For engines that only take ``load_weights``: the plan's destination must be an HF layout
+    (:func:`~hybridmem.reshard.layouts.hf_layout`). Every rank must exhaust the iterator (a rank that
+    stops early leaves its peers waiting in a bucket). A tensor is allocated when its first slice
+    arrives and dropped by this function once yielded. When ``stats`` is given, one
+    :class:`~hybridmem.sync.SyncStats` is appended to it at the end.
+
+    Raises:
+        ValueError: The plan's destination is not an HF layout, or a source tensor is wrong.
+    """
+    if plan.dst.side is not Side.HF:
+        raise ValueError(f"iter_full_tensors needs an HF destination layout, got {plan.dst.side.value}")
+    start = time.perf_counter()
+    first = _check_sources(plan, rank, src)
+    dtype, device = first.dtype, first.device
+    expected = plan.dst.tensors(rank)
+    remaining = {name: local.numel for name, local in expected.items()}
+    dst = _AllocateOnFirstUse({n: t.shape for n, t in expected.items()}, dtype, device)
+    order = {name: i for i, name in enumerate(expected)}
+    sent = received = peak = 0
+
+    def done(names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in sorted(names, key=order.__getitem__):
+            if remaining[name] == 0 and name in dst:
+                yield name, dst.pop(name)
+
+    _warm_group(plan, group, device)
+    with torch.no_grad():
+        touched: set[str] = set()
+        for t in plan.local[rank]:
+            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)])
+            remaining[t.dst_name] -= t.numel
+            touched.add(t.dst_name)
+        yield from done(touched)
+        for bucket in plan.buckets:
+            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)
+            _unpack(recvs, bufs, dst)
+            del bufs
+            sent, received, peak = sent + s, received + r, max(peak, s + r)
+            touched = set()
+            for ts in recvs.values():
+                for t in ts:
+                    remaining[t.dst_name] -= t.numel
+                    touched.add(t.dst_name)
+            yield from done(touched)
+    left = {n: k for n, k in remaining.items() if k}
+    if left:
+        raise RuntimeError(f"rank {rank}: plan left {len(left)} HF tensors incomplete, e.g. {next(iter(left))}")
+    if stats is not None:
+        stats.append(SyncStats(num_tensors=len(expected), sent_nbytes=sent, received_nbytes=received,
+                               min_received_nbytes=plan.min_recv_nbytes(rank), temp_peak_nbytes=peak,
+                               seconds=time.perf_counter() - start))

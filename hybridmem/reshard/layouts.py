@@ -1,0 +1,461 @@
+"""Layouts as data: where every rank's tensors come from, for Megatron-core, vLLM and HF-full.
+
+A :class:`ShardLayout` is (ModelSpec, ParallelLayout, world size, convention). ``layout.tensors(rank)``
+gives that rank's tensor names and, for each, a :class:`~hybridmem.reshard.transforms.LocalTensor`
+(see [Note: pieces]). The per-layer mapping is one table, :data:`LAYER_RULES`: each row names the HF
+tensors, the Megatron name, the vLLM name and the transform kind; a new family is new rows, and each
+kind is built by one function in :data:`_KINDS`.
+
+Rank order:
+
+- Megatron (training): tp fastest, then dp, pp outermost; EP inside DP (``ep_rank = dp_rank % ep``),
+  expert tensor-parallel size = tp (Megatron's default ``expert_tensor_parallel_size``).
+- vLLM (inference): replicas of ``tp * pp`` consecutive ranks; inside one, tp fastest. ``ep > 1``
+  turns on vLLM's expert-parallel mode: MoE layers use expert TP 1 and
+  ``ep_rank = (replica * tp + tp_rank) % ep`` (vLLM uses ``ep = dp * tp``; smaller ``ep`` replicates).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hybridmem.config import ParallelLayout
+from hybridmem.reshard.spec import ModelSpec
+from hybridmem.reshard.transforms import LocalTensor, block, chunk, concat, pad_rows, replicate, split, stack
+
+__all__ = [
+    "Side",
+    "MegatronConvention",
+    "VLLMConvention",
+    "HFConvention",
+    "RankCoords",
+    "ShardLayout",
+    "megatron_layout",
+    "vllm_layout",
+    "hf_layout",
+    "LayerRule",
+    "LAYER_RULES",
+    "vllm_pp_layers",
+]
+
+
+class Side(Enum):
+    """Which engine's naming and sharding a layout follows."""
+
+    MEGATRON = "megatron"
+    """Megatron-core GPTModel parameter names (training)."""
+    VLLM = "vllm"
+    """vLLM model parameter names and sharded shapes (inference)."""
+    HF = "hf"
+    """Unsharded HF names, every rank of a pipeline stage holding full tensors (``load_weights``)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MegatronConvention:
+    """Megatron-core options that change names or shapes."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Vocab is padded to a multiple of this times tp (Megatron's ``--make-vocab-size-divisible-by``)."""
+    norm_style: str = "local"
+    """``"local"``: ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: fused into
+    ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight`` (Transformer Engine spec)."""
+
+    def __post_init__(self) -> None:
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
+        if self.norm_style not in ("local", "te"):
+            raise ValueError(f"norm_style={self.norm_style!r}; expected 'local' or 'te'")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VLLMConvention:
+    """vLLM options that change shapes."""
+
+    vocab_padding: int = 64
+    """``VocabParallelEmbedding`` pads the vocab to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_padding < 1:
+            raise ValueError(f"vocab_padding={self.vocab_padding} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFConvention:
+    """HF-full layout (no options)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankCoords:
+    """Where one rank sits in a layout."""
+
+    tp_rank: int
+    tp: int
+    pp_rank: int
+    pp: int
+    moe_tp_rank: int
+    moe_tp: int
+    ep_rank: int
+    ep: int
+    layers: tuple[int, ...]
+    """Global indices of the decoder layers on this rank's stage, ascending."""
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def vllm_pp_layers(num_layers: int, pp_rank: int, pp: int) -> tuple[int, ...]:
+    """Layers of stage ``pp_rank`` as vLLM's ``get_pp_indices`` splits them (extra layers go to the
+    stages before the last, counting back from the second-to-last)."""
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    start = sum(parts[:pp_rank])
+    return tuple(range(start, start + parts[pp_rank]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The table.
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRule:
+    """One row of the per-layer mapping.
+
+    ``hf`` are suffixes after ``model.layers.{i}.``; ``megatron`` after ``decoder.layers.{l}.`` (``l``
+    the stage-local index); ``vllm`` after ``model.layers.{i}.``. ``{e}`` in an ``hf`` suffix is a
+    global expert index, ``{j}`` in a Megatron name a local expert index.
+    """
+
+    hf: tuple[str, ...]
+    megatron: str
+    vllm: str
+    kind: str
+    when: Callable[[ModelSpec], bool] = field(default=lambda spec: True)
+    megatron_te: str | None = None
+    """Megatron name under the TE spec where it differs (fused norms)."""
+
+
+def _dense(spec: ModelSpec) -> bool:
+    return not spec.is_moe
+
+
+LAYER_RULES: tuple[LayerRule, ...] = (
+    LayerRule(("input_layernorm.weight",), "input_layernorm.weight", "input_layernorm.weight", "replicate",
+              megatron_te="self_attention.linear_qkv.layer_norm_weight"),
+    LayerRule(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+              "self_attention.linear_qkv.weight", "self_attn.qkv_proj.weight", "qkv"),
+    LayerRule(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+              "self_attention.linear_qkv.bias", "self_attn.qkv_proj.bias", "qkv", when=lambda s: s.qkv_bias),
+    LayerRule(("self_attn.q_norm.weight",), "self_attention.q_layernorm.weight", "self_attn.q_norm.weight",
+              "replicate", when=lambda s: s.qk_norm),
+    LayerRule(("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight", "self_attn.k_norm.weight",
+              "replicate", when=lambda s: s.qk_norm),
+    LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
+    LayerRule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight", "post_attention_layernorm.weight",
+              "replicate", megatron_te="mlp.linear_fc1.layer_norm_weight"),
+    # Dense MLP.
+    LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "mlp.gate_up_proj.weight",
+              "gate_up", when=_dense),
+    LayerRule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", "mlp.down_proj.weight", "row", when=_dense),
+    # MoE (Qwen2-MoE / Qwen3-MoE): the TE spec keeps pre_mlp_layernorm unfused for MoE layers.
+    LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=lambda s: s.is_moe),
+    LayerRule(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+              "mlp.experts.local_experts.{j}.linear_fc1.weight", "mlp.experts.w13_weight", "experts_gate_up",
+              when=lambda s: s.is_moe),
+    LayerRule(("mlp.experts.{e}.down_proj.weight",), "mlp.experts.local_experts.{j}.linear_fc2.weight",
+              "mlp.experts.w2_weight", "experts_row", when=lambda s: s.is_moe),
+    LayerRule(("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+              "mlp.shared_experts.linear_fc1.weight", "mlp.shared_expert.gate_up_proj.weight", "gate_up",
+              when=lambda s: s.is_moe and s.shared_expert_intermediate_size > 0),
+    LayerRule(("mlp.shared_expert.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight",
+              "mlp.shared_expert.down_proj.weight", "row",
+              when=lambda s: s.is_moe and s.shared_expert_intermediate_size > 0),
+    LayerRule(("mlp.shared_expert_gate.weight",), "mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight",
+              "replicate", when=lambda s: s.has_shared_expert_gate),
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kinds: each builds {name: LocalTensor} for one rule on one rank.
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: RankCoords) -> LocalTensor:
+    q, k, v = hf
+    hd, nq, nkv, tp = spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads, c.tp
+    if side is Side.MEGATRON:
+        # Rows per query group g: [q heads of g; k_g; v_g]; TP splits whole groups.
+        lo, hi = chunk(nkv, c.tp_rank, tp, what="query groups (num_key_value_heads)")
+        per = nq // nkv
+        parts = []
+        for g in range(lo, hi):
+            parts += [block(q, shapes[q], g * per * hd, (g + 1) * per * hd),
+                      block(k, shapes[k], g * hd, (g + 1) * hd), block(v, shapes[v], g * hd, (g + 1) * hd)]
+        return concat(parts)
+    # vLLM QKVParallelLinear: [q_r; k_r; v_r], kv heads replicated when tp > num_kv_heads.
+    q_lo, q_hi = chunk(nq, c.tp_rank, tp, what="num_attention_heads")
+    if tp >= nkv:
+        if tp % nkv:
+            raise ValueError(f"inference tp={tp} is not a multiple of num_key_value_heads={nkv}")
+        kv_lo = c.tp_rank // (tp // nkv)
+        kv_hi = kv_lo + 1
+    else:
+        kv_lo, kv_hi = chunk(nkv, c.tp_rank, tp, what="num_key_value_heads")
+    return concat([block(q, shapes[q], q_lo * hd, q_hi * hd), block(k, shapes[k], kv_lo * hd, kv_hi * hd),
+                   block(v, shapes[v], kv_lo * hd, kv_hi * hd)])
+
+
+def _gate_up(hf: tuple[str, ...], shapes: Shapes, rank: int, num: int) -> LocalTensor:
+    return concat([split(name, shapes[name], axis=0, rank=rank, num=num) for name in hf])
+
+
+def _vocab_rows(side: Side, spec: ModelSpec, conv: object, c: RankCoords) -> int:
+    v = spec.vocab_size
+    if side is Side.MEGATRON:
+        multiple = conv.make_vocab_size_divisible_by * c.tp
+    else:
+        multiple = conv.vocab_padding
+    return -(-v // multiple) * multiple
+
+
+def _expert_range(num_experts: int, ep_rank: int, ep: int) -> tuple[int, int]:
+    """Contiguous experts of ``ep_rank``: vLLM's "linear" placement (``determine_expert_map``), where the
+    first ``num_experts % ep`` ranks take one extra expert; Megatron requires ``ep | num_experts``, for
+    which both rules agree."""
+    base, extra = divmod(num_experts, ep)
+    start = ep_rank * base + min(ep_rank, extra)
+    return start, start + base + (1 if ep_rank < extra else 0)
+
+
+def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int, local_layer: int,
+                shapes: Shapes) -> dict[str, LocalTensor]:
+    spec, side = layout.spec, layout.side
+    hf_prefix = f"model.layers.{layer}."
+    if side is Side.MEGATRON:
+        name = rule.megatron_te if (layout.convention.norm_style == "te" and rule.megatron_te
+                                    and not (spec.is_moe and rule.megatron_te.startswith("mlp."))) else rule.megatron
+        prefix = f"decoder.layers.{local_layer}."
+    else:
+        name, prefix = rule.vllm, hf_prefix
+    hf = tuple(hf_prefix + s for s in rule.hf)
+    if rule.kind == "replicate":
+        return {prefix + name: replicate(hf[0], shapes[hf[0]])}
+    if rule.kind == "qkv":
+        return {prefix + name: _qkv(side, spec, hf, shapes, c)}
+    if rule.kind == "row":
+        return {prefix + name: split(hf[0], shapes[hf[0]], axis=1, rank=c.tp_rank, num=c.tp)}
+    if rule.kind == "gate_up":
+        return {prefix + name: _gate_up(hf, shapes, c.tp_rank, c.tp)}
+    if rule.kind in ("experts_gate_up", "experts_row"):
+        lo, hi = _expert_range(spec.num_experts, c.ep_rank, c.ep)
+        parts = []
+        for e in range(lo, hi):
+            names = tuple(s.format(e=e) for s in hf)
+            if rule.kind == "experts_gate_up":
+                parts.append(_gate_up(names, shapes, c.moe_tp_rank, c.moe_tp))
+            else:
+                parts.append(split(names[0], shapes[names[0]], axis=1, rank=c.moe_tp_rank, num=c.moe_tp))
+        if side is Side.MEGATRON:
+            return {prefix + name.format(j=j): part for j, part in enumerate(parts)}
+        return {prefix + name: stack(parts)}
+    raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardLayout:
+    """One side's sharding of a model over ``world_size`` ranks; hashable and pure.
+
+    Build with :func:`megatron_layout`, :func:`vllm_layout` or :func:`hf_layout`; they check the
+    layout is valid (``ValueError`` naming the numbers).
+    """
+
+    spec: ModelSpec
+    parallel: ParallelLayout
+    world_size: int
+    side: Side
+    convention: MegatronConvention | VLLMConvention | HFConvention
+
+    def coords(self, rank: int) -> RankCoords:
+        """Where ``rank`` sits (tp/pp/ep ranks and the layers of its stage)."""
+        return _coords(self, rank)
+
+    def tensors(self, rank: int) -> dict[str, LocalTensor]:
+        """``{name: LocalTensor}`` of every tensor ``rank`` holds, in model order (cached)."""
+        return _tensors(self, rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _coords(layout: ShardLayout, rank: int) -> RankCoords:
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank={rank} outside world_size={layout.world_size}")
+    p, n = layout.parallel, layout.spec.num_hidden_layers
+    tp, pp, ep = p.tp, p.pp, p.ep
+    if layout.side is Side.MEGATRON:
+        dp = layout.world_size // (tp * pp)
+        dp_rank, pp_rank = (rank // tp) % dp, rank // (tp * dp)
+        per = n // pp
+        return RankCoords(rank % tp, tp, pp_rank, pp, rank % tp, tp, dp_rank % ep, ep,
+                          tuple(range(pp_rank * per, (pp_rank + 1) * per)))
+    replica, tp_rank, pp_rank = rank // (tp * pp), rank % tp, (rank // tp) % pp
+    layers = vllm_pp_layers(n, pp_rank, pp)
+    if layout.side is Side.HF:
+        return RankCoords(0, 1, pp_rank, pp, 0, 1, 0, 1, layers)
+    if ep > 1:
+        return RankCoords(tp_rank, tp, pp_rank, pp, 0, 1, (replica * tp + tp_rank) % ep, ep, layers)
+    return RankCoords(tp_rank, tp, pp_rank, pp, tp_rank, tp, 0, 1, layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
+    spec, side, c = layout.spec, layout.side, layout.coords(rank)
+    shapes = spec.full_shapes()
+    out: dict[str, LocalTensor] = {}
+    embed = "model.embed_tokens.weight"
+    head = embed if spec.tie_word_embeddings else "lm_head.weight"
+    if side is Side.HF:
+        # Every rank of a stage holds that stage's full tensors; tied embeddings sit on the last stage
+        # too, as in vLLM.
+        if c.first_stage or (spec.tie_word_embeddings and c.last_stage):
+            out[embed] = replicate(embed, shapes[embed])
+        for i in c.layers:
+            for name, shape in shapes.items():
+                if name.startswith(f"model.layers.{i}."):
+                    out[name] = replicate(name, shape)
+        if c.last_stage:
+            out["model.norm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
+            if not spec.tie_word_embeddings:
+                out[head] = replicate(head, shapes[head])
+        return out
+
+    rows = _vocab_rows(side, spec, layout.convention, c)
+
+    def vocab(name: str) -> LocalTensor:
+        return pad_rows(name, shapes[name], padded_rows=rows, rank=c.tp_rank, num=c.tp)
+
+    if side is Side.MEGATRON:
+        if c.first_stage:
+            out["embedding.word_embeddings.weight"] = vocab(embed)
+    elif c.first_stage or (spec.tie_word_embeddings and c.last_stage):
+        out[embed] = vocab(embed)
+    for local, layer in enumerate(c.layers):
+        for rule in LAYER_RULES:
+            if rule.when(spec):
+                out.update(_build_rule(rule, layout, c, layer, local, shapes))
+    if c.last_stage:
+        if side is Side.MEGATRON:
+            out["decoder.final_layernorm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
+            # Tied: Megatron keeps a copy of the embedding as output_layer on the last stage when pp > 1.
+            if not spec.tie_word_embeddings or c.pp > 1:
+                out["output_layer.weight"] = vocab(head)
+        else:
+            out["model.norm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
+            if not spec.tie_word_embeddings:
+                out["lm_head.weight"] = vocab(head)
+    return out
+
+
+def _check_world(parallel: ParallelLayout, world_size: int, what: str) -> int:
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    if world_size % (parallel.tp * parallel.pp):
+        raise ValueError(
+            f"{what}: world_size={world_size} is not divisible by tp*pp={parallel.tp}*{parallel.pp}"
+        )
+    return world_size // (parallel.tp * parallel.pp)
+
+
+def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
+                    convention: MegatronConvention | None = None) -> ShardLayout:
+    """The Megatron-core training layout.
+
+    Raises:
+        ValueError: world size not divisible by tp*pp, tp not dividing the query groups (including
+            tp > num_key_value_heads), heads/ffn/experts not divisible, layers not divisible by pp, or
+            ep not dividing dp (each message names the numbers).
+    """
+    dp = _check_world(parallel, world_size, "training layout")
+    tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
+    if tp > spec.num_key_value_heads or spec.num_key_value_heads % tp:
+        raise ValueError(
+            f"training tp={tp} must divide the query groups num_key_value_heads={spec.num_key_value_heads} "
+            f"(Megatron splits QKV by whole query groups)"
+        )
+    if spec.num_hidden_layers % pp:
+        raise ValueError(f"training pp={pp} does not divide num_hidden_layers={spec.num_hidden_layers}")
+    if not spec.is_moe and spec.intermediate_size % tp:
+        raise ValueError(f"training tp={tp} does not divide intermediate_size={spec.intermediate_size}")
+    if spec.is_moe:
+        if dp % ep:
+            raise ValueError(f"training ep={ep} does not divide dp={dp} (world_size={world_size}, tp={tp}, pp={pp})")
+        if spec.num_experts % ep:
+            raise ValueError(f"training ep={ep} does not divide num_experts={spec.num_experts}")
+        if spec.moe_intermediate_size % tp or spec.shared_expert_intermediate_size % tp:
+            raise ValueError(
+                f"training tp={tp} does not divide moe_intermediate_size={spec.moe_intermediate_size} "
+                f"or shared_expert_intermediate_size={spec.shared_expert_intermediate_size}"
+            )
+    elif ep != 1:
+        raise ValueError(f"ep={ep} given for a dense model")
+    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.MEGATRON,
+                       convention=convention or MegatronConvention())
+
+
+def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
+                convention: VLLMConvention | None = None) -> ShardLayout:
+    """The vLLM inference layout.
+
+    Raises:
+        ValueError: world size not divisible by tp*pp, heads or kv heads not divisible by tp (nor tp
+            by kv heads when tp exceeds them), ffn or padded vocab not divisible, ep not dividing
+            tp*dp or num_experts, pp > num_hidden_layers.
+    """
+    conv = convention or VLLMConvention()
+    dp = _check_world(parallel, world_size, "inference layout")
+    tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
+    nq, nkv = spec.num_attention_heads, spec.num_key_value_heads
+    if nq % tp:
+        raise ValueError(f"inference tp={tp} does not divide num_attention_heads={nq}")
+    if (tp >= nkv and tp % nkv) or (tp < nkv and nkv % tp):
+        raise ValueError(f"inference tp={tp} and num_key_value_heads={nkv}: one must divide the other")
+    if pp > spec.num_hidden_layers:
+        raise ValueError(f"inference pp={pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
+    padded = -(-spec.vocab_size // conv.vocab_padding) * conv.vocab_padding
+    if padded % tp:
+        raise ValueError(f"inference tp={tp} does not divide the padded vocab {padded} (vocab_size={spec.vocab_size})")
+    if not spec.is_moe and spec.intermediate_size % tp:
+        raise ValueError(f"inference tp={tp} does not divide intermediate_size={spec.intermediate_size}")
+    if spec.is_moe:
+        if (dp * tp) % ep or ep > spec.num_experts:
+            raise ValueError(
+                f"inference ep={ep} must divide dp*tp={dp}*{tp} and not exceed num_experts={spec.num_experts}"
+            )
+        moe_tp = 1 if ep > 1 else tp
+        if spec.moe_intermediate_size % moe_tp or spec.shared_expert_intermediate_size % tp:
+            raise ValueError(
+                f"inference tp={tp} does not divide moe_intermediate_size={spec.moe_intermediate_size} "
+                f"or shared_expert_intermediate_size={spec.shared_expert_intermediate_size}"
+            )
+    elif ep != 1:
+        raise ValueError(f"ep={ep} given for a dense model")
+    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.VLLM, convention=conv)
+
+
+def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int) -> ShardLayout:
+    """Full HF-named tensors of each inference pipeline stage on every rank of that stage (tp, ep ignored
+    except in the rank order): the layout ``load_weights``-only engines take."""
+    _check_world(parallel, world_size, "HF layout")
+    if parallel.pp > spec.num_hidden_layers:
+        raise ValueError(f"pp={parallel.pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
+    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.HF, convention=HFConvention())

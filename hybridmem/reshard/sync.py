@@ -1,0 +1,109 @@
+"""ReshardSync: the TRAIN->INFER weight sync through the resharding engine.
+
+ShardingManager calls :meth:`ReshardSync.sync` on every rank during the weight-sync step, after the
+engine's weight storage is resumed. If the engine exposes ``named_parameters()`` the inference-layout
+shards are written straight into it (vLLM names, see :func:`~hybridmem.reshard.layouts.vllm_layout`);
+otherwise full HF-named tensors of this rank's pipeline stage are streamed into ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridmem.config import ParallelLayout
+from hybridmem.engines.protocol import InferenceEngine
+from hybridmem.reshard.checksum import CellChecksums
+from hybridmem.reshard.execute import iter_full_tensors, run_plan
+from hybridmem.reshard.layouts import MegatronConvention, VLLMConvention, hf_layout, megatron_layout, vllm_layout
+from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, build_plan
+from hybridmem.reshard.spec import ModelSpec
+from hybridmem.sync import SyncStats, WeightSync
+
+__all__ = ["ReshardSync"]
+
+SourceFn = Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]]
+
+
+class ReshardSync(WeightSync):
+    """Reshard Megatron training weights into an inference engine on every switch.
+
+    Args:
+        spec: The model's shapes.
+        src: Training layout (e.g. ``HybridConfig.train_layout``).
+        dst: Inference layout (e.g. ``HybridConfig.infer_layout``).
+        group: The process group spanning both layouts (``None``: the default group).
+        source: Returns this rank's training tensors by Megatron name (a mapping or ``(name, tensor)``
+            pairs, e.g. ``model.named_parameters``); called on every sync.
+        engine: The engine; written through ``named_parameters()`` when it has it, else ``load_weights``.
+        bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
+        verify: Compare per-slice checksums after each sync (raises ``WeightSyncError`` on mismatch).
+        dtype: Element type of the weights (decides the plan's byte figures).
+        megatron: Megatron naming/padding options.
+        vllm: vLLM padding options.
+    """
+
+    def __init__(self, spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout, group: Any,
+                 source: SourceFn, engine: InferenceEngine, *, bucket_nbytes: int = DEFAULT_BUCKET_NBYTES,
+                 verify: bool = False, dtype: torch.dtype = torch.bfloat16,
+                 megatron: MegatronConvention | None = None, vllm: VLLMConvention | None = None):
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.rank, world = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            self.rank, world = 0, 1
+        self.source = source
+        self.engine = engine
+        self.verify = verify
+        self.in_place = callable(getattr(engine, "named_parameters", None))
+        src_layout = megatron_layout(spec, src, world, convention=megatron)
+        dst_layout = vllm_layout(spec, dst, world, convention=vllm) if self.in_place else hf_layout(spec, dst, world)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
+
+    def temp_nbytes(self) -> int:
+        """This rank's peak staging bytes in one bucket (plan figure)."""
+        return self.plan.peak_temp_nbytes(self.rank)
+
+    def _sources(self) -> dict[str, torch.Tensor]:
+        got = self.source()
+        return dict(got.items() if isinstance(got, Mapping) else got)
+
+    def sync(self) -> SyncStats:
+        start = time.perf_counter()
+        src = {k: v.detach() for k, v in self._sources().items()}
+        checks = CellChecksums(self.plan, self.rank) if self.verify else None
+        if checks is not None:
+            checks.add_source(src)
+        if self.in_place:
+            params = {k: v.data for k, v in self.engine.named_parameters()}
+            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params)
+            if checks is not None:
+                checks.add_destinations(dst)
+        else:
+            collected: list[SyncStats] = []
+
+            def stream() -> Iterator[tuple[str, torch.Tensor]]:
+                for name, tensor in iter_full_tensors(self.plan, rank=self.rank, src=src, group=self.group,
+                                                      stats=collected):
+                    if checks is not None:
+                        checks.add_destination(name, tensor)
+                    yield name, tensor
+
+            with torch.no_grad():
+                self.engine.load_weights(stream())
+            stats = collected[0]
+        if checks is not None:
+            checks.compare(self.group, device=next(iter(src.values())).device)
+        return SyncStats(
+            num_tensors=stats.num_tensors,
+            sent_nbytes=stats.sent_nbytes,
+            received_nbytes=stats.received_nbytes,
+            min_received_nbytes=stats.min_received_nbytes,
+            temp_peak_nbytes=stats.temp_peak_nbytes,
+            seconds=time.perf_counter() - start,
+        )

@@ -1,0 +1,190 @@
+"""Pieces and the composable transforms that build one rank's tensor from HF-full tensors.
+
+[Note: pieces]
+Every tensor a rank holds, in any layout, is a set of rectangular blocks of HF-full tensors placed at
+known offsets; rows no block covers are padding and hold zeros (vocab padding). A :class:`Piece` says
+"the box ``src`` of HF tensor ``hf_name`` sits at ``dst_start`` inside ``local[dst_prefix]``", where
+``dst_prefix`` indexes leading stacking axes the HF tensor lacks (the expert axis of vLLM's
+``w13_weight``). Megatron's per-group interleaved QKV, fused gate/up halves, padded vocab and stacked
+experts are all just lists of pieces, so sharding, unsharding and the transfer plan are each written
+once, over pieces, and never per model.
+
+The transforms below each return a :class:`LocalTensor` and are composed by the layout tables in
+:mod:`hybridmem.reshard.layouts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Box",
+    "Piece",
+    "LocalTensor",
+    "replicate",
+    "split",
+    "block",
+    "chunk",
+    "concat",
+    "pad_rows",
+    "stack",
+    "build_local",
+    "scatter_local",
+]
+
+Box = tuple[tuple[int, int], ...]
+"""Half-open ``(start, stop)`` ranges, one per axis of the HF-full tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One block of an HF-full tensor inside a local tensor (see [Note: pieces])."""
+
+    hf_name: str
+    src: Box
+    dst_prefix: tuple[int, ...]
+    dst_start: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for a, b in self.src:
+            n *= b - a
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTensor:
+    """Shape of one rank's tensor and the pieces that fill it."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, s) for s in shape)
+
+
+def replicate(hf_name: str, shape: Sequence[int]) -> LocalTensor:
+    """The whole HF tensor, unchanged (norms, routers, TP-size-1 tensors)."""
+    return LocalTensor(tuple(shape), (Piece(hf_name, _full_box(shape), (), (0,) * len(shape)),))
+
+
+def chunk(size: int, rank: int, num: int, *, what: str = "dim") -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``rank`` of ``num`` equal chunks of ``size``.
+
+    Raises:
+        ValueError: ``size`` is not divisible by ``num`` (the message names both).
+    """
+    if size % num:
+        raise ValueError(f"{what}={size} is not divisible by {num}")
+    step = size // num
+    return rank * step, (rank + 1) * step
+
+
+def split(hf_name: str, shape: Sequence[int], *, axis: int, rank: int, num: int) -> LocalTensor:
+    """Equal chunk ``rank`` of ``num`` along ``axis`` (column-parallel: axis 0; row-parallel: axis 1)."""
+    start, stop = chunk(shape[axis], rank, num, what=f"{hf_name} dim {axis}")
+    box = list(_full_box(shape))
+    box[axis] = (start, stop)
+    local = list(shape)
+    local[axis] = stop - start
+    return LocalTensor(tuple(local), (Piece(hf_name, tuple(box), (), (0,) * len(shape)),))
+
+
+def block(hf_name: str, shape: Sequence[int], start: int, stop: int) -> LocalTensor:
+    """Rows ``[start, stop)`` of an HF tensor (one query group's q, k or v rows)."""
+    if not 0 <= start < stop <= shape[0]:
+        raise ValueError(f"rows [{start}, {stop}) outside {hf_name} of {shape[0]} rows")
+    box = ((start, stop), *_full_box(shape[1:]))
+    return LocalTensor((stop - start, *shape[1:]), (Piece(hf_name, box, (), (0,) * len(shape)),))
+
+
+def concat(parts: Sequence[LocalTensor], *, axis: int = 0) -> LocalTensor:
+    """Concatenate local tensors along ``axis`` (QKV groups, [gate_r; up_r] halves)."""
+    if not parts:
+        raise ValueError("concat of no parts")
+    ndim = len(parts[0].shape)
+    pieces: list[Piece] = []
+    offset = 0
+    for part in parts:
+        if len(part.shape) != ndim or any(
+            a != b for i, (a, b) in enumerate(zip(part.shape, parts[0].shape)) if i != axis
+        ):
+            raise ValueError(f"concat along axis {axis}: shape {part.shape} does not match {parts[0].shape}")
+        for p in part.pieces:
+            if p.dst_prefix:
+                raise ValueError("concat of stacked parts is not supported; concat first, then stack")
+            start = list(p.dst_start)
+            start[axis - len(p.dst_prefix)] += offset
+            pieces.append(Piece(p.hf_name, p.src, p.dst_prefix, tuple(start)))
+        offset += part.shape[axis]
+    shape = list(parts[0].shape)
+    shape[axis] = offset
+    return LocalTensor(tuple(shape), tuple(pieces))
+
+
+def pad_rows(hf_name: str, shape: Sequence[int], *, padded_rows: int, rank: int, num: int) -> LocalTensor:
+    """Chunk ``rank`` of the vocab padded to ``padded_rows`` and split ``num`` ways; padded rows are zero."""
+    if padded_rows < shape[0]:
+        raise ValueError(f"padded_rows={padded_rows} < rows={shape[0]} of {hf_name}")
+    start, stop = chunk(padded_rows, rank, num, what=f"padded vocab of {hf_name}")
+    local = (stop - start, *shape[1:])
+    real = (min(start, shape[0]), min(stop, shape[0]))
+    if real[0] == real[1]:
+        return LocalTensor(local, ())
+    box = ((real[0], real[1]), *_full_box(shape[1:]))
+    return LocalTensor(local, (Piece(hf_name, box, (), (0,) * len(shape)),))
+
+
+def stack(parts: Sequence[LocalTensor]) -> LocalTensor:
+    """Stack equal-shaped local tensors along a new leading axis (vLLM FusedMoE experts)."""
+    if not parts:
+        raise ValueError("stack of no parts")
+    pieces = []
+    for i, part in enumerate(parts):
+        if part.shape != parts[0].shape:
+            raise ValueError(f"stack: shape {part.shape} of part {i} differs from {parts[0].shape}")
+        pieces.extend(Piece(p.hf_name, p.src, (i, *p.dst_prefix), p.dst_start) for p in part.pieces)
+    return LocalTensor((len(parts), *parts[0].shape), tuple(pieces))
+
+
+def _index(prefix: tuple[int, ...], start: tuple[int, ...], src: Box) -> tuple:
+    return (*prefix, *(slice(s, s + (b - a)) for s, (a, b) in zip(start, src)))
+
+
+def src_index(src: Box) -> tuple[slice, ...]:
+    """The slice of the HF-full tensor a box names."""
+    return tuple(slice(a, b) for a, b in src)
+
+
+def dst_index(piece: Piece) -> tuple:
+    """The index of a piece inside its local tensor."""
+    return _index(piece.dst_prefix, piece.dst_start, piece.src)
+
+
+def build_local(local: LocalTensor, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Materialise one local tensor from HF-full tensors (padding zero)."""
+    first = full[local.pieces[0].hf_name] if local.pieces else next(iter(full.values()))
+    out = torch.zeros(local.shape, dtype=first.dtype, device=first.device)
+    for p in local.pieces:
+        out[dst_index(p)] = full[p.hf_name][src_index(p.src)]
+    return out
+
+
+def scatter_local(local: LocalTensor, tensor: torch.Tensor, full: Mapping[str, torch.Tensor]) -> None:
+    """Write a local tensor's pieces back into the HF-full tensors (the inverse of :func:`build_local`)."""
+    if tuple(tensor.shape) != local.shape:
+        raise ValueError(f"tensor shape {tuple(tensor.shape)} != layout shape {local.shape}")
+    for p in local.pieces:
+        full[p.hf_name][src_index(p.src)] = tensor[dst_index(p)]

@@ -1,0 +1,101 @@
+"""Module-level tasks run in WorkerPool processes by test_distributed.py (must be importable by spawn)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmem.reshard import build_plan, hf_layout, megatron_layout, vllm_layout
+from hybridmem.reshard.execute import iter_full_tensors, run_plan
+from hybridmem.reshard.sync import ReshardSync
+from tests.reshard.reference import megatron_shard, random_full
+
+
+def _train(spec, src, world, rank, dtype=torch.float32):
+    full = random_full(spec, dtype=dtype)
+    return full, megatron_shard(full, spec, tp=src.tp, pp=src.pp, ep=src.ep, world=world, rank=rank)
+
+
+def run_plan_task(ctx, spec, src, dst, bucket):
+    _, train = _train(spec, src, ctx.world_size, ctx.rank)
+    plan = build_plan(megatron_layout(spec, src, ctx.world_size), vllm_layout(spec, dst, ctx.world_size),
+                      itemsize=4, bucket_nbytes=bucket)
+    out, stats = run_plan(plan, rank=ctx.rank, src=train, group=ctx.group)
+    return out, stats
+
+
+def stream_task(ctx, spec, src, dst, bucket):
+    full, train = _train(spec, src, ctx.world_size, ctx.rank)
+    plan = build_plan(megatron_layout(spec, src, ctx.world_size), hf_layout(spec, dst, ctx.world_size),
+                      itemsize=4, bucket_nbytes=bucket)
+    stats = []
+    names, ok = [], True
+    for name, tensor in iter_full_tensors(plan, rank=ctx.rank, src=train, group=ctx.group, stats=stats):
+        names.append(name)
+        ok = ok and torch.equal(tensor, full[name])
+    return names, ok, stats[0], sorted(plan.dst.tensors(ctx.rank))
+
+
+class ParamEngine:
+    """An engine exposing its weights (vLLM names and shapes) through named_parameters()."""
+
+    def __init__(self, tensors):
+        self.tensors = {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
+
+    def named_parameters(self):
+        return iter(self.tensors.items())
+
+    def load_weights(self, weights):
+        raise AssertionError("in-place sync must not call load_weights")
+
+    def release(self, tags):
+        pass
+
+    def resume(self, tags):
+        pass
+
+
+class LoadOnlyEngine:
+    def __init__(self):
+        self.loaded = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.loaded[name] = tensor.clone()
+
+    def release(self, tags):
+        pass
+
+    def resume(self, tags):
+        pass
+
+
+def sync_task(ctx, spec, src, dst, *, in_place, corrupt_rank=None):
+    import hybridmem.reshard.execute as execute
+
+    full, train = _train(spec, src, ctx.world_size, ctx.rank)
+    layout = vllm_layout(spec, dst, ctx.world_size)
+    if in_place:
+        engine = ParamEngine({n: torch.zeros(t.shape) for n, t in layout.tensors(ctx.rank).items()})
+    else:
+        engine = LoadOnlyEngine()
+    if corrupt_rank == ctx.rank:
+        original = execute._unpack
+
+        def corrupting(recvs, bufs, dst_tensors):
+            for buf in bufs.values():
+                buf[0] += 1.0  # one flipped value in transit
+            original(recvs, bufs, dst_tensors)
+
+        execute._unpack = corrupting
+    sync = ReshardSync(spec, src, dst, ctx.group, lambda: train, engine, bucket_nbytes=256, verify=True,
+                       dtype=torch.float32)
+    try:
+        stats = sync.sync()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        stats, error = None, f"{type(exc).__name__}: {exc}"
+    finally:
+        if corrupt_rank == ctx.rank:
+            execute._unpack = original
+    got = engine.tensors if in_place else engine.loaded
+    return got, stats, error, sync.temp_nbytes()

@@ -1,0 +1,75 @@
+"""ModelSpec.from_hf_config and full_shapes against real transformers models built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem.reshard import ModelSpec
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, intermediate_size=24,
+            num_hidden_layers=2, vocab_size=50)
+
+
+def _config(family: str, tied: bool):
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }[family]
+    extra = {}
+    if family in ("qwen3", "qwen3_moe"):
+        extra["head_dim"] = 8  # not hidden/heads, to catch a spec that derives it
+    if family.endswith("moe"):
+        extra.update(num_experts=4, moe_intermediate_size=6, num_experts_per_tok=2)
+    if family == "qwen2_moe":
+        extra["shared_expert_intermediate_size"] = 10
+    return cls(**TINY, tie_word_embeddings=tied, **extra)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+def test_full_shapes_match_hf_model(family, tied):
+    cfg = _config(family, tied)
+    spec = ModelSpec.from_hf_config(cfg)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    hf = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    ours = spec.full_shapes()
+    # transformers 5 may fuse experts into 3-D parameters; compare per-expert names against their slices.
+    fused = {n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    if fused:
+        for name in fused:
+            prefix = name.rsplit(".", 1)[0]
+            num = hf[name][0]
+            assert num == spec.num_experts, (name, hf[name])
+            h, i = spec.hidden_size, spec.moe_intermediate_size
+            assert hf[name][1:] == ((2 * i, h) if name.endswith("gate_up_proj") else (h, i)), (name, hf[name])
+            ours_names = [n for n in ours if n.startswith(prefix + ".")]
+            assert len(ours_names) == 3 * num
+            hf.pop(name)
+        ours = {n: s for n, s in ours.items() if ".mlp.experts." not in n}
+    assert ours == hf
+
+
+def test_from_dict_and_flags():
+    d = dict(model_type="qwen2", **TINY, tie_word_embeddings=True)
+    spec = ModelSpec.from_hf_config(d)
+    assert spec.qkv_bias and not spec.qk_norm and spec.tie_word_embeddings and spec.head_dim == 4
+    assert ModelSpec.from_hf_config(dict(d, model_type="llama")).qkv_bias is False
+    assert ModelSpec.from_hf_config(dict(d, model_type="qwen3", head_dim=8)).qk_norm
+
+
+def test_bad_specs_name_values():
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        ModelSpec.from_hf_config(dict(model_type="gpt2", **TINY))
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by num_key_value_heads=4"):
+        ModelSpec(hidden_size=8, num_attention_heads=6, num_key_value_heads=4, head_dim=2, intermediate_size=8,
+                  num_hidden_layers=1, vocab_size=8)
+    with pytest.raises(ValueError, match="num_experts=0"):
+        ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=2,
+                  intermediate_size=0, num_hidden_layers=1, vocab_size=8)
