@@ -57,6 +57,19 @@ class CpuDeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in (torch.autograd.backward, torch.autograd.grad):
+            # torch >= 2.13 routes autograd.backward/grad through torch-function modes, and a mode is
+            # popped while its handler runs: the whole backward pass (which re-runs autograd
+            # Functions' Python code, e.g. Megatron's all-to-all) would run without this mode. Run it
+            # under a fresh instance, with the Python-level override check of torch.autograd off so
+            # the fresh mode does not intercept the same call again.
+            saved = torch.autograd.has_torch_function
+            torch.autograd.has_torch_function = lambda *a: False
+            try:
+                with CpuDeviceMode():
+                    return func(*args, **kwargs)
+            finally:
+                torch.autograd.has_torch_function = saved
         if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -121,6 +134,14 @@ class _Stream:
 _DEFAULT_STREAM = _Stream()
 
 
+def _move_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """CPU version of ``moe_utils.maybe_move_tensor_to_cpu``: every tensor counts as a device tensor."""
+    del record_stream
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().numpy()
+    return tensor
+
+
 def _cuda_patches() -> list[tuple[Any, str, Any]]:
     """(object, attribute, replacement) for every CUDA entry point Megatron touches on our paths."""
     cuda = torch.cuda
@@ -149,7 +170,15 @@ def _cuda_patches() -> list[tuple[Any, str, Any]]:
         (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
     ]
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # The all-to-all dispatcher moves its split sizes "to CPU as numpy" only when they are CUDA
+    # tensors; on CPU they would stay tensors, which all_to_all_single rejects as split sizes.
+    patches += [
+        (mod, "maybe_move_tensor_to_cpu", _move_to_host)
+        for mod in (moe_utils, token_dispatcher)
+        if hasattr(mod, "maybe_move_tensor_to_cpu")
+    ]
 
     if not hasattr(moe_utils, "te_general_gemm"):
         # 0.16.1 imports it inside a try without a fallback: a NameError without Transformer Engine.

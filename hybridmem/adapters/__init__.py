@@ -1,0 +1,1 @@
+"""Adapters for training frameworks (import each submodule explicitly; they import their framework)."""
