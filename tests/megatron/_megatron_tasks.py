@@ -115,9 +115,30 @@ def _expected_nbytes(state: MegatronTrainingState) -> dict[str, int]:
     return {"train param": param, "train grad": grad, "optimizer": opt}
 
 
-def train_with_switches(ctx, spec: mm.TinyGPTSpec, num_steps: int, switch: bool, use_engine: bool = False) -> dict:
+def _copy_engine(model: Any) -> TorchCopyEngine:
+    """A TorchCopyEngine of a GPTModel. Its modules hold process groups, which cannot be deep-copied;
+    the copy shares them (only for the duration of the copy)."""
+    import copy
+
+    pg_type = torch.distributed.ProcessGroup
+    saved = copy._deepcopy_dispatch.get(pg_type)
+    copy._deepcopy_dispatch[pg_type] = lambda pg, memo: pg
+    try:
+        return TorchCopyEngine(model)
+    finally:
+        if saved is None:
+            copy._deepcopy_dispatch.pop(pg_type, None)
+        else:
+            copy._deepcopy_dispatch[pg_type] = saved
+
+
+def train_with_switches(
+    ctx, spec: mm.TinyGPTSpec, num_steps: int, switch: bool, use_engine: bool = False, zero_grads: bool = False
+) -> dict:
     """Train ``num_steps``; with ``switch``, do to_infer()/to_train() after every step and check the
-    INFER state and the bitwise round trip."""
+    INFER state and the bitwise round trip. ``use_engine``: a TorchCopyEngine of the GPTModel receives
+    the weights by Megatron name. ``zero_grads``: zero the grad buffers before switching (as the next
+    step would), so the grad offload must release them without a copy."""
     del ctx
     from megatron.core import parallel_state
 
@@ -128,7 +149,7 @@ def train_with_switches(ctx, spec: mm.TinyGPTSpec, num_steps: int, switch: bool,
         engine = None
         if switch:
             if use_engine:
-                engine = TorchCopyEngine(unwrap_model(model_chunks[0]))
+                engine = _copy_engine(unwrap_model(model_chunks[0]))
             manager = ShardingManager(state, engine, config=HybridConfig(device="cpu"))
             state.attach(manager)
         out: dict[str, Any] = {"losses": [], "infer": [], "round_trip_diffs": [], "expected": [], "reports": [], "workspace_before": []}
@@ -139,6 +160,10 @@ def train_with_switches(ctx, spec: mm.TinyGPTSpec, num_steps: int, switch: bool,
             out["losses"].append(mm.train_step(model_chunks, optimizer, mm.make_batch(spec, step), spec))
             if not switch:
                 continue
+            if zero_grads:
+                for chunk in model_chunks:
+                    chunk.zero_grad_buffer()
+                optimizer.zero_grad()
             # Make Megatron's global memory buffer hold something, as sequence parallelism would.
             parallel_state.get_global_memory_buffer().get_tensor((WORKSPACE_PROBE_NUMEL,), torch.float32, "probe")
             out["workspace_before"].append(manager.residency().by_owner[WORKSPACE_OWNER])
@@ -158,3 +183,17 @@ def train_with_switches(ctx, spec: mm.TinyGPTSpec, num_steps: int, switch: bool,
             out["round_trip_diffs"].append(_bitwise_diffs(before, _snapshot(model_chunks, optimizer)))
         out["same_param_objects"] = param_ids == [id(p) for c in model_chunks for p in c.parameters()]
         return out
+
+
+def collect_weights(ctx, spec: mm.TinyGPTSpec) -> dict:
+    """This rank's named weights, shard specs, source layout and model spec dict (no training)."""
+    del ctx
+    with megatron_worker(spec):
+        model_chunks, optimizer = mm.build_megatron_gpt(spec)
+        state = MegatronTrainingState(model_chunks, optimizer)
+        return {
+            "weights": {n: p.detach().clone() for n, p in state.named_weights()},
+            "specs": state.shard_specs(),
+            "layout": state.source_layout(),
+            "model_spec": state.model_spec_dict(),
+        }

@@ -19,8 +19,9 @@ NUM_STEPS = 3
 
 # Ordered by world size so the pool fixture starts each size once.
 CONFIGS = {
-    # name: (spec, world_size)
+    # name: (spec, world_size[, options of train_with_switches])
     "tp2-fp32": (TinyGPTSpec(tp=2), 2),
+    "tp2-fp32-engine-zerograds": (TinyGPTSpec(tp=2), 2, {"use_engine": True, "zero_grads": True}),
     "ep2-moe-distopt": (
         TinyGPTSpec(ep=2, num_moe_experts=4, moe_ffn_hidden_size=32, use_distributed_optimizer=True), 2),
     "tp2xpp2-bf16-distopt": (
@@ -31,15 +32,16 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def runs(request, megatron_pools):
-    spec, world = CONFIGS[request.param]
+    spec, world, *rest = CONFIGS[request.param]
+    options = rest[0] if rest else {}
     pool = megatron_pools.get(world)
-    switched = pool.run(tasks.train_with_switches, spec, NUM_STEPS, True)
-    plain = pool.run(tasks.train_with_switches, spec, NUM_STEPS, False)
-    return request.param, spec, switched, plain
+    switched = pool.run(tasks.train_with_switches, spec, NUM_STEPS, True, **options)
+    plain = pool.run(tasks.train_with_switches, spec, NUM_STEPS, False, **options)
+    return request.param, spec, switched, plain, options
 
 
 def test_losses_equal_with_and_without_switches(runs):
-    name, _, switched, plain = runs
+    name, _, switched, plain, _ = runs
     for rank, (a, b) in enumerate(zip(switched, plain)):
         assert a["losses"] == b["losses"], f"{name} rank {rank}: {a['losses']} != {b['losses']}"
     # Training really happened: the loss moved.
@@ -47,7 +49,7 @@ def test_losses_equal_with_and_without_switches(runs):
 
 
 def test_everything_is_zero_bytes_inside_infer(runs):
-    name, _, switched, _ = runs
+    name, _, switched, _, options = runs
     for rank, out in enumerate(switched):
         for step, checks in enumerate(out["infer"]):
             where = f"{name} rank {rank} step {step}"
@@ -58,19 +60,25 @@ def test_everything_is_zero_bytes_inside_infer(runs):
             assert checks["num_optimizer_tensors"] > 0, where
             assert checks["max_optimizer_storage_nbytes"] == 0, where
             assert checks["leftovers"] == {}, (where, checks["residency_by_owner"])
-            assert all(v == 0 for v in checks["residency_by_owner"].values()), (where, checks["residency_by_owner"])
+            training_owners = ("train param", "train grad", "optimizer", tasks.WORKSPACE_OWNER)
+            assert {o: checks["residency_by_owner"][o] for o in training_owners} == dict.fromkeys(training_owners, 0), (
+                where, checks["residency_by_owner"])
 
 
 def test_offload_moves_the_bytes_the_buffers_hold(runs):
-    name, _, switched, _ = runs
+    name, _, switched, _, options = runs
     for rank, out in enumerate(switched):
         for step, (expected, report) in enumerate(zip(out["expected"], out["reports"])):
             where = f"{name} rank {rank} step {step}"
             copied, zero, _ = report["offload param"]
             assert copied + zero == expected["train param"] and zero == 0, (where, report, expected)
             copied, zero, _ = report["offload grad"]
-            # Grads are live after the step (not zeroed yet): copied, not skipped.
-            assert copied + zero == expected["train grad"], (where, report, expected)
+            if options.get("zero_grads"):
+                # All-zero grad buffers are released without a copy (and re-zeroed on onload).
+                assert copied == 0 and zero == expected["train grad"] > 0, (where, report, expected)
+            else:
+                # Grads are live after the step (not zeroed yet): copied, not skipped.
+                assert copied + zero == expected["train grad"] and copied > 0, (where, report, expected)
             copied, zero, _ = report["offload optimizer"]
             assert copied == expected["optimizer"] > 0 and zero == 0, (where, report, expected)
             released = report["release megatron workspaces"][2]["released_nbytes"]
@@ -79,14 +87,14 @@ def test_offload_moves_the_bytes_the_buffers_hold(runs):
 
 
 def test_round_trip_is_bitwise(runs):
-    name, _, switched, _ = runs
+    name, _, switched, _, options = runs
     for rank, out in enumerate(switched):
         assert out["round_trip_diffs"] == [[]] * NUM_STEPS, f"{name} rank {rank}: {out['round_trip_diffs']}"
         assert out["same_param_objects"], f"{name} rank {rank}: parameter objects were replaced"
 
 
 def test_optimizer_kinds(runs):
-    name, spec, switched, _ = runs
+    name, spec, switched, _, _ = runs
     leaves = switched[0]["leaf_optimizers"]
     if spec.use_distributed_optimizer:
         assert set(leaves) == {"DistributedOptimizer"}, (name, leaves)
@@ -94,3 +102,13 @@ def test_optimizer_kinds(runs):
         assert set(leaves) == {"FP32Optimizer"}, (name, leaves)
     if spec.num_moe_experts:
         assert len(leaves) == 2, (name, leaves)  # dense + expert optimizer in a ChainedOptimizer
+
+
+def test_engine_receives_the_training_weights_by_megatron_name(runs):
+    name, _, switched, _, options = runs
+    if not options.get("use_engine"):
+        pytest.skip("configuration without an engine")
+    for rank, out in enumerate(switched):
+        for step, checks in enumerate(out["infer"]):
+            assert checks["engine_diffs"] == [], f"{name} rank {rank} step {step}: {checks['engine_diffs']}"
+            assert checks["residency_by_owner"]["engine weights"] > 0, (name, rank, step)
