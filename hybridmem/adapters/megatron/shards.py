@@ -6,7 +6,7 @@ All of it is read from Megatron's own attributes rather than re-derived from nam
   ``partition_stride`` (interleaving; 1 for every layer of a GPTModel), ``allreduce`` (``False`` for
   expert params, which are split over EP and reduced over the expert data-parallel group);
 - per layer: ``TransformerLayer.layer_number`` (1-based, global over pipeline stages);
-- per expert: ``SequentialMLP.num_local_experts`` / ``local_expert_indices``;
+- per expert: ``MoELayer.local_expert_indices`` (global index of each local expert);
 - the ``TransformerConfig``: ``num_attention_heads``, ``num_query_groups``, ``kv_channels``,
   ``ffn_hidden_size``, ``gated_linear_unit``, ``num_moe_experts``, ``moe_ffn_hidden_size``;
 - the ranks and sizes: ``megatron.core.parallel_state``.
@@ -125,12 +125,13 @@ def _layer_numbers(model: Any) -> dict[int, int]:
 
 
 def _expert_offset(model: Any, local_layer: int) -> int:
-    layer = model.decoder.layers[local_layer]
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
-    indices = getattr(experts, "local_expert_indices", None)
+    """Global index of this rank's first expert in a layer: ``MoELayer.local_expert_indices[0]``
+    (0.16 and 0.19), else ``ep_rank * experts.num_local_experts``."""
+    mlp = getattr(model.decoder.layers[local_layer], "mlp", None)
+    indices = getattr(mlp, "local_expert_indices", None)
     if indices:
         return int(indices[0])
-    num_local = int(getattr(experts, "num_local_experts", 0))
+    num_local = int(getattr(getattr(mlp, "experts", None), "num_local_experts", 0))
     from megatron.core import parallel_state
 
     return parallel_state.get_expert_model_parallel_rank() * num_local
