@@ -163,8 +163,13 @@ def transformer_config(spec: TinyGPTSpec) -> Any:
     )
 
 
-def build_megatron_gpt(spec: TinyGPTSpec) -> tuple[list[Any], Any]:
+def build_megatron_gpt(spec: TinyGPTSpec, *, device: str = "cpu") -> tuple[list[Any], Any]:
     """A ``GPTModel`` for this rank's pipeline stage, DDP-wrapped, and its Megatron optimizer.
+
+    Args:
+        spec: The model and its parallelism.
+        device: ``"cpu"`` (under :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`) or ``"cuda"``
+            (the model is moved to the current GPU before DDP wraps it).
 
     Returns:
         ``([ddp_model_chunk], optimizer)``.
@@ -187,6 +192,8 @@ def build_megatron_gpt(spec: TinyGPTSpec) -> tuple[list[Any], Any]:
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
+    if device != "cpu":
+        model = model.to(device=torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=spec.precision != "fp32",
         overlap_grad_reduce=False,
@@ -208,7 +215,7 @@ def build_megatron_gpt(spec: TinyGPTSpec) -> tuple[list[Any], Any]:
     return [ddp], optimizer
 
 
-def make_batch(spec: TinyGPTSpec, step: int) -> list[dict[str, torch.Tensor]]:
+def make_batch(spec: TinyGPTSpec, step: int, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
     """``num_micro_batches`` micro-batches of (tokens, labels, position_ids), the same on every rank."""
     g = torch.Generator().manual_seed(spec.seed * 1000 + step)
     out = []
@@ -221,6 +228,7 @@ def make_batch(spec: TinyGPTSpec, step: int) -> list[dict[str, torch.Tensor]]:
                 "position_ids": torch.arange(spec.seq_length).expand(spec.micro_batch_size, -1).contiguous(),
             }
         )
+        out[-1] = {k: v.to(device) for k, v in out[-1].items()}
     return out
 
 
@@ -256,7 +264,8 @@ def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, to
         forward_only=False,
     )
     optimizer.step()
-    value = torch.zeros(1, dtype=torch.float64)
+    on_gloo = torch.distributed.get_backend() == "gloo"
+    value = torch.zeros(1, dtype=torch.float64, device="cpu" if on_gloo else torch.cuda.current_device())
     if parallel_state.is_pipeline_last_stage():
         value[0] = sum(float(d["loss"]) for d in losses) / len(losses)
     if spec.pp > 1:

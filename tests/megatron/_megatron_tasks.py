@@ -1,7 +1,8 @@
 """Worker tasks for the Megatron tests (module-level so spawned workers can unpickle them).
 
-Each task initialises Megatron's parallel_state inside the worker, runs under the CPU harness, and
-destroys parallel_state at the end so the pooled worker can serve the next test.
+Each task initialises Megatron's parallel_state inside the worker, runs under the CPU harness (on
+"cpu"; on "cuda" Megatron runs as is, one GPU per rank over nccl), and destroys parallel_state at the
+end so the pooled worker can serve the next test.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hybridmem import HybridConfig, Phase, ShardingManager
+from hybridmem import HybridConfig, ShardingManager
 from hybridmem.adapters.megatron import (
     WORKSPACE_OWNER,
     MegatronTrainingState,
@@ -28,9 +29,9 @@ WORKSPACE_PROBE_NUMEL = 4096
 
 
 @contextlib.contextmanager
-def megatron_worker(spec: mm.TinyGPTSpec):
-    """Harness + parallel_state for one task."""
-    with megatron_on_cpu():
+def megatron_worker(spec: mm.TinyGPTSpec, device: str = "cpu"):
+    """Harness (on CPU) + parallel_state for one task."""
+    with megatron_on_cpu() if device == "cpu" else contextlib.nullcontext():
         mm.init_megatron_parallel(spec)
         try:
             yield
@@ -69,7 +70,8 @@ def _bitwise_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> li
 def _infer_checks(state: MegatronTrainingState, manager: ShardingManager) -> dict[str, Any]:
     buffers = ddp_buffers(state.model_chunks)
     params = [p for c in state.model_chunks for p in c.parameters()]
-    opt_tensors = _optimizer_tensors(state.optimizer)
+    # On CUDA, torch Adam keeps ``step`` on the CPU: only device tensors are offloaded.
+    opt_tensors = [t for t in _optimizer_tensors(state.optimizer) if t.device.type == params[0].device.type]
     residency = manager.residency()
     return {
         "num_buffers": len(buffers),
@@ -107,7 +109,10 @@ def _expected_nbytes(state: MegatronTrainingState) -> dict[str, int]:
             grad_storages[p.grad.untyped_storage()._cdata] = p.grad.untyped_storage().nbytes()
     grad = sum(grad_storages.values())
     seen, opt = set(), 0
+    device_type = buffers[0].grad_data.device.type
     for t in _optimizer_tensors(state.optimizer):
+        if t.device.type != device_type:
+            continue
         s = t.untyped_storage()
         if s._cdata not in seen and s._cdata not in _param_storages(buffers):
             seen.add(s._cdata)
@@ -133,7 +138,13 @@ def _copy_engine(model: Any) -> TorchCopyEngine:
 
 
 def train_with_switches(
-    ctx, spec: mm.TinyGPTSpec, num_steps: int, switch: bool, use_engine: bool = False, zero_grads: bool = False
+    ctx,
+    spec: mm.TinyGPTSpec,
+    num_steps: int,
+    switch: bool,
+    use_engine: bool = False,
+    zero_grads: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """Train ``num_steps``; with ``switch``, do to_infer()/to_train() after every step and check the
     INFER state and the bitwise round trip. ``use_engine``: a TorchCopyEngine of the GPTModel receives
@@ -142,22 +153,22 @@ def train_with_switches(
     del ctx
     from megatron.core import parallel_state
 
-    with megatron_worker(spec):
-        model_chunks, optimizer = mm.build_megatron_gpt(spec)
+    with megatron_worker(spec, device):
+        model_chunks, optimizer = mm.build_megatron_gpt(spec, device=device)
         state = MegatronTrainingState(model_chunks, optimizer)
         manager = None
         engine = None
         if switch:
             if use_engine:
                 engine = _copy_engine(unwrap_model(model_chunks[0]))
-            manager = ShardingManager(state, engine, config=HybridConfig(device="cpu"))
+            manager = ShardingManager(state, engine, config=HybridConfig(device=device))
             state.attach(manager)
         out: dict[str, Any] = {"losses": [], "infer": [], "round_trip_diffs": [], "expected": [], "reports": [], "workspace_before": []}
         out["optimizer_type"] = type(optimizer).__name__
         out["leaf_optimizers"] = [type(o).__name__ for o in leaf_optimizers(optimizer)]
         param_ids = [id(p) for c in model_chunks for p in c.parameters()]
         for step in range(num_steps):
-            out["losses"].append(mm.train_step(model_chunks, optimizer, mm.make_batch(spec, step), spec))
+            out["losses"].append(mm.train_step(model_chunks, optimizer, mm.make_batch(spec, step, device), spec))
             if not switch:
                 continue
             if zero_grads:
@@ -166,6 +177,8 @@ def train_with_switches(
                 optimizer.zero_grad()
             # Make Megatron's global memory buffer hold something, as sequence parallelism would.
             parallel_state.get_global_memory_buffer().get_tensor((WORKSPACE_PROBE_NUMEL,), torch.float32, "probe")
+            if device != "cpu":
+                torch.cuda.synchronize()
             out["workspace_before"].append(manager.residency().by_owner[WORKSPACE_OWNER])
             out["expected"].append(_expected_nbytes(state))
             before = _snapshot(model_chunks, optimizer)
