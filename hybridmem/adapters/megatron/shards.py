@@ -1,0 +1,264 @@
+"""What the resharding engine needs from Megatron: names, shard specs, the source layout, model shapes.
+
+All of it is read from Megatron's own attributes rather than re-derived from names:
+
+- per parameter: ``tensor_model_parallel`` (is it split over TP), ``partition_dim`` (which dim),
+  ``partition_stride`` (interleaving; 1 for every layer of a GPTModel), ``allreduce`` (``False`` for
+  expert params, which are split over EP and reduced over the expert data-parallel group);
+- per layer: ``TransformerLayer.layer_number`` (1-based, global over pipeline stages);
+- per expert: ``MoELayer.local_expert_indices`` (global index of each local expert);
+- the ``TransformerConfig``: ``num_attention_heads``, ``num_query_groups``, ``kv_channels``,
+  ``ffn_hidden_size``, ``gated_linear_unit``, ``num_moe_experts``, ``moe_ffn_hidden_size``;
+- the ranks and sizes: ``megatron.core.parallel_state``.
+
+[Note: Megatron fused layouts]
+Two Megatron tensors are fused in a way a plain split does not describe. ``linear_qkv.weight`` is, per
+query group, ``[q heads of the group; k; v]`` stacked on dim 0 (so a TP shard holds whole groups);
+``fused="qkv"``. ``linear_fc1.weight`` with ``gated_linear_unit`` holds, on each TP rank, ``[gate
+shard; up shard]`` (each half split separately, then concatenated); ``fused="gate_up"``. A consumer
+must undo these per rank before concatenating shards.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ShardSpec",
+    "MegatronSourceLayout",
+    "unwrap_model",
+    "megatron_named_weights",
+    "megatron_shard_specs",
+    "megatron_source_layout",
+    "megatron_model_spec_dict",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardSpec:
+    """How one of this rank's Megatron parameters relates to the full tensor."""
+
+    name: str
+    """Megatron name on this rank (no DDP ``module.`` prefix; layer and expert numbers local)."""
+    global_name: str
+    """The same name with the global layer number and global expert index."""
+    local_shape: tuple[int, ...]
+    """Shape on this rank."""
+    global_shape: tuple[int, ...]
+    """Shape of the full tensor (``local_shape`` times ``num_shards`` along ``partition_dim``)."""
+    partition_dim: int | None
+    """Dimension split over tensor parallelism; ``None`` if replicated."""
+    partition_stride: int
+    """Megatron's ``partition_stride`` (1: contiguous blocks)."""
+    num_shards: int
+    """Ranks the tensor is split over (TP size, or the expert TP size for experts); 1 if replicated."""
+    shard_index: int
+    """This rank's block along ``partition_dim``."""
+    is_expert: bool
+    """An expert parameter (``allreduce=False``): split over EP, one expert per tensor."""
+    expert_index: int | None = None
+    """Global expert index, for expert parameters."""
+    layer_index: int | None = None
+    """Global 0-based layer index, for decoder-layer parameters."""
+    fused: str | None = None
+    """``"qkv"`` or ``"gate_up"`` (see [Note: Megatron fused layouts]); ``None`` otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MegatronSourceLayout:
+    """This rank's place in Megatron's parallel layout."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    ep: int
+    """Expert-parallel size."""
+    dp: int
+    """Data-parallel size."""
+    etp: int
+    """Expert tensor-parallel size."""
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+    etp_rank: int
+
+
+def unwrap_model(chunk: Any) -> Any:
+    """The ``GPTModel`` under DDP / Float16Module wrappers (each keeps the wrapped one in ``.module``)."""
+    seen = 0
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+        seen += 1
+        if seen > 8:
+            raise TypeError(f"model chunk nests more than 8 '.module' wrappers ({type(chunk).__name__})")
+    return chunk
+
+
+def _prefix(i: int, num_chunks: int) -> str:
+    # Megatron's checkpoints name virtual-pipeline chunks model0, model1, ...; a single chunk has none.
+    return "" if num_chunks == 1 else f"model{i}."
+
+
+def megatron_named_weights(model_chunks: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's parameters by Megatron name (as its state dict, without DDP's ``module.``)."""
+    chunks = list(model_chunks)
+    for i, chunk in enumerate(chunks):
+        for name, p in unwrap_model(chunk).named_parameters():
+            yield _prefix(i, len(chunks)) + name, p
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+
+
+def _layer_numbers(model: Any) -> dict[int, int]:
+    """Local layer index -> global 0-based layer index, from ``TransformerLayer.layer_number``."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    return {i: int(layer.layer_number) - 1 for i, layer in enumerate(layers)}
+
+
+def _expert_offset(model: Any, local_layer: int) -> int:
+    """Global index of this rank's first expert in a layer: ``MoELayer.local_expert_indices[0]``
+    (0.16 and 0.19), else ``ep_rank * experts.num_local_experts``."""
+    mlp = getattr(model.decoder.layers[local_layer], "mlp", None)
+    indices = getattr(mlp, "local_expert_indices", None)
+    if indices:
+        return int(indices[0])
+    num_local = int(getattr(getattr(mlp, "experts", None), "num_local_experts", 0))
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank() * num_local
+
+
+def megatron_shard_specs(model_chunks: Iterable[Any]) -> dict[str, ShardSpec]:
+    """A :class:`ShardSpec` for each of this rank's parameters, keyed by Megatron name.
+
+    Call after ``parallel_state.initialize_model_parallel`` (the ranks come from it).
+    """
+    from megatron.core import parallel_state
+
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    etp = _call(parallel_state, "get_expert_tensor_parallel_world_size", tp)
+    etp_rank = _call(parallel_state, "get_expert_tensor_parallel_rank", tp_rank)
+    chunks = list(model_chunks)
+    specs: dict[str, ShardSpec] = {}
+    for i, chunk in enumerate(chunks):
+        model = unwrap_model(chunk)
+        config = model.config
+        layer_map = _layer_numbers(model)
+        for name, p in model.named_parameters():
+            is_expert = not getattr(p, "allreduce", True)
+            split = bool(getattr(p, "tensor_model_parallel", False))
+            size, rank = (etp, etp_rank) if is_expert else (tp, tp_rank)
+            dim = int(p.partition_dim) if split and size > 1 else None
+            shape = tuple(p.shape)
+            global_shape = shape if dim is None else tuple(n * size if d == dim else n for d, n in enumerate(shape))
+            global_name, layer_index, expert_index = name, None, None
+            m = _LAYER.match(name)
+            if m:
+                local_layer = int(m.group(1))
+                layer_index = layer_map.get(local_layer, local_layer)
+                global_name = _LAYER.sub(f"decoder.layers.{layer_index}.", global_name, count=1)
+                e = _LOCAL_EXPERT.search(name)
+                if e:
+                    expert_index = _expert_offset(model, local_layer) + int(e.group(1))
+                    global_name = _LOCAL_EXPERT.sub(f".experts.local_experts.{expert_index}.", global_name, count=1)
+            fused = None
+            if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+                fused = "qkv"
+            elif "linear_fc1." in name and config.gated_linear_unit:
+                fused = "gate_up"
+            full = _prefix(i, len(chunks)) + name
+            specs[full] = ShardSpec(
+                name=full,
+                global_name=_prefix(i, len(chunks)) + global_name,
+                local_shape=shape,
+                global_shape=global_shape,
+                partition_dim=dim,
+                partition_stride=int(getattr(p, "partition_stride", 1)),
+                num_shards=size if dim is not None else 1,
+                shard_index=rank if dim is not None else 0,
+                is_expert=is_expert,
+                expert_index=expert_index,
+                layer_index=layer_index,
+                fused=fused,
+            )
+    return specs
+
+
+def _call(module: Any, name: str, default: int) -> int:
+    fn = getattr(module, name, None)
+    return int(fn()) if callable(fn) else default
+
+
+def megatron_source_layout() -> MegatronSourceLayout:
+    """This rank's sizes and ranks from ``megatron.core.parallel_state``."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return MegatronSourceLayout(
+        tp=tp,
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=_call(ps, "get_expert_model_parallel_world_size", 1),
+        dp=ps.get_data_parallel_world_size(),
+        etp=_call(ps, "get_expert_tensor_parallel_world_size", tp),
+        tp_rank=tp_rank,
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=_call(ps, "get_expert_model_parallel_rank", 0),
+        dp_rank=ps.get_data_parallel_rank(),
+        etp_rank=_call(ps, "get_expert_tensor_parallel_rank", tp_rank),
+    )
+
+
+def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embeddings: bool = False) -> dict[str, Any]:
+    """The HF-style config dict (``hybridmem.reshard``'s ``ModelSpec.from_hf_config`` input) of a
+    ``TransformerConfig``.
+
+    ``model_type`` is ``"llama"`` for a dense model and ``"qwen2_moe"`` (no shared expert) for an MoE
+    one, the families whose tensors match a GPTModel without biases or qk-norm.
+
+    Raises:
+        ValueError: The config uses something these families cannot express (biases, qk layernorm,
+            a non-gated MLP, MoE on only some layers).
+    """
+    unsupported = []
+    if getattr(config, "add_bias_linear", False) or getattr(config, "add_qkv_bias", False):
+        unsupported.append("add_bias_linear/add_qkv_bias=True")
+    if getattr(config, "qk_layernorm", False):
+        unsupported.append("qk_layernorm=True")
+    if not config.gated_linear_unit:
+        unsupported.append("gated_linear_unit=False")
+    if getattr(config, "moe_layer_freq", 1) not in (1, None):
+        unsupported.append(f"moe_layer_freq={config.moe_layer_freq!r}")
+    if unsupported:
+        raise ValueError(f"TransformerConfig options without an HF-family equivalent: {unsupported}")
+    heads = int(config.num_attention_heads)
+    out: dict[str, Any] = {
+        "model_type": "qwen2_moe" if config.num_moe_experts else "llama",
+        "hidden_size": int(config.hidden_size),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(config.num_query_groups or heads),
+        "head_dim": int(config.kv_channels or config.hidden_size // heads),
+        "intermediate_size": int(config.ffn_hidden_size),
+        "num_hidden_layers": int(config.num_layers),
+        "vocab_size": int(vocab_size),
+        "tie_word_embeddings": bool(tie_word_embeddings),
+        "rms_norm_eps": float(config.layernorm_epsilon),
+        "attention_bias": False,
+        "qkv_bias": False,
+    }
+    if config.num_moe_experts:
+        out.update(
+            num_experts=int(config.num_moe_experts),
+            moe_intermediate_size=int(config.moe_ffn_hidden_size or config.ffn_hidden_size),
+            num_experts_per_tok=int(config.moe_router_topk),
+            shared_expert_intermediate_size=0,
+        )
+    return out

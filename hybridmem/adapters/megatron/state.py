@@ -1,0 +1,201 @@
+"""``MegatronTrainingState``: Megatron-core model chunks and optimizer as hybridmem's training side.
+
+>>> state = MegatronTrainingState(model_chunks, optimizer)                      # doctest: +SKIP
+>>> manager = ShardingManager(state, engine, config=config)
+>>> state.attach(manager)   # release Megatron's workspaces in TRAIN->INFER, show them in residency
+
+Call order: build the chunks (wrapped in ``megatron.core.distributed.DistributedDataParallel``) and
+the optimizer (``get_megatron_optimizer``) first, then this object, then the manager, then
+:meth:`MegatronTrainingState.attach`. Switch only between optimizer steps (after ``optimizer.step()``,
+before the next forward), as for plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hybridmem.accel import Accelerator
+from hybridmem.adapters.megatron.offload import (
+    MegatronGradOffloader,
+    MegatronOptimizerOffloader,
+    MegatronParamOffloader,
+    ddp_buffers,
+)
+from hybridmem.adapters.megatron.shards import (
+    MegatronSourceLayout,
+    ShardSpec,
+    megatron_model_spec_dict,
+    megatron_named_weights,
+    megatron_shard_specs,
+    megatron_source_layout,
+    unwrap_model,
+)
+from hybridmem.config import HybridConfig
+from hybridmem.host_pool import HostBufferPool
+from hybridmem.kinds import StateKind
+from hybridmem.memplan import StepEstimate
+from hybridmem.offload import Offloader
+from hybridmem.phase import Direction, Phase
+from hybridmem.steps import StepResult, SwitchStep, ToInferOrder
+
+__all__ = ["MegatronTrainingState", "MegatronWorkspaces", "ReleaseWorkspacesStep", "WORKSPACE_OWNER"]
+
+WORKSPACE_OWNER = "megatron workspaces"
+"""The residency report's owner name for what :class:`MegatronWorkspaces` counts."""
+
+
+class MegatronWorkspaces:
+    """Device memory Megatron keeps outside the DDP buffers and the optimizer, and how to drop it.
+
+    - Megatron's global memory buffer (``parallel_state.get_global_memory_buffer().buffer``: scratch
+      tensors for sequence-parallel all-gathers, keyed by name and dtype). Megatron re-creates an entry
+      on its next ``get_tensor``, so dropping the cache is safe between steps.
+    - Transformer Engine's cuBLAS workspaces (``transformer_engine.pytorch.module.base``
+      ``_cublas_workspace`` and ``_multi_stream_cublas_workspace``) when TE is imported; TE re-creates
+      them lazily in ``get_workspace()``. Untested here (TE is not installed on these machines).
+    """
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    @staticmethod
+    def _global_buffer() -> Any:
+        try:
+            from megatron.core import parallel_state
+        except ImportError:
+            return None
+        return getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+
+    @staticmethod
+    def _te_base() -> Any:
+        import sys
+
+        return sys.modules.get("transformer_engine.pytorch.module.base")
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The cached tensors (on any device)."""
+        buf = self._global_buffer()
+        if buf is not None:
+            yield from (t for t in getattr(buf, "buffer", {}).values() if isinstance(t, torch.Tensor))
+        te = self._te_base()
+        if te is not None:
+            ws = getattr(te, "_cublas_workspace", None)
+            if isinstance(ws, torch.Tensor):
+                yield ws
+            for t in getattr(te, "_multi_stream_cublas_workspace", None) or []:
+                if isinstance(t, torch.Tensor):
+                    yield t
+
+    def resident_nbytes(self) -> int:
+        """Device bytes the caches hold now (each storage counted once)."""
+        seen: dict[int, int] = {}
+        for t in self.tensors():
+            if t.device.type == self.device_type:
+                s = t.untyped_storage()
+                seen[s._cdata] = s.nbytes()
+        return sum(seen.values())
+
+    def release(self) -> int:
+        """Drop every cache; returns the device bytes they held."""
+        nbytes = self.resident_nbytes()
+        buf = self._global_buffer()
+        if buf is not None and isinstance(getattr(buf, "buffer", None), dict):
+            buf.buffer.clear()
+        te = self._te_base()
+        if te is not None:
+            if getattr(te, "_cublas_workspace", None) is not None:
+                te._cublas_workspace = None
+            if getattr(te, "_multi_stream_cublas_workspace", None):
+                te._multi_stream_cublas_workspace = []
+        return nbytes
+
+
+class ReleaseWorkspacesStep(SwitchStep):
+    """TRAIN->INFER step dropping :class:`MegatronWorkspaces` (no undo: Megatron re-creates lazily)."""
+
+    def __init__(self, workspaces: MegatronWorkspaces):
+        self.workspaces = workspaces
+        self.name = "release megatron workspaces"
+        self.kind = None
+
+    def estimate(self) -> StepEstimate:
+        return StepEstimate(free_nbytes=self.workspaces.resident_nbytes())
+
+    def run(self) -> StepResult:
+        start = time.perf_counter()
+        nbytes = self.workspaces.release()
+        return StepResult(seconds=time.perf_counter() - start, extra={"released_nbytes": nbytes})
+
+
+class MegatronTrainingState:
+    """Megatron-core DDP model chunks and their optimizer, as a
+    :class:`~hybridmem.training_state.TrainingState`.
+
+    Args:
+        model_chunks: The DDP-wrapped chunks of this rank (one per virtual pipeline stage), or one chunk.
+        optimizer: The optimizer from ``get_megatron_optimizer`` (``DistributedOptimizer``,
+            ``Float16OptimizerWithFloat16Params``, ``FP32Optimizer`` or a ``ChainedOptimizer`` of
+            them), or ``None``.
+
+    Raises:
+        TypeError: A chunk is not wrapped in Megatron's ``DistributedDataParallel``.
+    """
+
+    def __init__(self, model_chunks: Any, optimizer: Any):
+        self.model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        ddp_buffers(self.model_chunks)  # validates the wrapping early, naming the bad chunk
+        self.optimizer = optimizer
+        self.workspaces: MegatronWorkspaces | None = None
+
+    @property
+    def config(self) -> Any:
+        """The ``TransformerConfig`` of the first chunk."""
+        return unwrap_model(self.model_chunks[0]).config
+
+    def build_offloaders(self, accel: Accelerator, pool: HostBufferPool, config: HybridConfig) -> dict[StateKind, Offloader]:
+        """``PARAM``: every buffer's ``param_data``; ``GRAD``: every ``grad_data`` (all-zero ones skipped
+        when ``config.skip_zero_grads``); ``OPTIMIZER``: fp32 main params and optimizer state."""
+        self.workspaces = MegatronWorkspaces(accel.device.type)
+        offloaders: dict[StateKind, Offloader] = {
+            StateKind.PARAM: MegatronParamOffloader(self.model_chunks, accel, pool),
+            StateKind.GRAD: MegatronGradOffloader(
+                self.model_chunks, self.optimizer, accel, pool, skip_zero=config.skip_zero_grads
+            ),
+        }
+        if self.optimizer is not None:
+            offloaders[StateKind.OPTIMIZER] = MegatronOptimizerOffloader(self.optimizer, self.model_chunks, accel, pool)
+        return offloaders
+
+    def attach(self, manager: Any) -> None:
+        """Register the workspace release step (just before ``empty_cache`` in TRAIN->INFER) and the
+        workspaces' residency owner (expected empty in INFER) with ``manager``."""
+        if self.workspaces is None:
+            self.workspaces = MegatronWorkspaces(manager.accel.device.type)
+        manager.register_step(Direction.TO_INFER, ReleaseWorkspacesStep(self.workspaces), ToInferOrder.EMPTY_CACHE - 1)
+        manager.register_owner(WORKSPACE_OWNER, self.workspaces.resident_nbytes, empty_in=(Phase.INFER,))
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """This rank's parameters by Megatron name (no DDP ``module.`` prefix, local layer numbers;
+        chunks prefixed ``model{i}.`` when there are several)."""
+        return megatron_named_weights(self.model_chunks)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """See :func:`~hybridmem.adapters.megatron.shards.megatron_shard_specs`."""
+        return megatron_shard_specs(self.model_chunks)
+
+    def source_layout(self) -> MegatronSourceLayout:
+        """See :func:`~hybridmem.adapters.megatron.shards.megatron_source_layout`."""
+        return megatron_source_layout()
+
+    def model_spec_dict(self) -> dict[str, Any]:
+        """The HF-style dict of the model (see :func:`megatron_model_spec_dict`)."""
+        model = unwrap_model(self.model_chunks[0])
+        return megatron_model_spec_dict(
+            self.config,
+            vocab_size=int(model.vocab_size),
+            tie_word_embeddings=bool(getattr(model, "share_embeddings_and_output_weights", False)),
+        )

@@ -1,0 +1,46 @@
+"""Adapter pieces that need no process group: input checks and the model spec dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem.adapters.megatron import MegatronTrainingState, leaf_optimizers, megatron_model_spec_dict
+
+pytestmark = pytest.mark.megatron
+
+
+def _config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    base = dict(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+                gated_linear_unit=True, add_bias_linear=False, use_cpu_initialization=True)
+    return TransformerConfig(**{**base, **overrides})
+
+
+def test_model_spec_dict_from_transformer_config():
+    d = megatron_model_spec_dict(_config(kv_channels=16), vocab_size=100)
+    assert (d["model_type"], d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]) == ("llama", 8, 2, 16)
+    assert (d["intermediate_size"], d["num_hidden_layers"], d["vocab_size"]) == (96, 3, 100)
+    # kv_channels defaults to hidden_size / heads in Megatron.
+    assert megatron_model_spec_dict(_config(), vocab_size=100)["head_dim"] == 8
+
+
+def test_model_spec_dict_names_what_it_cannot_express():
+    with pytest.raises(ValueError, match=r"add_bias_linear.*gated_linear_unit=False"):
+        megatron_model_spec_dict(_config(add_bias_linear=True, gated_linear_unit=False), vocab_size=100)
+
+
+def test_training_state_rejects_an_unwrapped_chunk():
+    with pytest.raises(TypeError, match=r"model chunk 0 \(Linear\) is not wrapped"):
+        MegatronTrainingState([torch.nn.Linear(2, 2)], None)
+
+
+def test_leaf_optimizers_flattens_nested_chains():
+    class Chain:
+        def __init__(self, *opts):
+            self.chained_optimizers = list(opts)
+
+    a, b, c = object(), object(), object()
+    assert leaf_optimizers(Chain(a, Chain(b, c))) == [a, b, c]
+    assert leaf_optimizers(a) == [a]
