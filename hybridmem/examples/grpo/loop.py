@@ -78,25 +78,32 @@ class IterationStats:
     iter_s: float
 
 
-def _padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
+def _spec(cfg: DemoConfig) -> Any:
+    from hybridmem.reshard import ModelSpec  # noqa: PLC0415 - heavy, only here
+
+    return ModelSpec.from_hf_config(cfg.model.to_hf_dict())
 
 
 def _build_policy(cfg: DemoConfig, topo: Topology, device: torch.device) -> tuple[MegatronLayoutGPT, MegatronLayoutGPT]:
-    """The actor and a frozen reference with the same initial weights, in the training layout."""
-    from hybridmem.reshard import megatron_shard_from_hf  # noqa: PLC0415 - heavy, only here
+    """The actor and a frozen reference with the same initial weights, in the training layout.
+
+    Every rank builds the same full (HF-named) weights from the seed and cuts its own Megatron shard
+    with the resharding engine's layout, so the demo's training layout is the one ReshardSync reads.
+    """
+    from hybridmem.reshard import megatron_layout, shard  # noqa: PLC0415
 
     dtype = getattr(torch, cfg.dtype)
     full = init_hf_weights(cfg.model, seed=cfg.seed, dtype=dtype)
-    padded = _padded_vocab(cfg.model.vocab_size, topo.train.tp)
-    shard = megatron_shard_from_hf(full, cfg.model.to_hf_dict(), tp=topo.train.tp, tp_rank=topo.train_tp_rank,
-                                   padded_vocab_size=padded)
+    layout = megatron_layout(_spec(cfg), cfg.hybrid.train_layout, topo.world_size)
+    local = shard(full, layout, topo.rank)
+    padded = local["embedding.word_embeddings.weight"].shape[0] * topo.train.tp
     models = []
     for _ in range(2):
-        m = MegatronLayoutGPT(cfg.model, padded_vocab_size=padded, group=topo.train_tp_group, dtype=dtype, device=device)
-        m.load_state_dict({k: v.to(device) for k, v in shard.items()})
+        m = MegatronLayoutGPT(cfg.model, padded_vocab_size=padded, group=topo.train_tp_group, dtype=dtype,
+                              device=device)
+        m.load_state_dict({k: v.to(device) for k, v in local.items()})
         models.append(m)
+    models[1].requires_grad_(False)
     return models[0], models[1]
 
 
@@ -114,8 +121,8 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
         cfg: The run.
         on_iteration: Called on every rank as ``on_iteration(stats, memory_samples)`` after each iteration.
     """
-    from hybridmem.engines import ReferenceEngine, SamplingParams  # noqa: PLC0415
-    from hybridmem.reshard import ModelSpec, ReshardSync  # noqa: PLC0415
+    from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams  # noqa: PLC0415
+    from hybridmem.reshard import ReshardSync  # noqa: PLC0415
 
     topo = build_topology(cfg.hybrid.train_layout, cfg.hybrid.infer_layout)
     torch.manual_seed(cfg.seed)
@@ -123,18 +130,23 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
     policy, reference = _build_policy(cfg, topo, torch.device("cpu" if manager_accel in ("auto", "cpu") else manager_accel))
     device = next(policy.parameters()).device
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=0.0)
-    engine = ReferenceEngine(cfg.model.to_hf_dict(), group=topo.infer_tp_group, device=device, dtype=getattr(torch, cfg.dtype),
-                             max_num_seqs=cfg.num_prompts * cfg.grpo.group_size,
-                             max_model_len=cfg.task.prompt_len + cfg.task.completion_len)
+    dtype = getattr(torch, cfg.dtype)
+    max_len = cfg.task.prompt_len + cfg.task.completion_len
+    block_size = 16
+    seqs_per_replica = -(-cfg.num_prompts // topo.num_infer_replicas) * cfg.grpo.group_size
+    engine = ReferenceEngine(cfg.model.to_hf_dict(), group=topo.infer_tp_group, device=device, dtype=dtype,
+                             block_size=block_size, num_kv_blocks=seqs_per_replica * -(-max_len // block_size))
+    engine.release(list(ENGINE_TAGS))  # the manager starts in TRAIN with the engine's memory released
     sync = ReshardSync(
-        ModelSpec.from_hf_config(cfg.model.to_hf_dict()),
+        _spec(cfg),
         src=cfg.hybrid.train_layout,
         dst=cfg.hybrid.infer_layout,
         group=None,
-        source=lambda: policy.state_dict(keep_vars=True).items(),
+        source=lambda: policy.named_parameters(),
         engine=engine,
         bucket_nbytes=cfg.hybrid.reshard_bucket_bytes,
         verify=cfg.hybrid.verify_weight_sync,
+        dtype=dtype,
     )
     manager = ShardingManager(policy, engine, optimizer=opt, config=cfg.hybrid, weight_sync=sync)
     manager.add_coresident("reference", reference)

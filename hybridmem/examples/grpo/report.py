@@ -26,7 +26,7 @@ class RankZeroReporter:
     def __init__(self, cfg: DemoConfig, out: Path):
         self.cfg = cfg
         self.out = out
-        self.console = Console()
+        self.console = Console(width=max(Console().width, 132))  # the table is 124 columns wide
         self.bar = tqdm(total=cfg.iters, desc="GRPO", unit="iter")
         self.samples: list[tuple[float, str, int]] = []
         self.ends: list[int] = []
