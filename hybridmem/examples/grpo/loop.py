@@ -152,10 +152,10 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
     manager.add_coresident("reference", reference)
     P, L, G = cfg.task.prompt_len, cfg.task.completion_len, cfg.grpo.group_size
     start = time.perf_counter()
-    samples: list[tuple[float, str, int]] = []
+    samples: list[tuple[float, str, dict[str, int]]] = []
 
     def mark(phase: str) -> None:
-        samples.append((time.perf_counter() - start, phase, manager.memory().allocated_nbytes))
+        samples.append((time.perf_counter() - start, phase, dict(manager.residency().by_owner)))
 
     stats: list[IterationStats] = []
     for it in range(cfg.iters):

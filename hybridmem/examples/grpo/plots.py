@@ -34,22 +34,27 @@ def plot_rewards(rewards: list[float], path: Path) -> Path:
     return path
 
 
-def plot_memory(samples: list[tuple[float, str, int]], path: Path, *, unit: int = 2**20) -> Path:
-    """Device bytes over time; ``samples`` are ``(seconds, phase, bytes)`` with phase one of
-    ``train``, ``switch``, ``infer``, ``reference``. Spans between samples are shaded by the phase of
-    the sample that opens them."""
+def plot_memory(samples: list[tuple[float, str, dict[str, int]]], path: Path, *, unit: int = 2**10) -> Path:
+    """Device bytes over time, stacked by owner (train param, optimizer, engine weights, kv cache, ...).
+
+    ``samples`` are ``(seconds, phase, bytes_by_owner)`` with phase one of ``train``, ``switch``,
+    ``infer``, ``reference``; the phase of a sample is drawn as a band under the plot until the next one.
+    """
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, (ax, band) = plt.subplots(2, 1, figsize=(8, 4.2), sharex=True, height_ratios=(8, 1))
     t = [s[0] for s in samples]
-    y = [s[2] / unit for s in samples]
+    owners = [o for o in dict.fromkeys(o for s in samples for o in s[2]) if any(s[2].get(o, 0) for s in samples)]
+    ys = [[s[2].get(o, 0) / unit for s in samples] for o in owners]
+    ax.stackplot(t, ys, labels=owners, step="post", alpha=0.85)
+    ax.legend(loc="upper left", fontsize=7, ncol=3)
+    ax.set_ylabel("device KiB (rank 0)")
+    ax.set_title("Device memory by owner across iterations")
     for (t0, phase, _), (t1, _, _) in zip(samples, samples[1:]):
-        ax.axvspan(t0, t1, color=_PHASE_COLORS.get(phase, "white"), lw=0)
-    ax.step(t, y, where="post", color="black")
+        band.axvspan(t0, t1, color=_PHASE_COLORS.get(phase, "white"), lw=0)
+    band.set_yticks([])
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASE_COLORS.values()]
-    ax.legend(handles, list(_PHASE_COLORS), loc="upper right", fontsize=8)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("device MiB (rank 0)")
-    ax.set_title("Device memory across iterations")
+    band.legend(handles, list(_PHASE_COLORS), loc="upper right", bbox_to_anchor=(1.0, -0.9), ncol=4, fontsize=7)
+    band.set_xlabel("seconds", loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -28,13 +28,13 @@ class RankZeroReporter:
         self.out = out
         self.console = Console(width=max(Console().width, 132))  # the table is 124 columns wide
         self.bar = tqdm(total=cfg.iters, desc="GRPO", unit="iter")
-        self.samples: list[tuple[float, str, int]] = []
+        self.samples: list[tuple[float, str, dict[str, int]]] = []
         self.ends: list[int] = []
         """``len(samples)`` at the end of each iteration."""
         layout = f"train {cfg.hybrid.train_layout}, infer {cfg.hybrid.infer_layout}"
         self.console.print(f"[bold]hybridmem GRPO demo[/]: {cfg.trainer} trainer, {layout}, {cfg.hybrid.device}")
 
-    def on_iteration(self, row: IterationStats, samples: list[tuple[float, str, int]]) -> None:
+    def on_iteration(self, row: IterationStats, samples: list[tuple[float, str, dict[str, int]]]) -> None:
         self.samples = list(samples)
         self.ends.append(len(samples))
         self.bar.set_postfix(reward=f"{row.reward:.3f}", kl=f"{row.kl:.3f}")
