@@ -45,7 +45,7 @@ from hybridmem.steps import (
     ToTrainOrder,
     WeightSyncStep,
 )
-from hybridmem.sync import LoadWeightsSync, WeightSync
+from hybridmem.sync import WeightSync, default_weight_sync
 from hybridmem.training_state import TorchTrainingState, TrainingState
 
 __all__ = ["ShardingManager"]
@@ -89,8 +89,13 @@ class ShardingManager:
             their own).
         config: Offload switches, layouts and budgets; defaults to ``HybridConfig()``.
         accel: The accelerator; defaults to ``config.device``.
-        weight_sync: How training weights reach the engine; defaults to streaming this rank's
-            ``named_weights()`` into ``engine.load_weights``.
+        weight_sync: How training weights reach the engine; defaults to
+            :func:`~hybridmem.sync.default_weight_sync`: resharding from ``config.train_layout`` to
+            ``config.infer_layout`` when the model's spec is known (``model_spec``, or the training
+            state's ``model_spec_dict()``), else streaming this rank's ``named_weights()`` into
+            ``engine.load_weights`` (layouts must then be equal).
+        model_spec: The model's :class:`~hybridmem.reshard.ModelSpec` or HF-style config, for resharding.
+        group: The process group spanning both layouts (``None``: the default group).
 
     Call order: construct in TRAIN (training state on the device, engine memory released); then
     alternate :meth:`to_infer` / :meth:`to_train`, or use :meth:`inference` as a context manager.
@@ -105,6 +110,8 @@ class ShardingManager:
         config: HybridConfig | None = None,
         accel: Accelerator | str | None = None,
         weight_sync: WeightSync | None = None,
+        model_spec: Any = None,
+        group: Any = None,
     ):
         self.config = HybridConfig() if config is None else config
         if not isinstance(self.config, HybridConfig):
@@ -130,7 +137,7 @@ class ShardingManager:
             StateKind.OPTIMIZER: self.config.offload_train_optimizer,
         }
         if weight_sync is None and engine is not None:
-            weight_sync = LoadWeightsSync(self.training.named_weights, engine)
+            weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
         self._extra_owners: dict[str, tuple[Callable[[], int], tuple[Phase, ...]]] = {}

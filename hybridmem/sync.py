@@ -3,21 +3,23 @@
 The default, :class:`LoadWeightsSync`, streams ``(name, tensor)`` pairs into the engine's
 ``load_weights``; it suits engines that hold the training layout (``TorchCopyEngine``) or load full
 HF-named tensors. The resharding engine (:mod:`hybridmem.reshard`) provides a sync that writes each
-rank's inference-layout shards straight into the engine's parameters.
+rank's inference-layout shards straight into the engine's parameters; :func:`default_weight_sync`
+picks between the two from the config's layouts and the model's spec.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hybridmem.engines.protocol import InferenceEngine
 
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync"]
+__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +84,58 @@ class LoadWeightsSync(WeightSync):
             min_received_nbytes=nbytes,
             seconds=time.perf_counter() - start,
         )
+
+
+def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, model_spec: Any = None,
+                        group: Any = None) -> WeightSync:
+    """The weight sync ShardingManager uses when none is given.
+
+    With ``model_spec``, a :class:`~hybridmem.reshard.ReshardSync` from ``config.train_layout`` (the
+    training weights in Megatron-core's names and layout, vocab padded as Megatron's
+    ``make_vocab_size_divisible_by=128`` pads it) to ``config.infer_layout`` (the engine's vLLM layout)
+    over ``group``, with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, in the
+    element type of the training weights. For other conventions build the ``ReshardSync`` yourself and
+    pass it as ``weight_sync=``. Without a spec, a :class:`LoadWeightsSync` of the training weights as
+    they are, which is only right when the two layouts are equal.
+
+    Args:
+        training: The training state (``named_weights()``, optionally ``model_spec_dict()``).
+        engine: The inference engine.
+        config: The :class:`~hybridmem.config.HybridConfig`.
+        model_spec: A :class:`~hybridmem.reshard.ModelSpec` or an HF-style config (object or dict).
+        group: The process group spanning both layouts (``None``: the default group).
+
+    Raises:
+        ValueError: The layouts differ and no model spec is given, or the training state reports a
+            layout (``source_layout()``) other than ``config.train_layout``.
+    """
+    if model_spec is None:
+        if config.train_layout != config.infer_layout:
+            raise ValueError(
+                f"train layout {config.train_layout} differs from infer layout {config.infer_layout}, so the "
+                f"weights must be resharded: pass model_spec= (a hybridmem.reshard.ModelSpec or the model's HF "
+                f"config) or weight_sync="
+            )
+        return LoadWeightsSync(training.named_weights, engine)
+    from hybridmem.reshard import ModelSpec, ReshardSync  # noqa: PLC0415 - reshard imports this module
+
+    layout_fn = getattr(training, "source_layout", None)
+    if callable(layout_fn):
+        actual = layout_fn()
+        got = tuple(getattr(actual, k) for k in ("tp", "pp", "ep"))
+        want = (config.train_layout.tp, config.train_layout.pp, config.train_layout.ep)
+        if got != want:
+            raise ValueError(
+                f"the training state runs at (tp, pp, ep)={got} but config.train_layout is {config.train_layout}; "
+                f"set tensor_model_parallel_size / pipeline_model_parallel_size / expert_model_parallel_size to match"
+            )
+
+    spec = model_spec if isinstance(model_spec, ModelSpec) else ModelSpec.from_hf_config(
+        dict(model_spec) if isinstance(model_spec, Mapping) else model_spec
+    )
+    first = next(iter(training.named_weights()), None)
+    dtype = first[1].dtype if first is not None else torch.bfloat16
+    return ReshardSync(
+        spec, config.train_layout, config.infer_layout, group, training.named_weights, engine,
+        bucket_nbytes=config.reshard_bucket_bytes, verify=config.verify_weight_sync, dtype=dtype,
+    )

@@ -399,3 +399,4 @@ def test_plan_predicts_the_tracked_curve(tiny_setup):
     back_plan = mgr.plan(Direction.TO_TRAIN)
     back = mgr.to_train()
     assert [p.after_nbytes for p in back_plan.steps] == [s.allocated_after_nbytes for s in back.steps]
+

@@ -1,0 +1,68 @@
+"""ShardingManager picks its weight sync from the config: resharding when given a model spec, a plain
+load_weights stream when the layouts are equal, and an error naming the layouts otherwise."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridmem import HybridConfig, ShardingManager
+from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, TorchCopyEngine
+from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, init_hf_weights
+from hybridmem.reshard import ReshardSync, megatron_layout, shard
+from hybridmem.reshard.spec import ModelSpec
+from hybridmem.sync import LoadWeightsSync, default_weight_sync
+
+CFG = DecoderConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                    num_hidden_layers=2, vocab_size=50, attention_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)
+
+
+def _megatron_layout_model() -> MegatronLayoutGPT:
+    spec = ModelSpec.from_hf_config(CFG.to_hf_dict())
+    local = shard(init_hf_weights(CFG, seed=3, dtype=torch.float32), megatron_layout(spec, HybridConfig().train_layout, 1), 0)
+    model = MegatronLayoutGPT(CFG, padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0], group=None,
+                              dtype=torch.float32, device="cpu")
+    model.load_state_dict(local)
+    return model
+
+
+def test_model_spec_reshards_megatron_names_into_the_engine():
+    model = _megatron_layout_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine = ReferenceEngine(CFG.to_hf_dict(), num_kv_blocks=8, block_size=8)
+    engine.release(list(ENGINE_TAGS))
+    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"), model_spec=CFG.to_hf_dict())
+    assert isinstance(manager.weight_sync, ReshardSync)
+    seqs = torch.tensor([[1, 5, 7, 9, 11, 2], [4, 4, 8, 15, 16, 23]])
+    for _ in range(2):  # the second sync must carry the updated weights
+        with torch.no_grad():
+            expected = model.token_logprobs(seqs).double()
+        with manager.inference() as eng:
+            got = torch.tensor(eng.compute_logprobs(seqs.tolist()), dtype=torch.float64)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        model.token_logprobs(seqs).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    manager.close()
+
+
+def test_equal_layouts_without_spec_stream_load_weights():
+    model = torch.nn.Linear(4, 4)
+    sync = default_weight_sync(SimpleNamespace(named_weights=model.named_parameters), TorchCopyEngine(model),
+                               HybridConfig(device="cpu"))
+    assert isinstance(sync, LoadWeightsSync)
+
+
+def test_different_layouts_without_spec_raise_naming_both():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"TP1xPP1xEP1 differs from infer layout TP2xPP1xEP1.*model_spec="):
+        ShardingManager(model, TorchCopyEngine(model), config=HybridConfig(device="cpu", infer_tensor_parallel_size=2))
+
+
+def test_training_state_layout_must_match_the_config():
+    state = SimpleNamespace(named_weights=lambda: iter(()), source_layout=lambda: SimpleNamespace(tp=2, pp=1, ep=1))
+    with pytest.raises(ValueError, match=r"\(2, 1, 1\).*TP1xPP1xEP1"):
+        default_weight_sync(state, TorchCopyEngine(torch.nn.Linear(2, 2)), HybridConfig(device="cpu"),
+                            model_spec=CFG.to_hf_dict())
