@@ -27,12 +27,12 @@ class RankZeroReporter:
         self.cfg = cfg
         self.out = out
         self.console = Console(width=max(Console().width, 132))  # the table is 124 columns wide
+        layout = f"train {cfg.hybrid.train_layout}, infer {cfg.hybrid.infer_layout}"
+        self.console.print(f"[bold]hybridmem GRPO demo[/]: {cfg.trainer} trainer, {layout}, {cfg.hybrid.device}")
         self.bar = tqdm(total=cfg.iters, desc="GRPO", unit="iter")
         self.samples: list[tuple[float, str, dict[str, int]]] = []
         self.ends: list[int] = []
         """``len(samples)`` at the end of each iteration."""
-        layout = f"train {cfg.hybrid.train_layout}, infer {cfg.hybrid.infer_layout}"
-        self.console.print(f"[bold]hybridmem GRPO demo[/]: {cfg.trainer} trainer, {layout}, {cfg.hybrid.device}")
 
     def on_iteration(self, row: IterationStats, samples: list[tuple[float, str, dict[str, int]]]) -> None:
         self.samples = list(samples)
