@@ -74,12 +74,14 @@ class CellChecksums:
             if t.dst_rank == rank:
                 self._dst_by_name.setdefault(t.dst_name, []).append(i)
 
-    def add_source(self, src: Mapping[str, torch.Tensor]) -> None:
-        """Figures of the cells this rank sends (or copies locally), from its source tensors."""
+    def add_source(self, src: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+        """Figures of the cells this rank sends (or copies locally), from its source tensors as cast to
+        the wire ``dtype`` (see [Note: wire dtype] in :mod:`hybridmem.reshard.execute`)."""
         cells = _cells(self.plan)
         for i in self._src:
             t = cells[i]
-            self._figures[0, i] = torch.tensor(box_checksum(src[t.src_name][piece_index(t.src_piece, t.box)], t.box))
+            piece = src[t.src_name][piece_index(t.src_piece, t.box)]
+            self._figures[0, i] = torch.tensor(box_checksum(piece if dtype is None else piece.to(dtype), t.box))
 
     def add_destination(self, name: str, tensor: torch.Tensor) -> None:
         """Figures of the cells of destination tensor ``name`` (as the engine holds it now)."""

@@ -26,13 +26,21 @@ def shard(full: Mapping[str, torch.Tensor], layout: ShardLayout, rank: int) -> d
 def unshard(per_rank: Sequence[Mapping[str, torch.Tensor]], layout: ShardLayout) -> dict[str, torch.Tensor]:
     """HF-full tensors rebuilt from every rank's tensors in ``layout`` (the inverse of :func:`shard`).
 
+    Each full tensor takes the dtype of the first rank's tensor holding a slice of it (Megatron may keep
+    norms in fp32 beside bf16 weights).
+
     Raises:
         ValueError: ``len(per_rank)`` is not the layout's world size, or a shape does not match.
     """
     if len(per_rank) != layout.world_size:
         raise ValueError(f"got {len(per_rank)} ranks for a layout of world_size={layout.world_size}")
     first = next(t for tensors in per_rank for t in tensors.values())
-    full = {name: torch.empty(shape, dtype=first.dtype, device=first.device)
+    dtypes: dict[str, torch.dtype] = {}
+    for rank, tensors in enumerate(per_rank):
+        for name, local in layout.tensors(rank).items():
+            for piece in local.pieces:
+                dtypes.setdefault(piece.hf_name, tensors[name].dtype)
+    full = {name: torch.empty(shape, dtype=dtypes.get(name, first.dtype), device=first.device)
             for name, shape in layout.spec.full_shapes().items()}
     for rank, tensors in enumerate(per_rank):
         for name, local in layout.tensors(rank).items():

@@ -8,6 +8,13 @@ slices into the destination tensors. The staging buffers of a bucket are dropped
 so temporary memory is bounded by the plan's ``peak_temp_nbytes``. On an accelerator with streams the
 work runs on a side stream that first waits for the current one; the current stream waits for it at
 the end, so the results are ready for whatever is queued next.
+
+[Note: wire dtype]
+A receiver sizes its staging buffer from the plan in elements of the wire dtype, so every rank must
+use the same one: sources of another dtype (Megatron keeps some norms in fp32 beside bf16 weights)
+are cast to it when packed, and received slices are cast to each destination tensor's dtype when
+unpacked. ``ReshardSync`` passes its ``dtype`` on every rank; ``default_weight_sync`` picks the dtype
+holding most of the training weights' bytes, which is the same on every rank of a real model.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ def _warm_group(plan: ReshardPlan, group: Any, device: torch.device) -> None:
         dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
-def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor],
+                   dtype: torch.dtype | None) -> tuple[torch.dtype, torch.device]:
     expected = plan.src.tensors(rank)
     missing = [n for n in expected if n not in src]
     if missing:
@@ -59,9 +67,11 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
                 f"layout {plan.src.parallel} expects {local.shape}"
             )
     first = next(iter(src.values()))
-    if first.element_size() != plan.itemsize:
-        raise ValueError(f"rank {rank}: tensors have {first.element_size()} bytes per element, plan has {plan.itemsize}")
-    return first
+    dtype = first.dtype if dtype is None else dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if itemsize != plan.itemsize:
+        raise ValueError(f"rank {rank}: wire dtype {dtype} has {itemsize} bytes per element, plan has {plan.itemsize}")
+    return dtype, first.device
 
 
 def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: Mapping[str, torch.Tensor],
@@ -77,7 +87,7 @@ def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: M
     ops = []
     send_bufs = {}
     for peer, ts in sends.items():
-        buf = torch.cat([src[t.src_name][piece_index(t.src_piece, t.box)].reshape(-1) for t in ts])
+        buf = torch.cat([src[t.src_name][piece_index(t.src_piece, t.box)].reshape(-1).to(dtype) for t in ts])
         send_bufs[peer] = buf
         ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
     recv_bufs = {}
@@ -105,7 +115,8 @@ def _unpack(recvs: dict[int, list[Transfer]], bufs: dict[int, torch.Tensor],
 
 
 def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
-             dst: MutableMapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], SyncStats]:
+             dst: MutableMapping[str, torch.Tensor] | None = None,
+             dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], SyncStats]:
     """Write this rank's destination tensors from every rank's source tensors.
 
     Call on every rank of ``group`` with the same ``plan``.
@@ -117,6 +128,8 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
         group: The process group (``None``: the default group).
         dst: The destination tensors to write into, by name (e.g. the engine's ``named_parameters()``);
             ``None`` allocates them. Tensors with padding rows are zeroed first.
+        dtype: The element type on the wire and of allocated destinations, the same on every rank
+            (see [Note: wire dtype]); ``None``: the first source tensor's.
 
     Returns:
         The destination tensors and this rank's figures (``received_nbytes`` counts bytes that arrived
@@ -126,8 +139,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
         ValueError: A source or destination tensor is missing or has the wrong shape.
     """
     start = time.perf_counter()
-    first = _check_sources(plan, rank, src)
-    dtype, device = first.dtype, first.device
+    dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
     if dst is None:
         dst = {name: torch.zeros(local.shape, dtype=dtype, device=device) for name, local in expected.items()}
@@ -145,7 +157,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     _warm_group(plan, group, device)
     with torch.no_grad(), accel.on_side_stream(side):
         for t in plan.local[rank]:
-            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)])
+            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)].to(dtype))
         for bucket in plan.buckets:
             recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)
             _unpack(recvs, bufs, dst)
@@ -177,7 +189,8 @@ class _AllocateOnFirstUse(dict):
 
 
 def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor],
-                      group: Any = None, stats: list[SyncStats] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      group: Any = None, stats: list[SyncStats] | None = None,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for this rank's pipeline stage, each as soon as it is complete.
 
     For engines that only take ``load_weights``: the plan's destination must be an HF layout
@@ -192,8 +205,7 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     if plan.dst.side is not Side.HF:
         raise ValueError(f"iter_full_tensors needs an HF destination layout, got {plan.dst.side.value}")
     start = time.perf_counter()
-    first = _check_sources(plan, rank, src)
-    dtype, device = first.dtype, first.device
+    dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
     remaining = {name: local.numel for name, local in expected.items()}
     dst = _AllocateOnFirstUse({n: t.shape for n, t in expected.items()}, dtype, device)
@@ -209,7 +221,7 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     with torch.no_grad():
         touched: set[str] = set()
         for t in plan.local[rank]:
-            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)])
+            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)].to(dtype))
             remaining[t.dst_name] -= t.numel
             touched.add(t.dst_name)
         yield from done(touched)

@@ -59,6 +59,9 @@ class MegatronConvention:
 
     make_vocab_size_divisible_by: int = 128
     """Vocab is padded to a multiple of this times tp (Megatron's ``--make-vocab-size-divisible-by``)."""
+    padded_vocab_size: int | None = None
+    """The padded vocab rows over all TP ranks as the model holds them (``args.padded_vocab_size``, the
+    ``vocab_size`` a GPTModel was built with); overrides ``make_vocab_size_divisible_by`` when set."""
     norm_style: str = "local"
     """``"local"``: ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: fused into
     ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight`` (Transformer Engine spec)."""
@@ -66,6 +69,8 @@ class MegatronConvention:
     def __post_init__(self) -> None:
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < 1:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} must be >= 1")
         if self.norm_style not in ("local", "te"):
             raise ValueError(f"norm_style={self.norm_style!r}; expected 'local' or 'te'")
 
@@ -220,6 +225,12 @@ def _gate_up(hf: tuple[str, ...], shapes: Shapes, rank: int, num: int) -> LocalT
 
 def _vocab_rows(side: Side, spec: ModelSpec, conv: object, c: RankCoords) -> int:
     v = spec.vocab_size
+    if side is Side.MEGATRON and conv.padded_vocab_size is not None:
+        if conv.padded_vocab_size < v or conv.padded_vocab_size % c.tp:
+            raise ValueError(
+                f"Megatron padded_vocab_size={conv.padded_vocab_size} must be >= vocab_size={v} and divisible by tp={c.tp}"
+            )
+        return conv.padded_vocab_size
     if side is Side.MEGATRON:
         multiple = conv.make_vocab_size_divisible_by * c.tp
     else:

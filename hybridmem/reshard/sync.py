@@ -42,7 +42,8 @@ class ReshardSync(WeightSync):
         engine: The engine; written through ``named_parameters()`` when it has it, else ``load_weights``.
         bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
         verify: Compare per-slice checksums after each sync (raises ``WeightSyncError`` on mismatch).
-        dtype: Element type of the weights (decides the plan's byte figures).
+        dtype: Element type on the wire, the same on every rank (see [Note: wire dtype]); decides the
+            plan's byte figures.
         megatron: Megatron naming/padding options.
         vllm: vLLM padding options.
     """
@@ -60,6 +61,7 @@ class ReshardSync(WeightSync):
         self.engine = engine
         self.verify = verify
         self.in_place = callable(getattr(engine, "named_parameters", None))
+        self.dtype = dtype
         src_layout = megatron_layout(spec, src, world, convention=megatron)
         dst_layout = vllm_layout(spec, dst, world, convention=vllm) if self.in_place else hf_layout(spec, dst, world)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -78,10 +80,10 @@ class ReshardSync(WeightSync):
         src = {k: v.detach() for k, v in self._sources().items()}
         checks = CellChecksums(self.plan, self.rank) if self.verify else None
         if checks is not None:
-            checks.add_source(src)
+            checks.add_source(src, self.dtype)
         if self.in_place:
             params = {k: v.data for k, v in self.engine.named_parameters()}
-            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params)
+            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params, dtype=self.dtype)
             if checks is not None:
                 checks.add_destinations(dst)
         else:
@@ -89,7 +91,7 @@ class ReshardSync(WeightSync):
 
             def stream() -> Iterator[tuple[str, torch.Tensor]]:
                 for name, tensor in iter_full_tensors(self.plan, rank=self.rank, src=src, group=self.group,
-                                                      stats=collected):
+                                                      stats=collected, dtype=self.dtype):
                     if checks is not None:
                         checks.add_destination(name, tensor)
                     yield name, tensor

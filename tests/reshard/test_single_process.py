@@ -7,7 +7,7 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.errors import WeightSyncError
-from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, shard, vllm_layout
+from hybridmem.reshard import MegatronConvention, ModelSpec, build_plan, megatron_layout, shard, unshard, vllm_layout
 from hybridmem.reshard.checksum import verify_offline
 from hybridmem.reshard.execute import run_plan
 from hybridmem.reshard.sync import ReshardSync
@@ -67,3 +67,38 @@ def test_verify_offline_names_the_bad_slice():
     w[:, [0, 1]] = w[:, [1, 0]]
     with pytest.raises(WeightSyncError, match=r"model.layers.1.self_attn.o_proj.weight slice .* written on rank 1"):
         verify_offline(plan, train, out)
+
+
+def test_mixed_source_dtypes_are_cast_to_the_wire_dtype_and_verified():
+    """Megatron keeps norms in fp32 beside bf16 weights: the sync casts them, and verify still passes."""
+    full = random_full(SPEC, dtype=torch.float32)
+    train = {n: (t if "norm" in n else t.to(torch.bfloat16))
+             for n, t in shard(full, megatron_layout(SPEC, ParallelLayout(), 1), 0).items()}
+    assert {t.dtype for t in train.values()} == {torch.float32, torch.bfloat16}
+    dst = vllm_layout(SPEC, ParallelLayout(), 1)
+    engine = ParamEngine({n: torch.zeros(t.shape, dtype=torch.bfloat16) for n, t in dst.tensors(0).items()})
+    ReshardSync(SPEC, ParallelLayout(), ParallelLayout(), None, lambda: train, engine, verify=True,
+                dtype=torch.bfloat16).sync()
+    ref = vllm_shard(full, SPEC, tp=1, pp=1, ep=1, world=1, rank=0)
+    for name, t in ref.items():
+        assert torch.equal(engine.tensors[name], t.to(torch.bfloat16)), name
+
+
+def test_unshard_keeps_each_tensor_dtype():
+    full = random_full(SPEC, dtype=torch.float32)
+    layout = megatron_layout(SPEC, ParallelLayout(tp=2), 2)
+    per_rank = [{n: (t if "norm" in n else t.to(torch.bfloat16)) for n, t in shard(full, layout, r).items()}
+                for r in range(2)]
+    back = unshard(per_rank, layout)
+    assert back["model.norm.weight"].dtype == torch.float32 and torch.equal(back["model.norm.weight"], full["model.norm.weight"])
+    assert back["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+def test_padded_vocab_size_overrides_the_divisor_and_is_checked():
+    conv = MegatronConvention(padded_vocab_size=80)
+    layout = megatron_layout(SPEC, ParallelLayout(tp=2), 2, convention=conv)
+    assert layout.tensors(0)["embedding.word_embeddings.weight"].shape[0] == 40  # not 256 / 2
+    with pytest.raises(ValueError, match="padded_vocab_size=76 must be >= vocab_size=77"):
+        megatron_layout(SPEC, ParallelLayout(tp=2), 2, convention=MegatronConvention(padded_vocab_size=76)).tensors(0)
+    with pytest.raises(ValueError, match="padded_vocab_size=0"):
+        MegatronConvention(padded_vocab_size=0)
