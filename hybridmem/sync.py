@@ -86,29 +86,44 @@ class LoadWeightsSync(WeightSync):
         )
 
 
+def _dominant_dtype(weights: Iterable[tuple[str, torch.Tensor]]) -> torch.dtype:
+    """The dtype holding most bytes (see [Note: wire dtype] in hybridmem.reshard.execute); bf16 if none."""
+    nbytes: dict[torch.dtype, int] = {}
+    for _, t in weights:
+        nbytes[t.dtype] = nbytes.get(t.dtype, 0) + t.numel() * t.element_size()
+    return max(nbytes, key=nbytes.__getitem__) if nbytes else torch.bfloat16
+
+
 def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, model_spec: Any = None,
                         group: Any = None) -> WeightSync:
     """The weight sync ShardingManager uses when none is given.
 
-    With ``model_spec``, a :class:`~hybridmem.reshard.ReshardSync` from ``config.train_layout`` (the
-    training weights in Megatron-core's names and layout, vocab padded as Megatron's
-    ``make_vocab_size_divisible_by=128`` pads it) to ``config.infer_layout`` (the engine's vLLM layout)
-    over ``group``, with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, in the
-    element type of the training weights. For other conventions build the ``ReshardSync`` yourself and
-    pass it as ``weight_sync=``. Without a spec, a :class:`LoadWeightsSync` of the training weights as
-    they are, which is only right when the two layouts are equal.
+    With a model spec, a :class:`~hybridmem.reshard.ReshardSync` from ``config.train_layout`` (the
+    training weights in Megatron-core's names and layout) to ``config.infer_layout`` (the engine's vLLM
+    layout) over ``group``, with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, in the
+    element type holding most of the training weights' bytes. The spec is ``model_spec`` or, when that is ``None`` and the
+    layouts differ, the training state's own ``model_spec_dict()`` (the Megatron adapter has one). The
+    Megatron naming and vocab padding come from the training state's ``megatron_convention()`` when it
+    has one, else Megatron's defaults (vocab padded to a multiple of ``128 * tp``). For other conventions
+    build the ``ReshardSync`` yourself and pass it as ``weight_sync=``. Without a spec, a
+    :class:`LoadWeightsSync` of the training weights as they are, which is only right when the two
+    layouts are equal.
 
     Args:
-        training: The training state (``named_weights()``, optionally ``model_spec_dict()``).
+        training: The training state (``named_weights()``; optionally ``model_spec_dict()``,
+            ``source_layout()``, ``megatron_convention()``).
         engine: The inference engine.
         config: The :class:`~hybridmem.config.HybridConfig`.
         model_spec: A :class:`~hybridmem.reshard.ModelSpec` or an HF-style config (object or dict).
         group: The process group spanning both layouts (``None``: the default group).
 
     Raises:
-        ValueError: The layouts differ and no model spec is given, or the training state reports a
+        ValueError: The layouts differ and there is no model spec, or the training state reports a
             layout (``source_layout()``) other than ``config.train_layout``.
     """
+    derive = getattr(training, "model_spec_dict", None)
+    if model_spec is None and config.train_layout != config.infer_layout and callable(derive):
+        model_spec = derive()
     if model_spec is None:
         if config.train_layout != config.infer_layout:
             raise ValueError(
@@ -133,9 +148,10 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
     spec = model_spec if isinstance(model_spec, ModelSpec) else ModelSpec.from_hf_config(
         dict(model_spec) if isinstance(model_spec, Mapping) else model_spec
     )
-    first = next(iter(training.named_weights()), None)
-    dtype = first[1].dtype if first is not None else torch.bfloat16
+    convention_fn = getattr(training, "megatron_convention", None)
+    dtype = _dominant_dtype(training.named_weights())
     return ReshardSync(
         spec, config.train_layout, config.infer_layout, group, training.named_weights, engine,
         bucket_nbytes=config.reshard_bucket_bytes, verify=config.verify_weight_sync, dtype=dtype,
+        megatron=convention_fn() if callable(convention_fn) else None,
     )

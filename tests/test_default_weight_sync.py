@@ -66,3 +66,22 @@ def test_training_state_layout_must_match_the_config():
     with pytest.raises(ValueError, match=r"\(2, 1, 1\).*TP1xPP1xEP1"):
         default_weight_sync(state, TorchCopyEngine(torch.nn.Linear(2, 2)), HybridConfig(device="cpu"),
                             model_spec=CFG.to_hf_dict())
+
+
+def test_training_state_convention_sets_the_megatron_vocab_padding():
+    """A Megatron model built with a padded vocab of 56 rows (not 128's multiple): the state's
+    ``megatron_convention()`` tells the sync, so the plan expects 56 rows and the engine gets the 50 real ones."""
+    from hybridmem.reshard import MegatronConvention  # noqa: PLC0415
+
+    spec = ModelSpec.from_hf_config(CFG.to_hf_dict())
+    conv = MegatronConvention(padded_vocab_size=56)
+    full = init_hf_weights(CFG, seed=3, dtype=torch.float32)
+    local = shard(full, megatron_layout(spec, HybridConfig().train_layout, 1, convention=conv), 0)
+    assert local["embedding.word_embeddings.weight"].shape[0] == 56
+    state = SimpleNamespace(named_weights=lambda: iter(local.items()), megatron_convention=lambda: conv)
+    engine = ReferenceEngine(CFG.to_hf_dict(), num_kv_blocks=8, block_size=8)
+    sync = default_weight_sync(state, engine, HybridConfig(device="cpu"), model_spec=CFG.to_hf_dict())
+    assert isinstance(sync, ReshardSync)
+    sync.sync()
+    params = dict(engine.named_parameters())
+    assert torch.equal(params["model.embed_tokens.weight"][:50], full["model.embed_tokens.weight"])

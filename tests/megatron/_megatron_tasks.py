@@ -210,3 +210,119 @@ def collect_weights(ctx, spec: mm.TinyGPTSpec) -> dict:
             "layout": state.source_layout(),
             "model_spec": state.model_spec_dict(),
         }
+
+
+class _VLLMLayoutHolder:
+    """A test engine holding vLLM-layout tensors of given shapes (for MoE, which ReferenceEngine lacks):
+    ReshardSync writes into ``named_parameters()``; release/resume are bookkeeping only."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype):
+        self.params = {n: torch.full(s, float("nan"), dtype=dtype) for n, s in shapes.items()}
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def load_weights(self, weights):
+        raise AssertionError("ReshardSync must write in place into named_parameters()")
+
+    def release(self, tags=None):
+        return 0
+
+    def resume(self, tags=None):
+        return 0
+
+
+def _reference_module():
+    """tests/reshard/reference.py: the independent slicing the resharding engine is tested against."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "reshard" / "reference.py"
+    module_spec = importlib.util.spec_from_file_location("hybridmem_tests_reshard_reference", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _vocab_name(name: str) -> bool:
+    return any(k in name for k in ("word_embeddings", "output_layer", "embed_tokens", "lm_head"))
+
+
+def _shard_diffs(want: dict[str, torch.Tensor], have: dict[str, torch.Tensor], *, tp_rank: int, vocab: int,
+                 cast: bool = False) -> list[str]:
+    """Names whose tensors differ; vocab tensors are compared on their real (unpadded) rows only, the
+    padding rows being each side's own. ``cast``: ``want`` is first cast to ``have``'s dtype (the engine
+    holds every tensor in its own dtype; Megatron keeps some norms in fp32 beside bf16 weights)."""
+    diffs = [f"missing {n}" for n in want.keys() - have.keys()] + [f"unexpected {n}" for n in have.keys() - want.keys()]
+    for n in want.keys() & have.keys():
+        a, b = want[n], have[n]
+        if cast:
+            a = a.to(b.dtype)
+        if _vocab_name(n):
+            k = max(0, min(a.shape[0], vocab - tp_rank * a.shape[0]))
+            a, b = (a[:k], b[:k]) if a.shape == b.shape else (a, b)
+        if a.shape != b.shape or not torch.equal(a, b):
+            diffs.append(n)
+    return sorted(diffs)
+
+
+def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int, vocab_size: int) -> dict:
+    """Train with a TRAIN->INFER switch after every step into an engine at inference TP ``infer_tp``
+    (ShardingManager's default weight sync, spec and vocab padding derived from the Megatron model), and
+    compare every engine tensor with the reference vLLM slice of the full weights.
+
+    The full HF weights are rebuilt from all ranks' Megatron tensors by ``hybridmem.reshard.unshard``
+    and then checked independently: the reference Megatron slicing of them must reproduce every rank's
+    actual Megatron tensors exactly, so they are the weights Megatron trains.
+    """
+    from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
+    from hybridmem.reshard import ModelSpec, megatron_layout, unshard, vllm_layout
+
+    ref = _reference_module()
+    world, rank = ctx.world_size, ctx.rank
+    infer_groups = [torch.distributed.new_group(list(range(s, s + infer_tp))) for s in range(0, world, infer_tp)]
+    with megatron_worker(spec):
+        model_chunks, optimizer = mm.build_megatron_gpt(spec)
+        state = MegatronTrainingState(model_chunks, optimizer, vocab_size=vocab_size)
+        model_spec = ModelSpec.from_hf_config(state.model_spec_dict())
+        config = HybridConfig(
+            device="cpu", tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
+            expert_model_parallel_size=spec.ep, infer_tensor_parallel_size=infer_tp,
+            infer_expert_parallel_size=1, verify_weight_sync=True,
+        )
+        convention = state.megatron_convention()
+        if model_spec.is_moe:
+            shapes = {n: t.shape for n, t in vllm_layout(model_spec, config.infer_layout, world).tensors(rank).items()}
+            engine = _VLLMLayoutHolder({n: tuple(s) for n, s in shapes.items()}, spec.params_dtype)
+        else:
+            engine = ReferenceEngine(state.model_spec_dict(), group=infer_groups[rank // infer_tp],
+                                     num_kv_blocks=4, block_size=4, dtype=spec.params_dtype)
+            engine.release(list(ENGINE_TAGS))
+        manager = ShardingManager(state, engine, config=config)
+        state.attach(manager)
+        out: dict[str, Any] = {"diffs": [], "megatron_diffs": [], "received": [], "min_received": [], "losses": [],
+                               "num_tensors": []}
+        for step in range(num_steps):
+            out["losses"].append(mm.train_step(model_chunks, optimizer, mm.make_batch(spec, step), spec))
+            local = {n: p.detach().clone() for n, p in state.named_weights()}
+            every: list[Any] = [None] * world
+            torch.distributed.all_gather_object(every, local)
+            full = unshard(every, megatron_layout(model_spec, config.train_layout, world, convention=convention))
+            for r, theirs in enumerate(every):
+                mine = ref.megatron_shard(full, model_spec, tp=spec.tp, pp=spec.pp, ep=spec.ep, world=world, rank=r,
+                                          divisible_by=convention.padded_vocab_size // spec.tp)
+                out["megatron_diffs"] += [f"rank {r}: {d}" for d in _shard_diffs(mine, theirs, tp_rank=r % spec.tp,
+                                                                                    vocab=model_spec.vocab_size)]
+            manager.to_infer()
+            expected = ref.vllm_shard(full, model_spec, tp=infer_tp, pp=1, ep=1, world=world, rank=rank)
+            diffs = _shard_diffs(expected, dict(engine.named_parameters()), tp_rank=rank % infer_tp,
+                                 vocab=model_spec.vocab_size, cast=True)
+            out["diffs"].append(diffs)
+            out["num_tensors"].append(len(expected))
+            report = manager.last_report
+            sync = [s for s in report.steps if s.extra.get("received_nbytes") is not None]
+            out["received"].append(sync[0].extra["received_nbytes"] if sync else None)
+            out["min_received"].append(sync[0].extra.get("min_received_nbytes") if sync else None)
+            manager.to_train()
+        manager.close()
+        return out

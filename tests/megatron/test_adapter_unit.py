@@ -27,8 +27,13 @@ def test_model_spec_dict_from_transformer_config():
 
 
 def test_model_spec_dict_names_what_it_cannot_express():
-    with pytest.raises(ValueError, match=r"add_bias_linear.*gated_linear_unit=False"):
+    with pytest.raises(ValueError, match=r"add_bias_linear=True.*gated_linear_unit=False"):
         megatron_model_spec_dict(_config(add_bias_linear=True, gated_linear_unit=False), vocab_size=100)
+
+
+def test_model_spec_dict_maps_qkv_bias_to_qwen2():
+    d = megatron_model_spec_dict(_config(add_qkv_bias=True), vocab_size=100)
+    assert (d["model_type"], d["qkv_bias"], d["attention_bias"]) == ("qwen2", True, True)
 
 
 def test_training_state_rejects_an_unwrapped_chunk():

@@ -221,16 +221,17 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
     """The HF-style config dict (``hybridmem.reshard``'s ``ModelSpec.from_hf_config`` input) of a
     ``TransformerConfig``.
 
-    ``model_type`` is ``"llama"`` for a dense model and ``"qwen2_moe"`` (no shared expert) for an MoE
-    one, the families whose tensors match a GPTModel without biases or qk-norm.
+    ``model_type`` is ``"llama"`` for a dense model (``"qwen2"`` with ``add_qkv_bias``, q/k/v biases
+    only) and ``"qwen2_moe"`` (no shared expert) for an MoE one, the families whose tensors match a
+    GPTModel without other biases or qk-norm.
 
     Raises:
-        ValueError: The config uses something these families cannot express (biases, qk layernorm,
-            a non-gated MLP, MoE on only some layers).
+        ValueError: The config uses something these families cannot express (biases other than q/k/v,
+            qk layernorm, a non-gated MLP, MoE on only some layers).
     """
     unsupported = []
-    if getattr(config, "add_bias_linear", False) or getattr(config, "add_qkv_bias", False):
-        unsupported.append("add_bias_linear/add_qkv_bias=True")
+    if getattr(config, "add_bias_linear", False):
+        unsupported.append("add_bias_linear=True")
     if getattr(config, "qk_layernorm", False):
         unsupported.append("qk_layernorm=True")
     if not config.gated_linear_unit:
@@ -240,8 +241,9 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
     if unsupported:
         raise ValueError(f"TransformerConfig options without an HF-family equivalent: {unsupported}")
     heads = int(config.num_attention_heads)
+    qkv_bias = bool(getattr(config, "add_qkv_bias", False))
     out: dict[str, Any] = {
-        "model_type": "qwen2_moe" if config.num_moe_experts else "llama",
+        "model_type": "qwen2_moe" if config.num_moe_experts else ("qwen2" if qkv_bias else "llama"),
         "hidden_size": int(config.hidden_size),
         "num_attention_heads": heads,
         "num_key_value_heads": int(config.num_query_groups or heads),
@@ -251,8 +253,8 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
         "vocab_size": int(vocab_size),
         "tie_word_embeddings": bool(tie_word_embeddings),
         "rms_norm_eps": float(config.layernorm_epsilon),
-        "attention_bias": False,
-        "qkv_bias": False,
+        "attention_bias": qkv_bias,
+        "qkv_bias": qkv_bias,
     }
     if config.num_moe_experts:
         out.update(

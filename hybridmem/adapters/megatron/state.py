@@ -140,15 +140,26 @@ class MegatronTrainingState:
         optimizer: The optimizer from ``get_megatron_optimizer`` (``DistributedOptimizer``,
             ``Float16OptimizerWithFloat16Params``, ``FP32Optimizer`` or a ``ChainedOptimizer`` of
             them), or ``None``.
+        vocab_size: The tokenizer's vocab before Megatron's padding (what the inference engine holds,
+            padded its own way); ``None``: the model's padded vocab, right only when the two are equal.
 
     Raises:
         TypeError: A chunk is not wrapped in Megatron's ``DistributedDataParallel``.
+        ValueError: ``vocab_size`` exceeds the model's padded vocab.
     """
 
-    def __init__(self, model_chunks: Any, optimizer: Any):
+    def __init__(self, model_chunks: Any, optimizer: Any, *, vocab_size: int | None = None):
         self.model_chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         ddp_buffers(self.model_chunks)  # validates the wrapping early, naming the bad chunk
         self.optimizer = optimizer
+        if vocab_size is not None and not 1 <= vocab_size <= self.padded_vocab_size:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, the model's padded vocab {self.padded_vocab_size}]")
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        """The unpadded vocab (the padded one when none was given)."""
+        return self.padded_vocab_size if self._vocab_size is None else int(self._vocab_size)
         self.workspaces: MegatronWorkspaces | None = None
 
     @property
@@ -191,11 +202,25 @@ class MegatronTrainingState:
         """See :func:`~hybridmem.adapters.megatron.shards.megatron_source_layout`."""
         return megatron_source_layout()
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocab the GPTModel was built with (Megatron's ``args.padded_vocab_size``, over all TP ranks)."""
+        return int(unwrap_model(self.model_chunks[0]).vocab_size)
+
     def model_spec_dict(self) -> dict[str, Any]:
-        """The HF-style dict of the model (see :func:`megatron_model_spec_dict`)."""
+        """The HF-style dict of the model (see :func:`megatron_model_spec_dict`), with ``vocab_size``
+        the unpadded vocab given at construction."""
         model = unwrap_model(self.model_chunks[0])
         return megatron_model_spec_dict(
             self.config,
-            vocab_size=int(model.vocab_size),
+            vocab_size=self.vocab_size,
             tie_word_embeddings=bool(getattr(model, "share_embeddings_and_output_weights", False)),
         )
+
+    def megatron_convention(self) -> Any:
+        """The resharding engine's :class:`~hybridmem.reshard.MegatronConvention` of this model: its
+        padded vocab and its norm naming (``"te"`` when the norms are fused into ``linear_qkv``)."""
+        from hybridmem.reshard import MegatronConvention  # noqa: PLC0415 - reshard is optional here
+
+        te = any(name.endswith("linear_qkv.layer_norm_weight") for name, _ in self.named_weights())
+        return MegatronConvention(padded_vocab_size=self.padded_vocab_size, norm_style="te" if te else "local")
