@@ -18,12 +18,7 @@ def _run(tmp_path, *args: str) -> dict:
     return json.loads((tmp_path / "grpo.json").read_text())
 
 
-@pytest.mark.slow
-def test_demo_learns_and_keeps_phases_apart(tmp_path):
-    summary = _run(tmp_path, "--iters", "14")  # main() itself exits non-zero if the reward did not rise
-    assert summary["last5_reward"] > summary["first5_reward"] + 0.05, summary["last5_reward"]
-    assert summary["max_logprob_gap"] < 1e-4
-    assert (tmp_path / "reward.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
+def _assert_phases_apart(summary: dict) -> None:
     for _, phase, owners in summary["memory_samples"]:
         if phase == "infer":
             assert all(owners[o] == 0 for o in TRAINING_OWNERS), owners
@@ -34,6 +29,15 @@ def test_demo_learns_and_keeps_phases_apart(tmp_path):
             assert owners["train param"] > 0, owners
         elif phase == "reference":
             assert owners["reference"] > 0 and owners["train param"] == 0, owners
+
+
+@pytest.mark.slow
+def test_demo_learns_and_keeps_phases_apart(tmp_path):
+    summary = _run(tmp_path, "--iters", "14")  # main() itself exits non-zero if the reward did not rise
+    assert summary["last5_reward"] > summary["first5_reward"] + 0.05, summary["last5_reward"]
+    assert summary["max_logprob_gap"] < 1e-4
+    assert (tmp_path / "reward.png").stat().st_size > 0 and (tmp_path / "memory.png").stat().st_size > 0
+    _assert_phases_apart(summary)
     moved = [row["moved_nbytes"] for row in summary["iterations"]]
     assert moved[1:] == [moved[1]] * (len(moved) - 1), "bytes moved per iteration should be constant"
 
@@ -41,10 +45,22 @@ def test_demo_learns_and_keeps_phases_apart(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("train_tp,infer_tp", [(1, 2), (2, 2)])
 def test_demo_other_layouts_sync_exact_weights(tmp_path, train_tp, infer_tp):
-    with pytest.raises(SystemExit, match="did not learn|reward"):  # two iterations are too few to learn
-        _run(tmp_path, "--iters", "2", "--train-tp", str(train_tp), "--infer-tp", str(infer_tp))
-    summary = json.loads((tmp_path / "grpo.json").read_text())
+    summary = _run(tmp_path, "--iters", "2", "--train-tp", str(train_tp), "--infer-tp", str(infer_tp))
     assert summary["max_logprob_gap"] < 1e-4
+
+
+@pytest.mark.slow
+def test_demo_megatron_trainer(tmp_path):
+    """megatron-core's GPTModel (DDP, its Adam) as the actor: the engine's log-probs equal Megatron's
+    vocab-parallel ones, Megatron's buffers and workspaces leave the device in INFER."""
+    pytest.importorskip("megatron.core")
+    summary = _run(tmp_path, "--iters", "3", "--trainer", "megatron")
+    assert summary["max_logprob_gap"] < 1e-4
+    _assert_phases_apart(summary)
+    infer = [owners for _, phase, owners in summary["memory_samples"] if phase == "infer"]
+    assert infer and all(o["megatron workspaces"] == 0 for o in infer), infer
+    rows = summary["iterations"]
+    assert all(r["moved_nbytes"] > 0 for r in rows) and rows[-1]["reward"] >= 0
 
 
 def test_demo_rejects_layout_that_does_not_fit(tmp_path):

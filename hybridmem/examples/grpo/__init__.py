@@ -18,10 +18,14 @@ from pathlib import Path
 
 __all__ = ["main"]
 
+LEARN_WINDOW = 5
+"""Iterations averaged at each end for the learning check, which runs when the two windows do not overlap."""
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridmem demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=30, help="GRPO iterations (default 30)")
+    p.add_argument("--iters", type=int, default=30,
+                   help="GRPO iterations (default 30; from 10 on, the run fails if the last 5 do not beat the first 5)")
     p.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
     p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel)")
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
@@ -43,9 +47,13 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
+    import warnings
+
     import torch
     import torch.distributed as dist
 
+    # megatron-core warns at import about optional packages (Apex, Transformer Engine) the demo does not use.
+    warnings.filterwarnings("ignore", module=r"megatron\.")
     torch.set_num_threads(1)
     backend = "nccl" if cfg.hybrid.device.startswith("cuda") else "gloo"
     if backend == "nccl":
@@ -98,5 +106,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out), nprocs=args.world_size, join=True)
     summary = json.loads((Path(args.out) / "grpo.json").read_text())
     first, last = summary["first5_reward"], summary["last5_reward"]
-    if not last > first:
+    if args.iters >= 2 * LEARN_WINDOW and not last > first:
         raise SystemExit(f"the policy did not learn: mean reward of the last 5 iterations {last:.3f} <= first 5 {first:.3f}")

@@ -26,7 +26,8 @@ from hybridmem import Direction, HybridConfig, ShardingManager
 from hybridmem.examples.grpo.algo import GRPOConfig, group_advantages, policy_loss
 from hybridmem.examples.grpo.task import CountTask
 from hybridmem.examples.grpo.topology import Topology, build_topology
-from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.examples.grpo.trainers import build_trainer
+from hybridmem.nn.gpt import DecoderConfig
 
 __all__ = ["DemoConfig", "IterationStats", "run_rank"]
 
@@ -84,29 +85,6 @@ def _spec(cfg: DemoConfig) -> Any:
     return ModelSpec.from_hf_config(cfg.model.to_hf_dict())
 
 
-def _build_policy(cfg: DemoConfig, topo: Topology, device: torch.device) -> tuple[MegatronLayoutGPT, MegatronLayoutGPT]:
-    """The actor and a frozen reference with the same initial weights, in the training layout.
-
-    Every rank builds the same full (HF-named) weights from the seed and cuts its own Megatron shard
-    with the resharding engine's layout, so the demo's training layout is the one ReshardSync reads.
-    """
-    from hybridmem.reshard import megatron_layout, shard  # noqa: PLC0415
-
-    dtype = getattr(torch, cfg.dtype)
-    full = init_hf_weights(cfg.model, seed=cfg.seed, dtype=dtype)
-    layout = megatron_layout(_spec(cfg), cfg.hybrid.train_layout, topo.world_size)
-    local = shard(full, layout, topo.rank)
-    padded = local["embedding.word_embeddings.weight"].shape[0] * topo.train.tp
-    models = []
-    for _ in range(2):
-        m = MegatronLayoutGPT(cfg.model, padded_vocab_size=padded, group=topo.train_tp_group, dtype=dtype,
-                              device=device)
-        m.load_state_dict({k: v.to(device) for k, v in local.items()})
-        models.append(m)
-    models[1].requires_grad_(False)
-    return models[0], models[1]
-
-
 def _gather_rollouts(local: dict[str, Any], topo: Topology) -> list[dict[str, Any]]:
     """Every replica's rollouts on every rank (one entry per replica, in replica order)."""
     out: list[Any] = [None] * topo.world_size
@@ -121,16 +99,22 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
         cfg: The run.
         on_iteration: Called on every rank as ``on_iteration(stats, memory_samples)`` after each iteration.
     """
+    topo = build_topology(cfg.hybrid.train_layout, cfg.hybrid.infer_layout)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cpu" if cfg.hybrid.device in ("auto", "cpu") else cfg.hybrid.device)
+    dtype = getattr(torch, cfg.dtype)
+    trainer = build_trainer(cfg.trainer, cfg.model, topo, seed=cfg.seed, lr=cfg.grpo.lr, dtype=dtype, device=device)
+    try:
+        return _run(cfg, topo, trainer, device, dtype, on_iteration)
+    finally:
+        trainer.close()
+
+
+def _run(cfg: DemoConfig, topo: Topology, trainer: Any, device: torch.device, dtype: torch.dtype,
+         on_iteration: Any) -> list[IterationStats]:
     from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams  # noqa: PLC0415
     from hybridmem.reshard import ReshardSync  # noqa: PLC0415
 
-    topo = build_topology(cfg.hybrid.train_layout, cfg.hybrid.infer_layout)
-    torch.manual_seed(cfg.seed)
-    manager_accel = cfg.hybrid.device
-    policy, reference = _build_policy(cfg, topo, torch.device("cpu" if manager_accel in ("auto", "cpu") else manager_accel))
-    device = next(policy.parameters()).device
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.grpo.lr, weight_decay=0.0)
-    dtype = getattr(torch, cfg.dtype)
     max_len = cfg.task.prompt_len + cfg.task.completion_len
     block_size = 16
     seqs_per_replica = -(-cfg.num_prompts // topo.num_infer_replicas) * cfg.grpo.group_size
@@ -142,14 +126,17 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
         src=cfg.hybrid.train_layout,
         dst=cfg.hybrid.infer_layout,
         group=None,
-        source=lambda: policy.named_parameters(),
+        source=trainer.named_weights,
         engine=engine,
         bucket_nbytes=cfg.hybrid.reshard_bucket_bytes,
         verify=cfg.hybrid.verify_weight_sync,
         dtype=dtype,
+        megatron=trainer.megatron_convention(),
     )
-    manager = ShardingManager(policy, engine, optimizer=opt, config=cfg.hybrid, weight_sync=sync)
-    manager.add_coresident("reference", reference)
+    optimizer = trainer.optimizer if trainer.training is trainer.actor else None  # a MegatronTrainingState carries its own
+    manager = ShardingManager(trainer.training, engine, optimizer=optimizer, config=cfg.hybrid, weight_sync=sync)
+    trainer.attach(manager)
+    manager.add_coresident("reference", trainer.reference)
     P, L, G = cfg.task.prompt_len, cfg.task.completion_len, cfg.grpo.group_size
     start = time.perf_counter()
     samples: list[tuple[float, str, dict[str, int]]] = []
@@ -181,7 +168,7 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
             t_ref = time.perf_counter()
             with manager.onloaded("reference") as ref, torch.no_grad():
                 mark("reference")
-                ref_lp = ref.token_logprobs(batch, temperature=cfg.grpo.temperature)[:, P - 1:]
+                ref_lp = trainer.token_logprobs(ref, batch, temperature=cfg.grpo.temperature)[:, P - 1:]
             ref_s = time.perf_counter() - t_ref
             mark("switch")
         mark("train")
@@ -189,18 +176,22 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
         all_ids = seqs_all.tolist()
         rewards = cfg.task.rewards([s[:P] for s in all_ids], [s[P:] for s in all_ids])
         adv_local = group_advantages(rewards, G)[rows].to(device)
+        actor = trainer.actor
         with torch.no_grad():
-            old_lp = policy.token_logprobs(batch, temperature=cfg.grpo.temperature)[:, P - 1:]
-            raw_lp = old_lp if cfg.grpo.temperature == 1.0 else policy.token_logprobs(batch)[:, P - 1:]
+            old_lp = trainer.token_logprobs(actor, batch, temperature=cfg.grpo.temperature)[:, P - 1:]
+            raw_lp = old_lp if cfg.grpo.temperature == 1.0 else trainer.token_logprobs(actor, batch, temperature=1.0)[:, P - 1:]
         # The engine reports log-probs of the raw (temperature 1) distribution.
         gap = float((raw_lp.double().cpu() - engine_lp_all[rows]).abs().max())
+        figures: dict[str, float] = {}
+
+        def loss_fn() -> torch.Tensor:
+            lp = trainer.token_logprobs(actor, batch, temperature=cfg.grpo.temperature)[:, P - 1:]
+            loss, out = policy_loss(lp, old_lp, ref_lp, adv_local, clip_ratio=cfg.grpo.clip_ratio, kl_coef=cfg.grpo.kl_coef)
+            figures.update(out)
+            return loss
+
         for _ in range(cfg.grpo.ppo_epochs):
-            lp = policy.token_logprobs(batch, temperature=cfg.grpo.temperature)[:, P - 1:]
-            loss, figures = policy_loss(lp, old_lp, ref_lp, adv_local, clip_ratio=cfg.grpo.clip_ratio, kl_coef=cfg.grpo.kl_coef)
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            allreduce_grads(policy, topo.train_dp_group)
-            opt.step()
+            trainer.step(loss_fn)
         mark("train")
         r_inf, r_tr = manager.last_reports[Direction.TO_INFER], manager.last_reports[Direction.TO_TRAIN]
         row = IterationStats(
