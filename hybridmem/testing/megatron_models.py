@@ -29,6 +29,7 @@ __all__ = [
     "TinyGPTSpec",
     "init_megatron_parallel",
     "destroy_megatron_parallel",
+    "build_gpt_model",
     "build_megatron_gpt",
     "make_batch",
     "train_step",
@@ -55,6 +56,18 @@ class TinyGPTSpec:
     """SwiGLU-style MLP: ``linear_fc1`` holds gate and up halves."""
     vocab_size: int = 64
     """Vocabulary (divisible by ``tp``)."""
+    kv_channels: int | None = None
+    """Head dim (``None``: ``hidden_size // num_attention_heads``)."""
+    add_qkv_bias: bool = False
+    """Biases on q/k/v only (Qwen2)."""
+    activation: str = "gelu"
+    """``"gelu"`` (Megatron's default; GeGLU when gated) or ``"silu"`` (SwiGLU, Llama/Qwen)."""
+    layernorm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    rotary_base: int = 10000
+    """RoPE theta."""
+    clip_grad: float = 1.0
+    """Gradient-norm clip of the optimizer (0: none)."""
     seq_length: int = 8
     """Tokens per sample."""
     micro_batch_size: int = 2
@@ -90,6 +103,8 @@ class TinyGPTSpec:
             raise ValueError(f"num_layers={self.num_layers} must be divisible by pp={self.pp}")
         if self.ep > 1 and not self.num_moe_experts:
             raise ValueError(f"ep={self.ep} needs num_moe_experts")
+        if self.activation not in ("gelu", "silu"):
+            raise ValueError(f"activation={self.activation!r}; expected 'gelu' or 'silu'")
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -136,13 +151,18 @@ def transformer_config(spec: TinyGPTSpec) -> Any:
             moe_aux_loss_coeff=0.0,
             expert_model_parallel_size=spec.ep,
         )
+    if spec.activation == "silu":
+        extra["activation_func"] = torch.nn.functional.silu
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
         ffn_hidden_size=spec.ffn_hidden_size,
         gated_linear_unit=spec.gated_linear_unit,
+        add_qkv_bias=spec.add_qkv_bias,
+        layernorm_epsilon=spec.layernorm_epsilon,
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
         pipeline_dtype=spec.params_dtype,
@@ -154,6 +174,7 @@ def transformer_config(spec: TinyGPTSpec) -> Any:
         attention_dropout=0.0,
         add_bias_linear=False,
         normalization="RMSNorm",
+        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -161,6 +182,33 @@ def transformer_config(spec: TinyGPTSpec) -> Any:
         gradient_accumulation_fusion=False,
         **extra,
     )
+
+
+def build_gpt_model(spec: TinyGPTSpec, *, config: Any = None, device: str = "cpu") -> Any:
+    """This rank's pipeline stage of a ``GPTModel`` (local layer spec, RoPE, untied), not wrapped.
+
+    Args:
+        spec: The model and its parallelism.
+        config: Its ``TransformerConfig`` (``None``: :func:`transformer_config` of ``spec``).
+        device: ``"cpu"`` (under :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`) or ``"cuda"``
+            (moved to the current GPU).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(
+        config=config if config is not None else transformer_config(spec),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, normalization="RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=spec.rotary_base,
+    )
+    return model if device == "cpu" else model.to(device=torch.cuda.current_device())
 
 
 def build_megatron_gpt(spec: TinyGPTSpec, *, device: str = "cpu") -> tuple[list[Any], Any]:
@@ -174,26 +222,11 @@ def build_megatron_gpt(spec: TinyGPTSpec, *, device: str = "cpu") -> tuple[list[
     Returns:
         ``([ddp_model_chunk], optimizer)``.
     """
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = transformer_config(spec)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, normalization="RMSNorm")
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
-    if device != "cpu":
-        model = model.to(device=torch.cuda.current_device())
+    model = build_gpt_model(spec, config=config, device=device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=spec.precision != "fp32",
         overlap_grad_reduce=False,
@@ -208,7 +241,7 @@ def build_megatron_gpt(spec: TinyGPTSpec, *, device: str = "cpu") -> tuple[list[
         fp16=spec.precision == "fp16",
         params_dtype=spec.params_dtype,
         use_distributed_optimizer=spec.use_distributed_optimizer,
-        clip_grad=1.0,
+        clip_grad=spec.clip_grad,
         initial_loss_scale=2.0**8 if spec.precision == "fp16" else None,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])

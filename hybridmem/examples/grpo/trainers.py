@@ -28,6 +28,9 @@ from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, allreduce_grads, 
 
 __all__ = ["TorchTrainer", "MegatronTrainer", "build_trainer"]
 
+MAX_SEQ_LEN = 512
+"""The Megatron GPTModel's ``max_sequence_length`` (prompt + completion must fit)."""
+
 
 def _local_weights(model: DecoderConfig, topo: Topology, *, seed: int, dtype: torch.dtype, padded_vocab: int | None) -> dict[str, torch.Tensor]:
     """This rank's Megatron-layout shard of the full weights drawn from ``seed``."""
@@ -111,6 +114,8 @@ class MegatronTrainer:
             raise ImportError("--trainer megatron needs megatron-core: pip install 'hybridmem[megatron]'") from exc
         if model.vocab_size % topo.train.tp:
             raise ValueError(f"--trainer megatron needs vocab_size={model.vocab_size} divisible by the training tp={topo.train.tp}")
+        if model.tie_word_embeddings:
+            raise ValueError("--trainer megatron builds an untied GPTModel; the model has tie_word_embeddings=True")
         self.topo = topo
         self._stack = contextlib.ExitStack()
         if device.type == "cpu":
@@ -125,84 +130,34 @@ class MegatronTrainer:
 
     def _build(self, parallel_state: Any, model: DecoderConfig, *, seed: int, lr: float, dtype: torch.dtype,
                device: torch.device) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
 
         from hybridmem.adapters.megatron import MegatronTrainingState  # noqa: PLC0415
+        from hybridmem.testing import megatron_models as mm  # noqa: PLC0415
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.topo.train.tp)
+        spec = mm.TinyGPTSpec(
+            num_layers=model.num_hidden_layers, hidden_size=model.hidden_size,
+            num_attention_heads=model.num_attention_heads, num_query_groups=model.num_key_value_heads,
+            kv_channels=model.head_dim, ffn_hidden_size=model.intermediate_size, vocab_size=model.vocab_size,
+            add_qkv_bias=model.attention_bias, activation="silu", layernorm_epsilon=model.rms_norm_eps,
+            rotary_base=int(model.rope_theta), seq_length=MAX_SEQ_LEN, clip_grad=0.0, lr=lr, seed=seed,
+            tp=self.topo.train.tp, precision={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+        )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=spec.tp)
         self._initialised = True
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
-        config = self._transformer_config(model, dtype)
-        actor = self._gpt(config, model, device)
-        ddp = DistributedDataParallel(
-            config=config,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
-            module=actor,
-        )
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, params_dtype=dtype, clip_grad=0.0,
-                            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16),
-            [ddp],
-        )
-        self.ddp = self.actor = ddp
-        self.state = MegatronTrainingState([ddp], self.optimizer, vocab_size=model.vocab_size)
+        [self.ddp], self.optimizer = mm.build_megatron_gpt(spec, device=device.type)
+        self.actor = self.ddp
+        self.state = MegatronTrainingState([self.ddp], self.optimizer, vocab_size=model.vocab_size)
         local = _local_weights(model, self.topo, seed=seed, dtype=dtype, padded_vocab=self.state.padded_vocab_size)
-        self.reference = self._gpt(config, model, device)
+        self.reference = mm.build_gpt_model(spec, device=device.type)
         self.reference.requires_grad_(False)
         with torch.no_grad():
             for named in (self.state.named_weights(), self.reference.named_parameters()):
                 for name, p in named:
                     p.copy_(local[name].to(p.device))
         self.training = self.state
-
-    def _transformer_config(self, model: DecoderConfig, dtype: torch.dtype) -> Any:
-        from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
-
-        return TransformerConfig(
-            num_layers=model.num_hidden_layers,
-            hidden_size=model.hidden_size,
-            num_attention_heads=model.num_attention_heads,
-            num_query_groups=model.num_key_value_heads,
-            kv_channels=model.head_dim,
-            ffn_hidden_size=model.intermediate_size,
-            gated_linear_unit=True,
-            activation_func=torch.nn.functional.silu,
-            add_bias_linear=False,
-            add_qkv_bias=model.attention_bias,
-            normalization="RMSNorm",
-            layernorm_epsilon=model.rms_norm_eps,
-            tensor_model_parallel_size=self.topo.train.tp,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-            use_cpu_initialization=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            apply_rope_fusion=False,
-            gradient_accumulation_fusion=False,
-        )
-
-    def _gpt(self, config: Any, model: DecoderConfig, device: torch.device) -> Any:
-        from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
-
-        gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=model.vocab_size,
-            max_sequence_length=4096,
-            share_embeddings_and_output_weights=model.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(model.rope_theta),
-        )
-        return gpt if device.type == "cpu" else gpt.to(device)
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The actor's weights by Megatron name (the resharding source)."""
