@@ -51,6 +51,7 @@ class FakeSamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: int | None = None
+    stop_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -244,12 +245,21 @@ class FakeLLM:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[dict], sampling_params: FakeSamplingParams | None = None, *, use_tqdm: bool = True
+        self,
+        prompts: list[dict],
+        sampling_params: FakeSamplingParams | list[FakeSamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
     ) -> list[FakeRequestOutput]:
         self.calls.append(("generate", len(prompts)))
         if self.is_sleeping or not (self.mapped("weights") and self.mapped("kv_cache")):
             raise RuntimeError(f"fake vLLM: generate while sleeping (tags {sorted(self.sleeping_tags)})")
-        sp = sampling_params or FakeSamplingParams()
+        if isinstance(sampling_params, list):  # vLLM: one per prompt, lengths must match
+            if len(sampling_params) != len(prompts):
+                raise ValueError("The lengths of prompts and sampling_params must be the same.")
+            per_prompt = sampling_params
+        else:
+            per_prompt = [sampling_params or FakeSamplingParams()] * len(prompts)
         outputs = []
         for i, prompt in enumerate(prompts):
             ids = list(prompt["prompt_token_ids"])
@@ -257,7 +267,7 @@ class FakeLLM:
             if key in self.prefix_cache and self.prefix_cache[key] != self.weights_version:
                 self.stale_prefix_hits += 1
             self.prefix_cache[key] = self.weights_version
-            outputs.append(self._decode(str(i), ids, sp))
+            outputs.append(self._decode(str(i), ids, per_prompt[i]))
         return outputs
 
     def _decode(self, request_id: str, ids: list[int], sp: FakeSamplingParams) -> FakeRequestOutput:
@@ -275,6 +285,8 @@ class FakeLLM:
                 token = int(torch.multinomial(probs, 1, generator=gen))
             tokens.append(token)
             logprobs.append({token: FakeLogprob(float(lp[token]))})
+            if token in (sp.stop_token_ids or ()):
+                break  # vLLM keeps a (non-special) stop token in the output
         new = tokens[len(ids):]
         completion = FakeCompletion(new, logprobs if sp.logprobs is not None else None)
         return FakeRequestOutput(request_id, ids, [completion])

@@ -18,7 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridmem import Direction, ShardingManager
-from hybridmem.adapters.vllm import GenerationParams, KVOnlyRelease, TagState, VLLMEngine, bucket_weights
+from hybridmem.adapters.vllm import KVOnlyRelease, TagState, VLLMEngine, bucket_weights
+from hybridmem.engines import SamplingParams
+
+GREEDY_N = lambda n: SamplingParams(max_tokens=n, temperature=0.0, logprobs=True)  # noqa: E731
 from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
 from hybridmem.errors import PhaseError, SwitchError
 from hybridmem.sync import SyncStats, WeightSync
@@ -60,7 +63,7 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int)
         token = int(lp.argmax())
         tokens.append(token)
         logprobs.append(float(lp[token]))
-    return tuple(tokens[len(prompt):]), tuple(logprobs)
+    return tokens[len(prompt):], logprobs
 
 
 def without_resets(calls):
@@ -172,9 +175,9 @@ def test_full_cycle_call_order_weights_and_generation(fake_vllm):
         assert accel.used_nbytes == weights_nbytes(model) + KV_NBYTES
         owners = manager.residency().by_owner
         assert owners["engine weights"] == weights_nbytes(model) and owners["kv cache"] == KV_NBYTES
-        outputs = engine.generate(prompts, GenerationParams(max_tokens=5))
+        outputs = engine.generate(prompts, GREEDY_N(5))
         for out, prompt, (tokens, logprobs) in zip(outputs, prompts, expected):
-            assert out.prompt_ids == tuple(prompt) and out.token_ids == tokens
+            assert out.prompt_ids == list(prompt) and out.token_ids == tokens
             assert out.logprobs == pytest.approx(logprobs, abs=1e-6)
         llm.calls.clear()
         manager.to_train()
@@ -221,7 +224,7 @@ def test_in_place_sync_through_named_parameters(fake_vllm):
         ]
         # Buffers are not written by the sync: vLLM's level-2 sleep saved and restored them.
         assert torch.equal(dict(llm.worker.model.named_buffers())["scale"], scale)
-        assert engine.generate([[2, 4, 6]], GenerationParams(max_tokens=4))[0].token_ids == expected
+        assert engine.generate([[2, 4, 6]], GREEDY_N(4))[0].token_ids == expected
         manager.to_train()
     assert llm.stale_prefix_hits == 0
 
@@ -237,7 +240,7 @@ def test_manager_cycle_with_offload_weights_policy(fake_vllm):
         expected = reference_greedy(model, [5, 5], 3)[0]
         llm.calls.clear()
         with manager.inference():
-            assert engine.generate([[5, 5]], GenerationParams(max_tokens=3))[0].token_ids == expected
+            assert engine.generate([[5, 5]], GREEDY_N(3))[0].token_ids == expected
         # KV release: a level-1 sleep parks the weights on host; the weights release is bookkeeping.
         assert without_resets(llm.calls)[-2:] == [("generate", 1), ("sleep", 1)]
         assert engine.state("weights") is TagState.RELEASED and accel.used_nbytes == 0
@@ -264,7 +267,7 @@ def test_generate_with_seeded_sampling_maps_params(fake_vllm):
     engine.resume(["weights"])
     engine.load_weights(model.named_parameters())
     engine.resume(["kv_cache"])
-    params = GenerationParams(max_tokens=4, temperature=0.7, top_p=1.0, seed=3, logprobs=False)
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=1.0, seed=3, logprobs=False)
     a = engine.generate([[5, 6]], params)
     b = engine.generate([[5, 6]], params)
     assert a == b and a[0].logprobs is None and len(a[0].token_ids) == 4
@@ -299,7 +302,7 @@ def test_kv_only_release_discard_weights_requires_a_reload(fake_vllm):
     with pytest.raises(PhaseError, match="discarded"):
         engine.generate([[1, 2]])
     engine.load_weights([*model.named_parameters(), *model.named_buffers()])
-    assert engine.generate([[1, 2]], GenerationParams(max_tokens=3))[0].token_ids == reference_greedy(model, [1, 2], 3)[0]
+    assert engine.generate([[1, 2]], GREEDY_N(3))[0].token_ids == reference_greedy(model, [1, 2], 3)[0]
 
 
 def test_kv_only_release_offload_weights_parks_them_on_host(fake_vllm):
@@ -317,7 +320,7 @@ def test_kv_only_release_offload_weights_parks_them_on_host(fake_vllm):
     engine.resume(["weights", "kv_cache"])  # restored from the host backup, no reload
     for name, p in llm.worker.model.named_parameters():
         assert torch.equal(p, before[name]), name
-    assert engine.generate([[4]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [4], 2)[0]
+    assert engine.generate([[4]], GREEDY_N(2))[0].token_ids == reference_greedy(model, [4], 2)[0]
     engine.release(["kv_cache"])
     engine.release(["weights"])  # already off the device: bookkeeping only, no vLLM call
     assert without_resets(llm.calls)[-1] == ("sleep", 1)
@@ -338,7 +341,7 @@ def test_offloaded_weights_survive_a_second_kv_only_release(fake_vllm):
     engine.resume(["weights", "kv_cache"])
     for name, p in llm.worker.model.named_parameters():
         assert torch.equal(p, before[name]), name
-    assert engine.generate([[3, 1]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [3, 1], 2)[0]
+    assert engine.generate([[3, 1]], GREEDY_N(2))[0].token_ids == reference_greedy(model, [3, 1], 2)[0]
 
 
 def test_releasing_weights_while_kv_sleeps_wakes_kv_first():
@@ -411,7 +414,7 @@ def test_resume_undo_puts_host_parked_weights_back_on_host(monkeypatch, fake_vll
     engine.resume(["weights", "kv_cache"])
     for name, p in llm.worker.model.named_parameters():
         assert torch.equal(p, before[name]), name
-    assert engine.generate([[9]], GenerationParams(max_tokens=2))[0].token_ids == reference_greedy(model, [9], 2)[0]
+    assert engine.generate([[9]], GREEDY_N(2))[0].token_ids == reference_greedy(model, [9], 2)[0]
 
 
 def test_resume_undo_that_cannot_wake_kv_says_so(monkeypatch):
@@ -500,13 +503,32 @@ def test_bucket_weights_partitions_in_order(sizes, limit):
 
 
 def test_sampling_params_mapping_and_validation():
-    kw = to_vllm_sampling_kwargs(GenerationParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=11))
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=11, logprobs=True)
+    kw = to_vllm_sampling_kwargs(params)
     assert kw == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 11, "logprobs": 0}
-    assert to_vllm_sampling_kwargs(GenerationParams(logprobs=False))["logprobs"] is None
-    with pytest.raises(ValueError, match="top_p=0"):
-        GenerationParams(top_p=0)
+    # Request i of a batch is seeded seed + i, as the embedded engine seeds sequence i.
+    assert to_vllm_sampling_kwargs(params, 3)["seed"] == 14
+    assert to_vllm_sampling_kwargs(SamplingParams(logprobs=False))["logprobs"] is None
+    assert to_vllm_sampling_kwargs(SamplingParams(stop_token_ids=(2, 9)))["stop_token_ids"] == [2, 9]
     with pytest.raises(TypeError, match="lacks fields"):
         to_vllm_sampling_kwargs(object())
+
+
+def test_generate_seeds_each_request_and_stops_on_stop_tokens(fake_vllm):
+    torch.manual_seed(0)
+    model = TinyNet()
+    _, engine, _ = build()
+    engine.resume(["weights"])
+    engine.load_weights(model.named_parameters())
+    engine.resume(["kv_cache"])
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, logprobs=True)
+    pair = engine.generate([[5, 6], [5, 6]], params)
+    # The same prompt twice in one batch: seeds 5 and 6, as ReferenceEngine seeds sequences 0 and 1.
+    assert pair[0].token_ids == engine.generate([[5, 6]], params)[0].token_ids
+    assert pair[1].token_ids == engine.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=1.0, seed=6))[0].token_ids
+    first = pair[0].token_ids[0]
+    stopped = engine.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop_token_ids=(first,)))
+    assert stopped[0].token_ids == [first]
 
 
 def test_generate_while_released_raises():

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from hybridmem.adapters.vllm.compat import VLLM_API_COMMIT, import_vllm
 from hybridmem.adapters.vllm.engine import KVOnlyRelease, LoadStats, TagState, VLLMEngine, bucket_weights
-from hybridmem.adapters.vllm.outputs import GenerationOutput, GenerationParams
+from hybridmem.adapters.vllm.outputs import GREEDY
 
 __all__ = [
     "VLLMEngine",
     "TagState",
     "KVOnlyRelease",
     "LoadStats",
-    "GenerationParams",
-    "GenerationOutput",
+    "GREEDY",
     "bucket_weights",
     "import_vllm",
     "VLLM_API_COMMIT",

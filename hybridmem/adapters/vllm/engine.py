@@ -45,12 +45,12 @@ import torch
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import IN_PROCESS_BACKENDS, import_vllm
 from hybridmem.adapters.vllm.outputs import (
-    GenerationOutput,
-    GenerationParams,
+    GREEDY,
     from_request_output,
     to_vllm_sampling_kwargs,
 )
 from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS
+from hybridmem.engines.reference.sampling import GenerationOutput
 from hybridmem.engines.torch_copy import check_tags
 from hybridmem.errors import PhaseError
 
@@ -421,8 +421,8 @@ class VLLMEngine:
 
         Args:
             prompt_ids: One list of token ids per prompt.
-            params: A :class:`~hybridmem.adapters.vllm.outputs.GenerationParams` or any object with its
-                fields; defaults to greedy, 16 tokens, with log-probs.
+            params: A :class:`~hybridmem.engines.SamplingParams` or any object with its fields;
+                defaults to :data:`~hybridmem.adapters.vllm.outputs.GREEDY` (16 tokens, log-probs).
 
         Raises:
             PhaseError: A tag is not resident, or the weights were discarded and not loaded since.
@@ -436,9 +436,9 @@ class VLLMEngine:
             raise PhaseError(
                 "generate with vLLM", "STALE_WEIGHTS", "the weights were discarded by a sleep, not reloaded"
             )
-        params = GenerationParams() if params is None else params
-        kwargs = to_vllm_sampling_kwargs(params)
-        sampling_params = import_vllm("vllm").SamplingParams(**kwargs)
+        params = GREEDY if params is None else params
+        vllm_params = import_vllm("vllm").SamplingParams
+        sampling_params = [vllm_params(**to_vllm_sampling_kwargs(params, i)) for i in range(len(prompt_ids))]
         if self._prefix_stale:
             self.llm.reset_prefix_cache()
             self._prefix_stale = False
