@@ -1,4 +1,4 @@
-"""The pure parts of ReferenceEngine: ModelSpec/TPShard sizes, HF->vLLM placement, block tables, sampling."""
+"""The pure parts of ReferenceEngine: DecoderConfig/TPShard sizes, HF->vLLM placement, block tables, sampling."""
 
 from __future__ import annotations
 
@@ -10,55 +10,56 @@ from hypothesis import strategies as st
 from hybridmem.engines.reference import (
     BlockManager,
     KVBlocksExhaustedError,
-    ModelSpec,
     SamplingParams,
     pad_vocab,
+    tp_shard,
 )
 from hybridmem.engines.reference.layout import param_shapes, place_hf_weight
 from hybridmem.engines.reference.sampling import make_generator, sample_next
+from hybridmem.nn.config import DecoderConfig
 
 
-def _spec(**kw) -> ModelSpec:
-    base = dict(vocab_size=250, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                num_kv_heads=2, head_dim=8, qkv_bias=True)
+def _spec(**kw) -> DecoderConfig:
+    base = dict(vocab_size=250, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, attention_bias=True)
     base.update(kw)
-    return ModelSpec(**base)
+    return DecoderConfig(**base)
 
 
 def test_from_hf_reads_qwen2_and_llama_dicts():
-    qwen = ModelSpec.from_hf(dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16,
+    qwen = DecoderConfig.from_hf_config(dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                   rope_theta=1e6, tie_word_embeddings=True))
-    assert (qwen.qkv_bias, qwen.tie_word_embeddings, qwen.head_dim, qwen.rope_theta) == (True, True, 4, 1e6)
-    llama = ModelSpec.from_hf(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+    assert (qwen.attention_bias, qwen.tie_word_embeddings, qwen.head_dim, qwen.rope_theta) == (True, True, 4, 1e6)
+    llama = DecoderConfig.from_hf_config(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
                                    num_hidden_layers=1, num_attention_heads=2,
                                    rope_parameters={"rope_theta": 5.0, "rope_type": "default"}))
-    assert (llama.qkv_bias, llama.num_kv_heads, llama.rope_theta) == (False, 2, 5.0)
+    assert (llama.attention_bias, llama.num_key_value_heads, llama.rope_theta) == (False, 2, 5.0)
     with pytest.raises(ValueError, match="model_type='mistral'"):
-        ModelSpec.from_hf(dict(model_type="mistral"))
+        DecoderConfig.from_hf_config(dict(model_type="mistral"))
     with pytest.raises(ValueError, match="rope_type='yarn'"):
-        ModelSpec.from_hf(dict(model_type="llama", rope_scaling={"rope_type": "yarn"}))
+        DecoderConfig.from_hf_config(dict(model_type="llama", rope_scaling={"rope_type": "yarn"}))
 
 
 @pytest.mark.parametrize("tp,kv_heads,replicas,start", [(1, 2, 1, 0), (2, 1, 1, 1), (4, 1, 2, 1)])
 def test_tp_shard_kv_heads(tp, kv_heads, replicas, start):
-    shard = _spec().shard(tp, tp - 1)
+    shard = tp_shard(_spec(), tp, tp - 1)
     got = (shard.num_kv_heads, shard.num_kv_head_replicas, shard.kv_head_start)
     assert got == (kv_heads, replicas, start)
     assert shard.vocab_rows * tp == pad_vocab(250) == 256
 
 
 def test_tp_shard_refuses_uneven_splits():
-    with pytest.raises(ValueError, match="num_heads=4 is not divisible by tp_size=3"):
-        _spec().shard(3, 0)
-    with pytest.raises(ValueError, match="num_kv_heads=3 and tp_size=2"):
-        _spec(num_heads=6, num_kv_heads=3).shard(2, 0)
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp_size=3"):
+        tp_shard(_spec(), 3, 0)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 and tp_size=2"):
+        tp_shard(_spec(num_attention_heads=6, num_key_value_heads=3), 2, 0)
 
 
 @settings(max_examples=25, deadline=None)
 @given(tp=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2, 4]), bias=st.booleans(), tied=st.booleans())
 def test_placements_fill_every_parameter_exactly_once(tp, kv, bias, tied):
-    spec = _spec(num_heads=4, num_kv_heads=kv, qkv_bias=bias, tie_word_embeddings=tied)
+    spec = _spec(num_attention_heads=4, num_key_value_heads=kv, attention_bias=bias, tie_word_embeddings=tied)
     layer = {"input_layernorm.weight": (32,), "post_attention_layernorm.weight": (32,),
              "self_attn.q_proj.weight": (32, 32), "self_attn.k_proj.weight": (kv * 8, 32),
              "self_attn.v_proj.weight": (kv * 8, 32), "self_attn.o_proj.weight": (32, 32),
@@ -70,7 +71,7 @@ def test_placements_fill_every_parameter_exactly_once(tp, kv, bias, tied):
     hf = {"model.embed_tokens.weight": (250, 32), "model.norm.weight": (32,), "lm_head.weight": (250, 32)}
     hf.update({f"model.layers.0.{k}": v for k, v in layer.items()})
     for rank in range(tp):
-        shard = spec.shard(tp, rank)
+        shard = tp_shard(spec, tp, rank)
         shapes = param_shapes(shard)
         covered = {name: torch.zeros(shape) for name, shape in shapes.items()}
         for name, shape in hf.items():
@@ -86,7 +87,7 @@ def test_placements_fill_every_parameter_exactly_once(tp, kv, bias, tied):
 
 
 def test_place_refuses_unknown_names_and_shapes():
-    shard = _spec().shard(2, 0)
+    shard = tp_shard(_spec(), 2, 0)
     with pytest.raises(KeyError, match="model.layers.5.mlp.gate_proj.weight"):
         place_hf_weight(shard, "model.layers.5.mlp.gate_proj.weight", torch.ones(64, 32))
     with pytest.raises(KeyError, match="visual"):

@@ -11,13 +11,13 @@ from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedEr
 from hybridmem.engines.reference.engine import DEFAULT_NUM_KV_BLOCKS, ReferenceEngine
 from hybridmem.engines.reference.layout import Placement, param_shapes, place_hf_weight
 from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams
-from hybridmem.engines.reference.spec import ModelSpec, TPShard, pad_vocab
+from hybridmem.engines.reference.spec import TPShard, pad_vocab, tp_shard
 
 __all__ = [
     "ReferenceEngine",
     "SamplingParams",
     "GenerationOutput",
-    "ModelSpec",
+    "tp_shard",
     "TPShard",
     "pad_vocab",
     "param_shapes",

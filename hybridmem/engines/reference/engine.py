@@ -26,7 +26,8 @@ from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedEr
 from hybridmem.engines.reference.layout import place_hf_weight
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
 from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams, make_generator, sample_next
-from hybridmem.engines.reference.spec import ModelSpec
+from hybridmem.engines.reference.spec import tp_shard
+from hybridmem.nn.config import DecoderConfig
 from hybridmem.engines.torch_copy import EngineMemoryState, check_tags
 from hybridmem.errors import PhaseError
 from hybridmem.kv import blocks_for_utilization, get_kv_allocator
@@ -90,10 +91,10 @@ class ReferenceEngine:
             )
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive int")
-        self.spec = ModelSpec.from_hf(config)
+        self.spec = DecoderConfig.from_hf_config(config)
         self.group = group
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
-        self.shard = self.spec.shard(self.tp_size, self.tp_rank)
+        self.shard = tp_shard(self.spec, self.tp_size, self.tp_rank)
         self.accel = get_accelerator(device)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -103,7 +104,7 @@ class ReferenceEngine:
 
         # One block: K and V of every layer for block_size tokens (see the cache shape below).
         block_shape = (block_size, self.shard.num_kv_heads, self.spec.head_dim)
-        block_nbytes = self.spec.num_layers * 2 * math.prod(block_shape) * dtype.itemsize
+        block_nbytes = self.spec.num_hidden_layers * 2 * math.prod(block_shape) * dtype.itemsize
         if kv_utilization is not None:
             figures = self.accel.memory_figures()
             num_kv_blocks = blocks_for_utilization(
@@ -120,7 +121,7 @@ class ReferenceEngine:
             num_kv_blocks = DEFAULT_NUM_KV_BLOCKS
         self.kv_allocator = get_kv_allocator(kv_allocator, self.accel)
         self.num_kv_blocks = self.kv_allocator.allocate(block_nbytes=block_nbytes, num_blocks=num_kv_blocks)
-        cache_shape = (self.spec.num_layers, 2, self.num_kv_blocks, *block_shape)
+        cache_shape = (self.spec.num_hidden_layers, 2, self.num_kv_blocks, *block_shape)
         self.kv_cache = self.kv_allocator.view(dtype, cache_shape)
         self.blocks = BlockManager(self.num_kv_blocks, block_size)
         self._state = {WEIGHTS: EngineMemoryState.RESIDENT, KV_CACHE: EngineMemoryState.RESIDENT}

@@ -44,10 +44,10 @@ def param_shapes(shard: TPShard) -> dict[str, tuple[int, ...]]:
     d, h = s.head_dim, s.hidden_size
     qkv_rows = (shard.num_heads + 2 * shard.num_kv_heads) * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shard.vocab_rows, h)}
-    for i in range(s.num_layers):
+    for i in range(s.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "self_attn.qkv_proj.weight"] = (qkv_rows, h)
-        if s.qkv_bias:
+        if s.attention_bias:
             shapes[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, shard.num_heads * d)
         shapes[p + "mlp.gate_up_proj.weight"] = (2 * shard.intermediate_size, h)
@@ -118,30 +118,30 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> Placement 
         _check_shape(name, full, (h,))
         return Placement(name, slice(None), full)
     m = _LAYER.match(name)
-    if m is None or int(m.group(1)) >= s.num_layers:
-        raise KeyError(f"no engine weight for HF name {name!r} (model has {s.num_layers} layers)")
+    if m is None or int(m.group(1)) >= s.num_hidden_layers:
+        raise KeyError(f"no engine weight for HF name {name!r} (model has {s.num_hidden_layers} layers)")
     prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
     if rest in _REPLICATED:
         _check_shape(name, full, (h,))
         return Placement(prefix + rest, slice(None), full)
     if rest in _ROW_PARALLEL:
         width = shard.num_heads * d if rest.startswith("self_attn") else shard.intermediate_size
-        total = s.num_heads * d if rest.startswith("self_attn") else s.intermediate_size
+        total = s.num_attention_heads * d if rest.startswith("self_attn") else s.intermediate_size
         _check_shape(name, full, (h, total))
         return Placement(prefix + rest, slice(None), full[:, r * width:(r + 1) * width])
     module, _, kind = rest.rpartition(".")
     if module not in _STACKED or kind not in ("weight", "bias"):
         raise KeyError(f"no engine weight for HF name {name!r}")
-    if kind == "bias" and not (s.qkv_bias and module.startswith("self_attn")):
-        raise KeyError(f"HF weight {name!r} is a bias this model does not have (qkv_bias={s.qkv_bias})")
+    if kind == "bias" and not (s.attention_bias and module.startswith("self_attn")):
+        raise KeyError(f"HF weight {name!r} is a bias this model does not have (attention_bias={s.attention_bias})")
     fused, shard_id = _STACKED[module]
     tail = (h,) if kind == "weight" else ()
     if shard_id == "q":
-        _check_shape(name, full, (s.num_heads * d, *tail))
+        _check_shape(name, full, (s.num_attention_heads * d, *tail))
         n = shard.num_heads * d
         return Placement(f"{prefix}{fused}.{kind}", slice(0, n), full[r * n:(r + 1) * n])
     if shard_id in ("k", "v"):
-        _check_shape(name, full, (s.num_kv_heads * d, *tail))
+        _check_shape(name, full, (s.num_key_value_heads * d, *tail))
         n = shard.num_kv_heads * d
         start = shard.num_heads * d + (n if shard_id == "v" else 0)
         src = shard.kv_head_start * d

@@ -86,7 +86,7 @@ class ReferenceModel:
         cos, sin = rope_cos_sin(positions, d, s.rope_theta, self.dtype)
 
         x = vocab_parallel_embedding(tokens, p["model.embed_tokens.weight"], self.group)
-        for i in range(s.num_layers):
+        for i in range(s.num_hidden_layers):
             pre = f"model.layers.{i}."
             h = rms_norm(x, p[pre + "input_layernorm.weight"], s.rms_norm_eps)
             qkv = F.linear(h, p[pre + "self_attn.qkv_proj.weight"], p.get(pre + "self_attn.qkv_proj.bias"))
