@@ -369,8 +369,8 @@ def test_unknown_and_malformed_tags_raise():
     assert llm.calls == [("sleep", 2), ("reset_prefix_cache",)]  # nothing else reached vLLM
 
 
-def test_resume_is_all_or_nothing_when_the_undo_can_wake_kv(monkeypatch):
-    llm, engine, accel = build()
+def fail_kv_wake_once(monkeypatch, llm):
+    """The next ``wake_up(tags=["kv_cache"])`` raises an OOM; later ones go through."""
     real_wake = llm.wake_up
     failures = []
 
@@ -381,6 +381,11 @@ def test_resume_is_all_or_nothing_when_the_undo_can_wake_kv(monkeypatch):
         real_wake(tags)
 
     monkeypatch.setattr(llm, "wake_up", wake_failing_once)
+
+
+def test_resume_is_all_or_nothing_when_the_undo_can_wake_kv(monkeypatch):
+    llm, engine, accel = build()
+    fail_kv_wake_once(monkeypatch, llm)
     llm.calls.clear()
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.resume(["weights", "kv_cache"])
@@ -396,16 +401,7 @@ def test_resume_undo_puts_host_parked_weights_back_on_host(monkeypatch, fake_vll
     awake(engine, model)
     before = {n: p.detach().clone() for n, p in llm.worker.model.named_parameters()}
     engine.release(["kv_cache"])
-    real_wake = llm.wake_up
-    failures = []
-
-    def wake_failing_once(tags=None):
-        if tags == ["kv_cache"] and not failures:
-            failures.append(tags)
-            raise RuntimeError("out of memory")
-        real_wake(tags)
-
-    monkeypatch.setattr(llm, "wake_up", wake_failing_once)
+    fail_kv_wake_once(monkeypatch, llm)
     llm.calls.clear()
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.resume(["weights", "kv_cache"])
@@ -439,16 +435,7 @@ def test_manager_rolls_back_a_failed_kv_resume(monkeypatch, fake_vllm):
     snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
     llm, engine, accel = build()
     manager = ShardingManager(model, engine)
-    real_wake = llm.wake_up
-    failures = []
-
-    def wake_failing_once(tags=None):
-        if tags == ["kv_cache"] and not failures:
-            failures.append(tags)
-            raise RuntimeError("oom")
-        real_wake(tags)
-
-    monkeypatch.setattr(llm, "wake_up", wake_failing_once)
+    fail_kv_wake_once(monkeypatch, llm)
     with pytest.raises(SwitchError, match="resume engine kv_cache"):
         manager.to_infer()
     assert manager.phase.name == "TRAIN" and accel.used_nbytes == 0
