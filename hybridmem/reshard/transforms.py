@@ -173,10 +173,24 @@ def dst_index(piece: Piece) -> tuple:
     return _index(piece.dst_prefix, piece.dst_start, piece.src)
 
 
-def build_local(local: LocalTensor, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Materialise one local tensor from HF-full tensors (padding zero)."""
-    first = full[local.pieces[0].hf_name] if local.pieces else next(iter(full.values()))
-    out = torch.zeros(local.shape, dtype=first.dtype, device=first.device)
+def build_local(local: LocalTensor, full: Mapping[str, torch.Tensor], *,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Materialise one local tensor from HF-full tensors (padding zero).
+
+    Args:
+        local: The local tensor's pieces.
+        full: HF-full tensors by name.
+        dtype: The result's dtype; ``None``: that of its first piece's source, or of any tensor in
+            ``full`` for a tensor that is all padding (e.g. the last TP rank's vocab rows). Required when
+            ``local`` is all padding and ``full`` is empty.
+    """
+    if local.pieces:
+        first = full[local.pieces[0].hf_name]
+    else:
+        first = next(iter(full.values()), None)
+        if first is None and dtype is None:
+            raise ValueError(f"{local.shape} is all padding and no tensor gives its dtype; pass dtype=")
+    out = torch.zeros(local.shape, dtype=dtype or first.dtype, device=first.device if first is not None else None)
     for p in local.pieces:
         out[dst_index(p)] = full[p.hf_name][src_index(p.src)]
     return out

@@ -78,3 +78,12 @@ def test_stack_experts():
     scatter_local(local, got, back)
     assert torch.equal(back["a"][:6], full["a"][:6]) and torch.equal(back["b"][:6], full["b"][:6])
     assert not back["a"][6:].any()
+
+
+def test_an_all_padding_shard_takes_its_dtype_from_the_argument_or_full():
+    local = pad_rows("a", (5, 3), padded_rows=16, rank=3, num=4)  # rows 12..15: all padding
+    assert local.pieces == ()
+    assert torch.equal(build_local(local, {}, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.bfloat16))
+    assert build_local(local, {"a": torch.ones(5, 3, dtype=torch.float16)}).dtype == torch.float16
+    with pytest.raises(ValueError, match="all padding"):
+        build_local(local, {})
