@@ -9,6 +9,8 @@ from engine_cases import MAX_TOKENS, PROMPTS, build_hf, greedy, hf_logprobs
 
 from hybridmem.engines import ReferenceEngine, SamplingParams
 from hybridmem.engines.reference import KVBlocksExhaustedError, param_shapes
+from hybridmem.accel import get_accelerator
+from hybridmem.accel.base import MemoryFigures
 from hybridmem.errors import PhaseError
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -143,13 +145,18 @@ def test_bad_prompts_are_refused(qwen):
         engine.generate([[1, 250]], greedy())
 
 
-def test_kv_utilization_sizes_the_pool(qwen):
+def test_kv_utilization_sizes_the_pool(qwen, monkeypatch):
+    # Fixed figures: the machine's own free memory varies, and a pool of all of it may not be allocatable.
+    total, free = 64 * 2**20, 60 * 2**20
+    figures = MemoryFigures(allocated_nbytes=0, reserved_nbytes=0, free_nbytes=free, total_nbytes=total)
+    monkeypatch.setattr(type(get_accelerator("cpu")), "memory_figures", lambda self, tracked_nbytes=0: figures)
     config, model = qwen
-    engine = ReferenceEngine(config, kv_utilization=1.0, block_size=4)
-    figures = engine.accel.memory_figures()
-    assert engine.num_kv_blocks >= 1
-    assert engine.kv_allocator.nbytes == engine.num_kv_blocks * engine.kv_allocator.block_nbytes
-    assert engine.kv_allocator.nbytes <= figures.total_nbytes
+    engine = ReferenceEngine(config, kv_utilization=0.5, block_size=4)
+    block_nbytes = engine.kv_allocator.block_nbytes
+    assert engine.num_kv_blocks == (total // 2 - (total - free)) // block_nbytes  # vLLM's rule
+    assert engine.kv_allocator.nbytes == engine.num_kv_blocks * block_nbytes
+    with pytest.raises(ValueError, match="kv_utilization=0.05 leaves no room"):
+        ReferenceEngine(config, kv_utilization=0.05, block_size=4)
     with pytest.raises(ValueError, match="at most one"):
         ReferenceEngine(config, kv_utilization=0.5, num_kv_blocks=4)
 
