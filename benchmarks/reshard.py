@@ -6,8 +6,12 @@ Methods, all in one run on gloo with spawned processes (hybridmem.testing.worker
 (b) all-gather-to-full then slice (verl's approach): every TP-split Megatron tensor is all-gathered in
     its TP group, every stage's tensors are broadcast along the PP group, each rank rebuilds the full
     HF tensors and slices its vLLM shard.
-(c) megatron-core ``megatron.core.resharding.swap_model_weights``: Megatron -> Megatron only; not run
-    here, the reason is printed (see ``_megatron_reason``).
+(c) megatron-core's ``megatron.core.resharding.swap_model_weights`` (gloo copy service), which refits
+    Megatron -> Megatron only: a source GPTModel in the training layout and a target GPTModel in the
+    inference (tp, pp) as a Megatron layout, built on CPU under the test harness
+    (``hybridmem.testing.megatron_refit``). hybridmem's plan is run for the same Megatron -> Megatron pair
+    so the bytes compare like for like; both targets are checked against the layout's slices. Skipped,
+    with the reason printed, when megatron-core is missing or the inference layout is not a Megatron one.
 
 Example::
 
@@ -17,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridmem.config import ParallelLayout  # noqa: E402
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout  # noqa: E402
 from hybridmem.reshard.transforms import build_local, scatter_local  # noqa: E402
+from hybridmem.testing.megatron_refit import SeededFull, compare_refits  # noqa: E402
 
 PRESETS = {
     # Qwen1.5-0.5B's shapes with 4 kv heads (Qwen2-0.5B's 2 kv heads cannot be split 4 ways by Megatron).
@@ -43,30 +47,16 @@ PRESETS = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class _SeededFull(dict):
-    """HF-full tensors generated on first use from a seed derived from the name (same on every rank)."""
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
-        super().__init__()
-        self.shapes, self.dtype = spec.full_shapes(), dtype
-
-    def __missing__(self, name: str) -> torch.Tensor:
-        seed = int(hashlib.sha1(name.encode()).hexdigest()[:8], 16)
-        t = torch.randn(self.shapes[name], generator=torch.Generator().manual_seed(seed)).to(self.dtype)
-        self[name] = t
-        return t
-
-
 def _parse_layout(text: str) -> ParallelLayout:
     kw = dict(part.split("=") for part in text.split(",") if part)
     return ParallelLayout(**{k: int(v) for k, v in kw.items()})
 
 
 def _train_shards(spec, layout, rank, dtype):
-    full = _SeededFull(spec, dtype)
+    full = SeededFull(spec, dtype)
     out = {}
     for name, local in layout.tensors(rank).items():
-        out[name] = build_local(local, full)
+        out[name] = build_local(local, full, dtype=dtype)
         for p in local.pieces:  # drop full tensors as soon as possible (bounded memory per rank)
             full.pop(p.hf_name, None)
     return out
@@ -108,7 +98,7 @@ def _allgather_then_slice(ctx, spec, src, dst_layout, train, groups):
             shards = list(gathered) if split else [gathered[0]] * tp
             for t in range(tp):
                 scatter_local(src_layout.tensors(stage_rank0 + t)[name], shards[t], _Alloc(full, spec, dtype))
-    out = {name: build_local(local, full) for name, local in dst_layout.tensors(ctx.rank).items()}
+    out = {name: build_local(local, full, dtype=dtype) for name, local in dst_layout.tensors(ctx.rank).items()}
     del me
     return out, received
 
@@ -170,16 +160,39 @@ def _task(ctx, spec, src, dst, dtype, bucket_nbytes, repeats):
     return res
 
 
-def _megatron_reason() -> str:
+def _megatron_reason(spec: ModelSpec, dst: ParallelLayout, world: int) -> str | None:
+    """Why (c) cannot run for this case, or ``None`` when it can."""
     try:
-        import megatron.core.resharding as mr  # noqa: F401
+        import megatron.core.resharding  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - report why it is absent
         return f"megatron.core.resharding not importable ({type(exc).__name__}: {exc})"
-    return ("megatron-core 0.16.1 has megatron.core.resharding.swap_model_weights, but it refits Megatron GPTModel "
-            "-> Megatron GPTModel only (no vLLM layout) and needs both models built on this CPU under a CUDA shim "
-            "(its GlooCopyService creates torch.cuda.Stream). A trial with such a shim (tiny model, world 4) "
-            "failed inside GlooCopyService's local copy for TP4->TP2 (512 vs 256 rows) and hung for TP2->TP1; "
-            "the cause was not investigated, so (c) is not run")
+    if spec.is_moe:
+        return "MoE presets are not wired into (c)"
+    try:
+        megatron_layout(spec, dst, world)
+    except ValueError as exc:
+        return f"the inference layout is not a Megatron layout ({exc})"
+    return None
+
+
+def _print_megatron(results: list[dict], repeats: int) -> None:
+    mib = 2**20
+    print("(c) megatron-core swap_model_weights (gloo), Megatron src -> Megatron dst with the inference (tp, pp); "
+          "hybridmem's plan run for the same Megatron -> Megatron pair:")
+    print(f"{'rank':>4} {'dst MiB':>9} {'min MiB':>9} {'mcore recv':>10} {'ours recv':>10} {'mcore/ours':>10} "
+          f"{'mcore s':>8} {'ours s':>8} {'mcore 1st s':>11} equal(mcore, ours)")
+    for r, x in enumerate(results):
+        ratio = x["megatron_recv"] / x["hybridmem_recv"] if x["hybridmem_recv"] else float("nan")
+        print(f"{r:>4} {x['dst_nbytes'] / mib:>9.1f} {x['min_recv'] / mib:>9.1f} {x['megatron_recv'] / mib:>10.1f} "
+              f"{x['hybridmem_recv'] / mib:>10.1f} {ratio:>10.2f} {x['megatron_s']:>8.3f} {x['hybridmem_s']:>8.3f} "
+              f"{x['megatron_first_s']:>11.3f} {x['megatron_equal']}, {x['hybridmem_equal']}")
+    tot_c = sum(x["megatron_recv"] for x in results)
+    tot_a = sum(x["hybridmem_recv"] for x in results)
+    ratio = tot_c / tot_a if tot_a else float("inf") if tot_c else 1.0
+    print(f"total received: mcore {tot_c / mib:.1f} MiB, ours {tot_a / mib:.1f} MiB, ratio {ratio:.2f}; wall (slowest "
+          f"rank, best of {repeats}): mcore {max(x['megatron_s'] for x in results):.3f} s, ours "
+          f"{max(x['hybridmem_s'] for x in results):.3f} s; mcore's first call (plan + copy) "
+          f"{max(x['megatron_first_s'] for x in results):.3f} s")
 
 
 def main(argv=None) -> int:
@@ -192,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run (c), megatron-core's swap_model_weights (needs megatron-core)")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     args = ap.parse_args(argv)
 
@@ -202,8 +217,10 @@ def main(argv=None) -> int:
     megatron_layout(spec, src, args.world)  # validate before spawning
     vllm_layout(spec, dst, args.world)
     dtype = DTYPES[args.dtype]
+    reason = _megatron_reason(spec, dst, args.world) if args.megatron else "--no-megatron"
     with WorkerPool(args.world, timeout_s=args.timeout_s) as pool:
         results = pool.run(_task, spec, src, dst, dtype, args.bucket_mb * 2**20, args.repeats)
+        megatron = None if reason else pool.run(compare_refits, spec, src, dst, dtype=dtype, repeats=args.repeats)
     mib = 2**20
     nparams = sum(torch.Size(s).numel() for s in spec.full_shapes().values())
     print(f"model {args.preset}: {nparams / 1e6:.1f} M params, {args.dtype}; {src} -> {dst} on {args.world} ranks "
@@ -223,12 +240,17 @@ def main(argv=None) -> int:
     ratio = tot_b / tot_a if tot_a else float("inf") if tot_b else 1.0
     print(f"total received: (a) {tot_a / mib:.1f} MiB, (b) {tot_b / mib:.1f} MiB, ratio b/a {ratio:.2f}; "
           f"wall (slowest rank, best of {args.repeats}): (a) {wall_a:.3f} s, (b) {wall_b:.3f} s")
-    print(f"(c) skipped: {_megatron_reason()}")
+    if megatron is None:
+        print(f"(c) not run: {reason}")
+    else:
+        _print_megatron(megatron, args.repeats)
     if args.json:
         with open(args.json, "a", encoding="utf-8") as f:
             f.write(json.dumps({"preset": args.preset, "src": str(src), "dst": str(dst), "world": args.world,
-                                "dtype": args.dtype, "ranks": results}) + "\n")
-    return 0 if all(x["same_result"] for x in results) else 1
+                                "dtype": args.dtype, "ranks": results, "megatron": megatron}) + "\n")
+    ok = all(x["same_result"] for x in results)
+    ok = ok and (megatron is None or all(x["megatron_equal"] and x["hybridmem_equal"] for x in megatron))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
