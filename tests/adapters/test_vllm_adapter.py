@@ -260,13 +260,19 @@ def test_plan_uses_measured_nbytes(fake_vllm):
     assert estimates["resume engine kv_cache"].alloc_nbytes == KV_NBYTES
 
 
-def test_generate_with_seeded_sampling_maps_params(fake_vllm):
+def loaded_engine():
+    """An engine built on the fake vLLM, woken, with a seeded TinyNet's weights loaded."""
     torch.manual_seed(0)
     model = TinyNet()
-    llm, engine, _ = build()
+    _, engine, _ = build()
     engine.resume(["weights"])
     engine.load_weights(model.named_parameters())
     engine.resume(["kv_cache"])
+    return engine
+
+
+def test_generate_with_seeded_sampling_maps_params(fake_vllm):
+    engine = loaded_engine()
     params = SamplingParams(max_tokens=4, temperature=0.7, top_p=1.0, seed=3, logprobs=False)
     a = engine.generate([[5, 6]], params)
     b = engine.generate([[5, 6]], params)
@@ -502,12 +508,7 @@ def test_sampling_params_mapping_and_validation():
 
 
 def test_generate_seeds_each_request_and_stops_on_stop_tokens(fake_vllm):
-    torch.manual_seed(0)
-    model = TinyNet()
-    _, engine, _ = build()
-    engine.resume(["weights"])
-    engine.load_weights(model.named_parameters())
-    engine.resume(["kv_cache"])
+    engine = loaded_engine()
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, logprobs=True)
     pair = engine.generate([[5, 6], [5, 6]], params)
     # The same prompt twice in one batch: seeds 5 and 6, as ReferenceEngine seeds sequences 0 and 1.
