@@ -31,6 +31,17 @@ def test_model_spec_dict_names_what_it_cannot_express():
         megatron_model_spec_dict(_config(add_bias_linear=True, gated_linear_unit=False), vocab_size=100)
 
 
+def test_model_spec_dict_refuses_multi_latent_attention():
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24,
+                                  gated_linear_unit=True, add_bias_linear=False, use_cpu_initialization=True,
+                                  multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=6, qk_head_dim=4,
+                                  qk_pos_emb_head_dim=2, v_head_dim=4, rope_type="rope")
+    with pytest.raises(ValueError, match="multi_latent_attention=True"):
+        megatron_model_spec_dict(config, vocab_size=100)
+
+
 def test_model_spec_dict_maps_qkv_bias_to_qwen2():
     d = megatron_model_spec_dict(_config(add_qkv_bias=True), vocab_size=100)
     assert (d["model_type"], d["qkv_bias"], d["attention_bias"]) == ("qwen2", True, True)
@@ -49,3 +60,23 @@ def test_leaf_optimizers_flattens_nested_chains():
     a, b, c = object(), object(), object()
     assert leaf_optimizers(Chain(a, Chain(b, c))) == [a, b, c]
     assert leaf_optimizers(a) == [a]
+
+
+def test_named_weights_carry_the_router_expert_bias_buffer():
+    import torch
+
+    from hybridmem.adapters.megatron import megatron_named_weights
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 8))
+            self.register_buffer("expert_bias", torch.arange(4.0))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(4))
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.router = Router()
+    named = dict(megatron_named_weights([model]))
+    assert set(named) == {"mlp.router.weight", "mlp.router.expert_bias"}
+    assert named["mlp.router.expert_bias"] is model.mlp.router.expert_bias

@@ -107,11 +107,17 @@ def _prefix(i: int, num_chunks: int) -> str:
 
 
 def megatron_named_weights(model_chunks: Iterable[Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's parameters by Megatron name (as its state dict, without DDP's ``module.``)."""
+    """This rank's parameters by Megatron name (as its state dict, without DDP's ``module.``), and the
+    routers' ``expert_bias`` buffers (DeepSeek-V3's routing-score correction: persistent, updated outside
+    the optimizer every step, so the engine needs it like a weight)."""
     chunks = list(model_chunks)
     for i, chunk in enumerate(chunks):
-        for name, p in unwrap_model(chunk).named_parameters():
+        model = unwrap_model(chunk)
+        for name, p in model.named_parameters():
             yield _prefix(i, len(chunks)) + name, p
+        for name, b in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                yield _prefix(i, len(chunks)) + name, b
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -230,6 +236,10 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
             qk layernorm, a non-gated MLP, MoE on only some layers).
     """
     unsupported = []
+    if getattr(config, "multi_latent_attention", False):
+        # DeepSeek-V3: its spec needs fields a TransformerConfig spreads over MLA options and
+        # moe_layer_freq; build it with ModelSpec.from_hf_config from the HF config instead.
+        unsupported.append("multi_latent_attention=True (pass the DeepSeek-V3 HF config's ModelSpec)")
     if getattr(config, "add_bias_linear", False):
         unsupported.append("add_bias_linear=True")
     if getattr(config, "qk_layernorm", False):
