@@ -135,56 +135,113 @@ class LayerRule:
     """One row of the per-layer mapping.
 
     ``hf`` are suffixes after ``model.layers.{i}.``; ``megatron`` after ``decoder.layers.{l}.`` (``l``
-    the stage-local index); ``vllm`` after ``model.layers.{i}.``. ``{e}`` in an ``hf`` suffix is a
-    global expert index, ``{j}`` in a Megatron name a local expert index.
+    the stage-local index); ``vllm`` after ``model.layers.{i}.``; ``None`` where that side has no such
+    tensor (DeepSeek's fused ``q_a``/``kv_a`` in vLLM are two tensors in Megatron). ``{e}`` in an ``hf``
+    suffix is a global expert index, ``{j}`` in a Megatron name a local expert index. ``when(spec, i)``
+    says whether global layer ``i`` has the tensor.
     """
 
     hf: tuple[str, ...]
-    megatron: str
-    vllm: str
+    megatron: str | None
+    vllm: str | None
     kind: str
-    when: Callable[[ModelSpec], bool] = field(default=lambda spec: True)
+    when: Callable[[ModelSpec, int], bool] = field(default=lambda spec, i: True)
     megatron_te: str | None = None
     """Megatron name under the TE spec where it differs (fused norms)."""
 
 
-def _dense(spec: ModelSpec) -> bool:
-    return not spec.is_moe
+def _gqa(spec: ModelSpec, i: int) -> bool:
+    return not spec.is_mla
+
+
+def _dense_mlp(spec: ModelSpec, i: int) -> bool:
+    return not spec.is_moe_layer(i)
+
+
+def _moe(spec: ModelSpec, i: int) -> bool:
+    return spec.is_moe_layer(i)
+
+
+def _qwen_shared(spec: ModelSpec, i: int) -> bool:
+    return spec.is_moe_layer(i) and spec.shared_expert_intermediate_size > 0 and not spec.is_mla
+
+
+def _deepseek_shared(spec: ModelSpec, i: int) -> bool:
+    return spec.is_moe_layer(i) and spec.shared_expert_intermediate_size > 0 and spec.is_mla
+
+
+def _mla_q_lora(spec: ModelSpec, i: int) -> bool:
+    return spec.is_mla and spec.q_lora_rank > 0
+
+
+def _mla_no_q_lora(spec: ModelSpec, i: int) -> bool:
+    return spec.is_mla and not spec.q_lora_rank
+
+
+def _mla(spec: ModelSpec, i: int) -> bool:
+    return spec.is_mla
 
 
 LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("input_layernorm.weight",), "input_layernorm.weight", "input_layernorm.weight", "replicate",
               megatron_te="self_attention.linear_qkv.layer_norm_weight"),
     LayerRule(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-              "self_attention.linear_qkv.weight", "self_attn.qkv_proj.weight", "qkv"),
+              "self_attention.linear_qkv.weight", "self_attn.qkv_proj.weight", "qkv", when=_gqa),
     LayerRule(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-              "self_attention.linear_qkv.bias", "self_attn.qkv_proj.bias", "qkv", when=lambda s: s.qkv_bias),
+              "self_attention.linear_qkv.bias", "self_attn.qkv_proj.bias", "qkv", when=lambda s, i: s.qkv_bias),
     LayerRule(("self_attn.q_norm.weight",), "self_attention.q_layernorm.weight", "self_attn.q_norm.weight",
-              "replicate", when=lambda s: s.qk_norm),
+              "replicate", when=lambda s, i: s.qk_norm),
     LayerRule(("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight", "self_attn.k_norm.weight",
-              "replicate", when=lambda s: s.qk_norm),
+              "replicate", when=lambda s, i: s.qk_norm),
+    # DeepSeek MLA. Megatron's local spec makes both down-projections column-parallel; vLLM keeps them
+    # whole on every rank, q_a and kv_a fused into one tensor ([q_a; kv_a_with_mqa]).
+    LayerRule(("self_attn.q_a_proj.weight",), "self_attention.linear_q_down_proj.weight", None, "column",
+              when=_mla_q_lora),
+    LayerRule(("self_attn.kv_a_proj_with_mqa.weight",), "self_attention.linear_kv_down_proj.weight", None,
+              "column", when=_mla),
+    LayerRule(("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"), None,
+              "self_attn.fused_qkv_a_proj.weight", "concat", when=_mla_q_lora),
+    LayerRule(("self_attn.kv_a_proj_with_mqa.weight",), None, "self_attn.kv_a_proj_with_mqa.weight", "replicate",
+              when=_mla_no_q_lora),
+    LayerRule(("self_attn.q_a_layernorm.weight",), "self_attention.q_layernorm.weight",
+              "self_attn.q_a_layernorm.weight", "replicate", when=_mla_q_lora),
+    LayerRule(("self_attn.q_b_proj.weight",), "self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight",
+              "column", when=_mla_q_lora),
+    LayerRule(("self_attn.q_proj.weight",), "self_attention.linear_q_proj.weight", "self_attn.q_proj.weight",
+              "column", when=_mla_no_q_lora),
+    LayerRule(("self_attn.kv_a_layernorm.weight",), "self_attention.kv_layernorm.weight",
+              "self_attn.kv_a_layernorm.weight", "replicate", when=_mla),
+    LayerRule(("self_attn.kv_b_proj.weight",), "self_attention.linear_kv_up_proj.weight",
+              "self_attn.kv_b_proj.weight", "column", when=_mla),
     LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
     LayerRule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight", "post_attention_layernorm.weight",
               "replicate", megatron_te="mlp.linear_fc1.layer_norm_weight"),
-    # Dense MLP.
+    # Dense MLP (every layer of a dense family; DeepSeek-V3's first k layers).
     LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "mlp.gate_up_proj.weight",
-              "gate_up", when=_dense),
-    LayerRule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", "mlp.down_proj.weight", "row", when=_dense),
-    # MoE (Qwen2-MoE / Qwen3-MoE): the TE spec keeps pre_mlp_layernorm unfused for MoE layers.
-    LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=lambda s: s.is_moe),
+              "gate_up", when=_dense_mlp),
+    LayerRule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", "mlp.down_proj.weight", "row", when=_dense_mlp),
+    # MoE: the TE spec keeps pre_mlp_layernorm unfused for MoE layers.
+    LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=_moe),
+    # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM (noaux_tc routing).
+    LayerRule(("mlp.gate.e_score_correction_bias",), "mlp.router.expert_bias", "mlp.gate.e_score_correction_bias",
+              "replicate", when=lambda s, i: s.is_moe_layer(i) and s.has_router_bias),
     LayerRule(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
               "mlp.experts.local_experts.{j}.linear_fc1.weight", "mlp.experts.w13_weight", "experts_gate_up",
-              when=lambda s: s.is_moe),
+              when=_moe),
     LayerRule(("mlp.experts.{e}.down_proj.weight",), "mlp.experts.local_experts.{j}.linear_fc2.weight",
-              "mlp.experts.w2_weight", "experts_row", when=lambda s: s.is_moe),
+              "mlp.experts.w2_weight", "experts_row", when=_moe),
     LayerRule(("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
               "mlp.shared_experts.linear_fc1.weight", "mlp.shared_expert.gate_up_proj.weight", "gate_up",
-              when=lambda s: s.is_moe and s.shared_expert_intermediate_size > 0),
+              when=_qwen_shared),
     LayerRule(("mlp.shared_expert.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight",
-              "mlp.shared_expert.down_proj.weight", "row",
-              when=lambda s: s.is_moe and s.shared_expert_intermediate_size > 0),
+              "mlp.shared_expert.down_proj.weight", "row", when=_qwen_shared),
+    LayerRule(("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+              "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.gate_up_proj.weight", "gate_up",
+              when=_deepseek_shared),
+    LayerRule(("mlp.shared_experts.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight",
+              "mlp.shared_experts.down_proj.weight", "row", when=_deepseek_shared),
     LayerRule(("mlp.shared_expert_gate.weight",), "mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight",
-              "replicate", when=lambda s: s.has_shared_expert_gate),
+              "replicate", when=lambda s, i: s.is_moe_layer(i) and s.has_shared_expert_gate),
 )
 
 
@@ -252,14 +309,21 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
     spec, side = layout.spec, layout.side
     hf_prefix = f"model.layers.{layer}."
     if side is Side.MEGATRON:
-        name = rule.megatron_te if (layout.convention.norm_style == "te" and rule.megatron_te
-                                    and not (spec.is_moe and rule.megatron_te.startswith("mlp."))) else rule.megatron
+        te_name = (layout.convention.norm_style == "te" and rule.megatron_te
+                   and not (spec.is_moe_layer(layer) and rule.megatron_te.startswith("mlp.")))
+        name = rule.megatron_te if te_name else rule.megatron
         prefix = f"decoder.layers.{local_layer}."
     else:
         name, prefix = rule.vllm, hf_prefix
+    if name is None:
+        return {}
     hf = tuple(hf_prefix + s for s in rule.hf)
     if rule.kind == "replicate":
         return {prefix + name: replicate(hf[0], shapes[hf[0]])}
+    if rule.kind == "concat":
+        return {prefix + name: concat([replicate(n, shapes[n]) for n in hf])}
+    if rule.kind == "column":
+        return {prefix + name: split(hf[0], shapes[hf[0]], axis=0, rank=c.tp_rank, num=c.tp)}
     if rule.kind == "qkv":
         return {prefix + name: _qkv(side, spec, hf, shapes, c)}
     if rule.kind == "row":
@@ -362,7 +426,7 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
         out[embed] = vocab(embed)
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
-            if rule.when(spec):
+            if rule.when(spec, layer):
                 out.update(_build_rule(rule, layout, c, layer, local, shapes))
     if c.last_stage:
         if side is Side.MEGATRON:
@@ -405,8 +469,11 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
         )
     if spec.num_hidden_layers % pp:
         raise ValueError(f"training pp={pp} does not divide num_hidden_layers={spec.num_hidden_layers}")
-    if not spec.is_moe and spec.intermediate_size % tp:
+    if spec.has_dense_layers and spec.intermediate_size % tp:
         raise ValueError(f"training tp={tp} does not divide intermediate_size={spec.intermediate_size}")
+    conv = convention or MegatronConvention()
+    if spec.is_mla:
+        _check_megatron_mla(spec, tp, conv)
     if spec.is_moe:
         if dp % ep:
             raise ValueError(f"training ep={ep} does not divide dp={dp} (world_size={world_size}, tp={tp}, pp={pp})")
@@ -419,8 +486,19 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
             )
     elif ep != 1:
         raise ValueError(f"ep={ep} given for a dense model")
-    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.MEGATRON,
-                       convention=convention or MegatronConvention())
+    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.MEGATRON, convention=conv)
+
+
+def _check_megatron_mla(spec: ModelSpec, tp: int, conv: MegatronConvention) -> None:
+    if conv.norm_style != "local":
+        raise ValueError(f"norm_style={conv.norm_style!r} is not supported for MLA (deepseek_v3); expected 'local'")
+    # The local spec's MLA down-projections are column-parallel too, so their rows must split evenly.
+    kv_a = spec.kv_lora_rank + spec.qk_rope_head_dim
+    if spec.q_lora_rank % tp or kv_a % tp:
+        raise ValueError(
+            f"training tp={tp} must divide q_lora_rank={spec.q_lora_rank} and kv_lora_rank + qk_rope_head_dim="
+            f"{kv_a} (Megatron's MLA splits both down-projections by rows)"
+        )
 
 
 def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
@@ -445,7 +523,7 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     padded = -(-spec.vocab_size // conv.vocab_padding) * conv.vocab_padding
     if padded % tp:
         raise ValueError(f"inference tp={tp} does not divide the padded vocab {padded} (vocab_size={spec.vocab_size})")
-    if not spec.is_moe and spec.intermediate_size % tp:
+    if spec.has_dense_layers and spec.intermediate_size % tp:
         raise ValueError(f"inference tp={tp} does not divide intermediate_size={spec.intermediate_size}")
     if spec.is_moe:
         if (dp * tp) % ep or ep > spec.num_experts:

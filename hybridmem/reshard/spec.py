@@ -3,7 +3,9 @@
 Built from a HF-style config (:meth:`ModelSpec.from_hf_config`, a ``transformers`` config object or a
 plain dict). Supported families: ``llama``, ``qwen2``, ``qwen3`` (dense) and ``qwen2_moe``,
 ``qwen3_moe`` (every layer MoE, as their default ``decoder_sparse_step=1`` and empty
-``mlp_only_layers`` make them). DeepSeek-V3 (MLA attention, dense first layers) is not covered.
+``mlp_only_layers`` make them), and ``deepseek_v3``: multi-latent attention (MLA), the first
+``first_k_dense_replace`` layers dense and the rest MoE with shared experts and a routing-score
+correction bias (``moe_layer_freq`` 1, as DeepSeek-V3 ships; no multi-token-prediction layers).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 
 __all__ = ["ModelSpec", "FAMILIES"]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def _positive(name: str, value: object) -> None:
@@ -54,7 +56,20 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     """Width of one routed expert."""
     shared_expert_intermediate_size: int = 0
-    """Width of the shared expert (0: none). Qwen2-MoE also has a [1, H] sigmoid gate on it."""
+    """Width of the shared expert (0: none). Qwen2-MoE also has a [1, H] sigmoid gate on it; DeepSeek-V3's
+    is ``moe_intermediate_size * n_shared_experts``."""
+    first_k_dense_replace: int = 0
+    """MoE families: the first this many layers have a dense MLP of ``intermediate_size`` (DeepSeek-V3)."""
+    q_lora_rank: int = 0
+    """MLA: rank of the query down-projection (``q_a_proj``); 0 projects queries directly (``q_proj``)."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the compressed key/value latent (``kv_a_proj_with_mqa`` gives it plus the rope key)."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key width with RoPE (shared by all heads on the key side)."""
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -67,9 +82,23 @@ class ModelSpec:
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.is_mla:
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                _positive(name, getattr(self, name))
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError(f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                                 f"{self.qk_nope_head_dim} + {self.qk_rope_head_dim} for MLA")
+            if self.num_key_value_heads != self.num_attention_heads:
+                raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
+                                 f"{self.num_attention_heads} for MLA (every head has its own key and value)")
         if self.is_moe:
             _positive("num_experts", self.num_experts)
             _positive("moe_intermediate_size", self.moe_intermediate_size)
+            if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+                raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in "
+                                 f"[0, num_hidden_layers={self.num_hidden_layers}]")
+            if self.first_k_dense_replace:
+                _positive("intermediate_size", self.intermediate_size)
         else:
             _positive("intermediate_size", self.intermediate_size)
             if self.num_experts:
@@ -79,6 +108,30 @@ class ModelSpec:
     def is_moe(self) -> bool:
         """Whether the MLP of every layer is a mixture of experts."""
         return self.family in _MOE_FAMILIES
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is DeepSeek's multi-latent attention."""
+        return self.family == "deepseek_v3"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global index) has a mixture-of-experts MLP."""
+        return self.is_moe and layer >= self.first_k_dense_replace
+
+    @property
+    def has_dense_layers(self) -> bool:
+        """Whether any layer has a dense MLP."""
+        return not self.is_moe or self.first_k_dense_replace > 0
+
+    @property
+    def has_router_bias(self) -> bool:
+        """DeepSeek-V3's router carries ``e_score_correction_bias`` [num_experts] (``noaux_tc`` routing)."""
+        return self.family == "deepseek_v3"
+
+    @property
+    def shared_expert_name(self) -> str:
+        """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek) or ``shared_expert`` (Qwen)."""
+        return "shared_experts" if self.family == "deepseek_v3" else "shared_expert"
 
     @property
     def has_shared_expert_gate(self) -> bool:
@@ -112,6 +165,8 @@ class ModelSpec:
                    if get(k) is None]
         if missing:
             raise ValueError(f"HF config lacks {missing}")
+        if family == "deepseek_v3":
+            return cls._from_deepseek_v3(get)
         heads = int(get("num_attention_heads"))
         kv = get("num_key_value_heads") or heads
         head_dim = get("head_dim") or get("hidden_size") // heads
@@ -141,13 +196,45 @@ class ModelSpec:
             ),
         )
 
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every HF-full tensor name and its shape, in HF's order (layers ascending)."""
-        h, shapes = self.hidden_size, {}
-        shapes["model.embed_tokens.weight"] = (self.vocab_size, h)
-        for i in range(self.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (h,)
+    @classmethod
+    def _from_deepseek_v3(cls, get: Any) -> ModelSpec:
+        if get("attention_bias", False):
+            raise ValueError("attention_bias=True is not supported for deepseek_v3 (DeepSeek-V3 has none)")
+        if get("rope_interleave", True) is False:
+            # HF then rotates halves while Megatron's MLA and vLLM rotate pairs: the rope rows would need
+            # a permutation, which the layout tables do not apply.
+            raise ValueError("rope_interleave=False is not supported for deepseek_v3 (expected True, its default)")
+        freq = get("moe_layer_freq", 1) or 1
+        if freq != 1:
+            raise ValueError(f"moe_layer_freq={freq} is not supported; expected 1 (every layer after "
+                             f"first_k_dense_replace is MoE)")
+        heads = int(get("num_attention_heads"))
+        nope, rope = int(get("qk_nope_head_dim")), int(get("qk_rope_head_dim"))
+        moe = int(get("moe_intermediate_size"))
+        return cls(
+            family="deepseek_v3",
+            hidden_size=int(get("hidden_size")),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=nope + rope,
+            intermediate_size=int(get("intermediate_size") or 0),
+            num_hidden_layers=int(get("num_hidden_layers")),
+            vocab_size=int(get("vocab_size")),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            num_experts=int(get("n_routed_experts")),
+            moe_intermediate_size=moe,
+            shared_expert_intermediate_size=moe * int(get("n_shared_experts", 0) or 0),
+            first_k_dense_replace=int(get("first_k_dense_replace", 0) or 0),
+            q_lora_rank=int(get("q_lora_rank") or 0),
+            kv_lora_rank=int(get("kv_lora_rank")),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(get("v_head_dim")),
+        )
+
+    def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:
+        h = self.hidden_size
+        if not self.is_mla:
             for proj, rows in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
                 shapes[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
                 if self.qkv_bias:
@@ -156,22 +243,46 @@ class ModelSpec:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            return
+        n, kv_lora = self.num_attention_heads, self.kv_lora_rank
+        if self.q_lora_rank:
+            shapes[p + "self_attn.q_a_proj.weight"] = (self.q_lora_rank, h)
+            shapes[p + "self_attn.q_a_layernorm.weight"] = (self.q_lora_rank,)
+            shapes[p + "self_attn.q_b_proj.weight"] = (n * self.head_dim, self.q_lora_rank)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (n * self.head_dim, h)
+        shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (kv_lora + self.qk_rope_head_dim, h)
+        shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_lora,)
+        shapes[p + "self_attn.kv_b_proj.weight"] = (n * (self.qk_nope_head_dim + self.v_head_dim), kv_lora)
+        shapes[p + "self_attn.o_proj.weight"] = (h, n * self.v_head_dim)
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF-full tensor name and its shape, in HF's order (layers ascending)."""
+        h, shapes = self.hidden_size, {}
+        shapes["model.embed_tokens.weight"] = (self.vocab_size, h)
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            self._attention_shapes(p, shapes)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
-            if not self.is_moe:
+            if not self.is_moe_layer(i):
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.{proj}_proj.weight"] = (self.intermediate_size, h)
                 shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
                 continue
             shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+            if self.has_router_bias:
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (self.num_experts,)
             for e in range(self.num_experts):
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.experts.{e}.{proj}_proj.weight"] = (self.moe_intermediate_size, h)
                 shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, self.moe_intermediate_size)
             if self.shared_expert_intermediate_size:
                 s = self.shared_expert_intermediate_size
+                x = p + f"mlp.{self.shared_expert_name}."
                 for proj in ("gate", "up"):
-                    shapes[p + f"mlp.shared_expert.{proj}_proj.weight"] = (s, h)
-                shapes[p + "mlp.shared_expert.down_proj.weight"] = (h, s)
+                    shapes[x + f"{proj}_proj.weight"] = (s, h)
+                shapes[x + "down_proj.weight"] = (h, s)
                 if self.has_shared_expert_gate:
                     shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
         shapes["model.norm.weight"] = (h,)

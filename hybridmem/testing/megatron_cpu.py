@@ -4,7 +4,8 @@ Megatron-core (0.16.x) assumes CUDA in a handful of places (listed in ``shared/E
 factories with ``device=torch.cuda.current_device()`` or ``device='cuda'``, ``.cuda()`` and
 ``.pin_memory()``, ``param.type() == 'torch.cuda.FloatTensor'`` checks in the optimizers,
 ``torch.cuda.Stream``/``Event``/``stream()`` in DDP and the MoE dispatcher, the CUDA RNG tracker, and
-``te_general_gemm`` referenced without Transformer Engine. :func:`megatron_on_cpu` maps each of those
+``te_general_gemm`` referenced without Transformer Engine, and multi-latent attention's ``HAVE_TE`` set
+by Transformer Engine stand-ins. :func:`megatron_on_cpu` maps each of those
 to the CPU for the duration of a ``with`` block and restores everything on exit.
 
 Never use this in library code paths: it changes process-wide behaviour of ``torch.cuda`` and of every
@@ -183,7 +184,19 @@ def _cuda_patches() -> list[tuple[Any, str, Any]]:
     if not hasattr(moe_utils, "te_general_gemm"):
         # 0.16.1 imports it inside a try without a fallback: a NameError without Transformer Engine.
         patches.append((moe_utils, "te_general_gemm", None))
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not _transformer_engine_installed():
+        # megatron.core.extensions.transformer_engine imports without Transformer Engine (it stubs it with
+        # MagicMocks), so MLA's HAVE_TE is True and isinstance(..., TELinear) fails on the mock.
+        patches.append((mla, "HAVE_TE", False))
     return patches
+
+
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 _MISSING = object()

@@ -45,7 +45,9 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
         h, m = f"model.layers.{i}.", f"decoder.layers.{l}."
         ln1 = m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
         out[ln1] = full[h + "input_layernorm.weight"].clone()
-        for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
+        if spec.is_mla:
+            _megatron_mla(out, full, spec, h, m, tp, r)
+        for kind in ("weight", "bias") if spec.qkv_bias else (() if spec.is_mla else ("weight",)):
             q, k, v = (full[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
             tail = q.shape[1:]
             grouped = torch.cat([q.reshape(ng, per * hd, *tail), k.reshape(ng, hd, *tail), v.reshape(ng, hd, *tail)], 1)
@@ -54,14 +56,17 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
             out[m + "self_attention.q_layernorm.weight"] = full[h + "self_attn.q_norm.weight"].clone()
             out[m + "self_attention.k_layernorm.weight"] = full[h + "self_attn.k_norm.weight"].clone()
         out[m + "self_attention.linear_proj.weight"] = full[h + "self_attn.o_proj.weight"].chunk(tp, 1)[r].clone()
-        ln2 = m + ("mlp.linear_fc1.layer_norm_weight" if te and not spec.is_moe else "pre_mlp_layernorm.weight")
+        moe_layer = spec.is_moe and i >= spec.first_k_dense_replace
+        ln2 = m + ("mlp.linear_fc1.layer_norm_weight" if te and not moe_layer else "pre_mlp_layernorm.weight")
         out[ln2] = full[h + "post_attention_layernorm.weight"].clone()
-        if not spec.is_moe:
+        if not moe_layer:
             out[m + "mlp.linear_fc1.weight"] = torch.cat(
                 [full[h + "mlp.gate_proj.weight"].chunk(tp)[r], full[h + "mlp.up_proj.weight"].chunk(tp)[r]])
             out[m + "mlp.linear_fc2.weight"] = full[h + "mlp.down_proj.weight"].chunk(tp, 1)[r].clone()
             continue
         out[m + "mlp.router.weight"] = full[h + "mlp.gate.weight"].clone()
+        if spec.family == "deepseek_v3":
+            out[m + "mlp.router.expert_bias"] = full[h + "mlp.gate.e_score_correction_bias"].clone()
         e_local = spec.num_experts // ep
         for j in range(e_local):
             e = ep_rank * e_local + j
@@ -70,7 +75,7 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
                 [full[x + "gate_proj.weight"].chunk(tp)[r], full[x + "up_proj.weight"].chunk(tp)[r]])
             out[m + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = full[x + "down_proj.weight"].chunk(tp, 1)[r].clone()
         if spec.shared_expert_intermediate_size:
-            x = h + "mlp.shared_expert."
+            x = h + ("mlp.shared_experts." if spec.family == "deepseek_v3" else "mlp.shared_expert.")
             out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
                 [full[x + "gate_proj.weight"].chunk(tp)[r], full[x + "up_proj.weight"].chunk(tp)[r]])
             out[m + "mlp.shared_experts.linear_fc2.weight"] = full[x + "down_proj.weight"].chunk(tp, 1)[r].clone()
@@ -97,7 +102,9 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
     for i in vllm_stage_layers(spec.num_hidden_layers, pp, pp_rank):
         h = f"model.layers.{i}."
         out[h + "input_layernorm.weight"] = full[h + "input_layernorm.weight"].clone()
-        for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
+        if spec.is_mla:
+            _vllm_mla(out, full, spec, h, tp, r)
+        for kind in ("weight", "bias") if spec.qkv_bias else (() if spec.is_mla else ("weight",)):
             q, k, v = (full[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
             if tp >= nkv:
                 head = r // (tp // nkv)
@@ -110,12 +117,14 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
             out[h + "self_attn.k_norm.weight"] = full[h + "self_attn.k_norm.weight"].clone()
         out[h + "self_attn.o_proj.weight"] = full[h + "self_attn.o_proj.weight"].chunk(tp, 1)[r].clone()
         out[h + "post_attention_layernorm.weight"] = full[h + "post_attention_layernorm.weight"].clone()
-        if not spec.is_moe:
+        if not (spec.is_moe and i >= spec.first_k_dense_replace):
             out[h + "mlp.gate_up_proj.weight"] = torch.cat(
                 [full[h + "mlp.gate_proj.weight"].chunk(tp)[r], full[h + "mlp.up_proj.weight"].chunk(tp)[r]])
             out[h + "mlp.down_proj.weight"] = full[h + "mlp.down_proj.weight"].chunk(tp, 1)[r].clone()
             continue
         out[h + "mlp.gate.weight"] = full[h + "mlp.gate.weight"].clone()
+        if spec.family == "deepseek_v3":
+            out[h + "mlp.gate.e_score_correction_bias"] = full[h + "mlp.gate.e_score_correction_bias"].clone()
         # vLLM determine_expert_map, "linear": the first (E % ep) ranks hold one extra expert.
         sizes = [spec.num_experts // ep + (1 if k < spec.num_experts % ep else 0) for k in range(ep)]
         first = sum(sizes[:ep_rank])
@@ -126,7 +135,7 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
         out[h + "mlp.experts.w2_weight"] = torch.stack(
             [full[h + f"mlp.experts.{e}.down_proj.weight"].chunk(moe_tp, 1)[moe_r] for e in experts])
         if spec.shared_expert_intermediate_size:
-            x = h + "mlp.shared_expert."
+            x = h + ("mlp.shared_experts." if spec.family == "deepseek_v3" else "mlp.shared_expert.")
             out[x + "gate_up_proj.weight"] = torch.cat(
                 [full[x + "gate_proj.weight"].chunk(tp)[r], full[x + "up_proj.weight"].chunk(tp)[r]])
             out[x + "down_proj.weight"] = full[x + "down_proj.weight"].chunk(tp, 1)[r].clone()
@@ -137,6 +146,38 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
         if not tied:
             out["lm_head.weight"] = _pad_chunk(full["lm_head.weight"], padding, tp, r)
     return out
+
+
+def _megatron_mla(out: dict, full: dict, spec, h: str, m: str, tp: int, r: int) -> None:
+    """Megatron's local MLA spec: every projection but linear_proj is column-parallel (rows chunked)."""
+    a, ma = h + "self_attn.", m + "self_attention."
+    if spec.q_lora_rank:
+        out[ma + "linear_q_down_proj.weight"] = full[a + "q_a_proj.weight"].chunk(tp)[r].clone()
+        out[ma + "q_layernorm.weight"] = full[a + "q_a_layernorm.weight"].clone()
+        out[ma + "linear_q_up_proj.weight"] = full[a + "q_b_proj.weight"].chunk(tp)[r].clone()
+    else:
+        out[ma + "linear_q_proj.weight"] = full[a + "q_proj.weight"].chunk(tp)[r].clone()
+    out[ma + "linear_kv_down_proj.weight"] = full[a + "kv_a_proj_with_mqa.weight"].chunk(tp)[r].clone()
+    out[ma + "kv_layernorm.weight"] = full[a + "kv_a_layernorm.weight"].clone()
+    # Heads are contiguous row blocks of kv_b_proj ([k_nope; v] per head), so chunking rows splits heads.
+    heads = full[a + "kv_b_proj.weight"].reshape(spec.num_attention_heads, -1, spec.kv_lora_rank)
+    out[ma + "linear_kv_up_proj.weight"] = heads.chunk(tp)[r].reshape(-1, spec.kv_lora_rank).clone()
+
+
+def _vllm_mla(out: dict, full: dict, spec, h: str, tp: int, r: int) -> None:
+    """vLLM's DeepseekV2MLAAttention: q_a and kv_a fused and replicated; q_b/q_proj and kv_b column-parallel."""
+    a = h + "self_attn."
+    if spec.q_lora_rank:
+        out[a + "fused_qkv_a_proj.weight"] = torch.cat([full[a + "q_a_proj.weight"], full[a + "kv_a_proj_with_mqa.weight"]])
+        out[a + "q_a_layernorm.weight"] = full[a + "q_a_layernorm.weight"].clone()
+        q = full[a + "q_b_proj.weight"]
+        out[a + "q_b_proj.weight"] = q.reshape(spec.num_attention_heads, -1, q.shape[1]).chunk(tp)[r].reshape(
+            -1, q.shape[1]).clone()
+    else:
+        out[a + "kv_a_proj_with_mqa.weight"] = full[a + "kv_a_proj_with_mqa.weight"].clone()
+        out[a + "q_proj.weight"] = full[a + "q_proj.weight"].chunk(tp)[r].clone()
+    out[a + "kv_a_layernorm.weight"] = full[a + "kv_a_layernorm.weight"].clone()
+    out[a + "kv_b_proj.weight"] = full[a + "kv_b_proj.weight"].chunk(tp)[r].clone()
 
 
 def random_full(spec, seed: int = 0, dtype=torch.float32) -> dict:

@@ -63,6 +63,18 @@ def test_distributed_moe(pool, src, dst):
     _check_run(pool, MOE, src, dst, 4, bucket=256)
 
 
+DEEPSEEK = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=6,
+                     intermediate_size=8, num_hidden_layers=2, vocab_size=70, num_experts=4, moe_intermediate_size=4,
+                     shared_expert_intermediate_size=8, first_k_dense_replace=1, q_lora_rank=4, kv_lora_rank=6,
+                     qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+
+
+@pytest.mark.parametrize("src,dst", [(ParallelLayout(tp=2, ep=2), ParallelLayout(tp=4)),  # EP -> TP
+                                     (ParallelLayout(tp=2, pp=2), ParallelLayout(tp=1, ep=4))])  # -> EP
+def test_distributed_deepseek(pool, src, dst):
+    _check_run(pool, DEEPSEEK, src, dst, 4, bucket=256)
+
+
 def test_stream_of_full_hf_tensors(pool):
     spec = ModelSpec(family="qwen3", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
                      intermediate_size=16, num_hidden_layers=3, vocab_size=33, qk_norm=True, tie_word_embeddings=True)

@@ -29,10 +29,21 @@ MOE = ModelSpec(family="qwen2_moe", hidden_size=16, num_attention_heads=4, num_k
                 moe_intermediate_size=6, shared_expert_intermediate_size=10)
 
 
-@pytest.mark.parametrize("spec", [DENSE, QWEN3_TIED, MOE], ids=["qwen2", "qwen3-tied", "qwen2-moe"])
+_MLA = dict(family="deepseek_v3", hidden_size=16, num_attention_heads=4, num_key_value_heads=4, head_dim=6,
+            intermediate_size=24, vocab_size=200, num_experts=4, moe_intermediate_size=6,
+            kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+DEEPSEEK = ModelSpec(**_MLA, num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=8,
+                     shared_expert_intermediate_size=12)
+"""DeepSeek-V3-style: MLA with a query down-projection, one dense layer, then MoE with a shared expert."""
+DEEPSEEK_DENSE_NO_Q_LORA = ModelSpec(**_MLA, num_hidden_layers=2, first_k_dense_replace=2)
+"""MLA without q_lora (queries projected directly) and every layer dense, so TP > 1 can be built."""
+
+
+@pytest.mark.parametrize("spec", [DENSE, QWEN3_TIED, MOE, DEEPSEEK, DEEPSEEK_DENSE_NO_Q_LORA],
+                         ids=["qwen2", "qwen3-tied", "qwen2-moe", "deepseek", "deepseek-dense-no-q-lora"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
 def test_megatron_names_and_shapes(pool, spec, tp, pp):
-    if spec.is_moe and tp > 1:
+    if any(spec.is_moe_layer(i) for i in range(spec.num_hidden_layers)) and tp > 1:
         pytest.skip("megatron-core needs sequence parallel for MoE with TP > 1")
     world = 2  # megatron's parallel_state spans the whole default group (the pool), so always 2 ranks
     layout = megatron_layout(spec, ParallelLayout(tp=tp, pp=pp), world)

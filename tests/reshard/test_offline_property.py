@@ -102,6 +102,56 @@ def test_moe_offline_matches_reference(case):
     _check(spec, src, dst, world, bucket=96)
 
 
+@st.composite
+def deepseek_case(draw):
+    """DeepSeek-V3-style specs (MLA with or without q_lora, dense-first layers, shared experts, router bias)."""
+    tp_t, pp_t, ep_t = (draw(st.sampled_from([1, 2])) for _ in range(3))
+    dp_t = ep_t * draw(st.sampled_from([1, 2]))
+    world = tp_t * pp_t * dp_t
+    layers = pp_t * draw(st.integers(1, 2))
+    tp_i = draw(st.sampled_from([t for t in (1, 2, 4) if world % t == 0]))
+    pp_i = draw(st.sampled_from([p for p in (1, 2) if world % (tp_i * p) == 0 and p <= layers]))
+    ep_i = draw(st.sampled_from([e for e in (1, 2, 4) if (world // pp_i) % e == 0]))  # ep | dp*tp
+    nope, rope = draw(st.sampled_from([2, 4])), 2
+    spec = ModelSpec(
+        family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=nope + rope,
+        intermediate_size=8, num_hidden_layers=layers, vocab_size=draw(st.integers(5, 90)),
+        tie_word_embeddings=draw(st.booleans()), num_experts=4, moe_intermediate_size=4,
+        shared_expert_intermediate_size=draw(st.sampled_from([0, 4, 8])),
+        first_k_dense_replace=draw(st.integers(0, layers)), q_lora_rank=draw(st.sampled_from([0, 4, 8])),
+        kv_lora_rank=draw(st.sampled_from([2, 6])), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=draw(st.sampled_from([2, 4])),
+    )
+    return spec, ParallelLayout(tp=tp_t, pp=pp_t, ep=ep_t), ParallelLayout(tp=tp_i, pp=pp_i, ep=ep_i), world
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(deepseek_case())
+def test_deepseek_offline_matches_reference(case):
+    spec, src, dst, world = case
+    _check(spec, src, dst, world, bucket=80)
+
+
+def test_deepseek_q_a_and_kv_a_are_gathered_into_vllms_fused_replicated_tensor():
+    """Megatron TP2 splits q_a and kv_a by rows; every vLLM rank needs both whole, fused: each rank lacks
+    exactly the other rank's half of both."""
+    spec = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=6,
+                     intermediate_size=8, num_hidden_layers=1, vocab_size=64, num_experts=4, moe_intermediate_size=4,
+                     first_k_dense_replace=1, q_lora_rank=4, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                     v_head_dim=4)
+    _check(spec, ParallelLayout(tp=2), ParallelLayout(tp=2), 2)
+    # Megatron holding the vocab padded as vLLM pads it (64 rows), so the vocab rows line up too.
+    conv = MegatronConvention(padded_vocab_size=64)
+    src = megatron_layout(spec, ParallelLayout(tp=2), 2, convention=conv)
+    dst = vllm_layout(spec, ParallelLayout(tp=2), 2)
+    plan = build_plan(src, dst, itemsize=2)
+    fused = dst.tensors(0)["model.layers.0.self_attn.fused_qkv_a_proj.weight"]
+    assert fused.shape == (4 + 6 + 2, 8)
+    # Everything else lines up rank for rank (both sides chunk the same rows by rank): each rank receives
+    # the other's half of q_a (4 rows) and of kv_a (6 + 2 rows), H=8 columns, 2 bytes each.
+    assert all(plan.min_recv_nbytes(r) == (4 + 8) // 2 * 8 * 2 for r in range(2))
+
+
 @pytest.mark.parametrize(
     "src,dst,world",
     [

@@ -140,3 +140,16 @@ def test_mismatched_plans_rejected():
         build_plan(megatron_layout(SPEC, ParallelLayout(), 1), vllm_layout(other, ParallelLayout(), 1))
     with pytest.raises(ValueError, match="source world_size=2 != destination world_size=1"):
         build_plan(megatron_layout(SPEC, ParallelLayout(), 2), vllm_layout(SPEC, ParallelLayout(), 1))
+
+
+def test_invalid_mla_layouts_name_the_numbers():
+    from hybridmem.reshard import MegatronConvention
+
+    spec = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=6,
+                     intermediate_size=8, num_hidden_layers=2, vocab_size=64, num_experts=4, moe_intermediate_size=4,
+                     q_lora_rank=6, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+    with pytest.raises(ValueError, match=r"tp=4 must divide q_lora_rank=6 and kv_lora_rank \+ qk_rope_head_dim=8"):
+        megatron_layout(spec, ParallelLayout(tp=4), 4)
+    with pytest.raises(ValueError, match="norm_style='te' is not supported for MLA"):
+        megatron_layout(spec, ParallelLayout(tp=2), 2, convention=MegatronConvention(norm_style="te"))
+    megatron_layout(spec, ParallelLayout(tp=2), 2)  # 6 and 8 split in two
