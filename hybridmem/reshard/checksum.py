@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.errors import WeightSyncError
-from hybridmem.reshard.plan import ReshardPlan, Transfer, piece_index
+from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype, piece_index
 from hybridmem.reshard.transforms import Box
 
 __all__ = ["box_checksum", "CellChecksums", "verify_offline"]
@@ -81,7 +81,9 @@ class CellChecksums:
         for i in self._src:
             t = cells[i]
             piece = src[t.src_name][piece_index(t.src_piece, t.box)]
-            self._figures[0, i] = torch.tensor(box_checksum(piece if dtype is None else piece.to(dtype), t.box))
+            if dtype is not None:
+                piece = piece.to(cell_dtype(self.plan, t.hf_name, dtype))
+            self._figures[0, i] = torch.tensor(box_checksum(piece, t.box))
 
     def add_destination(self, name: str, tensor: torch.Tensor) -> None:
         """Figures of the cells of destination tensor ``name`` (as the engine holds it now)."""

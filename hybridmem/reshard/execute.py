@@ -15,6 +15,9 @@ use the same one: sources of another dtype (Megatron keeps some norms in fp32 be
 are cast to it when packed, and received slices are cast to each destination tensor's dtype when
 unpacked. ``ReshardSync`` passes its ``dtype`` on every rank; ``default_weight_sync`` picks the dtype
 holding most of the training weights' bytes, which is the same on every rank of a real model.
+The one exception is a tensor the spec keeps in fp32 (``ModelSpec.keeps_fp32``: DeepSeek-V3's router
+bias): on a narrower wire its slices travel in fp32, in a second buffer per peer, and local copies of
+it are not cast; every rank knows which cells those are from the plan (``plan.cell_dtype``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
 from hybridmem.reshard.layouts import Side
-from hybridmem.reshard.plan import ReshardPlan, Transfer, piece_index
+from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype, piece_index
 from hybridmem.sync import SyncStats
 
 __all__ = ["run_plan", "iter_full_tensors"]
@@ -75,43 +78,67 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
 
 
 def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: Mapping[str, torch.Tensor],
-              group: Any, dtype: torch.dtype, device: torch.device) -> tuple[dict[int, list[Transfer]], dict[int, torch.Tensor], int, int]:
-    """Post and wait for one bucket's sends and receives; returns what arrived, per peer."""
-    sends: dict[int, list[Transfer]] = defaultdict(list)
-    recvs: dict[int, list[Transfer]] = defaultdict(list)
+              group: Any, dtype: torch.dtype,
+              device: torch.device) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
+                                             dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
+    """Post and wait for one bucket's sends and receives; returns what arrived, per (peer, dtype).
+
+    Each peer gets one buffer per dtype on the wire (see [Note: wire dtype]), posted in the same order
+    on both sides.
+    """
+    sends: dict[tuple[int, torch.dtype], list[Transfer]] = defaultdict(list)
+    recvs: dict[tuple[int, torch.dtype], list[Transfer]] = defaultdict(list)
     for t in bucket:
+        wire = cell_dtype(plan, t.hf_name, dtype)
         if t.src_rank == rank:
-            sends[t.dst_rank].append(t)
+            sends[t.dst_rank, wire].append(t)
         if t.dst_rank == rank:
-            recvs[t.src_rank].append(t)
+            recvs[t.src_rank, wire].append(t)
     ops = []
     send_bufs = {}
-    for peer, ts in sends.items():
-        buf = torch.cat([src[t.src_name][piece_index(t.src_piece, t.box)].reshape(-1).to(dtype) for t in ts])
-        send_bufs[peer] = buf
+    for key in sorted(sends, key=_order):
+        peer, wire = key
+        buf = torch.cat([src[t.src_name][piece_index(t.src_piece, t.box)].reshape(-1).to(wire) for t in sends[key]])
+        send_bufs[key] = buf
         ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
     recv_bufs = {}
-    for peer, ts in recvs.items():
-        buf = torch.empty(sum(t.numel for t in ts), dtype=dtype, device=device)
-        recv_bufs[peer] = buf
+    for key in sorted(recvs, key=_order):
+        peer, wire = key
+        buf = torch.empty(sum(t.numel for t in recvs[key]), dtype=wire, device=device)
+        recv_bufs[key] = buf
         ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    itemsize = plan.itemsize
-    sent = sum(b.numel() for b in send_bufs.values()) * itemsize
-    received = sum(b.numel() for b in recv_bufs.values()) * itemsize
+    sent = sum(b.numel() * b.element_size() for b in send_bufs.values())
+    received = sum(b.numel() * b.element_size() for b in recv_bufs.values())
     return recvs, recv_bufs, sent, received
 
 
-def _unpack(recvs: dict[int, list[Transfer]], bufs: dict[int, torch.Tensor],
+def _order(key: tuple[int, torch.dtype]) -> tuple[int, int]:
+    """Peer, then the wire dtype before fp32 kept tensors: the same order on sender and receiver."""
+    return key[0], key[1] == torch.float32
+
+
+def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]], bufs: dict[tuple[int, torch.dtype], torch.Tensor],
             dst: MutableMapping[str, torch.Tensor]) -> None:
-    for peer, ts in recvs.items():
+    for key, ts in recvs.items():
         offset = 0
         for t in ts:
             n = t.numel
-            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(bufs[peer][offset:offset + n].view(_box_shape(t)))
+            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(bufs[key][offset:offset + n].view(_box_shape(t)))
             offset += n
+
+
+def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor], dst: MutableMapping[str, torch.Tensor],
+                dtype: torch.dtype) -> set[str]:
+    """This rank's local cells, cast as they would be on the wire; returns the destination names."""
+    names = set()
+    for t in plan.local[rank]:
+        piece = src[t.src_name][piece_index(t.src_piece, t.box)].to(cell_dtype(plan, t.hf_name, dtype))
+        dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(piece)
+        names.add(t.dst_name)
+    return names
 
 
 def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
@@ -142,7 +169,8 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
     if dst is None:
-        dst = {name: torch.zeros(local.shape, dtype=dtype, device=device) for name, local in expected.items()}
+        dst = {name: torch.zeros(local.shape, dtype=_dst_dtype(plan, local, dtype), device=device)
+               for name, local in expected.items()}
     else:
         for name, local in expected.items():
             if name not in dst:
@@ -156,8 +184,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     sent = received = peak = 0
     _warm_group(plan, group, device)
     with torch.no_grad(), accel.on_side_stream(side):
-        for t in plan.local[rank]:
-            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)].to(dtype))
+        _copy_local(plan, rank, src, dst, dtype)
         for bucket in plan.buckets:
             recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)
             _unpack(recvs, bufs, dst)
@@ -175,15 +202,21 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     )
 
 
+def _dst_dtype(plan: ReshardPlan, local: Any, dtype: torch.dtype) -> torch.dtype:
+    """dtype of an allocated destination tensor: its cells' wire dtype (see [Note: wire dtype])."""
+    return cell_dtype(plan, local.pieces[0].hf_name, dtype) if local.pieces else dtype
+
+
 class _AllocateOnFirstUse(dict):
     """Destination tensors allocated when first indexed (so a stream holds only tensors in flight)."""
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device):
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype],
+                 device: torch.device):
         super().__init__()
-        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.shapes, self.dtypes, self.device = shapes, dtypes, device
 
     def __missing__(self, name: str) -> torch.Tensor:
-        tensor = torch.empty(self.shapes[name], dtype=self.dtype, device=self.device)
+        tensor = torch.empty(self.shapes[name], dtype=self.dtypes[name], device=self.device)
         self[name] = tensor
         return tensor
 
@@ -208,7 +241,8 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
     remaining = {name: local.numel for name, local in expected.items()}
-    dst = _AllocateOnFirstUse({n: t.shape for n, t in expected.items()}, dtype, device)
+    dst = _AllocateOnFirstUse({n: t.shape for n, t in expected.items()},
+                              {n: _dst_dtype(plan, t, dtype) for n, t in expected.items()}, device)
     order = {name: i for i, name in enumerate(expected)}
     sent = received = peak = 0
 
@@ -219,11 +253,9 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
 
     _warm_group(plan, group, device)
     with torch.no_grad():
-        touched: set[str] = set()
+        touched = _copy_local(plan, rank, src, dst, dtype)
         for t in plan.local[rank]:
-            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(src[t.src_name][piece_index(t.src_piece, t.box)].to(dtype))
             remaining[t.dst_name] -= t.numel
-            touched.add(t.dst_name)
         yield from done(touched)
         for bucket in plan.buckets:
             recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)

@@ -20,10 +20,12 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
+
 from hybridmem.reshard.layouts import ShardLayout
 from hybridmem.reshard.transforms import Box, Piece
 
-__all__ = ["Transfer", "ReshardPlan", "build_plan", "piece_index", "DEFAULT_BUCKET_NBYTES"]
+__all__ = ["Transfer", "ReshardPlan", "build_plan", "cell_dtype", "piece_index", "DEFAULT_BUCKET_NBYTES"]
 
 DEFAULT_BUCKET_NBYTES = 512 * 2**20
 
@@ -48,6 +50,14 @@ class Transfer:
         for a, b in self.box:
             n *= b - a
         return n
+
+
+def cell_dtype(plan: ReshardPlan, hf_name: str, wire_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a slice of ``hf_name`` travels in: the wire dtype, or fp32 for a tensor the spec keeps
+    in fp32 when the wire is narrower (see [Note: wire dtype] in :mod:`hybridmem.reshard.execute`)."""
+    if wire_dtype.itemsize < 4 and plan.src.spec.keeps_fp32(hf_name):
+        return torch.float32
+    return wire_dtype
 
 
 def piece_index(piece: Piece, box: Box) -> tuple:
@@ -92,7 +102,7 @@ class ReshardPlan:
         for bucket in buckets:
             per = [0] * world
             for t in bucket:
-                n = t.numel * itemsize
+                n = t.numel * self.cell_itemsize(t.hf_name)
                 self._recv[t.dst_rank] += n
                 self._send[t.src_rank] += n
                 per[t.dst_rank] += n
@@ -103,6 +113,11 @@ class ReshardPlan:
     @property
     def world_size(self) -> int:
         return self.src.world_size
+
+    def cell_itemsize(self, hf_name: str) -> int:
+        """Bytes per element of ``hf_name`` on the wire: ``itemsize``, or 4 for a tensor the spec keeps in
+        fp32 when ``itemsize`` is smaller (see :func:`cell_dtype`)."""
+        return max(self.itemsize, 4) if self.src.spec.keeps_fp32(hf_name) else self.itemsize
 
     def _min_recv(self, rank: int) -> int:
         # Elements the destination needs minus those it already holds in the source layout; computed
@@ -116,8 +131,8 @@ class ReshardPlan:
             for p in local.pieces:
                 held = sum(_numel(i) for b in held_by_name.get(p.hf_name, ())
                            if (i := _intersect(p.src, b)) is not None)
-                need += p.numel - held
-        return need * self.itemsize
+                need += (p.numel - held) * self.cell_itemsize(p.hf_name)
+        return need
 
     def min_recv_nbytes(self, rank: int) -> int:
         """The fewest bytes ``rank`` must receive: what its destination tensors need minus what it holds."""
@@ -137,7 +152,8 @@ class ReshardPlan:
 
     def dst_nbytes(self, rank: int) -> int:
         """Bytes of ``rank``'s destination tensors (padding included)."""
-        return sum(t.numel for t in self.dst.tensors(rank).values()) * self.itemsize
+        return sum(t.numel * (self.cell_itemsize(t.pieces[0].hf_name) if t.pieces else self.itemsize)
+                   for t in self.dst.tensors(rank).values())
 
     def __repr__(self) -> str:
         return (f"ReshardPlan({self.src.side.value} {self.src.parallel} -> {self.dst.side.value} "
@@ -145,11 +161,13 @@ class ReshardPlan:
                 f"recv={self._recv}, min={self._min})")
 
 
-def _split_rows(t: Transfer, max_numel: int) -> list[Transfer]:
-    if t.numel <= max_numel:
+def _split_rows(t: Transfer, max_numel: int, scale: int) -> list[Transfer]:
+    """Cut ``t`` along its first axis longer than 1 into transfers of at most ``max_numel`` wire elements
+    (``scale`` wire elements per element of ``t``), rows kept whole."""
+    if t.numel * scale <= max_numel:
         return [t]
     axis = next(i for i, (a, b) in enumerate(t.box) if b - a > 1)
-    row = t.numel // (t.box[axis][1] - t.box[axis][0])
+    row = t.numel // (t.box[axis][1] - t.box[axis][0]) * scale
     step = max(1, max_numel // row)
     out = []
     lo, hi = t.box[axis]
@@ -161,12 +179,12 @@ def _split_rows(t: Transfer, max_numel: int) -> list[Transfer]:
     return out
 
 
-def _pack(transfers: list[Transfer], world: int, max_numel: int) -> tuple[tuple[Transfer, ...], ...]:
+def _pack(transfers: list[tuple[Transfer, int]], world: int, max_numel: int) -> tuple[tuple[Transfer, ...], ...]:
+    """First-fit ``(transfer, wire elements)`` into buckets of at most ``max_numel`` wire elements per rank."""
     buckets: list[list[Transfer]] = []
-    load: list[list[int]] = []  # load[b][rank]: elements rank sends + receives in bucket b
+    load: list[list[int]] = []  # load[b][rank]: wire elements rank sends + receives in bucket b
     first_open = [0] * world  # buckets before this are full enough for rank to skip (speed only)
-    for t in transfers:
-        n = t.numel
+    for t, n in transfers:
         b = max(first_open[t.src_rank], first_open[t.dst_rank])
         while b < len(buckets) and (load[b][t.src_rank] + n > max_numel or load[b][t.dst_rank] + n > max_numel):
             b += 1
@@ -231,6 +249,10 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
                     sent[s] += _numel(cell)
                     remote.append(Transfer(s, d, dp.hf_name, cell, sname, sp, dname, dp))
     max_numel = max(1, bucket_nbytes // itemsize)
-    pieces = [piece for t in remote for piece in _split_rows(t, max_numel)]
+
+    def scale(t: Transfer) -> int:  # wire elements per element (2 for an fp32 tensor on a 2-byte wire)
+        return max(itemsize, 4) // itemsize if src.spec.keeps_fp32(t.hf_name) else 1
+
+    pieces = [(piece, piece.numel * scale(t)) for t in remote for piece in _split_rows(t, max_numel, scale(t))]
     return ReshardPlan(src, dst, itemsize, bucket_nbytes, tuple(tuple(x) for x in local),
                        _pack(pieces, world, max_numel))

@@ -128,6 +128,12 @@ class ModelSpec:
         """DeepSeek-V3's router carries ``e_score_correction_bias`` [num_experts] (``noaux_tc`` routing)."""
         return self.family == "deepseek_v3"
 
+    def keeps_fp32(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` travels in fp32 even on a narrower wire (see [Note: wire dtype] in
+        :mod:`hybridmem.reshard.execute`): DeepSeek-V3's routing-score correction bias, whose bf16
+        rounding would change which experts a token is routed to."""
+        return self.has_router_bias and hf_name.endswith(".mlp.gate.e_score_correction_bias")
+
     @property
     def shared_expert_name(self) -> str:
         """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek) or ``shared_expert`` (Qwen)."""

@@ -99,3 +99,24 @@ def sync_task(ctx, spec, src, dst, *, in_place, corrupt_rank=None):
             execute._unpack = original
     got = engine.tensors if in_place else engine.loaded
     return got, stats, error, sync.temp_nbytes()
+
+
+def bf16_wire_with_fp32_bias_task(ctx, spec, src, dst, bucket):
+    """bf16 weights and fp32 router biases (as Megatron holds them) over a bf16 wire, in place and as an
+    HF stream. The biases hold values bf16 cannot represent; returns what arrived and the figures."""
+    full = random_full(spec)
+    for name in full:
+        if spec.keeps_fp32(name):
+            full[name] = full[name] / 3.0 + 1e-3  # not representable in bf16
+        else:
+            full[name] = full[name].to(torch.bfloat16)
+    train = megatron_shard(full, spec, tp=src.tp, pp=src.pp, ep=src.ep, world=ctx.world_size, rank=ctx.rank)
+    layout = vllm_layout(spec, dst, ctx.world_size)
+    plan = build_plan(megatron_layout(spec, src, ctx.world_size), layout, itemsize=2, bucket_nbytes=bucket)
+    engine = {n: torch.zeros(t.shape, dtype=torch.float32 if spec.keeps_fp32(t.pieces[0].hf_name) else torch.bfloat16)
+              for n, t in layout.tensors(ctx.rank).items()}
+    out, stats = run_plan(plan, rank=ctx.rank, src=train, group=ctx.group, dst=engine, dtype=torch.bfloat16)
+    hf = build_plan(megatron_layout(spec, src, ctx.world_size), hf_layout(spec, dst, ctx.world_size), itemsize=2,
+                    bucket_nbytes=bucket)
+    streamed = dict(iter_full_tensors(hf, rank=ctx.rank, src=train, group=ctx.group, dtype=torch.bfloat16))
+    return full, out, stats, plan.min_recv_nbytes(ctx.rank), streamed

@@ -75,6 +75,23 @@ def test_distributed_deepseek(pool, src, dst):
     _check_run(pool, DEEPSEEK, src, dst, 4, bucket=256)
 
 
+def test_router_bias_travels_in_fp32_on_a_bf16_wire(pool):
+    """DeepSeek's routing-score correction bias must not be rounded to bf16: PP2 -> PP1 moves stage 1's
+    layers (bias included) over the wire, in place and as an HF stream."""
+    src, dst = ParallelLayout(tp=1, pp=2), ParallelLayout(tp=2)
+    results = pool.run(_tasks.bf16_wire_with_fp32_bias_task, DEEPSEEK, src, dst, 256, world_size=2)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    for rank, (full, out, stats, min_nbytes, streamed) in enumerate(results):
+        ref = vllm_shard(full, DEEPSEEK, tp=dst.tp, pp=dst.pp, ep=dst.ep, world=2, rank=rank)
+        for name, t in ref.items():
+            assert out[name].dtype == t.dtype and torch.equal(out[name], t), (rank, name)
+        assert out[bias].dtype == torch.float32 and not torch.equal(out[bias], out[bias].bfloat16().float())
+        assert stats.received_nbytes == min_nbytes  # the bias counted at 4 bytes per element
+        assert streamed[bias].dtype == torch.float32 and torch.equal(streamed[bias], full[bias])
+    # Rank 0 held only stage 0 (layer 0): it received layer 1, its 4-element fp32 bias among it.
+    assert results[0][2].received_nbytes > 0
+
+
 def test_stream_of_full_hf_tensors(pool):
     spec = ModelSpec(family="qwen3", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
                      intermediate_size=16, num_hidden_layers=3, vocab_size=33, qk_norm=True, tie_word_embeddings=True)
