@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -523,3 +524,55 @@ def test_generate_while_released_raises():
     _, engine, _ = build()
     with pytest.raises(PhaseError, match="not resident"):
         engine.generate([[1]])
+
+
+# Post-load processing (MLA) -------------------------------------------------------------------------
+@pytest.fixture
+def reprocess_calls(fake_vllm, monkeypatch):
+    """vLLM's process_weights_after_loading replaced by a recorder; returns the calls."""
+    calls = []
+    utils = types.ModuleType("vllm.model_executor.model_loader.utils")
+    utils.process_weights_after_loading = lambda model, model_config, device: calls.append((model, model_config, device))
+    for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.utils", utils)
+    return calls
+
+
+def _mla_engine(use_mla: bool, **kwargs):
+    accel = FakeDeviceAccelerator()
+    llm = FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES)
+    model_config = llm.llm_engine.vllm_config.model_config
+    model_config.use_mla = use_mla
+    llm.worker.model_runner = types.SimpleNamespace(model=llm.worker.model, model_config=model_config)
+    llm.worker.device = torch.device("cpu")
+    return llm, VLLMEngine(llm, accel=accel, **kwargs)
+
+
+def test_mla_models_reprocess_weights_once_per_update(reprocess_calls):
+    llm, engine = _mla_engine(use_mla=True)
+    assert engine.reprocess_after_update
+    model = TinyNet()
+    engine.resume(["weights"])
+    engine.load_weights(model.named_parameters())
+    assert len(reprocess_calls) == 1 and reprocess_calls[0][0] is llm.worker.model
+    assert reprocess_calls[0][1] is llm.llm_engine.vllm_config.model_config
+    engine.resume(["kv_cache"])
+    engine.generate([[5, 6]], SamplingParams(max_tokens=2))
+    assert len(reprocess_calls) == 1  # nothing changed since the load
+    for _, p in engine.named_parameters():  # an in-place update ...
+        p.data.add_(0.0)
+    engine.generate([[5, 6]], SamplingParams(max_tokens=2))
+    engine.generate([[5, 6]], SamplingParams(max_tokens=2))
+    assert len(reprocess_calls) == 2  # ... is processed once, before the next generation
+
+
+def test_other_models_do_not_reprocess_unless_asked(reprocess_calls):
+    _, engine = _mla_engine(use_mla=False)
+    engine.resume(["weights"])
+    engine.load_weights(TinyNet().named_parameters())
+    assert not engine.reprocess_after_update and reprocess_calls == []
+    _, forced = _mla_engine(use_mla=False, reprocess_after_update=True)
+    forced.resume(["weights"])
+    forced.load_weights(TinyNet().named_parameters())
+    assert len(reprocess_calls) == 1

@@ -121,6 +121,22 @@ def _load_bucket(model: torch.nn.Module, *, bucket: list[tuple[str, torch.Tensor
     return model.load_weights(bucket)
 
 
+def _reprocess_weights(worker: Any) -> None:
+    """Run in each vLLM worker through ``LLM.collective_rpc`` (module-level so that it pickles): vLLM's
+    post-load processing again, so that what it derives from the weights at load time follows an
+    update (MLA backends build ``W_UK_T``/``W_UV`` from ``kv_b_proj`` there).
+
+    Written against vLLM's ``process_weights_after_loading(model, model_config, target_device)`` as
+    read from its source (``vllm/model_executor/model_loader/utils.py``); not run in this project.
+    """
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: PLC0415
+
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model = getattr(model, "runnable", model)  # a CUDA-graph wrapper keeps the module as .runnable
+    process_weights_after_loading(model, runner.model_config, worker.device)
+
+
 def _add_note(exc: BaseException, note: str) -> None:
     add = getattr(exc, "add_note", None)  # Python >= 3.11
     if add is not None:
@@ -156,6 +172,12 @@ class VLLMEngine:
             :meth:`resident_nbytes` until a wake-up has measured them.
         release_now: Release both tags on construction, as :class:`~hybridmem.ShardingManager` expects
             (it is built in TRAIN with the engine's memory released).
+        reprocess_after_update: Run vLLM's post-load weight processing in every worker after each weight
+            update (after :meth:`load_weights`; before the next :meth:`generate` after writes through
+            :meth:`named_parameters`). Needed where vLLM derives tensors from the weights at load time,
+            as its MLA backends (DeepSeek) do from ``kv_b_proj``; ``None``: on when the model config's
+            ``use_mla`` is true. Do not turn it on for quantized models whose processing is not
+            idempotent.
 
     Call order: ``resume(["weights"])``, ``load_weights(...)`` (or write into :meth:`named_parameters`),
     ``resume(["kv_cache"])``, ``generate(...)``, then ``release(["kv_cache"])``, ``release(["weights"])``;
@@ -175,6 +197,7 @@ class VLLMEngine:
         in_process: bool | None = None,
         nbytes_hint: Mapping[str, int] | None = None,
         release_now: bool = True,
+        reprocess_after_update: bool | None = None,
     ):
         if bucket_nbytes < 1:
             raise ValueError(f"bucket_nbytes={bucket_nbytes} must be positive")
@@ -189,6 +212,10 @@ class VLLMEngine:
         self.kv_only_release = KVOnlyRelease(kv_only_release)
         self.backend = _attr_path(llm, "llm_engine.vllm_config.parallel_config.distributed_executor_backend")
         self.in_process = (self.backend in IN_PROCESS_BACKENDS) if in_process is None else bool(in_process)
+        if reprocess_after_update is None:
+            reprocess_after_update = _attr_path(llm, "llm_engine.vllm_config.model_config.use_mla") is True
+        self.reprocess_after_update = bool(reprocess_after_update)
+        self._reprocess_pending = False
         hint = dict(nbytes_hint or {})
         check_tags(list(hint))
         self._nbytes: dict[str, int] = {t: int(hint.get(t, 0)) for t in ENGINE_TAGS}
@@ -365,6 +392,8 @@ class VLLMEngine:
                 count += len(bucket)
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 num_buckets += 1
+        self._reprocess_pending = True
+        self._reprocess()
         self.llm.reset_prefix_cache()
         self._prefix_stale = False
         self._weights_valid = True
@@ -398,6 +427,7 @@ class VLLMEngine:
             raise RuntimeError(f"expected one in-process vLLM worker per rank, got {len(models)}")
         self._weights_valid = True
         self._prefix_stale = True
+        self._reprocess_pending = True
         return iter(models[0].named_parameters())
 
     def resident_nbytes(self, tag: str) -> int:
@@ -439,6 +469,7 @@ class VLLMEngine:
         params = GREEDY if params is None else params
         vllm_params = import_vllm("vllm").SamplingParams
         sampling_params = [vllm_params(**to_vllm_sampling_kwargs(params, i)) for i in range(len(prompt_ids))]
+        self._reprocess()
         if self._prefix_stale:
             self.llm.reset_prefix_cache()
             self._prefix_stale = False
@@ -450,6 +481,12 @@ class VLLMEngine:
         return [from_request_output(p, o, want_logprobs=want) for p, o in zip(prompt_ids, outputs)]
 
     # Internals ------------------------------------------------------------------------------------
+    def _reprocess(self) -> None:
+        """vLLM's post-load processing in every worker once per weight update, when enabled."""
+        if self.reprocess_after_update and self._reprocess_pending:
+            self.llm.collective_rpc(_reprocess_weights)
+        self._reprocess_pending = False
+
     def _free_nbytes(self) -> int:
         return self.accel.memory_figures().free_nbytes
 
