@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmem.reshard.layouts import ShardLayout
+from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import Box, Piece
 
 __all__ = ["Transfer", "ReshardPlan", "build_plan", "cell_dtype", "piece_index", "DEFAULT_BUCKET_NBYTES"]
@@ -52,12 +53,17 @@ class Transfer:
         return n
 
 
+def _cell_itemsize(spec: ModelSpec, hf_name: str, itemsize: int) -> int:
+    """Bytes per element of ``hf_name`` on a wire of ``itemsize`` bytes: 4 (fp32) for a tensor the spec
+    keeps in fp32 when the wire is narrower, else ``itemsize`` (see [Note: wire dtype] in
+    :mod:`hybridmem.reshard.execute`)."""
+    return max(itemsize, 4) if spec.keeps_fp32(hf_name) else itemsize
+
+
 def cell_dtype(plan: ReshardPlan, hf_name: str, wire_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a slice of ``hf_name`` travels in: the wire dtype, or fp32 for a tensor the spec keeps
-    in fp32 when the wire is narrower (see [Note: wire dtype] in :mod:`hybridmem.reshard.execute`)."""
-    if wire_dtype.itemsize < 4 and plan.src.spec.keeps_fp32(hf_name):
-        return torch.float32
-    return wire_dtype
+    """The dtype a slice of ``hf_name`` travels in: ``wire_dtype`` (the plan's element size), or fp32
+    where :meth:`ReshardPlan.cell_itemsize` widens it."""
+    return torch.float32 if plan.cell_itemsize(hf_name) > wire_dtype.itemsize else wire_dtype
 
 
 def piece_index(piece: Piece, box: Box) -> tuple:
@@ -117,7 +123,7 @@ class ReshardPlan:
     def cell_itemsize(self, hf_name: str) -> int:
         """Bytes per element of ``hf_name`` on the wire: ``itemsize``, or 4 for a tensor the spec keeps in
         fp32 when ``itemsize`` is smaller (see :func:`cell_dtype`)."""
-        return max(self.itemsize, 4) if self.src.spec.keeps_fp32(hf_name) else self.itemsize
+        return _cell_itemsize(self.src.spec, hf_name, self.itemsize)
 
     def _min_recv(self, rank: int) -> int:
         # Elements the destination needs minus those it already holds in the source layout; computed
@@ -251,7 +257,7 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
     max_numel = max(1, bucket_nbytes // itemsize)
 
     def scale(t: Transfer) -> int:  # wire elements per element (2 for an fp32 tensor on a 2-byte wire)
-        return max(itemsize, 4) // itemsize if src.spec.keeps_fp32(t.hf_name) else 1
+        return _cell_itemsize(src.spec, t.hf_name, itemsize) // itemsize
 
     pieces = [(piece, piece.numel * scale(t)) for t in remote for piece in _split_rows(t, max_numel, scale(t))]
     return ReshardPlan(src, dst, itemsize, bucket_nbytes, tuple(tuple(x) for x in local),
