@@ -31,6 +31,7 @@ __all__ = [
     "destroy_megatron_parallel",
     "build_gpt_model",
     "build_megatron_gpt",
+    "gpt_from_model_spec",
     "make_batch",
     "train_step",
 ]
@@ -306,3 +307,84 @@ def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, to
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         torch.distributed.broadcast(value, src=last, group=group)
     return float(value[0])
+
+
+def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype: torch.dtype = torch.float32,
+                        pg_collection: Any = None) -> Any:
+    """This rank's stage of a ``GPTModel`` (local spec) shaped as a resharding :class:`~hybridmem.reshard.ModelSpec`
+    says: any of its families, MoE on the layers ``spec.is_moe_layer`` names, DeepSeek's MLA.
+
+    For building and holding weights only, never a forward: megatron-core 0.16.1's local MLA spec passes
+    ``k_channels`` to ``DotProductAttention``, which does not take it (MLA runs there only with Transformer
+    Engine), so MLA layers get a parameter-free stand-in core attention; names and shapes are unchanged.
+    Weights are initialised (see [Note: Megatron refit needs initialised embeddings] in
+    :mod:`hybridmem.testing.megatron_refit`).
+
+    Args:
+        spec: The model.
+        tp, pp: Its tensor and pipeline parallel sizes.
+        padded_vocab: The vocab rows over all TP ranks (a GPTModel takes the padded size).
+        dtype: Parameter dtype.
+        pg_collection: The model's process groups (``None``: Megatron's ``parallel_state``); its ``pp``
+            group decides this rank's stage.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    num_moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_hidden_layers))
+    extra: dict[str, Any] = {}
+    if num_moe_layers:
+        extra.update(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_intermediate_size,
+                     moe_router_topk=2)
+        if spec.shared_expert_intermediate_size:
+            extra.update(moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                         moe_shared_expert_gate=spec.has_shared_expert_gate)
+        if spec.has_router_bias:
+            extra.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+        if num_moe_layers < spec.num_hidden_layers:
+            extra["moe_layer_freq"] = [int(spec.is_moe_layer(i)) for i in range(spec.num_hidden_layers)]
+    if spec.is_mla:
+        extra.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank or None,
+                     kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope_head_dim,
+                     qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_type="rope")
+    qk_layernorm = spec.qk_norm or spec.is_mla
+    cfg = (MLATransformerConfig if spec.is_mla else TransformerConfig)(
+        num_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim, ffn_hidden_size=spec.intermediate_size or spec.moe_intermediate_size,
+        gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=spec.qkv_bias, normalization="RMSNorm",
+        qk_layernorm=qk_layernorm, use_cpu_initialization=True, perform_initialization=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **extra)
+    if 0 < num_moe_layers < spec.num_hidden_layers:
+        # Dense and MoE layers mixed: Megatron's block spec picks each layer's MLP from moe_layer_freq.
+        layer_spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts if num_moe_layers else None,
+                                              moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+                                              normalization="RMSNorm", multi_latent_attention=spec.is_mla)
+    if spec.is_mla:
+        for one in getattr(layer_spec, "layer_specs", None) or [layer_spec]:
+            one.submodules.self_attention.submodules.core_attention = _NoParameterAttention
+    if pg_collection is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    else:
+        pp_rank = dist.get_group_rank(pg_collection.pp, dist.get_rank())
+    return GPTModel(cfg, layer_spec, vocab_size=padded_vocab, max_sequence_length=32, pre_process=pp_rank == 0,
+                    post_process=pp_rank == pp - 1, share_embeddings_and_output_weights=spec.tie_word_embeddings,
+                    position_embedding_type="rope", pg_collection=pg_collection)
+
+
+class _NoParameterAttention(torch.nn.Module):
+    """Stand-in core attention for building MLA layers on megatron-core 0.16.1 without Transformer Engine
+    (see :func:`gpt_from_model_spec`); it holds no parameters and must never run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a GPTModel from gpt_from_model_spec with MLA cannot run forward (no core attention)")

@@ -13,7 +13,8 @@ that both give the target layout's reference slices.
 ``VocabParallelEmbedding`` marks its weight ``tensor_model_parallel`` only inside its initialiser, so a
 model built with ``perform_initialization=False`` has an embedding that Megatron's refit planner takes for
 a replicated tensor; the refit then fails copying e.g. 256 rows into 512 (TP4 -> TP2). The models here
-are therefore built with ``perform_initialization=True`` and overwritten afterwards.
+are therefore built with ``perform_initialization=True`` (:func:`~hybridmem.testing.megatron_models.gpt_from_model_spec`)
+and overwritten afterwards.
 """
 
 from __future__ import annotations
@@ -95,29 +96,6 @@ def process_group_collection(tp: int, pp: int) -> Any:
         tp_ep=tp_g, tp_ep_pp=mp_g, dp_cp=dp_g, tp_dp_cp=stage_g, embd=embd, pos_embd=pos_embd)
 
 
-def _gpt(spec: ModelSpec, layout: ParallelLayout, pgs: Any, padded_vocab: int, dtype: torch.dtype) -> Any:
-    import torch.distributed as dist
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    cfg = TransformerConfig(
-        num_layers=spec.num_hidden_layers, hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
-        kv_channels=spec.head_dim, ffn_hidden_size=spec.intermediate_size, gated_linear_unit=True,
-        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, normalization="RMSNorm", qk_layernorm=spec.qk_norm,
-        # perform_initialization: see [Note: Megatron refit needs initialised embeddings].
-        use_cpu_initialization=True, perform_initialization=True,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
-    pp_rank = dist.get_group_rank(pgs.pp, dist.get_rank())
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
-                    vocab_size=padded_vocab, max_sequence_length=32, pre_process=pp_rank == 0,
-                    post_process=pp_rank == layout.pp - 1,
-                    share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
-                    pg_collection=pgs)
-
-
 def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout, *,
                    dtype: torch.dtype = torch.float32, repeats: int = 2) -> dict[str, Any]:
     """Worker task: Megatron's ``swap_model_weights`` (gloo) and hybridmem's plan, Megatron src -> Megatron dst.
@@ -138,6 +116,7 @@ def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: Parallel
 
     from hybridmem.reshard.execute import run_plan
     from hybridmem.testing.megatron_cpu import megatron_on_cpu
+    from hybridmem.testing.megatron_models import gpt_from_model_spec
 
     if spec.is_moe:
         raise ValueError(f"compare_refits takes dense specs; got num_experts={spec.num_experts}")
@@ -149,7 +128,8 @@ def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: Parallel
         parallel_state.initialize_model_parallel(src.tp, src.pp)
         try:
             model_parallel_cuda_manual_seed(1234)
-            models = [_gpt(spec, layout, process_group_collection(layout.tp, layout.pp), padded, dtype)
+            models = [gpt_from_model_spec(spec, tp=layout.tp, pp=layout.pp, padded_vocab=padded, dtype=dtype,
+                                          pg_collection=process_group_collection(layout.tp, layout.pp))
                       for layout in (src, dst)]
             full = SeededFull(spec, dtype)
             src_params, dst_params = (dict(m.named_parameters()) for m in models)
