@@ -10,7 +10,10 @@ a pool of ``--gib`` GiB, writes it once, then runs ``--cycles`` release/resume c
 - released: the bytes ``release()`` says it gave back;
 - freed: how much the device's free memory grew on release (``mem_get_info`` on CUDA; on CPU the drop
   of the process's resident set, from ``/proc/self/statm``), and how much resume took again;
-- address stable: whether the pool's ``data_ptr()`` is the same after every resume.
+- address stable: whether the pool's ``data_ptr()`` is the same after every resume;
+- graph replay (``--graph-check``, CUDA): a CUDA graph that writes into the pool, captured before the
+  first release, replays after the last resume and writes the right values at the right address
+  (only for allocators whose addresses are stable; for the others a graph must be re-captured).
 
     python benchmarks/kv_release.py --device cpu --gib 2 --cycles 10
     python benchmarks/kv_release.py --device cuda --gib 40 --cycles 10 --json kv.json
@@ -55,6 +58,8 @@ class Result:
     freed_nbytes: int
     retaken_nbytes: int
     address_stable: bool
+    graph_replay: bool | None = None
+    """Whether a CUDA graph captured before release replayed correctly after resume (None: not checked)."""
     note: str = ""
 
 
@@ -76,14 +81,47 @@ def timed(accel: Accelerator, fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def bench_allocator(name: str, accel: Accelerator, nbytes: int, cycles: int) -> Result:
-    """Allocate, touch, then ``cycles`` x (release, resume, touch) with a hybridmem KV allocator."""
+class GraphCheck:
+    """A CUDA graph captured over the first MiB of a pool: ``y = x * 2`` with ``y`` inside the pool.
+
+    After the pool was released and resumed, :meth:`replay_ok` writes fresh ``x``, replays the graph and
+    checks that ``y`` (read through the pool's own tensor, i.e. at the captured address) holds ``x * 2``.
+    """
+
+    def __init__(self, pool: torch.Tensor):
+        n = (1 << 20) // 4
+        self.y = pool[: n * 4].view(torch.float32)
+        self.x = torch.randn(n, device=pool.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside the capture, as torch.cuda.graphs recommends
+            self.y.copy_(self.x * 2)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.y.copy_(self.x * 2)
+
+    def replay_ok(self) -> bool:
+        self.y.zero_()
+        self.x.copy_(torch.randn(self.x.numel(), generator=torch.Generator().manual_seed(1)).to(self.x.device))
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return bool(torch.equal(self.y, self.x * 2))
+
+
+def bench_allocator(name: str, accel: Accelerator, nbytes: int, cycles: int, graph_check: bool = False) -> Result:
+    """Allocate, touch, then ``cycles`` x (release, resume, touch) with a hybridmem KV allocator.
+
+    With ``graph_check`` on CUDA and an address-stable allocator, a CUDA graph captured over the pool
+    before the first release is replayed after the last resume (see :class:`GraphCheck`).
+    """
     kv = KV_ALLOCATORS[name](accel)
     num_blocks = nbytes // BLOCK_NBYTES
     allocate_s, _ = timed(accel, lambda: kv.allocate(block_nbytes=BLOCK_NBYTES, num_blocks=num_blocks))
     pool = kv.view(torch.uint8, (kv.nbytes,))
     pool.fill_(1)
     ptr = pool.data_ptr()
+    graph = GraphCheck(pool) if graph_check and accel.device.type == "cuda" and kv.preserves_addresses else None
     releases, resumes, touches, released, freed, retaken, stable = [], [], [], [], [], [], True
     for _ in range(cycles):
         before = free_nbytes(accel)
@@ -96,7 +134,9 @@ def bench_allocator(name: str, accel: Accelerator, nbytes: int, cycles: int) -> 
         touches.append(timed(accel, lambda: pool.fill_(1))[0])
         retaken.append(after_release - free_nbytes(accel))
         stable &= pool.data_ptr() == ptr
+    replay = None if graph is None else graph.replay_ok()
     pool_nbytes = kv.nbytes
+    del graph
     kv.close()
     return Result(
         allocator=name,
@@ -109,14 +149,26 @@ def bench_allocator(name: str, accel: Accelerator, nbytes: int, cycles: int) -> 
         freed_nbytes=int(statistics.median(freed)),
         retaken_nbytes=int(statistics.median(retaken)),
         address_stable=stable,
+        graph_replay=replay,
     )
 
 
-def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int) -> Result | None:
-    """SGLang's torch_memory_saver pausing one tensor of ``nbytes`` (no CPU backup), if importable."""
+def import_torch_memory_saver():
+    """SGLang/slime's ``torch_memory_saver`` singleton in its in-process ``torch`` hook mode (a pluggable
+    CUDA allocator, so no ``LD_PRELOAD`` is needed), or ``None`` when it is not installed."""
     try:
         from torch_memory_saver import torch_memory_saver as saver  # type: ignore[import-not-found]
     except ImportError:
+        return None
+    if getattr(saver, "_impl", None) is None:  # hook mode can only be chosen before first use
+        saver.hook_mode = "torch"
+    return saver
+
+
+def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int, graph_check: bool = False) -> Result | None:
+    """SGLang's torch_memory_saver pausing one tensor of ``nbytes`` (no CPU backup), if importable."""
+    saver = import_torch_memory_saver()
+    if saver is None:
         return None
     holder: list[torch.Tensor] = []
 
@@ -128,6 +180,7 @@ def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int) -> Re
     pool = holder[0]
     pool.fill_(1)
     ptr = pool.data_ptr()
+    graph = GraphCheck(pool) if graph_check else None
     releases, resumes, touches, freed, retaken = [], [], [], [], []
     for _ in range(cycles):
         before = free_nbytes(accel)
@@ -148,6 +201,7 @@ def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int) -> Re
         freed_nbytes=int(statistics.median(freed)),
         retaken_nbytes=int(statistics.median(retaken)),
         address_stable=pool.data_ptr() == ptr,
+        graph_replay=None if graph is None else graph.replay_ok(),
         note="released_nbytes is the tensor size (the library reports none)",
     )
 
@@ -157,6 +211,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gib", type=float, default=1.0, help="KV pool size in GiB")
     parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--graph-check", action="store_true",
+                        help="CUDA: replay a graph captured before release after resume (address-stable pools)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     if args.cycles < 1:
@@ -183,9 +239,9 @@ def main() -> None:
         if cls is CudaVmmKVAllocator and not CudaVmmKVAllocator.is_available():
             skipped[name] = "cuda.bindings is not installed"
             continue
-        results.append(bench_allocator(name, accel, nbytes, args.cycles))
+        results.append(bench_allocator(name, accel, nbytes, args.cycles, args.graph_check))
     if accel.device.type == "cuda":
-        tms = bench_torch_memory_saver(accel, nbytes, args.cycles)
+        tms = bench_torch_memory_saver(accel, nbytes, args.cycles, args.graph_check)
         if tms is None:
             skipped["torch_memory_saver"] = "not importable"
         else:
@@ -193,13 +249,14 @@ def main() -> None:
 
     table = Table(title="KV-cache release / resume")
     cols = ("allocator", "pool", "allocate s", "release s", "resume s", "touch s", "released", "freed",
-            "re-taken", "address stable")
+            "re-taken", "address stable", "graph replay")
     for col in cols:
         table.add_column(col, justify="left" if col == "allocator" else "right")
     for r in results:
         table.add_row(r.allocator, format_nbytes(r.nbytes), f"{r.allocate_s:.4f}", f"{r.release_s:.4f}",
                       f"{r.resume_s:.4f}", f"{r.touch_s:.4f}", format_nbytes(r.released_nbytes),
-                      format_nbytes(r.freed_nbytes), format_nbytes(r.retaken_nbytes), str(r.address_stable))
+                      format_nbytes(r.freed_nbytes), format_nbytes(r.retaken_nbytes), str(r.address_stable),
+                      "-" if r.graph_replay is None else ("ok" if r.graph_replay else "WRONG"))
     console.print(table)
     for name, why in skipped.items():
         console.print(f"skipped {name}: {why}")

@@ -30,7 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from hybridmem import Direction, HybridConfig, ShardingManager
+from hybridmem import HybridConfig, ShardingManager
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.memplan import format_nbytes
 
@@ -93,83 +93,136 @@ def naive_round_trip(tensors: list[torch.Tensor], accel: Accelerator) -> tuple[f
     return off, time.perf_counter() - t
 
 
+TARGETS = {"ratio_to_raw": 0.9, "first_vs_steady": 2.0, "speedup_vs_naive": 10.0, "freed_share": 0.99}
+"""GPU targets: steady-state switch >= 0.9 of the raw pinned link both ways, the first switch within 2x of
+the steady state, >= 10x over the naive per-tensor loop, device memory freed >= 99% of the bytes offloaded."""
+
+
+def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden: int, repeats: int,
+            naive_repeats: int) -> dict:
+    """Run (a), (b) and (c) on one model and return the figures (JSON-ready).
+
+    The switch runs ``repeats + 1`` TRAIN->INFER->TRAIN cycles: cycle 1 allocates the host arenas, the
+    steady state is the median over the others. ``cycles`` keeps every cycle's seconds.
+    """
+    model, opt = build(num_params, dtype, accel, hidden)
+    tensors = device_tensors(model, opt)
+    total = sum(x.untyped_storage().nbytes() for x in tensors)
+    raw_d2h, raw_h2d = raw_bandwidth(accel, total, repeats)
+    naive = [naive_round_trip(tensors, accel) for _ in range(naive_repeats)]
+    naive_off, naive_on = statistics.median(n[0] for n in naive), statistics.median(n[1] for n in naive)
+    del tensors
+    accel.empty_cache()
+
+    manager = ShardingManager(model, optimizer=opt, config=HybridConfig(skip_zero_grads=False), accel=accel)
+    cycles, freed, residency = [], [], None
+    for _ in range(repeats + 1):
+        free_before = accel.memory_figures().free_nbytes if accel.measures_device_memory else None
+        off = manager.to_infer()
+        if free_before is not None:
+            freed.append(accel.memory_figures().free_nbytes - free_before)
+        residency = manager.residency()
+        if off.copied_nbytes != total:
+            raise RuntimeError(f"hybridmem moved {off.copied_nbytes} bytes, expected {total}")
+        on = manager.to_train()
+        cycles.append({"to_infer_s": off.seconds, "to_train_s": on.seconds, "freed_nbytes": off.freed_nbytes})
+    steady_off = statistics.median(c["to_infer_s"] for c in cycles[1:])
+    steady_on = statistics.median(c["to_train_s"] for c in cycles[1:])
+    freed_share = (statistics.median(freed) if freed else cycles[-1]["freed_nbytes"]) / total
+    manager.close()
+    return {
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "dtype": str(dtype).removeprefix("torch."),
+        "total_nbytes": total,
+        "raw": {"d2h_s": raw_d2h, "h2d_s": raw_h2d, "d2h_gbps": total / raw_d2h / 1e9, "h2d_gbps": total / raw_h2d / 1e9},
+        "naive": {"offload_s": naive_off, "onload_s": naive_on},
+        "cycles": cycles,
+        "steady": {"to_infer_s": steady_off, "to_train_s": steady_on},
+        "to_infer_ratio_to_raw": raw_d2h / steady_off,
+        "to_train_ratio_to_raw": raw_h2d / steady_on,
+        "to_infer_speedup_vs_naive": naive_off / steady_off,
+        "to_train_speedup_vs_naive": naive_on / steady_on,
+        "first_vs_steady": max(cycles[0]["to_infer_s"] / steady_off, cycles[0]["to_train_s"] / steady_on),
+        "freed_share": freed_share,
+        "freed_source": "mem_get_info" if freed else "tracked",
+        "residency_in_infer": None if residency is None else residency.to_dict(),
+    }
+
+
+def targets_met(fig: dict) -> dict[str, bool]:
+    """Each GPU target of :data:`TARGETS`, checked on one :func:`measure` result."""
+    return {
+        "to_infer >= 0.9 raw": fig["to_infer_ratio_to_raw"] >= TARGETS["ratio_to_raw"],
+        "to_train >= 0.9 raw": fig["to_train_ratio_to_raw"] >= TARGETS["ratio_to_raw"],
+        "first <= 2x steady": fig["first_vs_steady"] <= TARGETS["first_vs_steady"],
+        ">= 10x naive": min(fig["to_infer_speedup_vs_naive"], fig["to_train_speedup_vs_naive"]) >= TARGETS["speedup_vs_naive"],
+        "freed >= 0.99": fig["freed_share"] >= TARGETS["freed_share"],
+    }
+
+
+def table(fig: dict) -> Table:
+    """The figures of one :func:`measure` as a rich table."""
+    total = fig["total_nbytes"]
+    raw_d2h, raw_h2d = fig["raw"]["d2h_s"], fig["raw"]["h2d_s"]
+    naive_off, naive_on = fig["naive"]["offload_s"], fig["naive"]["onload_s"]
+    first = fig["cycles"][0]
+    out = Table(title=f"switch latency, {format_nbytes(total)} of params + grads + AdamW state")
+    for col in ("what", "s", "GB/s", "vs raw link", "speed-up vs naive"):
+        out.add_column(col, justify="right" if col != "what" else "left")
+    rows = [
+        ("raw copy D2H (pinned, preallocated)", raw_d2h, raw_d2h, None),
+        ("raw copy H2D (pinned, preallocated)", raw_h2d, raw_h2d, None),
+        ("naive per-tensor offload", naive_off, raw_d2h, None),
+        ("naive per-tensor onload", naive_on, raw_h2d, None),
+        ("hybridmem TRAIN->INFER, first", first["to_infer_s"], raw_d2h, naive_off),
+        ("hybridmem INFER->TRAIN, first", first["to_train_s"], raw_h2d, naive_on),
+        ("hybridmem TRAIN->INFER, steady", fig["steady"]["to_infer_s"], raw_d2h, naive_off),
+        ("hybridmem INFER->TRAIN, steady", fig["steady"]["to_train_s"], raw_h2d, naive_on),
+    ]
+    for name, seconds, raw, naive_s in rows:
+        out.add_row(name, f"{seconds:.4f}", f"{total / seconds / 1e9:.2f}", f"{raw / seconds:.2f}",
+                    "" if naive_s is None else f"{naive_s / seconds:.1f}x")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=5e7, help="model weights (count)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="steady-state cycles after the first (>= 2)")
+    parser.add_argument("--naive-repeats", type=int, default=None, help="naive round trips (default: --repeats)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error(f"--repeats={args.repeats}: need at least 2 cycles after the first")
 
     accel = get_accelerator(args.device)
-    console = Console()
-    model, opt = build(args.params, DTYPES[args.dtype], accel, args.hidden)
-    tensors = device_tensors(model, opt)
-    total = sum(x.untyped_storage().nbytes() for x in tensors)
+    console = Console(width=120)
     console.print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, device {accel.device}"
                   + (f" ({torch.cuda.get_device_name(accel.device)})" if accel.device.type == "cuda" else "")
                   + f", torch {torch.__version__}, {torch.get_num_threads()} threads")
-    console.print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params ({args.dtype}), "
-                  f"params + grads + AdamW state = {format_nbytes(total)} on the device")
-
-    raw_d2h, raw_h2d = raw_bandwidth(accel, total, args.repeats)
-    naive = [naive_round_trip(tensors, accel) for _ in range(args.repeats)]
-    naive_off, naive_on = statistics.median(n[0] for n in naive), statistics.median(n[1] for n in naive)
-
-    manager = ShardingManager(model, optimizer=opt, config=HybridConfig(skip_zero_grads=False), accel=accel)
-    first_off = manager.to_infer()
-    first_on = manager.to_train()
-    offs, ons, freed = [], [], []
-    for _ in range(args.repeats):
-        free_before = accel.memory_figures().free_nbytes if accel.device.type != "cpu" else None
-        offs.append(manager.to_infer())
-        if free_before is not None:
-            freed.append(accel.memory_figures().free_nbytes - free_before)
-        ons.append(manager.to_train())
-    off = sorted(offs, key=lambda r: r.seconds)[len(offs) // 2]
-    on = sorted(ons, key=lambda r: r.seconds)[len(ons) // 2]
-    moved = off.copied_nbytes
-    assert moved == total, f"hybridmem moved {moved} bytes, expected {total}"
-
-    def gbps(seconds: float) -> float:
-        return total / seconds / 1e9
-
-    table = Table(title="switch latency")
-    for col in ("what", "bytes", "s", "GB/s", "vs raw link", "speed-up vs naive"):
-        table.add_column(col, justify="right" if col != "what" else "left")
-    rows = [
-        ("raw copy D2H (preallocated)", raw_d2h, None),
-        ("raw copy H2D (preallocated)", raw_h2d, None),
-        ("naive per-tensor offload", naive_off, None),
-        ("naive per-tensor onload", naive_on, None),
-        ("hybridmem TRAIN->INFER, first", first_off.seconds, naive_off),
-        ("hybridmem INFER->TRAIN, first", first_on.seconds, naive_on),
-        ("hybridmem TRAIN->INFER", off.seconds, naive_off),
-        ("hybridmem INFER->TRAIN", on.seconds, naive_on),
-    ]
-    figures = {}
-    for name, seconds, naive_s in rows:
-        raw = raw_d2h if ("offload" in name or "D2H" in name or "->INFER" in name) else raw_h2d
-        table.add_row(name, format_nbytes(total), f"{seconds:.4f}", f"{gbps(seconds):.2f}",
-                      f"{raw / seconds:.2f}", "" if naive_s is None else f"{naive_s / seconds:.1f}x")
-        figures[name] = {"seconds": seconds, "gbps": gbps(seconds), "ratio_to_raw": raw / seconds,
-                         "speedup_vs_naive": None if naive_s is None else naive_s / seconds}
-    console.print(table)
-    if freed:
-        share = statistics.median(freed) / total
-        console.print(f"device memory freed by TRAIN->INFER (mem_get_info): {format_nbytes(statistics.median(freed))} "
-                      f"= {share * 100:.2f}% of the {format_nbytes(total)} offloaded")
-        figures["freed_share"] = share
-    else:
-        console.print("device memory freed: CPU backend, freed bytes = tracked bytes "
-                      f"({format_nbytes(off.freed_nbytes)} of {format_nbytes(total)})")
-        figures["freed_share"] = off.freed_nbytes / total
-    console.print(manager.last_reports[Direction.TO_INFER])
+    fig = measure(accel, num_params=args.params, dtype=DTYPES[args.dtype], hidden=args.hidden,
+                  repeats=args.repeats, naive_repeats=args.naive_repeats or args.repeats)
+    fig["device"] = str(accel.device) + (f" ({torch.cuda.get_device_name(accel.device)})" if accel.device.type == "cuda" else "")
+    console.print(f"model: {fig['num_params'] / 1e6:.1f} M params ({args.dtype}), "
+                  f"params + grads + AdamW state = {format_nbytes(fig['total_nbytes'])} on the device")
+    console.print(table(fig))
+    console.print("first 3 cycles (TRAIN->INFER / INFER->TRAIN s): "
+                  + ", ".join(f"{c['to_infer_s']:.4f} / {c['to_train_s']:.4f}" for c in fig["cycles"][:3]))
+    console.print(f"device memory freed by TRAIN->INFER ({fig['freed_source']}): "
+                  f"{fig['freed_share'] * 100:.2f}% of the {format_nbytes(fig['total_nbytes'])} offloaded")
+    res = fig["residency_in_infer"]
+    if res is not None and res["unexplained_nbytes"] is not None:
+        console.print(f"device in INFER: {format_nbytes(res['device_used_nbytes'])} used, "
+                      f"{format_nbytes(res['owned_nbytes'])} owned, {format_nbytes(res['cached_nbytes'])} cached, "
+                      f"{format_nbytes(res['unexplained_nbytes'])} outside the allocator (CUDA context, ...)")
+    if accel.measures_device_memory:
+        console.print("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets_met(fig).items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(accel.device), "total_nbytes": total, "figures": figures}, f, indent=2)
+            json.dump(fig, f, indent=2)
 
 
 if __name__ == "__main__":

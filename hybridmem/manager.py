@@ -221,6 +221,8 @@ class ShardingManager:
             allocated_nbytes=figures.allocated_nbytes,
             reserved_nbytes=figures.reserved_nbytes,
             expected_empty=tuple(expected_empty),
+            device_used_nbytes=(figures.total_nbytes - figures.free_nbytes
+                                if self.accel.measures_device_memory else None),
         )
 
     def plan(self, direction: Direction, steps: list[SwitchStep] | None = None) -> MemoryPlan:

@@ -34,6 +34,9 @@ class ResidencyReport:
     """What the allocator holds, allocated or cached."""
     expected_empty: tuple[str, ...] = field(default=())
     """Owners that should hold nothing in this phase (e.g. offloaded training state in INFER)."""
+    device_used_nbytes: int | None = None
+    """Bytes in use on the whole device (``total - free`` from ``mem_get_info``), or ``None`` where the
+    accelerator cannot read the device (CPU)."""
 
     @property
     def owned_nbytes(self) -> int:
@@ -51,6 +54,15 @@ class ResidencyReport:
         return max(0, self.reserved_nbytes - self.allocated_nbytes)
 
     @property
+    def unexplained_nbytes(self) -> int | None:
+        """Device bytes in use that neither an owner nor this process's caching allocator accounts for
+        (``device_used - reserved``): the CUDA context, communicator buffers, other allocators, other
+        processes. ``None`` where the device cannot be read."""
+        if self.device_used_nbytes is None:
+            return None
+        return self.device_used_nbytes - self.reserved_nbytes
+
+    @property
     def leftovers(self) -> dict[str, int]:
         """Owners in :attr:`expected_empty` that still hold bytes."""
         return {o: n for o, n in self.by_owner.items() if o in self.expected_empty and n > 0}
@@ -66,6 +78,8 @@ class ResidencyReport:
             "reserved_nbytes": self.reserved_nbytes,
             "cached_nbytes": self.cached_nbytes,
             "leftovers": self.leftovers,
+            "device_used_nbytes": self.device_used_nbytes,
+            "unexplained_nbytes": self.unexplained_nbytes,
         }
 
     def to_json(self) -> str:
@@ -80,4 +94,7 @@ class ResidencyReport:
         lines.append(f"  {'(allocated, no owner)':<24}{format_nbytes(self.unowned_nbytes):>14}")
         lines.append(f"  {'(cached by allocator)':<24}{format_nbytes(self.cached_nbytes):>14}")
         lines.append(f"  {'total reserved':<24}{format_nbytes(self.reserved_nbytes):>14}")
+        if self.unexplained_nbytes is not None:
+            lines.append(f"  {'(device, outside it)':<24}{format_nbytes(self.unexplained_nbytes):>14}"
+                         f"  of {format_nbytes(self.device_used_nbytes)} used on the device")
         return "\n".join(lines)

@@ -80,3 +80,28 @@ def test_host_arenas_are_pinned_and_reused():
         mgr.to_train()
     infos = mgr.pool.report()
     assert infos and all(i.pinned and i.num_grows == 1 for i in infos)
+
+
+def test_residency_shows_device_memory_outside_the_allocator_as_unexplained():
+    """Bytes taken with ``cudaMalloc`` behind torch's back appear in ``unexplained_nbytes``, not in an owner.
+
+    The reference is the allocation itself: its size is known independently of hybridmem's accounting.
+    """
+    model, opt = _model_with_state(num_layers=2)
+    mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"))
+    mgr.to_infer()
+    base = mgr.residency()
+    assert base.device_used_nbytes is not None and base.unexplained_nbytes is not None
+    assert 0 < base.unexplained_nbytes < 4 << 30, f"CUDA context and friends: {base.unexplained_nbytes / MIB:.0f} MiB"
+    outside = 256 * MIB
+    driver = pytest.importorskip("cuda.bindings.driver")
+    err, ptr = driver.cuMemAlloc(outside)  # in torch's current (primary) context, outside its allocator
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    try:
+        grown = mgr.residency()
+        delta = grown.unexplained_nbytes - base.unexplained_nbytes
+        assert outside <= delta <= outside + 4 * MIB, f"{delta / MIB:.1f} MiB appeared for a {outside / MIB:.0f} MiB malloc"
+        assert grown.owned_nbytes == base.owned_nbytes
+    finally:
+        driver.cuMemFree(ptr)
+    mgr.to_train()

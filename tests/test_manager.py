@@ -162,6 +162,7 @@ def test_residency_report_in_infer(tiny_setup):
     assert res.by_owner["kv cache"] == KV_NBYTES
     assert res.leftovers == {}, "grads were not asked to be offloaded, so they are no leftover"
     assert "train grad" in str(res)
+    assert res.device_used_nbytes is None and res.unexplained_nbytes is None, "CPU cannot read a device"
     mgr.to_train()
 
 

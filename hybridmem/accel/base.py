@@ -54,6 +54,9 @@ class Accelerator(ABC):
     """Whether host buffers can be page-locked (fast, truly asynchronous copies)."""
     has_streams: ClassVar[bool]
     """Whether copies on a side stream can overlap compute."""
+    measures_device_memory: ClassVar[bool]
+    """Whether :meth:`memory_figures` reads the whole device (``mem_get_info``: the CUDA context, other
+    processes and every allocator included) rather than echoing the bytes hybridmem tracks."""
 
     def __init__(self, device: torch.device):
         self.device = device

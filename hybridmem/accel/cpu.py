@@ -69,6 +69,7 @@ class CpuAccelerator(Accelerator):
     name: ClassVar[str] = "cpu"
     supports_pinned_memory: ClassVar[bool] = False
     has_streams: ClassVar[bool] = False
+    measures_device_memory: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | None = None, *, capacity_nbytes: int | None = None):
         super().__init__(torch.device("cpu") if device is None else device)

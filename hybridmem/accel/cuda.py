@@ -24,6 +24,7 @@ class _CudaLikeAccelerator(Accelerator):
 
     supports_pinned_memory: ClassVar[bool] = True
     has_streams: ClassVar[bool] = True
+    measures_device_memory: ClassVar[bool] = True
 
     @classmethod
     def _module(cls) -> ModuleType:

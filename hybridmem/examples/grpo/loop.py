@@ -77,6 +77,9 @@ class IterationStats:
     device_infer_nbytes: int
     ref_onload_s: float
     iter_s: float
+    device_unexplained_nbytes: int | None = None
+    """Device bytes in INFER outside the caching allocator (CUDA context, communicators, other allocators;
+    ``ResidencyReport.unexplained_nbytes``), ``None`` on CPU."""
 
 
 def _spec(cfg: DemoConfig) -> Any:
@@ -207,6 +210,7 @@ def _run(cfg: DemoConfig, topo: Topology, trainer: Any, device: torch.device, dt
             device_infer_nbytes=r_inf.device_after_nbytes,
             ref_onload_s=ref_s,
             iter_s=time.perf_counter() - t_iter,
+            device_unexplained_nbytes=None if r_inf.residency is None else r_inf.residency.unexplained_nbytes,
         )
         stats.append(row)
         if on_iteration is not None:
