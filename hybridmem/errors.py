@@ -8,6 +8,9 @@ and where the training state is now.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 __all__ = [
     "HybridMemError",
     "ConfigError",
@@ -31,15 +34,36 @@ class ConfigError(HybridMemError, ValueError):
 
     Attributes:
         key: The offending key (e.g. ``"infer_tensor_parallel_size"``).
-        value: The value that was given.
+        value: The value that was given (``None`` for an unknown key).
+        suggestions: For an unknown key, the closest known names (empty otherwise).
     """
 
-    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None):
+    suggestions: tuple[str, ...] = ()
+
+    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None, message: str | None = None):
         self.key = key
         self.value = value
         self.allowed = allowed
         where = f" in {source}" if source else ""
-        super().__init__(f"{key}={value!r}{where} is not allowed: expected {allowed}")
+        super().__init__(message or f"{key}={value!r}{where} is not allowed: expected {allowed}")
+
+    @classmethod
+    def unknown(
+        cls, key: str, known: Sequence[str], *, where: str, source: str | None = None, kind: str = "key"
+    ) -> ConfigError:
+        """The error for a ``kind`` (key or section) that is not in ``known``, with "did you mean" hints.
+
+        The message names ``key``, ``where`` it was found and ``source``, the closest known names
+        (``difflib``), and all known names when there are few.
+        """
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no known name is close"
+        listing = f" (allowed: {', '.join(sorted(known))})" if len(known) <= 20 else ""
+        in_source = f" of {source}" if source else ""
+        message = f"unknown {kind} {key!r} in {where}{in_source}: {hint}{listing}"
+        err = cls(key, None, f"a known {kind}", source=source, message=message)
+        err.suggestions = tuple(close)
+        return err
 
 
 class PhaseError(HybridMemError, RuntimeError):

@@ -24,7 +24,7 @@ from torch.profiler import record_function
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures, get_accelerator
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
 from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, SwitchError
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
@@ -126,6 +126,7 @@ class ShardingManager:
         if engine is not None and not isinstance(engine, InferenceEngine):
             missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
             raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
+        check_kv_utilization(engine, self.config)
         self.engine = engine
         self.pool = HostBufferPool(
             self.accel, budget_nbytes=self.config.host_memory_budget_bytes, pin=self.config.pin_memory
