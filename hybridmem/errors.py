@@ -3,7 +3,10 @@
 User mistakes (a bad config value, a call in the wrong phase) raise subclasses of the builtin
 ``ValueError``/``RuntimeError`` so generic handlers still catch them; every message names the bad
 value and what was expected. A failed switch raises :class:`SwitchError`, which says which step failed
-and where the training state is now.
+and where the training state is now; when the step's own error is one hybridmem documents
+(:class:`HostMemoryBudgetError`, :class:`WeightSyncError`, :class:`KVResumeError`), the raised error is
+also an instance of that class (:func:`switch_error`), so ``except HostMemoryBudgetError`` catches a
+budget overflow whether it happens in a direct call or inside a switch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ __all__ = [
     "WeightSyncError",
     "KVStateError",
     "KVResumeError",
+    "SwitchHostMemoryBudgetError",
+    "SwitchWeightSyncError",
+    "SwitchKVResumeError",
+    "switch_error",
 ]
 
 
@@ -167,3 +174,51 @@ class KVResumeError(HybridMemError, MemoryError):
         self.mapped_nbytes = mapped_nbytes
         self.step = step
         super().__init__(message)
+
+
+class _SwitchFailedWith(SwitchError):
+    """A :class:`SwitchError` that is also the documented class of the step's error (second base).
+
+    It carries the cause's attributes too (``requested_nbytes``, ``budget_nbytes``, ... for a budget
+    overflow), and the cause stays in ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, direction: str, step: str, phase_after: object, cause: BaseException):
+        # The bases' constructors take different arguments; set both sides' attributes directly.
+        Exception.__init__(self, message)
+        self.__dict__.update(vars(cause))
+        self.direction = direction
+        self.step = step
+        self.phase_after = phase_after
+
+
+class SwitchHostMemoryBudgetError(_SwitchFailedWith, HostMemoryBudgetError):
+    """A switch step would have exceeded ``host_memory_budget_bytes``; catch it as either base."""
+
+
+class SwitchWeightSyncError(_SwitchFailedWith, WeightSyncError):
+    """A switch's weight sync failed its checksum comparison; catch it as either base."""
+
+
+class SwitchKVResumeError(_SwitchFailedWith, KVResumeError):
+    """A switch could not re-create the KV pool; catch it as either base."""
+
+
+_SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...] = (
+    (HostMemoryBudgetError, SwitchHostMemoryBudgetError),
+    (WeightSyncError, SwitchWeightSyncError),
+    (KVResumeError, SwitchKVResumeError),
+)
+
+
+def switch_error(message: str, *, direction: str, step: str, phase_after: object, cause: BaseException) -> SwitchError:
+    """The :class:`SwitchError` to raise for a step that failed with ``cause``.
+
+    Returns an instance of ``SwitchHostMemoryBudgetError`` / ``SwitchWeightSyncError`` /
+    ``SwitchKVResumeError`` when ``cause`` is of the matching documented class, else a plain
+    :class:`SwitchError`. Raise it ``from cause``.
+    """
+    for cause_cls, cls in _SWITCH_CLASSES:
+        if isinstance(cause, cause_cls):
+            return cls(message, direction=direction, step=step, phase_after=phase_after, cause=cause)
+    return SwitchError(message, direction=direction, step=step, phase_after=phase_after)
