@@ -1,7 +1,8 @@
 """The ``hybridmem`` command.
 
 ``hybridmem demo`` runs the GRPO example on the embedded engine (CPU by default);
-``hybridmem switch-loop`` the torch-only switch loop.
+``hybridmem switch-loop`` the torch-only switch loop; ``hybridmem --version`` prints the version.
+A mistake on the command line is reported in one line naming the option and what is allowed.
 """
 
 from __future__ import annotations
@@ -9,15 +10,36 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["main", "OneLineErrorParser"]
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line: ``prog: error: ... (see prog --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("hybridmem")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        from hybridmem import __version__  # noqa: PLC0415
+
+        return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridmem`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="hybridmem", description="hybridmem: train and infer on the same devices")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineErrorParser(prog="hybridmem", description="hybridmem: train and infer on the same devices")
+    parser.add_argument("--version", action="version", version=f"hybridmem {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,switch-loop}",
+                                parser_class=OneLineErrorParser)
     sub.add_parser("demo", help="the GRPO demo (pass --help after 'demo' for its options)", add_help=False)
     sub.add_parser("switch-loop", help="the torch-only switch loop (pass --help for its options)", add_help=False)
     args, rest = parser.parse_known_args(argv)

@@ -1,8 +1,9 @@
 """Configuration: :class:`HybridConfig` (MindSpeed-RL's keys) and :class:`ParallelLayout`.
 
 Keys keep MindSpeed-RL's names so a user's existing YAML file drives hybridmem unchanged
-(``actor_config:`` holds the training layout, ``generate_config:`` the inference layout and the
-``offload_train_*`` switches). Keys hybridmem adds live in an optional ``hybridmem:`` section.
+(``actor_config:`` holds the training layout, ``generate_config:`` the inference layout, the
+``offload_train_*`` switches and ``gpu_memory_utilization``). Keys hybridmem adds live in an optional
+``hybridmem:`` section. Unknown keys and sections are errors that suggest the closest known name.
 """
 
 from __future__ import annotations
@@ -14,15 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridmem import mindspeed_keys
 from hybridmem.errors import ConfigError
 
 __all__ = ["ParallelLayout", "HybridConfig", "DEVICE_CHOICES"]
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
-
-# Sections of a MindSpeed-RL YAML file hybridmem reads, in the order they are merged.
-_YAML_SECTIONS = ("actor_config", "rl_config", "integrated_mode_config", "generate_config", "hybridmem")
-
 
 def _check_positive_int(key: str, value: object, *, source: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -115,8 +113,10 @@ class HybridConfig:
     """Inference pipeline-parallel size."""
     infer_expert_parallel_size: int = 1
     """Inference expert-parallel size."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of device memory the inference engine (weights + KV cache) may use, as in vLLM."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of device memory the inference engine (weights + KV cache) may use, as vLLM's key of
+    that name. ``None``: the engine's own setting stands. When set, :class:`~hybridmem.ShardingManager`
+    refuses an engine built with another value (see :func:`hybridmem.engines.check_kv_utilization`)."""
     device: str = "auto"
     """Accelerator backend: one of :data:`DEVICE_CHOICES`; ``auto`` picks npu, then cuda, then cpu."""
     pin_memory: bool = True
@@ -131,14 +131,6 @@ class HybridConfig:
     """Largest transfer bucket of the resharding engine; bounds its temporary memory."""
     verify_weight_sync: bool = False
     """Compare per-tensor checksums between training and the engine after each weight sync."""
-    use_integrated_worker: bool = True
-    """MindSpeed-RL ``rl_config``: actor, reference and rollout share the same devices."""
-    ref_forward_micro_batch_size: int = 1
-    """MindSpeed-RL ``rl_config``: micro-batch size of reference log-prob computation."""
-    actor_forward_micro_batch_size: int = 1
-    """MindSpeed-RL ``rl_config``: micro-batch size of old-policy log-prob computation."""
-    ref_model_load_path: str | None = None
-    """MindSpeed-RL ``integrated_mode_config``: where to load reference weights from, if not the actor."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -149,14 +141,11 @@ class HybridConfig:
                 _check_positive_int(f.name, value)
             elif f.type == "int | None":
                 _check_optional_nbytes(f.name, value)
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(
-            self.gpu_memory_utilization, (int, float)
-        ) or not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0):
+            raise ConfigError("gpu_memory_utilization", util, "a float in (0, 1] or null")
         if self.device not in DEVICE_CHOICES and not str(self.device).startswith(("cuda:", "npu:")):
             raise ConfigError("device", self.device, f"one of {DEVICE_CHOICES} or 'cuda:N' / 'npu:N'")
-        if self.ref_model_load_path is not None and not isinstance(self.ref_model_load_path, str):
-            raise ConfigError("ref_model_load_path", self.ref_model_load_path, "a path string or null")
 
     @property
     def train_layout(self) -> ParallelLayout:
@@ -181,21 +170,28 @@ class HybridConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None) -> HybridConfig:
-        """Build from a flat mapping of keys to values.
+    def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None, strict: bool = True) -> HybridConfig:
+        """Build from a flat mapping of hybridmem keys to values.
 
-        Unknown keys are ignored with one ``UserWarning`` that lists them.
+        Args:
+            values: Keys are field names of this class.
+            source: Where ``values`` came from, for messages (a file name).
+            strict: Raise on an unknown key (the default); ``False`` skips unknown keys with one
+                ``UserWarning`` attributed to the caller's line.
 
         Raises:
-            ConfigError: A known key has a bad value (the message names key, value and ``source``).
+            ConfigError: An unknown key (when ``strict``; the message suggests the closest known key), or
+                a known key with a bad value (the message names key, value and ``source``).
         """
         if not isinstance(values, Mapping):
             raise ConfigError("<config>", values, "a mapping of keys to values", source=source)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in values if k not in known)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [str(k) for k in values if k not in known]
+        if unknown and strict:
+            raise ConfigError.unknown(unknown[0], known, where="HybridConfig", source=source)
         if unknown:
             where = f" in {source}" if source else ""
-            warnings.warn(f"hybridmem ignores unknown config keys{where}: {', '.join(unknown)}", stacklevel=2)
+            warnings.warn(f"hybridmem ignores unknown config keys{where}: {', '.join(sorted(unknown))}", stacklevel=2)
         try:
             return cls(**{k: v for k, v in values.items() if k in known})
         except ConfigError as exc:
@@ -205,16 +201,13 @@ class HybridConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> HybridConfig:
-        """Read a MindSpeed-RL style YAML file.
-
-        Keys are taken from the ``actor_config``, ``rl_config``, ``integrated_mode_config``,
-        ``generate_config`` and ``hybridmem`` sections; a key in a later section of that list wins.
-        Other sections (``megatron_training``, ``defaults``, ...) are not hybridmem's and are skipped
-        silently; unknown keys inside the sections read are ignored with a warning.
+        """Read a MindSpeed-RL training YAML file (see [Note: YAML sections]).
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            ConfigError: The file is not valid YAML, a section is not a mapping, or a value is bad.
+            ConfigError: The file is not valid YAML, a section is not a mapping, a top-level section or a
+                key of ``actor_config``/``rl_config``/``generate_config``/``hybridmem`` is unknown (the
+                message names it and suggests the closest), or a value is bad.
         """
         import yaml
 
@@ -231,34 +224,68 @@ class HybridConfig:
             doc = {}
         if not isinstance(doc, Mapping):
             raise ConfigError("<yaml>", type(doc).__name__, "a mapping of sections at top level", source=str(path))
-        merged: dict[str, Any] = {}
-        for section in _YAML_SECTIONS:
-            body = doc.get(section)
-            if body is None:
-                continue
-            if not isinstance(body, Mapping):
-                raise ConfigError(section, body, "a mapping of keys to values", source=str(path))
-            merged.update(_flatten_section(section, body))
-        return cls.from_dict(merged, source=str(path))
+        return cls.from_dict(_merge_sections(doc, source=str(path)), source=str(path))
 
 
-# MindSpeed-RL keys in the sections hybridmem reads that belong to other parts of a training job
-# (the optimizer, the data, vLLM's scheduler). They are expected there, so they are not warned about.
-_FOREIGN_KEYS = frozenset(
-    {
-        "model", "micro_batch_size", "lr", "lr_decay_style", "min_lr", "weight_decay", "lr_warmup_fraction",
-        "clip_grad", "adam_beta1", "adam_beta2", "finetune", "load", "save", "no_load_optim", "no_load_rng",
-        "guarantee_order", "blocking", "gamma", "lam", "adv_estimator", "kl_penalty", "kl_ctrl_type",
-        "init_kl_coef", "mini_batch_size", "max_prompt_length", "epochs", "clip_ratio", "entropy_coeff",
-        "shuffle_minibatch", "n_samples_per_prompt", "rule_reward", "verifier_function", "verifier_weight",
-        "num_cpus_for_local_task", "use_tensorboard", "actor_resource", "trust_remote_code", "max_num_seqs",
-        "max_model_len", "max_num_batched_tokens", "dtype", "sampling_config", "enforce_eager",
-        "enable_prefix_caching", "num_scheduler_steps", "limit_mm_image_per_prompt", "use_wandb",
-        "wandb_project", "wandb_exp_name", "wandb_save_dir", "tokenizer_name_or_path",
-    }
+# [Note: YAML sections]
+# A MindSpeed-RL file has top-level sections (mindspeed_keys.SECTIONS) plus an optional ``hybridmem:``.
+# hybridmem reads its keys from these places; a later row wins over an earlier one:
+#
+#   megatron_training  training layout (MindSpeed-RL merges it under actor_config)
+#   actor_config       training layout
+#   generate_config    offload switches, inference layout, gpu_memory_utilization
+#   hybridmem          any HybridConfig key
+#
+# Every other key of those sections (and every key of rl_config) must be one MindSpeed-RL defines there:
+# its config classes reject anything else, so an unknown key is a typo and raises with a suggestion. A
+# top-level section outside SECTIONS raises the same way. Sections hybridmem does not read (ref_config,
+# profiler_config, ...) are not checked: they belong to the user's framework.
+_TRAIN_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+_GENERATE_KEYS = (
+    "offload_train_param", "offload_train_grad", "offload_train_optimizer", "infer_tensor_parallel_size",
+    "infer_pipeline_parallel_size", "infer_expert_parallel_size", "gpu_memory_utilization",
+)
+_HYBRIDMEM_SECTION = "hybridmem"
+# (section, keys hybridmem reads from it, keys MindSpeed-RL defines there or None if not checked), in
+# the order they are merged.
+_SECTION_RULES: tuple[tuple[str, tuple[str, ...], frozenset[str] | None], ...] = (
+    ("megatron_training", _TRAIN_LAYOUT_KEYS, None),
+    ("actor_config", _TRAIN_LAYOUT_KEYS, mindspeed_keys.MEGATRON_KEYS),
+    ("rl_config", (), mindspeed_keys.RL_KEYS),
+    ("generate_config", _GENERATE_KEYS, mindspeed_keys.GENERATE_KEYS),
 )
 
 
-def _flatten_section(section: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop the section's keys that belong to other parts of a MindSpeed-RL job."""
-    return {k: v for k, v in body.items() if k not in _FOREIGN_KEYS}
+def _merge_sections(doc: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    """The hybridmem keys of a MindSpeed-RL document, merged by [Note: YAML sections]."""
+    sections = sorted(mindspeed_keys.SECTIONS | {_HYBRIDMEM_SECTION})
+    for name in doc:
+        if name not in sections:
+            raise ConfigError.unknown(str(name), sections, where="the top level", source=source, kind="section")
+    hybrid_keys = [f.name for f in dataclasses.fields(HybridConfig)]
+    merged: dict[str, Any] = {}
+    for section, reads, accepted in (*_SECTION_RULES, (_HYBRIDMEM_SECTION, tuple(hybrid_keys), None)):
+        body = doc.get(section)
+        if body is None:
+            continue
+        if not isinstance(body, Mapping):
+            raise ConfigError(section, body, "a mapping of keys to values", source=source)
+        body = {str(k).replace("-", "_"): v for k, v in body.items()}
+        allowed = set(reads) | (accepted or set())
+        if section == _HYBRIDMEM_SECTION or accepted is not None:
+            for key in body:
+                if key not in allowed:
+                    _raise_misplaced_or_unknown(key, section, allowed, hybrid_keys, source)
+        merged.update({k: v for k, v in body.items() if k in reads})
+    return merged
+
+
+def _raise_misplaced_or_unknown(key: str, section: str, allowed: set[str], hybrid_keys: list[str], source: str) -> None:
+    if key in hybrid_keys:
+        home = next((s for s, reads, _ in _SECTION_RULES if key in reads and s != "megatron_training"), None)
+        places = f"{home} or {_HYBRIDMEM_SECTION}" if home else _HYBRIDMEM_SECTION
+        raise ConfigError(
+            f"{section}.{key}", "<present>", f"{key} under {places}: MindSpeed-RL rejects it in {section}",
+            source=source,
+        )
+    raise ConfigError.unknown(key, sorted(allowed), where=section, source=source)

@@ -3,10 +3,16 @@
 User mistakes (a bad config value, a call in the wrong phase) raise subclasses of the builtin
 ``ValueError``/``RuntimeError`` so generic handlers still catch them; every message names the bad
 value and what was expected. A failed switch raises :class:`SwitchError`, which says which step failed
-and where the training state is now.
+and where the training state is now; when the step's own error is one hybridmem documents
+(:class:`HostMemoryBudgetError`, :class:`WeightSyncError`, :class:`KVResumeError`), the raised error is
+also an instance of that class (:func:`switch_error`), so ``except HostMemoryBudgetError`` catches a
+budget overflow whether it happens in a direct call or inside a switch.
 """
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
 
 __all__ = [
     "HybridMemError",
@@ -19,6 +25,10 @@ __all__ = [
     "WeightSyncError",
     "KVStateError",
     "KVResumeError",
+    "SwitchHostMemoryBudgetError",
+    "SwitchWeightSyncError",
+    "SwitchKVResumeError",
+    "switch_error",
 ]
 
 
@@ -31,15 +41,36 @@ class ConfigError(HybridMemError, ValueError):
 
     Attributes:
         key: The offending key (e.g. ``"infer_tensor_parallel_size"``).
-        value: The value that was given.
+        value: The value that was given (``None`` for an unknown key).
+        suggestions: For an unknown key, the closest known names (empty otherwise).
     """
 
-    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None):
+    suggestions: tuple[str, ...] = ()
+
+    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None, message: str | None = None):
         self.key = key
         self.value = value
         self.allowed = allowed
         where = f" in {source}" if source else ""
-        super().__init__(f"{key}={value!r}{where} is not allowed: expected {allowed}")
+        super().__init__(message or f"{key}={value!r}{where} is not allowed: expected {allowed}")
+
+    @classmethod
+    def unknown(
+        cls, key: str, known: Sequence[str], *, where: str, source: str | None = None, kind: str = "key"
+    ) -> ConfigError:
+        """The error for a ``kind`` (key or section) that is not in ``known``, with "did you mean" hints.
+
+        The message names ``key``, ``where`` it was found and ``source``, the closest known names
+        (``difflib``), and all known names when there are few.
+        """
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no known name is close"
+        listing = f" (allowed: {', '.join(sorted(known))})" if len(known) <= 20 else ""
+        in_source = f" of {source}" if source else ""
+        message = f"unknown {kind} {key!r} in {where}{in_source}: {hint}{listing}"
+        err = cls(key, None, f"a known {kind}", source=source, message=message)
+        err.suggestions = tuple(close)
+        return err
 
 
 class PhaseError(HybridMemError, RuntimeError):
@@ -143,3 +174,51 @@ class KVResumeError(HybridMemError, MemoryError):
         self.mapped_nbytes = mapped_nbytes
         self.step = step
         super().__init__(message)
+
+
+class _SwitchFailedWith(SwitchError):
+    """A :class:`SwitchError` that is also the documented class of the step's error (second base).
+
+    It carries the cause's attributes too (``requested_nbytes``, ``budget_nbytes``, ... for a budget
+    overflow), and the cause stays in ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, direction: str, step: str, phase_after: object, cause: BaseException):
+        # The bases' constructors take different arguments; set both sides' attributes directly.
+        Exception.__init__(self, message)
+        self.__dict__.update(vars(cause))
+        self.direction = direction
+        self.step = step
+        self.phase_after = phase_after
+
+
+class SwitchHostMemoryBudgetError(_SwitchFailedWith, HostMemoryBudgetError):
+    """A switch step would have exceeded ``host_memory_budget_bytes``; catch it as either base."""
+
+
+class SwitchWeightSyncError(_SwitchFailedWith, WeightSyncError):
+    """A switch's weight sync failed its checksum comparison; catch it as either base."""
+
+
+class SwitchKVResumeError(_SwitchFailedWith, KVResumeError):
+    """A switch could not re-create the KV pool; catch it as either base."""
+
+
+_SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...] = (
+    (HostMemoryBudgetError, SwitchHostMemoryBudgetError),
+    (WeightSyncError, SwitchWeightSyncError),
+    (KVResumeError, SwitchKVResumeError),
+)
+
+
+def switch_error(message: str, *, direction: str, step: str, phase_after: object, cause: BaseException) -> SwitchError:
+    """The :class:`SwitchError` to raise for a step that failed with ``cause``.
+
+    Returns an instance of ``SwitchHostMemoryBudgetError`` / ``SwitchWeightSyncError`` /
+    ``SwitchKVResumeError`` when ``cause`` is of the matching documented class, else a plain
+    :class:`SwitchError`. Raise it ``from cause``.
+    """
+    for cause_cls, cls in _SWITCH_CLASSES:
+        if isinstance(cause, cause_cls):
+            return cls(message, direction=direction, step=step, phase_after=phase_after, cause=cause)
+    return SwitchError(message, direction=direction, step=step, phase_after=phase_after)

@@ -24,8 +24,8 @@ from torch.profiler import record_function
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures, get_accelerator
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
-from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, SwitchError
+from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
+from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, switch_error
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.machine import PhaseMachine
@@ -126,6 +126,7 @@ class ShardingManager:
         if engine is not None and not isinstance(engine, InferenceEngine):
             missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
             raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
+        check_kv_utilization(engine, self.config)
         self.engine = engine
         self.pool = HostBufferPool(
             self.accel, budget_nbytes=self.config.host_memory_budget_bytes, pin=self.config.pin_memory
@@ -298,7 +299,10 @@ class ShardingManager:
         Raises:
             PhaseError: Not in TRAIN.
             MemoryPlanError: The predicted peak exceeds the device budget; nothing was done.
-            SwitchError: A step raised; the done steps were undone and the manager is in TRAIN.
+            SwitchError: A step raised; the done steps were undone and the manager is in TRAIN. A
+                :class:`~hybridmem.errors.HostMemoryBudgetError`, ``WeightSyncError`` or ``KVResumeError``
+                of a step is raised as a ``SwitchError`` that is also of that class (see
+                :func:`~hybridmem.errors.switch_error`).
             RollbackError: Undoing failed too; the manager is in FAILED (call :meth:`recover`).
         """
         self._check_coresidents_offloaded("switch to INFER")
@@ -364,7 +368,7 @@ class ShardingManager:
             )
             if not isinstance(run.error, Exception):
                 raise run.error
-            raise SwitchError(msg, direction="to_train", step=run.failed_step.name, phase_after=self.phase) from run.error
+            raise switch_error(msg, direction="to_train", step=run.failed_step.name, phase_after=self.phase, cause=run.error) from run.error
         self._machine.fire("end_train", operation="finish the switch to TRAIN")
         return self._report(Direction.TO_TRAIN, run, before, start, plan)
 
@@ -455,12 +459,13 @@ class ShardingManager:
         if not isinstance(run.error, Exception):
             raise run.error  # KeyboardInterrupt and the like: rolled back, re-raised as is
         undone = ", ".join(s.name for s in reversed(run.done)) or "nothing"
-        raise SwitchError(
+        raise switch_error(
             f"TRAIN->INFER step {run.failed_step.name!r} failed: {run.error!r}. Rolled back ({undone}); "
             f"phase is TRAIN with all training state on the device",
             direction="to_infer",
             step=run.failed_step.name,
             phase_after=self.phase,
+            cause=run.error,
         ) from run.error
 
     def _report(

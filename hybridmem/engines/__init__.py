@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
 from hybridmem.engines.reference import GenerationOutput, ReferenceEngine, SamplingParams
 from hybridmem.engines.torch_copy import EngineMemoryState, TorchCopyEngine
 
@@ -16,4 +16,5 @@ __all__ = [
     "WEIGHTS",
     "KV_CACHE",
     "ENGINE_TAGS",
+    "check_kv_utilization",
 ]

@@ -20,11 +20,11 @@ the switch's rollback sees the engine exactly as before the call.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["InferenceEngine", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS"]
+__all__ = ["InferenceEngine", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS", "check_kv_utilization"]
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
@@ -41,6 +41,8 @@ class InferenceEngine(Protocol):
     - ``planned_nbytes(tag) -> int``: device bytes ``resume([tag])`` will allocate (memory plan).
     - ``named_parameters() -> Iterable[tuple[str, Tensor]]``: the engine's own weight tensors, so the
       resharding engine can write shards into them in place instead of calling ``load_weights``.
+    - ``gpu_memory_utilization``: the share of device memory its KV pool was sized for (``None`` when
+      it was sized by a block count); checked against the config (:func:`check_kv_utilization`).
     """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -51,3 +53,37 @@ class InferenceEngine(Protocol):
 
     def resume(self, tags: Sequence[str]) -> None:
         """Take back the device memory of ``tags``; all-or-nothing."""
+
+
+_NO_ATTRIBUTE = object()
+
+
+def check_kv_utilization(engine: Any, config: Any) -> None:
+    """Refuse an engine whose KV pool was not sized by ``config.gpu_memory_utilization``.
+
+    The KV pool is sized where the engine is built (vLLM measures free memory then; the
+    ``ReferenceEngine`` with ``kv_utilization=``), so the config's value takes effect there and this
+    check makes sure both agree. Nothing is checked when the key is ``None`` or the engine does not say
+    how its pool was sized (no ``gpu_memory_utilization`` attribute, e.g. ``TorchCopyEngine``).
+
+    Raises:
+        ConfigError: The engine's pool was sized for another share, or by a block count.
+    """
+    from hybridmem.errors import ConfigError  # noqa: PLC0415 - errors imports nothing of ours; keep the protocol light
+
+    want = getattr(config, "gpu_memory_utilization", None)
+    have = getattr(engine, "gpu_memory_utilization", _NO_ATTRIBUTE)
+    if want is None or engine is None or have is _NO_ATTRIBUTE:
+        return
+    if have is None:
+        raise ConfigError(
+            "gpu_memory_utilization", want,
+            f"null (unset), because the {type(engine).__name__} sized its KV pool by a block count; or build "
+            f"it with the same share (ReferenceEngine(..., kv_utilization={want}))",
+        )
+    if abs(float(have) - float(want)) > 1e-9:
+        raise ConfigError(
+            "gpu_memory_utilization", want,
+            f"{have}, the share the {type(engine).__name__} was built with (build the engine with {want}, or "
+            f"set the key to {have} or null)",
+        )

@@ -6,7 +6,6 @@ TRAIN and INFER; at the end it checks that the engine's output equals the traini
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 import torch
@@ -69,10 +68,27 @@ def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Conso
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``hybridmem demo --loop``: parse arguments and run."""
-    parser = argparse.ArgumentParser(prog="hybridmem demo --loop")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--device", default="auto")
+    """``hybridmem switch-loop``: parse and check arguments, then run."""
+    from hybridmem.cli import OneLineErrorParser  # noqa: PLC0415 - the cli imports this module lazily
+
+    parser = OneLineErrorParser(
+        prog="hybridmem switch-loop",
+        description="The torch-only switch loop: train a step, switch to INFER, run the engine, switch back; "
+        "one table row per iteration.",
+    )
+    parser.add_argument("--iters", type=int, default=10, help="iterations (default 10)")
+    parser.add_argument("--dim", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, npu, cuda:N or npu:N")
     args = parser.parse_args(argv)
+    for flag, value in (("--iters", args.iters), ("--dim", args.dim)):
+        if value < 1:
+            parser.error(f"{flag} {value} is not allowed: expected an integer >= 1")
+    from hybridmem.accel import get_accelerator  # noqa: PLC0415
+    from hybridmem.config import DEVICE_CHOICES  # noqa: PLC0415
+
+    try:
+        HybridConfig(device=args.device)
+        get_accelerator(args.device)
+    except (ValueError, RuntimeError) as exc:
+        parser.error(f"--device {args.device} is not usable here ({exc}); allowed: {', '.join(DEVICE_CHOICES)}, cuda:N, npu:N where the backend is present (auto picks one)")
     run(iters=args.iters, dim=args.dim, device=args.device)

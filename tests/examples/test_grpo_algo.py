@@ -55,3 +55,26 @@ def test_grpo_config_errors():
         GRPOConfig(group_size=1)
     with pytest.raises(ValueError, match="clip_ratio=1.5"):
         GRPOConfig(clip_ratio=1.5)
+
+
+def test_policy_loss_with_asymmetric_rows_and_the_direction_of_its_gradient():
+    # Row 0: A=+2, ratio 1.5 -> min(3.0, clip 1.2 * 2 = 2.4) = 2.4; row 1: A=-1, ratio 0.5 ->
+    # min(-0.5, clip 0.8 * -1 = -0.8) = -0.8. Loss = -(2.4 - 0.8) / 2 = -0.8 (a flipped sign gives 1.25).
+    adv = torch.tensor([2.0, -1.0])
+    old = torch.zeros(2, 1)
+    lp = torch.tensor([[math.log(1.5)], [math.log(0.5)]])
+    loss, stats = policy_loss(lp, old, old, adv, clip_ratio=0.2, kl_coef=0.0)
+    torch.testing.assert_close(loss, torch.tensor(-0.8))
+    assert stats["clip_frac"] == 1.0
+    # Unclipped (ratio 1): gradient descent must raise the log-prob of a token with a positive advantage
+    # and lower it for a negative one: d loss / d logp = -A * ratio / num_rows.
+    lp = torch.zeros(2, 1, requires_grad=True)
+    loss, _ = policy_loss(lp, old, old, adv, clip_ratio=0.2, kl_coef=0.0)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-1.0], [0.5]]))
+
+
+def test_better_completions_get_positive_advantages():
+    adv = group_advantages(torch.tensor([0.0, 1.0, 0.25, 0.25, 3.0, 1.0, 2.0, 2.0]), 4)
+    assert adv[1] > 0 > adv[0] and adv[4] > 0 > adv[5]
+    assert adv.argmax().item() in (1, 4) and adv[2] == adv[3] < 0

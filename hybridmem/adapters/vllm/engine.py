@@ -291,6 +291,12 @@ class VLLMEngine:
         )
         return cls(llm, accel=accel, **dict(engine_kwargs or {}))
 
+    @property
+    def gpu_memory_utilization(self) -> float | None:
+        """vLLM's ``cache_config.gpu_memory_utilization`` (what its KV pool was sized for), if known."""
+        value = _attr_path(self.llm, "llm_engine.vllm_config.cache_config.gpu_memory_utilization")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
     # InferenceEngine ------------------------------------------------------------------------------
     def release(self, tags: Sequence[str]) -> None:
         """Give back the device memory of ``tags`` (see [Note: vllm sleep granularity]).

@@ -96,6 +96,8 @@ class ReferenceEngine:
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
         self.shard = tp_shard(self.spec, self.tp_size, self.tp_rank)
         self.accel = get_accelerator(device)
+        self.gpu_memory_utilization = kv_utilization
+        """The ``kv_utilization`` the KV pool was sized for (``None``: sized by block count)."""
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size

@@ -3,34 +3,47 @@ every iteration switching TRAIN <-> INFER through :class:`hybridmem.ShardingMana
 co-location (actor training, rollout engine and reference policy on the same devices).
 
 Spawns ``--world-size`` processes (gloo on CPU); rank 0 prints a progress bar, a per-iteration table,
-the mean reward of the first and last 5 iterations, and writes PNG plots and a JSON log to ``--out``.
+the mean reward of the first and last 5 iterations, and writes a JSON log and (with matplotlib) PNG
+plots to ``--out``. Every argument is checked in :func:`check_args` before anything is spawned.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["main"]
+from hybridmem.cli import OneLineErrorParser
+
+__all__ = ["main", "check_args", "have_matplotlib"]
 
 LEARN_WINDOW = 5
 """Iterations averaged at each end for the learning check, which runs when the two windows do not overlap."""
 
 
+DESCRIPTION = (
+    "The GRPO demo: a tiny Qwen2-style policy learns a counting task with GRPO, switching TRAIN <-> INFER "
+    "every iteration on the same devices (actor, rollout engine and reference policy co-located). Rank 0 "
+    "prints a per-iteration table and writes a JSON log and PNG plots (plots need matplotlib) to --out."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridmem demo", description=__doc__.split("\n\n")[0])
+    p = OneLineErrorParser(prog="hybridmem demo", description=DESCRIPTION)
     p.add_argument("--iters", type=int, default=30,
                    help="GRPO iterations (default 30; from 10 on, the run fails if the last 5 do not beat the first 5)")
     p.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
     p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel)")
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
     p.add_argument("--trainer", choices=("torch", "megatron"), default="torch")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (one GPU per process)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -40,13 +53,78 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_allowed(model: Any, world_size: int, *, infer: bool, megatron: bool) -> list[int]:
+    """TP sizes of one side that ``world_size`` processes and the demo model's head counts allow."""
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    out = []
+    for tp in _divisors(world_size):
+        splits = heads % tp == 0 and model.intermediate_size % tp == 0
+        if infer:  # vLLM's layout replicates KV heads when tp > kv_heads
+            splits = splits and (kv_heads % tp == 0 if tp <= kv_heads else tp % kv_heads == 0)
+        else:
+            splits = splits and kv_heads % tp == 0 and (not megatron or model.vocab_size % tp == 0)
+        if splits:
+            out.append(tp)
+    return out
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every check of the command line, before anything is spawned; one line per mistake (``parser.error``).
+
+    Checks the numbers' ranges, the TP sizes against ``--world-size`` and the demo model, ``--device``
+    against the machine and ``--trainer`` against what is installed.
+    """
+    import torch
+
+    from hybridmem.examples.grpo.loop import DemoConfig
+
+    for flag, value, low in (("--iters", args.iters, 1), ("--world-size", args.world_size, 1),
+                             ("--num-prompts", args.num_prompts, 1), ("--group-size", args.group_size, 2)):
+        if value < low:
+            parser.error(f"{flag} {value} is not allowed: expected an integer >= {low}")
+    if not args.lr > 0:
+        parser.error(f"--lr {args.lr} is not allowed: expected a number > 0")
+    model = DemoConfig.__dataclass_fields__["model"].default_factory()
+    for flag, tp, infer in (("--train-tp", args.train_tp, False), ("--infer-tp", args.infer_tp, True)):
+        allowed = _tp_allowed(model, args.world_size, infer=infer, megatron=args.trainer == "megatron")
+        if tp not in allowed:
+            parser.error(
+                f"{flag} {tp} is not allowed with --world-size {args.world_size}: expected one of {allowed} "
+                f"(divisors of --world-size that split the model's {model.num_attention_heads} attention and "
+                f"{model.num_key_value_heads} KV heads)"
+            )
+    if args.device == "cuda":
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if num_gpus < args.world_size:
+            parser.error(
+                f"--device cuda needs one CUDA device per process: --world-size {args.world_size}, CUDA devices "
+                f"visible {num_gpus}; allowed here: --device cpu" + (f" or --world-size <= {num_gpus}" if num_gpus else "")
+            )
+    if args.trainer == "megatron" and importlib.util.find_spec("megatron") is None:
+        parser.error("--trainer megatron needs megatron-core, which is not installed: pip install 'hybridmem[megatron]', "
+                     "or use --trainer torch")
+
+
+def have_matplotlib() -> bool:
+    """Whether ``import matplotlib`` works (the plots need it; the JSON log does not)."""
+    try:
+        import matplotlib  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg, out: str, plots: bool) -> None:
     import warnings
 
     import torch
@@ -64,7 +142,7 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
         if rank == 0:
             from hybridmem.examples.grpo.report import RankZeroReporter
 
-            reporter = RankZeroReporter(cfg, Path(out))
+            reporter = RankZeroReporter(cfg, Path(out), plots=plots)
             from hybridmem.examples.grpo.loop import run_rank
 
             stats = run_rank(cfg, on_iteration=reporter.on_iteration)
@@ -78,8 +156,14 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse arguments and run the demo in ``--world-size`` spawned processes."""
-    args = _parser().parse_args(argv)
+    """Parse and check arguments, then run the demo in ``--world-size`` spawned processes."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    plots = have_matplotlib()
+    if not plots:
+        print("hybridmem demo: matplotlib is not installed, so only the JSON log is written "
+              "(pip install 'hybridmem[bench]' for the PNG plots)", file=sys.stderr)
     import torch.multiprocessing as mp
 
     from hybridmem import HybridConfig
@@ -92,8 +176,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         infer_tensor_parallel_size=args.infer_tp,
         verify_weight_sync=args.verify,
     )
-    for side, layout in (("--train-tp", hybrid.train_layout), ("--infer-tp", hybrid.infer_layout)):
-        layout.data_parallel_size(args.world_size)  # ValueError naming the numbers
     cfg = DemoConfig(
         iters=args.iters,
         num_prompts=args.num_prompts,
@@ -103,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         trainer=args.trainer,
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out), nprocs=args.world_size, join=True)
+    mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out, plots), nprocs=args.world_size, join=True)
     summary = json.loads((Path(args.out) / "grpo.json").read_text())
     first, last = summary["first5_reward"], summary["last5_reward"]
     if args.iters >= 2 * LEARN_WINDOW and not last > first:

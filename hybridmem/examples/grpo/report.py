@@ -12,7 +12,6 @@ from rich.table import Table
 from tqdm import tqdm
 
 from hybridmem.examples.grpo.loop import DemoConfig, IterationStats
-from hybridmem.examples.grpo.plots import plot_memory, plot_rewards
 from hybridmem.memplan import format_nbytes
 
 __all__ = ["RankZeroReporter"]
@@ -21,11 +20,13 @@ _COLUMNS = ("iter", "reward", "KL", "lp gap", "to INFER ms", "to TRAIN ms", "ref
 
 
 class RankZeroReporter:
-    """Collects rank 0's iteration figures and renders them."""
+    """Collects rank 0's iteration figures and renders them (PNG plots only with ``plots``: they need
+    matplotlib)."""
 
-    def __init__(self, cfg: DemoConfig, out: Path):
+    def __init__(self, cfg: DemoConfig, out: Path, *, plots: bool = True):
         self.cfg = cfg
         self.out = out
+        self.plots = plots
         self.console = Console(width=max(Console().width, 132))  # the table is 124 columns wide
         layout = f"train {cfg.hybrid.train_layout}, infer {cfg.hybrid.infer_layout}"
         self.console.print(f"[bold]hybridmem GRPO demo[/]: {cfg.trainer} trainer, {layout}, {cfg.hybrid.device}")
@@ -60,10 +61,14 @@ class RankZeroReporter:
         first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
         self.out.mkdir(parents=True, exist_ok=True)
         begin = self.ends[-4] if len(self.ends) >= 4 else 0  # the last 3 iterations
-        plots = [
-            plot_rewards(rewards, self.out / "reward.png"),
-            plot_memory(self.samples[begin:], self.out / "memory.png"),
-        ]
+        plots = []
+        if self.plots:
+            from hybridmem.examples.grpo.plots import plot_memory, plot_rewards  # noqa: PLC0415 - needs matplotlib
+
+            plots = [
+                plot_rewards(rewards, self.out / "reward.png"),
+                plot_memory(self.samples[begin:], self.out / "memory.png"),
+            ]
         summary = {
             "first5_reward": first,
             "last5_reward": last,

@@ -1,0 +1,77 @@
+"""Errors a user catches by the documented name, also when they happen inside a switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem import HostMemoryBudgetError, HybridConfig, Phase, ShardingManager, SwitchError, WeightSyncError
+from hybridmem.engines import TorchCopyEngine
+from hybridmem.testing.tiny import assert_bitwise_equal, snapshot, train_step
+
+
+def _trained(tiny_setup):
+    model, opt = tiny_setup("cpu", "adamw")
+    train_step(model, opt, 0)
+    return model, opt
+
+
+def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_the_step(tiny_setup):
+    model, opt = _trained(tiny_setup)
+    numel = sum(p.numel() for p in model.parameters())
+    # Adam state: exp_avg + exp_avg_sq (4 bytes each) and a 4-byte step per tensor. The budget holds the
+    # optimizer's arena and not the grads' as well, so the second step fails and the first is undone.
+    opt_nbytes = 8 * numel + 4 * len(list(model.parameters()))
+    config = HybridConfig(host_memory_budget_bytes=opt_nbytes + 1024, skip_zero_grads=False)
+    before = snapshot(model, opt)
+    manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt, config=config)
+    with pytest.raises(HostMemoryBudgetError) as info:
+        manager.to_infer()
+    err = info.value
+    assert isinstance(err, SwitchError) and isinstance(err, MemoryError)
+    assert err.step == "offload grad" and err.direction == "to_infer" and err.phase_after is Phase.TRAIN
+    assert err.budget_nbytes == opt_nbytes + 1024 and err.requested_nbytes == 4 * numel
+    assert "'offload grad' failed" in str(err) and "Rolled back (offload optimizer)" in str(err)
+    assert isinstance(err.__cause__, HostMemoryBudgetError) and not isinstance(err.__cause__, SwitchError)
+    assert manager.phase is Phase.TRAIN
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
+def test_a_budget_overflow_outside_a_switch_is_the_plain_class():
+    from hybridmem.accel import get_accelerator
+    from hybridmem.host_pool import HostBufferPool
+
+    pool = HostBufferPool(get_accelerator("cpu"), budget_nbytes=16)
+    with pytest.raises(HostMemoryBudgetError) as info:
+        pool.arena("param", torch.float32, 5)
+    assert type(info.value) is HostMemoryBudgetError and info.value.requested_nbytes == 20
+
+
+def test_a_checksum_mismatch_in_a_switch_is_a_weight_sync_error(tiny_setup, monkeypatch):
+    model, opt = _trained(tiny_setup)
+    before = snapshot(model, opt)
+    manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt)
+
+    def mismatch():
+        raise WeightSyncError("checksum of 'fc1.weight' differs")
+
+    monkeypatch.setattr(manager.weight_sync, "sync", mismatch)
+    with pytest.raises(WeightSyncError) as info:
+        manager.to_infer()
+    assert isinstance(info.value, SwitchError) and info.value.step == "weight sync"
+    assert "fc1.weight" in str(info.value) and "Rolled back" in str(info.value)
+    assert manager.phase is Phase.TRAIN
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
+def test_other_step_errors_stay_plain_switch_errors(tiny_setup, monkeypatch):
+    model, opt = _trained(tiny_setup)
+    manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt)
+
+    def boom():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(manager.weight_sync, "sync", boom)
+    with pytest.raises(SwitchError) as info:
+        manager.to_infer()
+    assert type(info.value) is SwitchError and not isinstance(info.value, (MemoryError, WeightSyncError))
