@@ -1,6 +1,6 @@
 """Test-only harness: run real megatron-core code on a machine without CUDA.
 
-Megatron-core (0.16.x) assumes CUDA in a handful of places (listed in ``shared/ENVIRONMENT.md``):
+Megatron-core (0.16.x) assumes CUDA in a handful of places:
 factories with ``device=torch.cuda.current_device()`` or ``device='cuda'``, ``.cuda()`` and
 ``.pin_memory()``, ``param.type() == 'torch.cuda.FloatTensor'`` checks in the optimizers,
 ``torch.cuda.Stream``/``Event``/``stream()`` in DDP and the MoE dispatcher, the CUDA RNG tracker, and
