@@ -137,6 +137,41 @@ def test_compute_logprobs_equals_hf_forward(qwen):
                                    torch.tensor(ref, dtype=torch.float64), atol=2e-4, rtol=0)
 
 
+BOUNDARY_PROMPT = [3, 17, 42, 99, 5, 8, 13, 21]  # 8 tokens: exactly two blocks of 4
+
+
+@pytest.mark.parametrize(
+    "max_tokens, num_kv_blocks",
+    [
+        (1, 2),  # KV holds the 8 prompt tokens only (the sampled token is never fed back): 2 blocks
+        (2, 3),  # the first generated token is written at position 8, the first of a third block
+        (5, 3),  # positions 8..11 fill the third block exactly
+    ],
+)
+def test_prompt_ending_exactly_on_a_block_boundary(qwen, max_tokens, num_kv_blocks):
+    # The cache has exactly the blocks the sequence needs: one more token reserved raises
+    # KVBlocksExhaustedError, one fewer writes outside the sequence's block table.
+    config, model = qwen
+    engine = _engine(config, model, num_kv_blocks=num_kv_blocks, block_size=4)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    out = engine.generate([BOUNDARY_PROMPT], params)
+    assert out[0].token_ids == _hf_greedy(model, BOUNDARY_PROMPT, n=max_tokens)
+    assert engine.blocks.num_free_blocks == num_kv_blocks
+
+
+@pytest.mark.parametrize("length, num_kv_blocks", [(8, 2), (9, 3)])
+def test_scoring_a_sequence_on_and_just_past_a_block_boundary(qwen, length, num_kv_blocks):
+    config, model = qwen
+    seq = (BOUNDARY_PROMPT + [7])[:length]
+    engine = _engine(config, model, num_kv_blocks=num_kv_blocks, block_size=4)
+    (got,) = engine.compute_logprobs([seq])
+    ref = hf_logprobs(model, seq[:1], seq[1:])
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                               atol=2e-4, rtol=0)
+    with pytest.raises(KVBlocksExhaustedError, match=f"needs {num_kv_blocks} KV blocks"):
+        _engine(config, model, num_kv_blocks=num_kv_blocks - 1, block_size=4).compute_logprobs([seq])
+
+
 def test_bad_prompts_are_refused(qwen):
     engine = _engine(*qwen)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
