@@ -186,3 +186,37 @@ def moe_task(ctx, k: int, steps: int = 2):
                     "restored": all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt))),
                     "local_experts": _local(model.model.layers[0].mlp.experts.gate_up_proj).shape[0]})
     return out
+
+
+def buffers_task(ctx):
+    """FSDP2 on CUDA keeps the last all-gather result and reduce-scatter input in its communication
+    context (on CPU it keeps none): put such buffers there, as FSDP2's own records, and release."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import AllGatherState, ReduceScatterState
+
+    from hybridmem.adapters.fsdp import FSDPTrainingState, ReleaseFSDPBuffersStep
+
+    _, model = build("qwen2", fsdp=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = _batch(ctx.rank, 0)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    state = FSDPTrainingState(model, opt)
+    root_unsharded = state.unsharded_nbytes()  # after backward: nothing kept on CPU
+    with torch.no_grad():
+        model(input_ids=x)
+    after_eval = state.unsharded_nbytes()
+    comm = model._get_fsdp_state()._comm_ctx
+    gathered, scattered = torch.ones(1000), torch.ones(300)
+    comm.all_gather_state = AllGatherState(AllGatherResult(gathered, None, None, [], [], []), None)
+    comm.reduce_scatter_states.append(ReduceScatterState(scattered, None))
+    with_comm = state.unsharded_nbytes()
+    step = ReleaseFSDPBuffersStep(state.buffers)
+    planned = step.estimate().free_nbytes
+    result = step.run()
+    return {"after_backward": root_unsharded, "after_eval": after_eval, "with_comm": with_comm, "planned": planned,
+            "released": result.extra["released_nbytes"], "left": state.unsharded_nbytes(),
+            "comm_left": (comm.all_gather_state is not None, len(comm.reduce_scatter_states)),
+            # FSDP2 all-gathers padded shards: ceil(rows / world) * world rows per root parameter.
+            "root_nbytes": sum(-(-p.shape[0] // ctx.world_size) * ctx.world_size * p[0].numel() * 4
+                               for n, p in model.named_parameters() if not n.startswith("model.layers."))}

@@ -118,3 +118,13 @@ def test_one_process_plain_model_with_model_spec():
                 max_tokens=tasks.MAX_TOKENS, temperature=0.0))]
             assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
         assert tokens == ref, f"step {step}"
+
+
+def test_release_drops_unsharded_params_and_comm_buffers(pool):
+    for rank, r in enumerate(pool.run(tasks.buffers_task)):
+        assert r["after_backward"] == 0
+        # The root (embedding, final norm, LM head) stays unsharded, padded, after a forward without backward.
+        assert r["after_eval"] == r["root_nbytes"], (rank, r)
+        assert r["with_comm"] == r["after_eval"] + 4 * (1000 + 300)
+        assert r["planned"] == r["released"] == r["with_comm"], (rank, r)
+        assert r["left"] == 0 and r["comm_left"] == (False, 0), (rank, r)
