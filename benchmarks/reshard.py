@@ -13,9 +13,18 @@ Methods, all in one run on gloo with spawned processes (hybridmem.testing.worker
     so the bytes compare like for like; both targets are checked against the layout's slices. Skipped,
     with the reason printed, when megatron-core is missing or the inference layout is not a Megatron one.
 
+With ``--src fsdp`` the source is an FSDP2 model instead (transformers' names, every parameter a
+DTensor ``Shard(0)`` over all ranks, uneven last shards as ``fully_shard`` leaves them) and the methods are:
+
+(a) hybridmem: the same plan from :func:`hybridmem.reshard.hf_source.hf_source_layout`, each rank
+    receiving only the rows of its vLLM shards it does not hold.
+(b) verl's FSDP path: ``full_tensor()`` of every parameter on every rank (an all-gather), then each
+    rank slices its vLLM shard out of the full tensor, one parameter at a time.
+
 Example::
 
     python benchmarks/reshard.py --preset qwen2-0.5b --src tp=4 --dst tp=2 --world 4
+    python benchmarks/reshard.py --preset qwen2-0.5b --src fsdp --dst tp=2 --world 4
 """
 
 from __future__ import annotations
@@ -160,6 +169,72 @@ def _task(ctx, spec, src, dst, dtype, bucket_nbytes, repeats):
     return res
 
 
+def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
+    """FSDP2 source: (a) the plan from the FSDP2 shards, (b) ``full_tensor()`` of every parameter, then slice."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hybridmem.reshard.execute import run_plan
+    from hybridmem.reshard.hf_source import fsdp_rows, hf_source_layout
+    from hybridmem.reshard.transforms import dst_index, src_index
+
+    torch.set_num_threads(1)
+    world = ctx.world_size
+    mesh = init_device_mesh("cpu", (world,))
+    src_layout = hf_source_layout(spec, world, shard_size=world)
+    dst_layout = vllm_layout(spec, dst, world)
+    full = SeededFull(spec, dtype)
+    local, dtensors = {}, {}
+    for name, shape in spec.full_shapes().items():
+        lo, hi = fsdp_rows(shape[0], ctx.rank, world)
+        local[name] = full[name][lo:hi].clone()
+        full.pop(name)
+        t = torch.empty(shape)
+        dtensors[name] = DTensor.from_local(local[name], mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                            stride=t.stride())
+        del t
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    t0 = time.perf_counter()
+    plan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
+    res = {"plan_s": time.perf_counter() - t0, "min_nbytes": plan.min_recv_nbytes(ctx.rank),
+           "dst_nbytes": plan.dst_nbytes(ctx.rank), "buckets": len(plan.buckets)}
+    wants: dict[str, list] = {}
+    for dname, dlocal in dst_layout.tensors(ctx.rank).items():
+        for piece in dlocal.pieces:
+            wants.setdefault(piece.hf_name, []).append((dname, piece))
+
+    def full_then_slice():
+        out = {n: torch.zeros(t.shape, dtype=dtype) for n, t in dst_layout.tensors(ctx.rank).items()}
+        received = 0
+        for name, dt in dtensors.items():
+            whole = dt.full_tensor()  # verl: every parameter gathered on every rank
+            received += (whole.numel() - local[name].numel()) * itemsize
+            for dname, piece in wants.get(name, ()):
+                out[dname][dst_index(piece)] = whole[src_index(piece.src)]
+            del whole
+        return out, received
+
+    a_times, b_times = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out_a, stats = run_plan(plan, rank=ctx.rank, src=local)
+        a_times.append(time.perf_counter() - t0)
+        del out_a
+        dist.barrier()
+        t0 = time.perf_counter()
+        out_b, recv_b = full_then_slice()
+        b_times.append(time.perf_counter() - t0)
+        del out_b
+    out_a, stats = run_plan(plan, rank=ctx.rank, src=local)
+    out_b, _ = full_then_slice()
+    res["same_result"] = all(torch.equal(out_a[n], out_b[n]) for n in out_a)
+    res.update(a_recv=stats.received_nbytes, a_sent=stats.sent_nbytes, a_temp=stats.temp_peak_nbytes,
+               a_s=min(a_times), b_recv=recv_b, b_s=min(b_times))
+    return res
+
+
 def _megatron_reason(spec: ModelSpec, dst: ParallelLayout, world: int) -> str | None:
     """Why (c) cannot run for this case, or ``None`` when it can."""
     try:
@@ -198,7 +273,7 @@ def _print_megatron(results: list[dict], repeats: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen2-0.5b")
-    ap.add_argument("--src", default="tp=4", help="training layout, e.g. tp=2,pp=2")
+    ap.add_argument("--src", default="tp=4", help="training layout, e.g. tp=2,pp=2, or 'fsdp' (FSDP2 over all ranks)")
     ap.add_argument("--dst", default="tp=2", help="inference layout, e.g. tp=2")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -213,13 +288,18 @@ def main(argv=None) -> int:
     from hybridmem.testing.workers import WorkerPool
 
     spec = ModelSpec(**PRESETS[args.preset])
-    src, dst = _parse_layout(args.src), _parse_layout(args.dst)
-    megatron_layout(spec, src, args.world)  # validate before spawning
+    fsdp = args.src == "fsdp"
+    src, dst = ("FSDP2" if fsdp else _parse_layout(args.src)), _parse_layout(args.dst)
+    if not fsdp:
+        megatron_layout(spec, src, args.world)  # validate before spawning
     vllm_layout(spec, dst, args.world)
     dtype = DTYPES[args.dtype]
-    reason = _megatron_reason(spec, dst, args.world) if args.megatron else "--no-megatron"
+    reason = "an FSDP2 source" if fsdp else _megatron_reason(spec, dst, args.world) if args.megatron else "--no-megatron"
     with WorkerPool(args.world, timeout_s=args.timeout_s) as pool:
-        results = pool.run(_task, spec, src, dst, dtype, args.bucket_mb * 2**20, args.repeats)
+        if fsdp:
+            results = pool.run(_fsdp_task, spec, dst, dtype, args.bucket_mb * 2**20, args.repeats)
+        else:
+            results = pool.run(_task, spec, src, dst, dtype, args.bucket_mb * 2**20, args.repeats)
         megatron = None if reason else pool.run(compare_refits, spec, src, dst, dtype=dtype, repeats=args.repeats)
     mib = 2**20
     nparams = sum(torch.Size(s).numel() for s in spec.full_shapes().values())

@@ -77,12 +77,23 @@ def _add_note(exc: BaseException, note: str) -> None:
         add(note)
 
 
+def _torch_training_state(model: Any, optimizer: Any) -> TrainingState:
+    """The training state of a plain PyTorch model: FSDP2's when ``fully_shard`` was applied to it."""
+    from hybridmem.adapters.fsdp import FSDPTrainingState, is_fsdp_model  # noqa: PLC0415 - torch.distributed.fsdp
+
+    if is_fsdp_model(model):
+        return FSDPTrainingState(model, optimizer)
+    return TorchTrainingState(model, optimizer)
+
+
 class ShardingManager:
     """Switches one actor (training state + inference engine) between TRAIN and INFER.
 
     Args:
-        model: The training model: a ``torch.nn.Module``, a list of module chunks, or an object
-            implementing :class:`~hybridmem.training_state.TrainingState` (e.g. the Megatron adapter).
+        model: The training model: a ``torch.nn.Module`` (with ``fully_shard`` applied or not; an FSDP2
+            model gets :class:`~hybridmem.adapters.fsdp.FSDPTrainingState`), a list of module chunks, or
+            an object implementing :class:`~hybridmem.training_state.TrainingState` (e.g. the Megatron
+            adapter).
         engine: The inference engine (see :class:`~hybridmem.engines.protocol.InferenceEngine`), or
             ``None`` to only offload training state.
         optimizer: The optimizer(s) whose state to offload (plain PyTorch models only; adapters carry
@@ -122,7 +133,7 @@ class ShardingManager:
                 raise ValueError(f"optimizer= is for plain PyTorch models; {type(model).__name__} carries its own")
             self.training: TrainingState = model
         else:
-            self.training = TorchTrainingState(model, optimizer)
+            self.training = _torch_training_state(model, optimizer)
         if engine is not None and not isinstance(engine, InferenceEngine):
             missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
             raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
@@ -149,6 +160,8 @@ class ShardingManager:
         """The latest report of each direction."""
         self.last_report: SwitchReport | None = None
         """The latest report of any direction."""
+        if getattr(self.training, "attaches_itself", False):
+            self.training.attach(self)  # FSDP2: its buffer release step and residency owner
 
     # Introspection --------------------------------------------------------------------------------
     @property

@@ -94,15 +94,40 @@ def _dominant_dtype(weights: Iterable[tuple[str, torch.Tensor]]) -> torch.dtype:
     return max(nbytes, key=nbytes.__getitem__) if nbytes else torch.bfloat16
 
 
+def _source_layout(training: Any, spec: Any, config: Any, group: Any) -> Any:
+    """The HF-named source layout of ``training`` (see :func:`default_weight_sync`), or ``None`` for a
+    Megatron-named one."""
+    from hybridmem.reshard.hf_source import hf_source_layout, looks_hf_named  # noqa: PLC0415
+
+    own = getattr(training, "hf_source_layout", None)
+    if not callable(own) and not looks_hf_named(name for name, _ in training.named_weights()):
+        return None
+    train = config.train_layout
+    if (train.tp, train.pp, train.ep) != (1, 1, 1):
+        raise ValueError(
+            f"the training weights have transformers' names (unsharded by tensor/pipeline/expert parallelism) "
+            f"but config.train_layout is {train}; set its tp, pp and ep to 1"
+        )
+    import torch.distributed as dist  # noqa: PLC0415
+
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return own(spec, world, group=group) if callable(own) else hf_source_layout(spec, world)
+
+
 def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, model_spec: Any = None,
                         group: Any = None) -> WeightSync:
     """The weight sync ShardingManager uses when none is given.
 
-    With a model spec, a :class:`~hybridmem.reshard.ReshardSync` from ``config.train_layout`` (the
-    training weights in Megatron-core's names and layout) to ``config.infer_layout`` (the engine's vLLM
-    layout) over ``group``, with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, in the
-    element type holding most of the training weights' bytes. The spec is ``model_spec`` or, when that is ``None`` and the
-    layouts differ, the training state's own ``model_spec_dict()`` (the Megatron adapter has one). The
+    With a model spec, a :class:`~hybridmem.reshard.ReshardSync` from the training weights' layout to
+    ``config.infer_layout`` (the engine's vLLM layout). The source layout is the training state's own
+    ``hf_source_layout(spec, world_size, group=group)`` when it has one (the FSDP2 adapter); else, for weights with
+    transformers' names (a plain HF model, one process or DDP), every rank holding them whole
+    (:func:`~hybridmem.reshard.hf_source.hf_source_layout`; ``config.train_layout`` must then be
+    tp = pp = ep = 1); else ``config.train_layout`` in Megatron-core's names and layout. It runs over
+    ``group``, with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, in the
+    element type holding most of the training weights' bytes. The spec is ``model_spec`` or, when that is
+    ``None`` and the layouts differ (or the training state says ``needs_reshard``, as FSDP2's does), the
+    training state's own ``model_spec_dict()`` (the Megatron and FSDP2 adapters have one). The
     Megatron naming and vocab padding come from the training state's ``megatron_convention()`` when it
     has one, else Megatron's defaults (vocab padded to a multiple of ``128 * tp``). For other conventions
     build the ``ReshardSync`` yourself and pass it as ``weight_sync=``. Without a spec, a
@@ -118,12 +143,20 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         group: The process group spanning both layouts (``None``: the default group).
 
     Raises:
-        ValueError: The layouts differ and there is no model spec, or the training state reports a
-            layout (``source_layout()``) other than ``config.train_layout``.
+        ValueError: The layouts differ (or the weights are FSDP2-sharded) and there is no model spec, the
+            training state reports a layout (``source_layout()``) other than ``config.train_layout``, or
+            HF-named weights come with a ``config.train_layout`` other than tp = pp = ep = 1.
     """
     derive = getattr(training, "model_spec_dict", None)
-    if model_spec is None and config.train_layout != config.infer_layout and callable(derive):
+    # A sharded HF-named source (FSDP2) cannot be streamed as is, even into an equal layout.
+    sharded = bool(getattr(training, "needs_reshard", False))
+    if model_spec is None and (config.train_layout != config.infer_layout or sharded) and callable(derive):
         model_spec = derive()
+    if model_spec is None and sharded:
+        raise ValueError(
+            f"{type(training).__name__} holds sharded weights, which must be resharded into the engine: pass "
+            f"model_spec= (a hybridmem.reshard.ModelSpec or the model's HF config) or weight_sync="
+        )
     if model_spec is None:
         if config.train_layout != config.infer_layout:
             raise ValueError(
@@ -150,8 +183,10 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
     )
     convention_fn = getattr(training, "megatron_convention", None)
     dtype = _dominant_dtype(training.named_weights())
+    source = _source_layout(training, spec, config, group)
     return ReshardSync(
-        spec, config.train_layout, config.infer_layout, group, training.named_weights, engine,
+        spec, config.train_layout if source is None else source, config.infer_layout, group,
+        training.named_weights, engine,
         bucket_nbytes=config.reshard_bucket_bytes, verify=config.verify_weight_sync, dtype=dtype,
         megatron=convention_fn() if callable(convention_fn) else None,
     )

@@ -85,3 +85,34 @@ def test_training_state_convention_sets_the_megatron_vocab_padding():
     sync.sync()
     params = dict(engine.named_parameters())
     assert torch.equal(params["model.embed_tokens.weight"][:50], full["model.embed_tokens.weight"])
+
+
+def _hf_state():
+    """A transformers-named training state: the full HF weights as one process holds them."""
+    full = init_hf_weights(CFG, seed=3, dtype=torch.float32)
+    return SimpleNamespace(named_weights=lambda: iter(full.items()))
+
+
+def test_transformers_names_get_the_replicated_hf_source():
+    """Before HF sources were known, this sync expected Megatron names and failed at the first switch."""
+    from hybridmem.reshard import HFSourceLayout  # noqa: PLC0415
+
+    engine = ReferenceEngine(CFG.to_hf_dict(), num_kv_blocks=8, block_size=8)
+    sync = default_weight_sync(_hf_state(), engine, HybridConfig(device="cpu"), model_spec=CFG.to_hf_dict())
+    assert isinstance(sync, ReshardSync) and isinstance(sync.plan.src, HFSourceLayout)
+    assert sync.plan.src.shard_size == 1
+    sync.sync()
+    stats = sync.sync()
+    assert stats.received_nbytes == 0 and stats.num_tensors == len(list(engine.named_parameters()))
+
+
+def test_transformers_names_with_a_tensor_parallel_train_layout_are_refused():
+    with pytest.raises(ValueError, match=r"transformers' names.*TP2xPP1xEP1.*tp, pp and ep to 1"):
+        default_weight_sync(_hf_state(), TorchCopyEngine(torch.nn.Linear(2, 2)),
+                            HybridConfig(device="cpu", tensor_model_parallel_size=2), model_spec=CFG.to_hf_dict())
+
+
+def test_sharded_state_without_spec_is_refused_even_with_equal_layouts():
+    state = SimpleNamespace(named_weights=lambda: iter(()), needs_reshard=True)
+    with pytest.raises(ValueError, match=r"holds sharded weights.*model_spec="):
+        default_weight_sync(state, TorchCopyEngine(torch.nn.Linear(2, 2)), HybridConfig(device="cpu"))

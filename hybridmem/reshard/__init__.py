@@ -2,7 +2,8 @@
 
 - :class:`ModelSpec`: the shapes sharding depends on (``ModelSpec.from_hf_config``).
 - :func:`megatron_layout`, :func:`vllm_layout`, :func:`hf_layout`: layouts as data (see [Note: pieces]
-  in :mod:`hybridmem.reshard.transforms`).
+  in :mod:`hybridmem.reshard.transforms`); :func:`hf_source_layout`: transformers-named training
+  sources, replicated or FSDP2-sharded (:mod:`hybridmem.reshard.hf_source`).
 - :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
 - :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
 - :func:`run_plan`, :func:`iter_full_tensors`: the plan run over a ``torch.distributed`` group.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from hybridmem.reshard.checksum import CellChecksums, verify_offline
 from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
+from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout
 from hybridmem.reshard.layouts import (
     HFConvention,
     MegatronConvention,
@@ -38,6 +40,8 @@ __all__ = [
     "megatron_layout",
     "vllm_layout",
     "hf_layout",
+    "HFSourceLayout",
+    "hf_source_layout",
     "ReshardPlan",
     "Transfer",
     "build_plan",

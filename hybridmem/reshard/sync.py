@@ -19,6 +19,7 @@ from hybridmem.config import ParallelLayout
 from hybridmem.engines.protocol import InferenceEngine
 from hybridmem.reshard.checksum import CellChecksums
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
+from hybridmem.reshard.hf_source import HFSourceLayout
 from hybridmem.reshard.layouts import MegatronConvention, VLLMConvention, hf_layout, megatron_layout, vllm_layout
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, build_plan
 from hybridmem.reshard.spec import ModelSpec
@@ -30,14 +31,16 @@ SourceFn = Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.T
 
 
 class ReshardSync(WeightSync):
-    """Reshard Megatron training weights into an inference engine on every switch.
+    """Reshard training weights (Megatron or HF-named) into an inference engine on every switch.
 
     Args:
         spec: The model's shapes.
-        src: Training layout (e.g. ``HybridConfig.train_layout``).
+        src: Training layout (e.g. ``HybridConfig.train_layout``), or a prebuilt source layout of
+            ``group``'s size (an :class:`~hybridmem.reshard.hf_source.HFSourceLayout` for HF-named
+            weights, replicated or FSDP2-sharded); ``megatron`` is then unused.
         dst: Inference layout (e.g. ``HybridConfig.infer_layout``).
         group: The process group spanning both layouts (``None``: the default group).
-        source: Returns this rank's training tensors by Megatron name (a mapping or ``(name, tensor)``
+        source: Returns this rank's training tensors by the source layout's names (a mapping or ``(name, tensor)``
             pairs, e.g. ``model.named_parameters``); called on every sync.
         engine: The engine; written through ``named_parameters()`` when it has it, else ``load_weights``.
         bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
@@ -48,7 +51,7 @@ class ReshardSync(WeightSync):
         vllm: vLLM padding options.
     """
 
-    def __init__(self, spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout, group: Any,
+    def __init__(self, spec: ModelSpec, src: ParallelLayout | HFSourceLayout, dst: ParallelLayout, group: Any,
                  source: SourceFn, engine: InferenceEngine, *, bucket_nbytes: int = DEFAULT_BUCKET_NBYTES,
                  verify: bool = False, dtype: torch.dtype = torch.bfloat16,
                  megatron: MegatronConvention | None = None, vllm: VLLMConvention | None = None):
@@ -62,7 +65,12 @@ class ReshardSync(WeightSync):
         self.verify = verify
         self.in_place = callable(getattr(engine, "named_parameters", None))
         self.dtype = dtype
-        src_layout = megatron_layout(spec, src, world, convention=megatron)
+        if isinstance(src, ParallelLayout):
+            src_layout = megatron_layout(spec, src, world, convention=megatron)
+        else:
+            if src.spec != spec or src.world_size != world:
+                raise ValueError(f"source layout {src!r} is not of this model on {world} ranks")
+            src_layout = src
         dst_layout = vllm_layout(spec, dst, world, convention=vllm) if self.in_place else hf_layout(spec, dst, world)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)

@@ -63,6 +63,17 @@ def test_demo_megatron_trainer(tmp_path):
     assert all(r["moved_nbytes"] > 0 for r in rows) and rows[-1]["reward"] >= 0
 
 
+@pytest.mark.slow
+def test_demo_fsdp_trainer(tmp_path):
+    """A transformers Qwen2 with FSDP2 fully_shard as the actor, resharded into the TP2 engine: the engine's
+    log-probs equal the actor's, and FSDP2's shards and buffers leave the device in INFER."""
+    summary = _run(tmp_path, "--iters", "3", "--trainer", "fsdp", "--infer-tp", "2")
+    assert summary["max_logprob_gap"] < 1e-4
+    _assert_phases_apart(summary)
+    infer = [owners for _, phase, owners in summary["memory_samples"] if phase == "infer"]
+    assert infer and all(o["fsdp unsharded"] == 0 for o in infer), infer
+
+
 def test_demo_rejects_layout_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match="3"):
         grpo.main(["--out", str(tmp_path), "--train-tp", "3"])

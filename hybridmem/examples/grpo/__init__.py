@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
     p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel)")
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
-    p.add_argument("--trainer", choices=("torch", "megatron"), default="torch")
+    p.add_argument("--trainer", choices=("torch", "megatron", "fsdp"), default="torch",
+                   help="fsdp: a transformers model with FSDP2 fully_shard over all ranks (sets --train-tp 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (one GPU per process)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
@@ -172,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     hybrid = HybridConfig(
         device=args.device,
-        tensor_model_parallel_size=args.train_tp,
+        tensor_model_parallel_size=1 if args.trainer == "fsdp" else args.train_tp,
         infer_tensor_parallel_size=args.infer_tp,
         verify_weight_sync=args.verify,
     )

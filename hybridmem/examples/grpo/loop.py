@@ -49,15 +49,16 @@ class DemoConfig:
     seed: int = 0
     dtype: str = "float32"
     trainer: str = "torch"
-    """``torch`` (:class:`MegatronLayoutGPT`) or ``megatron`` (megatron-core's GPTModel)."""
+    """``torch`` (:class:`MegatronLayoutGPT`), ``megatron`` (megatron-core's GPTModel) or ``fsdp`` (a
+    transformers model with ``fully_shard``, resharded by the manager's default weight sync)."""
 
     def __post_init__(self) -> None:
         if self.model.vocab_size != self.task.vocab_size:
             raise ValueError(f"model vocab_size={self.model.vocab_size} differs from task vocab_size={self.task.vocab_size}")
         if self.iters < 1 or self.num_prompts < 1:
             raise ValueError(f"iters={self.iters} and num_prompts={self.num_prompts} must be >= 1")
-        if self.trainer not in ("torch", "megatron"):
-            raise ValueError(f"trainer={self.trainer!r}; expected 'torch' or 'megatron'")
+        if self.trainer not in ("torch", "megatron", "fsdp"):
+            raise ValueError(f"trainer={self.trainer!r}; expected 'torch', 'megatron' or 'fsdp'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +116,7 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
 
 def _run(cfg: DemoConfig, topo: Topology, trainer: Any, device: torch.device, dtype: torch.dtype,
          on_iteration: Any) -> list[IterationStats]:
-    from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams  # noqa: PLC0415
+    from hybridmem.engines import ENGINE_TAGS, ReferenceEngine  # noqa: PLC0415
     from hybridmem.reshard import ReshardSync  # noqa: PLC0415
 
     max_len = cfg.task.prompt_len + cfg.task.completion_len
@@ -124,6 +125,10 @@ def _run(cfg: DemoConfig, topo: Topology, trainer: Any, device: torch.device, dt
     engine = ReferenceEngine(cfg.model.to_hf_dict(), group=topo.infer_tp_group, device=device, dtype=dtype,
                              block_size=block_size, num_kv_blocks=seqs_per_replica * -(-max_len // block_size))
     engine.release(list(ENGINE_TAGS))  # the manager starts in TRAIN with the engine's memory released
+    if cfg.trainer == "fsdp":  # the user's path: the manager finds the FSDP2 shards and reshards them
+        manager = ShardingManager(trainer.training, engine, optimizer=trainer.optimizer, config=cfg.hybrid,
+                                  model_spec=trainer.hf_config)
+        return _loop(cfg, topo, trainer, manager, engine, device, dtype, on_iteration)
     sync = ReshardSync(
         _spec(cfg),
         src=cfg.hybrid.train_layout,
@@ -139,6 +144,13 @@ def _run(cfg: DemoConfig, topo: Topology, trainer: Any, device: torch.device, dt
     optimizer = trainer.optimizer if trainer.training is trainer.actor else None  # a MegatronTrainingState carries its own
     manager = ShardingManager(trainer.training, engine, optimizer=optimizer, config=cfg.hybrid, weight_sync=sync)
     trainer.attach(manager)
+    return _loop(cfg, topo, trainer, manager, engine, device, dtype, on_iteration)
+
+
+def _loop(cfg: DemoConfig, topo: Topology, trainer: Any, manager: ShardingManager, engine: Any, device: torch.device,
+          dtype: torch.dtype, on_iteration: Any) -> list[IterationStats]:
+    from hybridmem.engines import SamplingParams  # noqa: PLC0415
+
     manager.add_coresident("reference", trainer.reference)
     P, L, G = cfg.task.prompt_len, cfg.task.completion_len, cfg.grpo.group_size
     start = time.perf_counter()

@@ -200,9 +200,11 @@ class MegatronTrainer:
 
 
 def build_trainer(kind: str, model: DecoderConfig, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype,
-                  device: torch.device) -> TorchTrainer | MegatronTrainer:
-    """``kind`` is ``"torch"`` or ``"megatron"``."""
-    cls = {"torch": TorchTrainer, "megatron": MegatronTrainer}.get(kind)
+                  device: torch.device) -> Any:
+    """``kind`` is ``"torch"``, ``"megatron"`` or ``"fsdp"``."""
+    from hybridmem.examples.grpo.fsdp_trainer import FSDPTrainer  # noqa: PLC0415
+
+    cls = {"torch": TorchTrainer, "megatron": MegatronTrainer, "fsdp": FSDPTrainer}.get(kind)
     if cls is None:
-        raise ValueError(f"trainer={kind!r}; expected 'torch' or 'megatron'")
+        raise ValueError(f"trainer={kind!r}; expected 'torch', 'megatron' or 'fsdp'")
     return cls(model, topo, seed=seed, lr=lr, dtype=dtype, device=device)

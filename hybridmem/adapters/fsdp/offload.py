@@ -1,0 +1,54 @@
+"""Offloaders for FSDP2 (``fully_shard``) models: they move the local shards of DTensors.
+
+A DTensor is a wrapper without storage of its own; what a rank holds of it is its local tensor, a
+view of FSDP2's padded shard storage (see [Note: FSDP2 shards] in :mod:`hybridmem.reshard.hf_source`).
+These offloaders hand the local tensors to the shared mechanism (see [Note: offload by storage] in
+:mod:`hybridmem.offload.base`), which moves each storage whole, padding included, and frees it with
+``resize_(0)``: the DTensor objects, the optimizer's references to them and FSDP2's own views stay
+valid, and the bytes come back bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hybridmem.offload import GradOffloader, OptimizerStateOffloader, ParamOffloader
+
+__all__ = ["local_tensor", "FSDPParamOffloader", "FSDPGradOffloader", "FSDPOptimizerOffloader"]
+
+
+def local_tensor(t: Any) -> Any:
+    """This rank's part of ``t``: the local tensor of a DTensor, ``t`` itself otherwise (``None`` too)."""
+    return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001 - the storage owner itself
+
+
+def _locals(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    for t in tensors:
+        yield local_tensor(t)
+
+
+class FSDPParamOffloader(ParamOffloader):
+    """:class:`~hybridmem.offload.ParamOffloader` over the local shards of DTensor parameters."""
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        return _locals(super().tensors())
+
+
+class FSDPGradOffloader(GradOffloader):
+    """:class:`~hybridmem.offload.GradOffloader` over the local shards of DTensor gradients (FSDP2's
+    reduce-scatter outputs; the grads of one parameter group share one storage, moved once)."""
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        return _locals(super().tensors())
+
+
+class FSDPOptimizerOffloader(OptimizerStateOffloader):
+    """:class:`~hybridmem.offload.OptimizerStateOffloader` over the local shards of DTensor state
+    (AdamW's ``exp_avg``/``exp_avg_sq`` are DTensors like their parameters; ``step`` is a plain tensor)."""
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        return _locals(super().tensors())
