@@ -16,7 +16,7 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 - ``tms``: the same models paused/resumed by torch_memory_saver (CPU backup on): the first cycles.
 - ``kv``: ``kv_release.py``: the ``torch`` and ``cuda-vmm`` KV allocators and torch_memory_saver,
   address stability and a CUDA graph replayed after resume.
-- ``demo``: the GRPO demo on the device, torch and Megatron trainers (one process: one GPU).
+- ``demo``: the GRPO demo on the device, torch, Megatron and FSDP2 trainers (one process: one GPU).
 
 The parent never touches the device, so each part's ``mem_get_info`` sees only its own process.
 Targets (GPU only): steady-state switch >= 0.9 of the raw pinned link both ways, first switch within 2x
@@ -130,7 +130,7 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
                         argv=(py, f"{bench}/kv_release.py", "--device", device, "--gib", str(prof.kv_gib),
                               "--cycles", str(prof.kv_cycles), "--graph-check", "--json", str(out / "kv.json"))))
     if "demo" in parts:
-        for trainer in ("torch", "megatron"):
+        for trainer in ("torch", "megatron", "fsdp"):
             jobs.append(Job(part="demo", label=f"demo --trainer {trainer}", timeout_s=240,
                             result=f"demo_{trainer}/grpo.json",
                             argv=(py, "-m", "hybridmem", "demo", "--device", device, "--trainer", trainer,

@@ -47,7 +47,7 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
         assert len(fig["cycles"]) == 3 and fig["freed_share"] == 1.0
     for run in (r for r in runs.values() if r["part"] == "tms"):
         assert run["result"] == {"skipped": "needs a CUDA device"}
-    for trainer in ("torch", "megatron"):
+    for trainer in ("torch", "megatron", "fsdp"):
         assert len(runs[f"demo --trainer {trainer}"]["result"]["iterations"]) == 2
     kv = runs["kv 0.03 GiB"]["result"]
     assert [r["allocator"] for r in kv["results"]] == ["torch"]
