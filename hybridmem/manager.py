@@ -108,6 +108,10 @@ class ShardingManager:
         model_spec: The model's :class:`~hybridmem.reshard.ModelSpec` or HF-style config, for resharding.
         group: The process group spanning both layouts (``None``: the default group).
 
+    Raises:
+        ConfigError: ``config.gpu_memory_utilization`` is set and the engine's KV pool was sized for
+            another share (:func:`~hybridmem.engines.check_kv_utilization`).
+
     Call order: construct in TRAIN (training state on the device, engine memory released); then
     alternate :meth:`to_infer` / :meth:`to_train`, or use :meth:`inference` as a context manager.
     """

@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from hybridmem.errors import ConfigError
+
 __all__ = ["InferenceEngine", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS", "check_kv_utilization"]
 
 WEIGHTS = "weights"
@@ -69,8 +71,6 @@ def check_kv_utilization(engine: Any, config: Any) -> None:
     Raises:
         ConfigError: The engine's pool was sized for another share, or by a block count.
     """
-    from hybridmem.errors import ConfigError  # noqa: PLC0415 - errors imports nothing of ours; keep the protocol light
-
     want = getattr(config, "gpu_memory_utilization", None)
     have = getattr(engine, "gpu_memory_utilization", _NO_ATTRIBUTE)
     if want is None or engine is None or have is _NO_ATTRIBUTE:

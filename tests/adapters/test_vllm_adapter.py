@@ -576,3 +576,14 @@ def test_other_models_do_not_reprocess_unless_asked(reprocess_calls):
     forced.resume(["weights"])
     forced.load_weights(TinyNet().named_parameters())
     assert len(reprocess_calls) == 1
+
+
+def test_gpu_memory_utilization_must_be_the_share_vllm_was_built_with(fake_vllm):
+    from hybridmem import ConfigError, HybridConfig
+
+    model = TinyNet()
+    _, engine, _ = build()  # the fake LLM reports cache_config.gpu_memory_utilization=0.5
+    assert engine.gpu_memory_utilization == 0.5
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0\.4 .*expected 0\.5, the share the VLLMEngine"):
+        ShardingManager(model, engine, config=HybridConfig(gpu_memory_utilization=0.4))
+    ShardingManager(model, engine, config=HybridConfig(gpu_memory_utilization=0.5))

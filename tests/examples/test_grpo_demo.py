@@ -74,6 +74,9 @@ def test_demo_fsdp_trainer(tmp_path):
     assert infer and all(o["fsdp unsharded"] == 0 for o in infer), infer
 
 
-def test_demo_rejects_layout_that_does_not_fit(tmp_path):
-    with pytest.raises(ValueError, match="3"):
+def test_demo_rejects_layout_that_does_not_fit(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
         grpo.main(["--out", str(tmp_path), "--train-tp", "3"])
+    assert info.value.code == 2
+    assert "--train-tp 3 is not allowed with --world-size 2" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "nothing runs before the arguments are checked"
