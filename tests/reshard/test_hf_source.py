@@ -118,3 +118,19 @@ def test_bad_arguments_are_named():
         hf_source_layout(spec, 4, shard_size=4, replicated=["model.nope"])
     assert looks_hf_named(["model.embed_tokens.weight", "model.norm.weight"])
     assert not looks_hf_named(["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
+def test_fsdp_to_full_hf_tensors_for_load_weights_engines(family):
+    """Engines that only take ``load_weights`` get full HF tensors: each rank lacks all but its own rows."""
+    from hybridmem.reshard import hf_layout  # noqa: PLC0415
+
+    cfg, model = _model(family, True)
+    spec = ModelSpec.from_hf_config(cfg)
+    module = _module_tensors(model)
+    plan = build_plan(hf_source_layout(spec, 4, shard_size=4), hf_layout(spec, ParallelLayout(tp=2), 4),
+                      itemsize=4, bucket_nbytes=1 << 20)
+    total = sum(t.numel() for t in module.values())
+    for rank in range(4):
+        held = sum(t[slice(*chunk_rows(t.shape[0], 4)[rank])].numel() for t in module.values())
+        assert plan.recv_nbytes(rank) == plan.min_recv_nbytes(rank) == 4 * (total - held), rank
