@@ -24,11 +24,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["InferenceEngine", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS"]
+from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 
-WEIGHTS = "weights"
-KV_CACHE = "kv_cache"
-ENGINE_TAGS = (WEIGHTS, KV_CACHE)
+__all__ = ["InferenceEngine", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS"]
 
 
 @runtime_checkable
