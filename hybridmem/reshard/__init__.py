@@ -2,7 +2,8 @@
 
 - :class:`ModelSpec`: the shapes sharding depends on (``ModelSpec.from_hf_config``).
 - :func:`megatron_layout`, :func:`vllm_layout`, :func:`hf_layout`: layouts as data (see [Note: pieces]
-  in :mod:`hybridmem.reshard.transforms`).
+  in :mod:`hybridmem.reshard.transforms`); vLLM layouts per release (:data:`SUPPORTED_VLLM_VERSIONS`,
+  :func:`resolve_vllm_version`, [Note: vLLM versions] in :mod:`hybridmem.reshard.layouts`).
 - :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
 - :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
 - :func:`run_plan`, :func:`iter_full_tensors`: the plan run over a ``torch.distributed`` group.
@@ -15,6 +16,7 @@ from hybridmem.reshard.checksum import CellChecksums, verify_offline
 from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
 from hybridmem.reshard.layouts import (
+    SUPPORTED_VLLM_VERSIONS,
     HFConvention,
     MegatronConvention,
     ShardLayout,
@@ -22,6 +24,7 @@ from hybridmem.reshard.layouts import (
     VLLMConvention,
     hf_layout,
     megatron_layout,
+    resolve_vllm_version,
     vllm_layout,
 )
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, Transfer, build_plan
@@ -38,6 +41,8 @@ __all__ = [
     "megatron_layout",
     "vllm_layout",
     "hf_layout",
+    "SUPPORTED_VLLM_VERSIONS",
+    "resolve_vllm_version",
     "ReshardPlan",
     "Transfer",
     "build_plan",

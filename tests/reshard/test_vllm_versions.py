@@ -35,10 +35,8 @@ DEEPSEEK = dict(model_type="deepseek_v3", hidden_size=16, num_attention_heads=4,
                 moe_intermediate_size=6, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
                 v_head_dim=4, first_k_dense_replace=1)
 
-EXPERT_NAMES = {
-    "0.32": ("model.layers.0.mlp.experts.routed_experts.w13_weight", "model.layers.0.mlp.experts.routed_experts.w2_weight"),
-    "0.33": ("model.layers.0.mlp.experts.routed_experts.w13_weight", "model.layers.0.mlp.experts.routed_experts.w2_weight"),
-}
+_ROUTED = ("model.layers.0.mlp.experts.routed_experts.w13_weight", "model.layers.0.mlp.experts.routed_experts.w2_weight")
+EXPERT_NAMES = {"0.32": _ROUTED, "0.33": _ROUTED}
 
 
 @pytest.mark.parametrize("version", ["0.32", "0.33", "0.33.0", "0.32.0+cpu", "0.33.1rc1"])
@@ -83,7 +81,8 @@ def test_installed_version_matches_vllm():
 
 
 @pytest.mark.parametrize("version", ["0.32", "0.33"])
-@pytest.mark.parametrize("spec,tied", [(MOE, False), (QWEN2_MOE, False), (MOE, True)], ids=["qwen3", "qwen2", "qwen3-tied"])
+@pytest.mark.parametrize("spec,tied", [(MOE, False), (QWEN2_MOE, False), (MOE, True)],
+                         ids=["qwen3", "qwen2", "qwen3-tied"])
 def test_qwen_moe_embedding_norm_head_on_every_stage(version, spec, tied):
     spec = replace(spec, tie_word_embeddings=tied)
     layout = vllm_layout(spec, ParallelLayout(pp=2), 2, vllm_version=version)
