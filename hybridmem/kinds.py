@@ -1,10 +1,21 @@
-"""What a byte of device memory is for: the categories reports and plans count bytes by."""
+"""What a byte of device memory is for: the categories reports and plans count bytes by, and the tags an
+inference engine's memory is split by (see [Note: engine memory tags] in :mod:`hybridmem.engines.protocol`).
+
+A bottom module (no hybridmem imports), so the KV allocators and the engines both take the tags from here.
+"""
 
 from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["StateKind"]
+__all__ = ["StateKind", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS"]
+
+WEIGHTS = "weights"
+"""Engine tag of the model weights in the engine's own layout."""
+KV_CACHE = "kv_cache"
+"""Engine tag of the paged KV cache."""
+ENGINE_TAGS = (WEIGHTS, KV_CACHE)
+"""Every engine memory tag."""
 
 
 class StateKind(str, Enum):

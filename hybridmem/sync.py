@@ -1,89 +1,25 @@
 """Weight sync: write the current training weights into the inference engine.
 
-The default, :class:`LoadWeightsSync`, streams ``(name, tensor)`` pairs into the engine's
-``load_weights``; it suits engines that hold the training layout (``TorchCopyEngine``) or load full
-HF-named tensors. The resharding engine (:mod:`hybridmem.reshard`) provides a sync that writes each
+The default, :class:`~hybridmem.weight_sync.LoadWeightsSync`, streams ``(name, tensor)`` pairs into the
+engine's ``load_weights``; it suits engines that hold the training layout (``TorchCopyEngine``) or load
+full HF-named tensors. The resharding engine (:mod:`hybridmem.reshard`) provides a sync that writes each
 rank's inference-layout shards straight into the engine's parameters; :func:`default_weight_sync`
-picks between the two from the config's layouts and the model's spec.
+picks between the two from the config's layouts and the model's spec. The interface types live in
+:mod:`hybridmem.weight_sync` (below :mod:`hybridmem.reshard`) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from hybridmem.engines.protocol import InferenceEngine
+from hybridmem.reshard import ModelSpec, ReshardSync
+from hybridmem.weight_sync import LoadWeightsSync, SyncStats, WeightSync
 
 __all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync"]
-
-
-@dataclass(frozen=True, slots=True)
-class SyncStats:
-    """What one weight sync did on this rank."""
-
-    num_tensors: int = 0
-    """Tensors written into the engine."""
-    sent_nbytes: int = 0
-    """Bytes this rank sent to other ranks."""
-    received_nbytes: int = 0
-    """Bytes this rank received from other ranks (or copied locally, for a single-process sync)."""
-    min_received_nbytes: int = 0
-    """The fewest bytes this rank could have received (what it did not already hold)."""
-    temp_peak_nbytes: int = 0
-    """Peak temporary device bytes."""
-    seconds: float = 0.0
-
-
-class WeightSync(ABC):
-    """Writes training weights into the engine; the TRAIN->INFER weight-sync step calls it."""
-
-    def temp_nbytes(self) -> int:
-        """Peak temporary device bytes one :meth:`sync` needs (for the memory plan)."""
-        return 0
-
-    @abstractmethod
-    def sync(self) -> SyncStats:
-        """Write the weights; the engine's weight storage is resumed before this is called."""
-
-
-class LoadWeightsSync(WeightSync):
-    """Feeds ``weights()`` into ``engine.load_weights``.
-
-    Args:
-        weights: Returns the ``(name, tensor)`` pairs to load (called on every sync, so it sees the
-            weights as training left them).
-        engine: The engine.
-    """
-
-    def __init__(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], engine: InferenceEngine):
-        self._weights = weights
-        self.engine = engine
-
-    def sync(self) -> SyncStats:
-        start = time.perf_counter()
-        count = 0
-        nbytes = 0
-
-        def counted() -> Iterable[tuple[str, torch.Tensor]]:
-            nonlocal count, nbytes
-            for name, tensor in self._weights():
-                count += 1
-                nbytes += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        with torch.no_grad():
-            self.engine.load_weights(counted())
-        return SyncStats(
-            num_tensors=count,
-            received_nbytes=nbytes,
-            min_received_nbytes=nbytes,
-            seconds=time.perf_counter() - start,
-        )
 
 
 def _dominant_dtype(weights: Iterable[tuple[str, torch.Tensor]]) -> torch.dtype:
@@ -165,8 +101,6 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
                 f"config) or weight_sync="
             )
         return LoadWeightsSync(training.named_weights, engine)
-    from hybridmem.reshard import ModelSpec, ReshardSync  # noqa: PLC0415 - reshard imports this module
-
     layout_fn = getattr(training, "source_layout", None)
     if callable(layout_fn):
         actual = layout_fn()

@@ -25,12 +25,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hybridmem.errors import ConfigError
+from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 
 __all__ = ["InferenceEngine", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS", "check_kv_utilization"]
-
-WEIGHTS = "weights"
-KV_CACHE = "kv_cache"
-ENGINE_TAGS = (WEIGHTS, KV_CACHE)
 
 
 @runtime_checkable

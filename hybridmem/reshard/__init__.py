@@ -3,7 +3,9 @@
 - :class:`ModelSpec`: the shapes sharding depends on (``ModelSpec.from_hf_config``).
 - :func:`megatron_layout`, :func:`vllm_layout`, :func:`hf_layout`: layouts as data (see [Note: pieces]
   in :mod:`hybridmem.reshard.transforms`); :func:`hf_source_layout`: transformers-named training
-  sources, replicated or FSDP2-sharded (:mod:`hybridmem.reshard.hf_source`).
+  sources, replicated or FSDP2-sharded (:mod:`hybridmem.reshard.hf_source`); vLLM layouts per release
+  (:data:`SUPPORTED_VLLM_VERSIONS`, :func:`resolve_vllm_version`, [Note: vLLM versions] in
+  :mod:`hybridmem.reshard.layouts`).
 - :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
 - :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
 - :func:`run_plan`, :func:`iter_full_tensors`: the plan run over a ``torch.distributed`` group.
@@ -17,6 +19,7 @@ from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, un
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout
 from hybridmem.reshard.layouts import (
+    SUPPORTED_VLLM_VERSIONS,
     HFConvention,
     MegatronConvention,
     ShardLayout,
@@ -24,6 +27,7 @@ from hybridmem.reshard.layouts import (
     VLLMConvention,
     hf_layout,
     megatron_layout,
+    resolve_vllm_version,
     vllm_layout,
 )
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, Transfer, build_plan
@@ -42,6 +46,8 @@ __all__ = [
     "hf_layout",
     "HFSourceLayout",
     "hf_source_layout",
+    "SUPPORTED_VLLM_VERSIONS",
+    "resolve_vllm_version",
     "ReshardPlan",
     "Transfer",
     "build_plan",

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from hybridmem.accel import get_accelerator
 from hybridmem.reshard.layouts import Side
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype, piece_index
-from hybridmem.sync import SyncStats
+from hybridmem.weight_sync import SyncStats
 
 __all__ = ["run_plan", "iter_full_tensors"]
 
@@ -230,7 +230,7 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     (:func:`~hybridmem.reshard.layouts.hf_layout`). Every rank must exhaust the iterator (a rank that
     stops early leaves its peers waiting in a bucket). A tensor is allocated when its first slice
     arrives and dropped by this function once yielded. When ``stats`` is given, one
-    :class:`~hybridmem.sync.SyncStats` is appended to it at the end.
+    :class:`~hybridmem.weight_sync.SyncStats` is appended to it at the end.
 
     Raises:
         ValueError: The plan's destination is not an HF layout, or a source tensor is wrong.

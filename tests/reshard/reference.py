@@ -96,8 +96,10 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
     ep_rank = (replica * tp + r) % ep if ep > 1 else 0
     nkv, hd = spec.num_key_value_heads, spec.head_dim
     tied = spec.tie_word_embeddings
+    # vLLM 0.32/0.33 build Qwen-MoE's embedding, final norm and head on every pipeline stage.
+    every_stage = spec.family in ("qwen2_moe", "qwen3_moe")
     out = {}
-    if pp_rank == 0 or (tied and pp_rank == pp - 1):
+    if pp_rank == 0 or (tied and pp_rank == pp - 1) or every_stage:
         out["model.embed_tokens.weight"] = _pad_chunk(full["model.embed_tokens.weight"], padding, tp, r)
     for i in vllm_stage_layers(spec.num_hidden_layers, pp, pp_rank):
         h = f"model.layers.{i}."
@@ -123,16 +125,16 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
             out[h + "mlp.down_proj.weight"] = full[h + "mlp.down_proj.weight"].chunk(tp, 1)[r].clone()
             continue
         out[h + "mlp.gate.weight"] = full[h + "mlp.gate.weight"].clone()
-        if spec.family == "deepseek_v3":
+        if spec.family == "deepseek_v3" and spec.topk_method == "noaux_tc":
             out[h + "mlp.gate.e_score_correction_bias"] = full[h + "mlp.gate.e_score_correction_bias"].clone()
         # vLLM determine_expert_map, "linear": the first (E % ep) ranks hold one extra expert.
         sizes = [spec.num_experts // ep + (1 if k < spec.num_experts % ep else 0) for k in range(ep)]
         first = sum(sizes[:ep_rank])
         experts = range(first, first + sizes[ep_rank])
-        out[h + "mlp.experts.w13_weight"] = torch.stack([
+        out[h + "mlp.experts.routed_experts.w13_weight"] = torch.stack([
             torch.cat([full[h + f"mlp.experts.{e}.gate_proj.weight"].chunk(moe_tp)[moe_r],
                        full[h + f"mlp.experts.{e}.up_proj.weight"].chunk(moe_tp)[moe_r]]) for e in experts])
-        out[h + "mlp.experts.w2_weight"] = torch.stack(
+        out[h + "mlp.experts.routed_experts.w2_weight"] = torch.stack(
             [full[h + f"mlp.experts.{e}.down_proj.weight"].chunk(moe_tp, 1)[moe_r] for e in experts])
         if spec.shared_expert_intermediate_size:
             x = h + ("mlp.shared_experts." if spec.family == "deepseek_v3" else "mlp.shared_expert.")
@@ -141,7 +143,7 @@ def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank:
             out[x + "down_proj.weight"] = full[x + "down_proj.weight"].chunk(tp, 1)[r].clone()
             if spec.family == "qwen2_moe":
                 out[h + "mlp.shared_expert_gate.weight"] = full[h + "mlp.shared_expert_gate.weight"].clone()
-    if pp_rank == pp - 1:
+    if pp_rank == pp - 1 or every_stage:
         out["model.norm.weight"] = full["model.norm.weight"].clone()
         if not tied:
             out["lm_head.weight"] = _pad_chunk(full["lm_head.weight"], padding, tp, r)

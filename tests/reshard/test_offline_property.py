@@ -175,7 +175,8 @@ def test_moe_uneven_vllm_experts():
                      moe_intermediate_size=4)
     _check(spec, ParallelLayout(ep=2), ParallelLayout(tp=1, ep=4), 4)
     layout = vllm_layout(spec, ParallelLayout(tp=1, ep=4), 4)
-    assert [layout.tensors(r)["model.layers.0.mlp.experts.w13_weight"].shape[0] for r in range(4)] == [2, 2, 1, 1]
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    assert [layout.tensors(r)[w13].shape[0] for r in range(4)] == [2, 2, 1, 1]
 
 
 def test_moe_ep_to_tp_moves_only_missing_bytes():

@@ -72,6 +72,26 @@ def test_from_dict_and_flags():
     assert ModelSpec.from_hf_config(dict(d, model_type="qwen3", head_dim=8)).qk_norm
 
 
+def test_qwen3_moe_config_json_with_num_local_experts():
+    # transformers >= 5.20 writes Qwen3-MoE's expert count under num_local_experts in config.json.
+    d = dict(model_type="qwen3_moe", **TINY, head_dim=8, num_local_experts=4, moe_intermediate_size=6,
+             num_experts_per_tok=2)
+    spec = ModelSpec.from_hf_config(d)
+    assert spec.num_experts == 4
+    # The config class reads the same file the same way.
+    assert transformers.Qwen3MoeConfig(**{k: v for k, v in d.items() if k != "model_type"}).num_experts == 4
+
+
+def test_qwen2_moe_without_qkv_bias_key_has_bias():
+    d = dict(model_type="qwen2_moe", **TINY, num_experts=4, moe_intermediate_size=6, num_experts_per_tok=2,
+             shared_expert_intermediate_size=10)
+    spec = ModelSpec.from_hf_config(d)
+    hf = transformers.Qwen2MoeConfig(**{k: v for k, v in d.items() if k != "model_type"})
+    assert spec.qkv_bias is True and hf.qkv_bias is True
+    assert "model.layers.0.self_attn.q_proj.bias" in spec.full_shapes()
+    assert ModelSpec.from_hf_config(dict(d, qkv_bias=False)).qkv_bias is False
+
+
 def test_bad_specs_name_values():
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         ModelSpec.from_hf_config(dict(model_type="gpt2", **TINY))

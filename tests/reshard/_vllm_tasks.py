@@ -1,0 +1,86 @@
+"""Worker task for test_vllm_names.py: build a model with vLLM's own classes on CPU and load HF weights.
+
+Runs in a :class:`~hybridmem.testing.workers.WorkerPool` worker (gloo default group over the whole
+pool). vLLM's parallel state is set up on that group the first time (``init_distributed_environment``)
+and its tp/pp groups are rebuilt for every task (``destroy_model_parallel`` +
+``initialize_model_parallel``), so one pool serves every (tp, pp, ep). No engine is started: the model
+is built with ``initialize_model`` under a fresh ``VllmConfig`` (``load_format="dummy"``) and filled by
+the model's own ``load_weights`` from the HF checkpoint in ``model_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+_BUILT: list = []
+"""Every model this worker built (see the id note in :func:`vllm_loaded_parameters`)."""
+
+
+def _call(fn):
+    return fn()
+
+
+def _environment() -> None:
+    # Worker processes only: vLLM reads these at import. A CUDA wheel of vLLM (0.33) builds its model
+    # classes on CPU when told the target device.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"hybridmem-vllm-cache-{os.getuid()}"))
+
+
+def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dict:
+    """``{name: tensor}`` of this rank's vLLM model after ``load_weights`` of the checkpoint in ``model_dir``.
+
+    Every rank of the pool builds the model: ranks beyond ``tp * pp`` are further replicas (vLLM's
+    "external data parallel" ranks), so the result per rank covers the replica order too.
+    """
+    _environment()
+    import safetensors.torch
+    import torch
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    def make_model_config() -> ModelConfig:
+        return ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                           max_model_len=64, seed=0)
+
+    # The first ModelConfig of an architecture inspects the model class in a subprocess that imports
+    # vLLM again (5-10 s on a small machine), only so that the inspecting process never initializes
+    # CUDA; these workers have no CUDA, so inspect in-process.
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = _call
+    model_config = make_model_config()
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        load_config=LoadConfig(load_format="dummy"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                       enable_expert_parallel=ep > 1),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
+    with set_current_vllm_config(vllm_config):
+        if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
+            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank, backend="gloo")
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, pp)
+        try:
+            with torch.device("cpu"):
+                model = initialize_model(vllm_config=vllm_config)
+            # The model's own loader, straight from HF names. Read the parameters right away: the CPU
+            # backend's post-load step (process_weights_after_loading, which a model loader runs after
+            # this) repacks linear weights into its own format, which is not a vLLM parameter layout.
+            model.load_weights(iter(sorted(weights.items())))
+            # vLLM caches each model's pipeline-missing layers by id(model); keep every model alive so a
+            # later model cannot reuse an id and inherit an earlier model's entry.
+            _BUILT.append(model)
+            return {name: p.detach().clone() for name, p in model.named_parameters()}
+        finally:
+            parallel_state.destroy_model_parallel()

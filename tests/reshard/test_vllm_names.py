@@ -1,0 +1,125 @@
+"""Our vLLM layouts equal what vLLM's own model classes and weight loaders build from the same HF weights.
+
+For each model (Llama tied, Qwen2 with q/k/v bias and fewer kv heads than TP, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V3 with and without ``q_lora_rank``) a tiny HF checkpoint is written by transformers
+(``save_pretrained``: HF's checkpoint names, per-expert tensors) with every value replaced by a distinct
+random number. Four worker processes then build the model with the installed vLLM's classes
+(``initialize_model`` under a ``VllmConfig``, on CPU, vLLM's tp/pp groups over gloo, no engine) for each
+(tp, pp, ep), and fill it with the model's own ``load_weights`` from that checkpoint. Every rank's
+named parameters, name and value (padding rows included), must equal ``shard(checkpoint,
+vllm_layout(...), rank)``.
+
+Values are read right after ``load_weights``: when a model loader loads weights it then runs
+``process_weights_after_loading``, where the CPU backend repacks linear weights into its own kernel
+format (and leaves the parameters empty); that step is not called here, so the parameters still hold
+the layout that vLLM's weight loaders produce and that an in-place sync writes into.
+
+The layouts follow the installed vLLM's release (``vllm.__version__``, see [Note: vLLM versions] in
+:mod:`hybridmem.reshard.layouts`), so the same test checks each supported release in an environment
+that has it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridmem.config import ParallelLayout
+from hybridmem.reshard import ModelSpec, shard, vllm_layout
+from hybridmem.reshard.layouts import installed_vllm_version, resolve_vllm_version
+from hybridmem.testing.workers import WorkerPool
+from tests.reshard import _vllm_tasks
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+"""Pool size: vLLM's groups span every process, so each (tp, pp) runs as WORLD / (tp * pp) replicas."""
+
+_COMMON = dict(hidden_size=128, num_hidden_layers=2, vocab_size=200, rms_norm_eps=1e-6, max_position_embeddings=128,
+               torch_dtype="float32")
+# head_dim = hidden_size / num_attention_heads = 32: the CPU attention backend's smallest head size, and
+# vLLM's Qwen2 derives head_dim from hidden_size whatever the config says.
+MODELS = {
+    "llama-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=96,
+                                 tie_word_embeddings=True)),
+    "qwen2-bias-kv2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                     tie_word_embeddings=False)),
+    "qwen2-moe": ("qwen2_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                    intermediate_size=96, tie_word_embeddings=False)),
+    "qwen3-moe-tied": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                                         tie_word_embeddings=True)),
+    "deepseek-v3": ("deepseek_v3", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32,
+                                        qk_rope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, n_group=1,
+                                        topk_group=1, topk_method="noaux_tc", tie_word_embeddings=False)),
+    "deepseek-v3-no-q-lora": ("deepseek_v3", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                                                  n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=32,
+                                                  qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                                                  first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                  topk_method="greedy", tie_word_embeddings=False)),
+}
+DENSE_PARALLEL = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1)]
+MOE_PARALLEL = DENSE_PARALLEL + [(2, 1, 2), (4, 1, 4)]
+CASES = [(model, tp, pp, ep) for model, (family, _) in MODELS.items()
+         for tp, pp, ep in (MOE_PARALLEL if family.endswith("moe") or family == "deepseek_v3" else DENSE_PARALLEL)]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(WORLD, timeout_s=300) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``{model id: (dir, config dict, {hf name: tensor})}``: a transformers checkpoint, random values."""
+    out = {}
+    for model_id, (family, kw) in MODELS.items():
+        cfg = transformers.AutoConfig.for_model(family, **_COMMON, **kw)
+        torch.manual_seed(0)
+        hf_model = transformers.AutoModelForCausalLM.from_config(cfg)
+        path = tmp_path_factory.mktemp(model_id)
+        hf_model.save_pretrained(path)
+        files = sorted(path.glob("*.safetensors"))
+        names = {}
+        for f in files:
+            names.update(safetensors_torch.load_file(f))
+            f.unlink()
+        gen = torch.Generator().manual_seed(1)
+        # Distinct values everywhere, so a swapped row, expert or tensor cannot compare equal.
+        weights = {n: torch.randn(t.shape, generator=gen) for n, t in sorted(names.items())}
+        if family == "deepseek_v3" and kw.get("topk_method") != "noaux_tc":
+            # vLLM builds no correction bias without noaux_tc routing and its loader has nowhere to put it.
+            weights = {n: t for n, t in weights.items() if not n.endswith("e_score_correction_bias")}
+        safetensors_torch.save_file(weights, path / "model.safetensors")
+        config = json.loads((path / "config.json").read_text())
+        out[model_id] = (str(path), config, weights)
+    return out
+
+
+def test_layouts_follow_installed_release():
+    assert resolve_vllm_version() == resolve_vllm_version(installed_vllm_version())
+
+
+@pytest.mark.parametrize("model_id,tp,pp,ep", CASES, ids=[f"{m}-tp{tp}-pp{pp}-ep{ep}" for m, tp, pp, ep in CASES])
+def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
+    path, config, weights = checkpoints[model_id]
+    spec = ModelSpec.from_hf_config(config)
+    layout = vllm_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), WORLD)
+    got = pool.run(_vllm_tasks.vllm_loaded_parameters, path, tp, pp, ep, world_size=WORLD)
+    for rank in range(WORLD):
+        ours = shard(weights, layout, rank)
+        theirs = got[rank]
+        assert set(ours) == set(theirs), (rank, sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours)))
+        for name, tensor in theirs.items():
+            assert ours[name].shape == tensor.shape, (rank, name, ours[name].shape, tensor.shape)
+            assert torch.equal(ours[name], tensor), (rank, name)
