@@ -36,6 +36,7 @@ from enum import IntEnum
 
 from hybridmem.accel import Accelerator
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.errors import WeightCoverageError
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import StepEstimate
 from hybridmem.offload import Offloader
@@ -208,8 +209,9 @@ class EngineReleaseStep(SwitchStep):
 
 
 class WeightSyncStep(SwitchStep):
-    """Run a :class:`~hybridmem.sync.WeightSync`; nothing to undo (the engine weights are released by
-    the undo of the engine-weights resume)."""
+    """Run a :class:`~hybridmem.sync.WeightSync` and fail with ``WeightCoverageError`` when it left engine
+    tensors unwritten ([Note: weight coverage] in hybridmem.sync); nothing to undo (the engine weights
+    are released by the undo of the engine-weights resume)."""
 
     name = "weight sync"
     kind = StateKind.ENGINE_WEIGHTS
@@ -222,6 +224,8 @@ class WeightSyncStep(SwitchStep):
 
     def run(self) -> StepResult:
         s = self.sync.sync()
+        if s.unwritten:  # [Note: weight coverage]
+            raise WeightCoverageError(list(s.unwritten))
         return StepResult(
             kind=self.kind,
             copied_nbytes=s.received_nbytes,
@@ -232,6 +236,7 @@ class WeightSyncStep(SwitchStep):
                 "received_nbytes": s.received_nbytes,
                 "min_received_nbytes": s.min_received_nbytes,
                 "temp_peak_nbytes": s.temp_peak_nbytes,
+                "coverage_checked": s.coverage_checked,
             },
         )
 

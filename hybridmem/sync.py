@@ -1,5 +1,17 @@
 """Weight sync: write the current training weights into the inference engine.
 
+[Note: weight coverage]
+An engine tensor the sync never writes keeps whatever its storage held when it was resumed (uninitialised
+memory), and generation silently produces garbage. Every sync therefore proves that it wrote every byte
+of every engine tensor of its rank and reports the ones it did not in ``SyncStats.unwritten``; the
+weight-sync step then fails the switch (``WeightCoverageError``), which rolls back. Padding rows (vocab
+padding) count as written: the sync zeroes them. The proof comes from the party that sees the writes:
+:class:`LoadWeightsSync` asks the engine (``unwritten_weights()``, which ``TorchCopyEngine`` and
+``ReferenceEngine`` keep per name and row range since the weights were resumed); the resharding sync,
+writing in place, counts the elements each engine tensor received against its plan and lists every
+engine tensor the plan does not fill. An engine without ``unwritten_weights()`` that is written through
+``load_weights`` (vLLM in another process) cannot be checked; ``SyncStats.coverage_checked`` says so.
+
 The default, :class:`LoadWeightsSync`, streams ``(name, tensor)`` pairs into the engine's
 ``load_weights``; it suits engines that hold the training layout (``TorchCopyEngine``) or load full
 HF-named tensors. The resharding engine (:mod:`hybridmem.reshard`) provides a sync that writes each
@@ -19,7 +31,7 @@ import torch
 
 from hybridmem.engines.protocol import InferenceEngine
 
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync"]
+__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync", "engine_unwritten"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +49,10 @@ class SyncStats:
     temp_peak_nbytes: int = 0
     """Peak temporary device bytes."""
     seconds: float = 0.0
+    unwritten: tuple[str, ...] = ()
+    """Engine tensors of this rank not entirely written (see [Note: weight coverage])."""
+    coverage_checked: bool = False
+    """Whether ``unwritten`` is a proof (False: the engine cannot report what it received)."""
 
 
 class WeightSync(ABC):
@@ -78,12 +94,23 @@ class LoadWeightsSync(WeightSync):
 
         with torch.no_grad():
             self.engine.load_weights(counted())
+        unwritten, checked = engine_unwritten(self.engine)
         return SyncStats(
             num_tensors=count,
             received_nbytes=nbytes,
             min_received_nbytes=nbytes,
             seconds=time.perf_counter() - start,
+            unwritten=unwritten,
+            coverage_checked=checked,
         )
+
+
+def engine_unwritten(engine: Any) -> tuple[tuple[str, ...], bool]:
+    """``(engine tensors not entirely written by load_weights, whether the engine could tell)``."""
+    fn = getattr(engine, "unwritten_weights", None)
+    if not callable(fn):
+        return (), False
+    return tuple(fn()), True
 
 
 def _dominant_dtype(weights: Iterable[tuple[str, torch.Tensor]]) -> torch.dtype:
