@@ -86,8 +86,10 @@ class _Run:
     reports: list[StepReport]
     failed_step: SwitchStep | None = None
     error: BaseException | None = None
+    interrupted: bool = False
+    """A held signal was pending between steps (TRAIN->INFER stops there and rolls back)."""
     interrupted_before: SwitchStep | None = None
-    """The step not started because a held signal was pending."""
+    """The step not started because of it (``None`` with ``interrupted``: after the last step)."""
     tracked_peak_nbytes: int = 0
 
 
@@ -350,7 +352,7 @@ class ShardingManager:
         start = time.perf_counter()
         before = self.memory()
         run = self._execute(Direction.TO_INFER, steps, before, held)
-        if run.error is not None or run.interrupted_before is not None:
+        if run.error is not None or run.interrupted:
             self._rollback(run)
             return None
         self._machine.fire("end_infer", operation="finish the switch to INFER")
@@ -451,10 +453,12 @@ class ShardingManager:
         """Run ``steps`` in order, journaling each before it starts (see [Note: switch transactions])."""
         self.accel.reset_peak()
         run = _Run(entered=[], reports=[], tracked_peak_nbytes=before.allocated_nbytes)
-        for step in steps:
+        for step in [*steps, None]:
             if held.pending and direction is Direction.TO_INFER:
-                run.interrupted_before = step
+                run.interrupted, run.interrupted_before = True, step
                 return run
+            if step is None:
+                break
             run.entered.append(step)
             start = time.perf_counter()
             try:
@@ -486,7 +490,8 @@ class ShardingManager:
         what = (
             f"TRAIN->INFER step {run.failed_step.name!r} failed ({run.error!r})"
             if run.failed_step is not None
-            else f"TRAIN->INFER was interrupted by a signal before step {run.interrupted_before.name!r}"
+            else f"TRAIN->INFER was interrupted by a signal "
+            f"{'after its last step' if run.interrupted_before is None else f'before step {run.interrupted_before.name!r}'}"
         )
         failed_name = run.failed_step.name if run.failed_step is not None else "(between steps)"
         self._machine.fire("begin_rollback", operation="roll back")
