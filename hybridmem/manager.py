@@ -22,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures, get_accelerator
+from hybridmem.architecture import check_architecture
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
@@ -159,6 +160,7 @@ class ShardingManager:
             StateKind.OPTIMIZER: self.config.offload_train_optimizer,
         }
         if weight_sync is None and engine is not None:
+            check_architecture(self.training, engine, model_spec=model_spec)
             weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
