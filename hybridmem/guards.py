@@ -10,6 +10,7 @@ a segfault at worst. On leaving TRAIN (INFER reached, or FAILED) the manager arm
 - for a ``torch.optim.Optimizer``, a step pre-hook (``register_step_pre_hook``); for other optimizers
   (Megatron's), a ``step`` shadowing the class's on the instance; and a ``zero_grad`` shadow on the
   instance for both (torch has no zero_grad hook);
+- ``zero_grad`` (and Megatron DDP's ``zero_grad_buffer``) of the model shadowed on the instance;
 - a hook on every parameter that requires grad (``Tensor.register_hook``), which fires before autograd
   accumulates into the freed ``.grad``;
 - a check at the entry of ``torch.autograd.backward`` / ``torch.autograd.grad`` (``Tensor.backward``
@@ -141,6 +142,9 @@ class TrainingGuard:
         for module in self.modules:
             for sub in module.modules():
                 self._handles.append(sub.register_forward_pre_hook(forward))
+            self._shadow(module, "zero_grad", "zero the training model's grads")
+            if callable(getattr(module, "zero_grad_buffer", None)):  # Megatron's DDP
+                self._shadow(module, "zero_grad_buffer", "zero the training model's grad buffers")
         for opt in self.optimizers:
             if isinstance(opt, torch.optim.Optimizer):
                 self._handles.append(opt.register_step_pre_hook(self._refuser("step the training optimizer")))

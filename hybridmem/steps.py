@@ -22,9 +22,10 @@ INFER->TRAIN releases first and onloads after:
 4. onload grads, 5. onload optimizer state.
 
 Every TRAIN->INFER step has an ``undo`` (offload <-> onload, resume <-> release, sync: nothing), so a
-failure at step k undoes steps k-1..1 in reverse. INFER->TRAIN steps need no undo: if one fails, the
-manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op when
-already done.
+failure at step k undoes steps k..1 in reverse, step k included, from whatever part of it was done
+(see [Note: switch transactions] in hybridmem.manager). INFER->TRAIN steps need no undo: if one fails,
+the manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op
+when already done and finishes what an interrupted run left.
 """
 
 from __future__ import annotations
@@ -109,10 +110,12 @@ class SwitchStep(ABC):
 
     @abstractmethod
     def run(self) -> StepResult:
-        """Do the step. Must be atomic: on failure it leaves memory as it found it."""
+        """Do the step, recording each irreversible act before doing it (see [Note: switch
+        transactions] in hybridmem.manager)."""
 
     def undo(self) -> None:
-        """Reverse a completed :meth:`run` (rollback of TRAIN->INFER)."""
+        """Reverse :meth:`run` (rollback of TRAIN->INFER), whether it completed or was stopped at any
+        point: the manager undoes the failed step too. Idempotent."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

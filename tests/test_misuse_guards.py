@@ -42,6 +42,7 @@ SCRIPT = textwrap.dedent(
     with mgr.inference():
         attempt("opt.step in INFER", opt.step)
         attempt("opt.zero_grad in INFER", opt.zero_grad)
+        attempt("model.zero_grad in INFER", model.zero_grad)
         attempt("forward in INFER", lambda: model(tokens))
         attempt("submodule forward in INFER", lambda: model.fc1(torch.zeros(1, 32)))
 
@@ -74,7 +75,7 @@ def test_three_misuse_cases_raise_phase_error_in_a_subprocess_without_crashing()
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by a signal)\n{out}\n{proc.stderr[-3000:]}"
     lines = dict(line.split(": ", 1) for line in out.splitlines())
-    for case in ("opt.step in INFER", "opt.zero_grad in INFER", "forward in INFER", "submodule forward in INFER"):
+    for case in ("opt.step in INFER", "opt.zero_grad in INFER", "model.zero_grad in INFER", "forward in INFER", "submodule forward in INFER"):
         assert lines[case].startswith("PhaseError"), (case, out)
         assert "phase INFER" in lines[case] and "manager.inference()" in lines[case], (case, lines[case])
     assert lines["switch back"] == "SwitchError; phase FAILED", out
@@ -103,6 +104,7 @@ def test_guards_are_gone_in_train_and_training_is_unchanged():
             assert not any(m._forward_pre_hooks for m in model.modules())
             assert not any(p._backward_hooks for p in model.parameters())
             assert not opt._optimizer_step_pre_hooks and "zero_grad" not in vars(opt) and "step" not in vars(opt)
+            assert "zero_grad" not in vars(model)
             assert torch.autograd.backward is backward_before
             losses.append(train_step(model, opt, step))
         return losses

@@ -126,6 +126,29 @@ class _Actor:
         return None
 
 
+def _misuse(actor: _Actor) -> dict[str, str]:
+    """What a Megatron step, zero_grad and forward say inside INFER (the misuse guards)."""
+    from hybridmem.errors import PhaseError
+
+    mb = mm.make_batch(actor.spec, 0)[0]
+    calls = {
+        "step": actor.optimizer.step,
+        "zero_grad": actor.optimizer.zero_grad,
+        "zero_grad_buffer": actor.chunks[0].zero_grad_buffer,
+        "forward": lambda: actor.chunks[0](mb["tokens"], mb["position_ids"], None, labels=mb["labels"]),
+    }
+    out = {}
+    actor.manager.to_infer()
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except PhaseError as e:
+            out[name] = f"PhaseError: {e}"
+    actor.manager.to_train()
+    return out
+
+
 def inject_everywhere(ctx, spec: mm.TinyGPTSpec, directions: tuple[str, ...], full: bool) -> dict:
     """For each direction: dry-run the switch, then inject both exception kinds at each point (all of
     them with ``full``, else the CI sample); returns the counts and the problems found."""
@@ -144,6 +167,7 @@ def inject_everywhere(ctx, spec: mm.TinyGPTSpec, directions: tuple[str, ...], fu
             raise AssertionError(f"restoring the snapshot does not reproduce the losses: {again} != {reference}")
         out["reference"] = reference
         out["leaf_optimizers"] = [type(o).__name__ for o in leaf_optimizers(actor.optimizer)]
+        out["misuse"] = _misuse(actor)
         for direction in directions:
             fail_at = None
             if direction == "recover":

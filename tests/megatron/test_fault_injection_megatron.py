@@ -6,7 +6,8 @@ The worker task (``_fault_tasks.inject_everywhere``) dry-runs TRAIN->INFER, INFE
 injects ``Injected`` and ``KeyboardInterrupt`` at each point (the CI sample, or every point with
 ``HYBRIDMEM_FAULTS_FULL=1``) and checks what ``tests/test_fault_injection.py`` checks: phase TRAIN (or
 FAILED then recover), every buffer, main param and optimizer tensor bitwise equal to the snapshot, the
-next two losses equal to the uninterrupted run's.
+next two losses equal to the uninterrupted run's. Before that, it checks that Megatron's optimizer
+``step``/``zero_grad`` and the DDP model's forward raise ``PhaseError`` inside INFER.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ DIRECTIONS = ("to_infer", "to_train", "recover")
 def test_every_injection_point_loses_nothing(name, megatron_pools):
     (out,) = megatron_pools.get(1).run(_fault_tasks.inject_everywhere, CONFIGS[name], DIRECTIONS, FULL)
     assert out["leaf_optimizers"] == ["DistributedOptimizer"], out["leaf_optimizers"]
+    for call, said in out["misuse"].items():  # the misuse guards on Megatron's optimizer and DDP model
+        assert said.startswith("PhaseError") and "phase INFER" in said, (call, said)
     problems = []
     for direction in DIRECTIONS:
         got = out[direction]
