@@ -17,6 +17,7 @@ from hybridmem.errors import (
     PhaseError,
     RollbackError,
     SwitchError,
+    WeightCoverageError,
     WeightSyncError,
 )
 from hybridmem.manager import ShardingManager
@@ -42,6 +43,7 @@ __all__ = [
     "RollbackError",
     "MemoryPlanError",
     "HostMemoryBudgetError",
+    "WeightCoverageError",
     "WeightSyncError",
 ]
 

@@ -23,6 +23,7 @@ __all__ = [
     "MemoryPlanError",
     "HostMemoryBudgetError",
     "WeightSyncError",
+    "WeightCoverageError",
     "KVStateError",
     "KVResumeError",
     "SwitchHostMemoryBudgetError",
@@ -142,6 +143,22 @@ class HostMemoryBudgetError(HybridMemError, MemoryError):
 
 class WeightSyncError(HybridMemError, RuntimeError):
     """The inference engine's weights do not match what training sent (checksum mismatch)."""
+
+
+class WeightCoverageError(WeightSyncError):
+    """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in hybridmem.sync.
+
+    Attributes:
+        unwritten: The engine tensors of this rank not entirely written.
+    """
+
+    def __init__(self, unwritten: list[str] | tuple[str, ...], *, engine: str = "engine"):
+        self.unwritten = tuple(unwritten)
+        shown = ", ".join(self.unwritten[:8]) + (f", ... ({len(self.unwritten)} in all)" if len(self.unwritten) > 8 else "")
+        super().__init__(
+            f"the weight sync did not write every byte of {len(self.unwritten)} {engine} tensor(s): {shown}; "
+            f"the training model has no weights for them (is the engine built for another architecture?)"
+        )
 
 
 class KVStateError(HybridMemError, RuntimeError):

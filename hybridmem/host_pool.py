@@ -52,6 +52,21 @@ class HostBufferPool:
         self.pin = pin and accel.supports_pinned_memory
         self._arenas: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._grows: dict[tuple[str, torch.dtype], int] = {}
+        self._held: set[str] = set()
+
+    # [Note: offload journal] in hybridmem.offload.base: an owner whose arenas hold the only copy of
+    # some bytes is "held"; its arenas are neither replaced nor dropped until it is released.
+    def hold(self, owner: str) -> None:
+        """Record that ``owner``'s arenas hold the only copy of offloaded bytes."""
+        self._held.add(owner)
+
+    def unhold(self, owner: str) -> None:
+        """Record that ``owner``'s bytes are back on the device (its arenas may be reused)."""
+        self._held.discard(owner)
+
+    def is_held(self, owner: str) -> bool:
+        """Whether ``owner``'s arenas hold the only copy of offloaded bytes."""
+        return owner in self._held
 
     def arena(self, owner: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A 1-D host tensor of at least ``numel`` elements for ``(owner, dtype)``.
@@ -68,6 +83,11 @@ class HostBufferPool:
         current = self._arenas.get(key)
         if current is not None and current.numel() >= numel:
             return current
+        if owner in self._held:
+            raise RuntimeError(
+                f"host arena {owner}/{dtype} holds the only copy of offloaded bytes; growing it to {numel} "
+                f"elements would drop them (internal error: onload {owner!r} first)"
+            )
         need = numel * torch.empty((), dtype=dtype).element_size()
         held_elsewhere = self.held_nbytes() - (0 if current is None else current.untyped_storage().nbytes())
         if self.budget_nbytes is not None and held_elsewhere + need > self.budget_nbytes:
@@ -108,6 +128,9 @@ class HostBufferPool:
 
         Only call this when nothing offloaded lives in those arenas.
         """
+        held = sorted(o for o in self._held if owner is None or o == owner)
+        if held:
+            raise RuntimeError(f"cannot free the host arenas of {held}: they hold the only copy of offloaded bytes")
         keys = [k for k in self._arenas if owner is None or k[0] == owner]
         nbytes = sum(self._arenas[k].untyped_storage().nbytes() for k in keys)
         for k in keys:

@@ -22,10 +22,12 @@ import torch
 from torch.profiler import record_function
 
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures, get_accelerator
+from hybridmem.architecture import check_architecture
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
 from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, switch_error
+from hybridmem.guards import TrainingGuard
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.machine import PhaseMachine
@@ -47,6 +49,7 @@ from hybridmem.steps import (
 )
 from hybridmem.sync import WeightSync, default_weight_sync
 from hybridmem.training_state import TorchTrainingState, TrainingState
+from hybridmem.txn import HeldSignals
 
 __all__ = ["ShardingManager"]
 
@@ -60,14 +63,34 @@ _OWNER = {
 _ENGINE_OWNER = {WEIGHTS: "engine weights", KV_CACHE: "kv cache"}
 
 
+# [Note: switch transactions]
+# A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
+# journal (``_Run.entered``); the step then records its own irreversible acts before doing them (an
+# offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
+# journal] in hybridmem.offload.base; an engine's release frees every storage of a tag whatever state it
+# believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
+# KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] in
+# hybridmem.txn), every entered step is undone in reverse, the failed one included, and each undo works
+# from whatever part of its step was done: nothing is undone from what a step was *supposed* to have
+# done. INFER->TRAIN steps are re-runnable from any partial state, so a failure there leaves FAILED and
+# ``recover()`` runs them all again. The whole switch runs with SIGINT/SIGTERM held, so no undo is itself
+# interrupted by one. tests/test_fault_injection.py injects a failure at every call a switch makes into
+# torch, the host pool and the engine, and checks the training state after each.
+
+
 @dataclass
 class _Run:
-    """What :meth:`ShardingManager._execute` did."""
+    """What :meth:`ShardingManager._execute` did (see [Note: switch transactions])."""
 
-    done: list[SwitchStep]
+    entered: list[SwitchStep]
+    """Steps started, in order (the last one may have failed or been interrupted)."""
     reports: list[StepReport]
     failed_step: SwitchStep | None = None
     error: BaseException | None = None
+    interrupted: bool = False
+    """A held signal was pending between steps (TRAIN->INFER stops there and rolls back)."""
+    interrupted_before: SwitchStep | None = None
+    """The step not started because of it (``None`` with ``interrupted``: after the last step)."""
     tracked_peak_nbytes: int = 0
 
 
@@ -153,11 +176,19 @@ class ShardingManager:
             StateKind.OPTIMIZER: self.config.offload_train_optimizer,
         }
         if weight_sync is None and engine is not None:
+            check_architecture(self.training, engine, model_spec=model_spec)
             weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
         self._extra_owners: dict[str, tuple[Callable[[], int], tuple[Phase, ...]]] = {}
         self._machine = PhaseMachine()
+        targets = getattr(self.training, "guard_targets", None)
+        modules, optimizers = targets() if callable(targets) else ([], [])
+        self._guard = TrainingGuard(lambda: self.phase, modules, optimizers)
+        """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
+        bind = getattr(engine, "bind_phase", None)
+        if callable(bind):
+            bind(lambda: self.phase)
         self.coresidents: dict[str, CoResident] = {}
         """Co-resident models by name (see [Note: co-resident phases])."""
         self.last_reports: dict[Direction, SwitchReport] = {}
@@ -323,6 +354,16 @@ class ShardingManager:
             RollbackError: Undoing failed too; the manager is in FAILED (call :meth:`recover`).
         """
         self._check_coresidents_offloaded("switch to INFER")
+        with HeldSignals() as held:
+            report = self._to_infer(held)
+        if report is None:  # a held signal stopped the switch and its handler did not raise
+            raise SwitchError(
+                "TRAIN->INFER interrupted by a signal; rolled back, phase is TRAIN with all training state on "
+                "the device", direction="to_infer", step="(between steps)", phase_after=self.phase,
+            )
+        return report
+
+    def _to_infer(self, held: HeldSignals) -> SwitchReport | None:
         self._machine.fire("begin_infer", operation="switch to INFER")
         steps = self.steps(Direction.TO_INFER)
         try:
@@ -335,10 +376,12 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = self._execute(Direction.TO_INFER, steps, before)
-        if run.error is not None:
+        run = self._execute(Direction.TO_INFER, steps, before, held)
+        if run.error is not None or run.interrupted:
             self._rollback(run)
+            return None
         self._machine.fire("end_infer", operation="finish the switch to INFER")
+        self._guard.arm()
         report = self._report(Direction.TO_INFER, run, before, start, plan, residency=self.residency())
         if report.residency is not None and report.residency.leftovers:
             log.warning("hybridmem: training state still resident in INFER: %s", report.residency.leftovers)
@@ -355,15 +398,17 @@ class ShardingManager:
                 arenas; call :meth:`recover` once the cause is fixed.
         """
         self._check_coresidents_offloaded("switch to TRAIN")
-        self._machine.fire("begin_train", operation="switch to TRAIN")
-        return self._finish_to_train(abort_trigger="abort_train")
+        with HeldSignals() as held:
+            self._machine.fire("begin_train", operation="switch to TRAIN")
+            return self._finish_to_train(held, abort_trigger="abort_train")
 
     def recover(self) -> SwitchReport:
         """From FAILED, bring every part back to TRAIN (each step is a no-op where already done)."""
-        self._machine.fire("recover", operation="recover")
-        return self._finish_to_train(abort_trigger="fail")
+        with HeldSignals() as held:
+            self._machine.fire("recover", operation="recover")
+            return self._finish_to_train(held, abort_trigger="fail")
 
-    def _finish_to_train(self, *, abort_trigger: str) -> SwitchReport:
+    def _finish_to_train(self, held: HeldSignals, *, abort_trigger: str) -> SwitchReport:
         steps = self.steps(Direction.TO_TRAIN)
         try:
             plan = self.plan(Direction.TO_TRAIN, steps)
@@ -374,9 +419,10 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = self._execute(Direction.TO_TRAIN, steps, before)
+        run = self._execute(Direction.TO_TRAIN, steps, before, held)
         if run.error is not None:
             self._machine.fire("fail", operation="record a failed switch")
+            self._guard.arm()
             assert run.failed_step is not None
             msg = (
                 f"INFER->TRAIN step {run.failed_step.name!r} failed: {run.error!r}. Phase is FAILED; no "
@@ -387,6 +433,7 @@ class ShardingManager:
                 raise run.error
             raise switch_error(msg, direction="to_train", step=run.failed_step.name, phase_after=self.phase, cause=run.error) from run.error
         self._machine.fire("end_train", operation="finish the switch to TRAIN")
+        self._guard.disarm()
         return self._report(Direction.TO_TRAIN, run, before, start, plan)
 
     @contextlib.contextmanager
@@ -427,10 +474,17 @@ class ShardingManager:
         if onloaded:
             raise PhaseError(operation, self.phase, f"co-resident {onloaded} is onloaded; leave onloaded() first")
 
-    def _execute(self, direction: Direction, steps: list[SwitchStep], before: MemoryFigures) -> _Run:
+    def _execute(self, direction: Direction, steps: list[SwitchStep], before: MemoryFigures, held: HeldSignals) -> _Run:
+        """Run ``steps`` in order, journaling each before it starts (see [Note: switch transactions])."""
         self.accel.reset_peak()
-        run = _Run(done=[], reports=[], tracked_peak_nbytes=before.allocated_nbytes)
-        for step in steps:
+        run = _Run(entered=[], reports=[], tracked_peak_nbytes=before.allocated_nbytes)
+        for step in [*steps, None]:
+            if held.pending and direction is Direction.TO_INFER:
+                run.interrupted, run.interrupted_before = True, step
+                return run
+            if step is None:
+                break
+            run.entered.append(step)
             start = time.perf_counter()
             try:
                 with record_function(f"hybridmem.{direction.value}.{step.name}"):
@@ -439,7 +493,6 @@ class ShardingManager:
                 run.failed_step, run.error = step, exc
                 return run
             seconds = time.perf_counter() - start
-            run.done.append(step)
             after = self.memory()
             run.tracked_peak_nbytes = max(run.tracked_peak_nbytes, after.allocated_nbytes)
             run.reports.append(
@@ -456,34 +509,43 @@ class ShardingManager:
         return run
 
     def _rollback(self, run: _Run) -> None:
-        """Undo ``run.done`` in reverse after a failed TRAIN->INFER step, then raise."""
-        assert run.failed_step is not None and run.error is not None
+        """Undo every entered step in reverse, the failed one included (see [Note: switch transactions]);
+        then raise, unless a held signal stopped the switch (delivered when the hold ends)."""
+        cause = run.error
+        what = (
+            f"TRAIN->INFER step {run.failed_step.name!r} failed ({run.error!r})"
+            if run.failed_step is not None
+            else f"TRAIN->INFER was interrupted by a signal "
+            f"{'after its last step' if run.interrupted_before is None else f'before step {run.interrupted_before.name!r}'}"
+        )
+        failed_name = run.failed_step.name if run.failed_step is not None else "(between steps)"
         self._machine.fire("begin_rollback", operation="roll back")
-        for step in reversed(run.done):
+        for step in reversed(run.entered):
             try:
                 step.undo()
             except BaseException as undo_exc:  # noqa: BLE001
                 self._machine.fire("fail", operation="record a failed rollback")
+                self._guard.arm()
                 raise RollbackError(
-                    f"TRAIN->INFER step {run.failed_step.name!r} failed ({run.error!r}) and undoing "
-                    f"{step.name!r} failed too ({undo_exc!r}). Phase is FAILED; no training state is lost "
-                    f"(offloaded bytes stay in host arenas); call recover() once the cause is fixed",
+                    f"{what} and undoing {step.name!r} failed too ({undo_exc!r}). Phase is FAILED; no training "
+                    f"state is lost (offloaded bytes stay in host arenas); call recover() once the cause is fixed",
                     direction="to_infer",
-                    step=run.failed_step.name,
+                    step=failed_name,
                     phase_after=self.phase,
-                ) from run.error
+                ) from (cause if cause is not None else undo_exc)
         self._machine.fire("end_rollback", operation="finish the rollback")
-        if not isinstance(run.error, Exception):
-            raise run.error  # KeyboardInterrupt and the like: rolled back, re-raised as is
-        undone = ", ".join(s.name for s in reversed(run.done)) or "nothing"
+        if cause is None:
+            return
+        if not isinstance(cause, Exception):
+            raise cause  # KeyboardInterrupt and the like: rolled back, re-raised as is
+        undone = ", ".join(s.name for s in reversed(run.entered)) or "nothing"
         raise switch_error(
-            f"TRAIN->INFER step {run.failed_step.name!r} failed: {run.error!r}. Rolled back ({undone}); "
-            f"phase is TRAIN with all training state on the device",
+            f"TRAIN->INFER step {failed_name!r} failed: {cause!r}. Rolled back ({undone}); phase is TRAIN with all training state on the device",
             direction="to_infer",
-            step=run.failed_step.name,
+            step=failed_name,
             phase_after=self.phase,
-            cause=run.error,
-        ) from run.error
+            cause=cause,
+        ) from cause
 
     def _report(
         self,

@@ -22,9 +22,10 @@ INFER->TRAIN releases first and onloads after:
 4. onload grads, 5. onload optimizer state.
 
 Every TRAIN->INFER step has an ``undo`` (offload <-> onload, resume <-> release, sync: nothing), so a
-failure at step k undoes steps k-1..1 in reverse. INFER->TRAIN steps need no undo: if one fails, the
-manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op when
-already done.
+failure at step k undoes steps k..1 in reverse, step k included, from whatever part of it was done
+(see [Note: switch transactions] in hybridmem.manager). INFER->TRAIN steps need no undo: if one fails,
+the manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op
+when already done and finishes what an interrupted run left.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from enum import IntEnum
 
 from hybridmem.accel import Accelerator
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.errors import WeightCoverageError
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import StepEstimate
 from hybridmem.offload import Offloader
@@ -108,10 +110,12 @@ class SwitchStep(ABC):
 
     @abstractmethod
     def run(self) -> StepResult:
-        """Do the step. Must be atomic: on failure it leaves memory as it found it."""
+        """Do the step, recording each irreversible act before doing it (see [Note: switch
+        transactions] in hybridmem.manager)."""
 
     def undo(self) -> None:
-        """Reverse a completed :meth:`run` (rollback of TRAIN->INFER)."""
+        """Reverse :meth:`run` (rollback of TRAIN->INFER), whether it completed or was stopped at any
+        point: the manager undoes the failed step too. Idempotent."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -208,8 +212,9 @@ class EngineReleaseStep(SwitchStep):
 
 
 class WeightSyncStep(SwitchStep):
-    """Run a :class:`~hybridmem.sync.WeightSync`; nothing to undo (the engine weights are released by
-    the undo of the engine-weights resume)."""
+    """Run a :class:`~hybridmem.sync.WeightSync` and fail with ``WeightCoverageError`` when it left engine
+    tensors unwritten ([Note: weight coverage] in hybridmem.sync); nothing to undo (the engine weights
+    are released by the undo of the engine-weights resume)."""
 
     name = "weight sync"
     kind = StateKind.ENGINE_WEIGHTS
@@ -222,6 +227,8 @@ class WeightSyncStep(SwitchStep):
 
     def run(self) -> StepResult:
         s = self.sync.sync()
+        if s.unwritten:  # [Note: weight coverage]
+            raise WeightCoverageError(list(s.unwritten))
         return StepResult(
             kind=self.kind,
             copied_nbytes=s.received_nbytes,
@@ -232,6 +239,7 @@ class WeightSyncStep(SwitchStep):
                 "received_nbytes": s.received_nbytes,
                 "min_received_nbytes": s.min_received_nbytes,
                 "temp_peak_nbytes": s.temp_peak_nbytes,
+                "coverage_checked": s.coverage_checked,
             },
         )
 

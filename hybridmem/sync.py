@@ -1,5 +1,17 @@
 """Weight sync: write the current training weights into the inference engine.
 
+[Note: weight coverage]
+An engine tensor the sync never writes keeps whatever its storage held when it was resumed (uninitialised
+memory), and generation silently produces garbage. Every sync therefore proves that it wrote every byte
+of every engine tensor of its rank and reports the ones it did not in ``SyncStats.unwritten``; the
+weight-sync step then fails the switch (``WeightCoverageError``), which rolls back. Padding rows (vocab
+padding) count as written: the sync zeroes them. The proof comes from the party that sees the writes:
+:class:`LoadWeightsSync` asks the engine (``unwritten_weights()``, which ``TorchCopyEngine`` and
+``ReferenceEngine`` keep per name and row range since the weights were resumed); the resharding sync,
+writing in place, counts the elements each engine tensor received against its plan and lists every
+engine tensor the plan does not fill. An engine without ``unwritten_weights()`` that is written through
+``load_weights`` (vLLM in another process) cannot be checked; ``SyncStats.coverage_checked`` says so.
+
 The default, :class:`~hybridmem.weight_sync.LoadWeightsSync`, streams ``(name, tensor)`` pairs into the
 engine's ``load_weights``; it suits engines that hold the training layout (``TorchCopyEngine``) or load
 full HF-named tensors. The resharding engine (:mod:`hybridmem.reshard`) provides a sync that writes each
@@ -17,9 +29,9 @@ import torch
 
 from hybridmem.engines.protocol import InferenceEngine
 from hybridmem.reshard import ModelSpec, ReshardSync
-from hybridmem.weight_sync import LoadWeightsSync, SyncStats, WeightSync
+from hybridmem.weight_sync import LoadWeightsSync, SyncStats, WeightSync, engine_unwritten
 
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync"]
+__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync", "engine_unwritten"]
 
 
 def _dominant_dtype(weights: Iterable[tuple[str, torch.Tensor]]) -> torch.dtype:

@@ -37,6 +37,9 @@ class TrainingState(Protocol):
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """This rank's training weights by name, as the weight sync reads them."""
 
+    # Optional: ``guard_targets() -> (modules, optimizers)``: what refuses forward, backward, ``step`` and
+    # ``zero_grad`` outside TRAIN (see [Note: misuse guards] in hybridmem.guards).
+
 
 class TorchTrainingState:
     """A plain PyTorch model (or its chunks) and optimizer(s).
@@ -63,6 +66,11 @@ class TorchTrainingState:
         if self.optimizer is not None:
             offloaders[StateKind.OPTIMIZER] = OptimizerStateOffloader(self.optimizer, accel, pool)
         return offloaders
+
+    def guard_targets(self) -> tuple[list[torch.nn.Module], list[Any]]:
+        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards])."""
+        opts = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+        return list(self.modules), [o for o in opts if o is not None]
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Parameters and buffers (non-persistent ones too: an engine copy needs every tensor), by name;

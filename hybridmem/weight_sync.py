@@ -12,14 +12,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from hybridmem.engines.protocol import InferenceEngine
 
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync"]
+__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "engine_unwritten"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,10 @@ class SyncStats:
     temp_peak_nbytes: int = 0
     """Peak temporary device bytes."""
     seconds: float = 0.0
+    unwritten: tuple[str, ...] = ()
+    """Engine tensors of this rank not entirely written (see [Note: weight coverage] in hybridmem.sync)."""
+    coverage_checked: bool = False
+    """Whether ``unwritten`` is a proof (False: the engine cannot report what it received)."""
 
 
 class WeightSync(ABC):
@@ -78,9 +82,20 @@ class LoadWeightsSync(WeightSync):
 
         with torch.no_grad():
             self.engine.load_weights(counted())
+        unwritten, checked = engine_unwritten(self.engine)
         return SyncStats(
             num_tensors=count,
             received_nbytes=nbytes,
             min_received_nbytes=nbytes,
             seconds=time.perf_counter() - start,
+            unwritten=unwritten,
+            coverage_checked=checked,
         )
+
+
+def engine_unwritten(engine: Any) -> tuple[tuple[str, ...], bool]:
+    """``(engine tensors not entirely written by load_weights, whether the engine could tell)``."""
+    fn = getattr(engine, "unwritten_weights", None)
+    if not callable(fn):
+        return (), False
+    return tuple(fn()), True

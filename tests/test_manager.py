@@ -235,11 +235,19 @@ def test_nested_and_out_of_order_use_names_the_phase(tiny_setup):
     assert_bitwise_equal(before, snapshot(model, opt))
 
 
-def test_engine_refuses_work_outside_infer(tiny_setup):
+def test_engine_refuses_work_outside_infer_naming_the_managers_phase(tiny_setup):
     model, opt = tiny_setup()
-    _, engine = _manager(model, opt)
-    with pytest.raises(PhaseError, match="RELEASED"):
+    mgr, engine = _manager(model, opt)
+    with pytest.raises(PhaseError, match="phase TRAIN.*inside `with manager.inference\(\)`") as info:
         engine(make_batch(0, "cpu")[0])
+    assert info.value.current is Phase.TRAIN
+    with mgr.inference():
+        pass
+    with pytest.raises(PhaseError, match="phase TRAIN"):  # used after the block
+        engine(make_batch(0, "cpu")[0])
+    standalone = TorchCopyEngine(model)  # no manager: the engine's own state is named
+    with pytest.raises(PhaseError, match="RELEASED"):
+        standalone(make_batch(0, "cpu")[0])
 
 
 def test_bad_arguments():

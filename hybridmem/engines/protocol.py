@@ -14,7 +14,9 @@ An engine's device memory is split by tag, as vLLM's sleep mode splits it:
   and resume re-allocates without copying anything.
 
 ``resume`` must be all-or-nothing: if it fails halfway it gives back what it took and re-raises, so
-the switch's rollback sees the engine exactly as before the call.
+the switch's rollback sees the engine exactly as before the call. ``release`` must free every storage
+of a tag whatever state the engine believes the tag is in: a rollback calls it after a resume that was
+interrupted at any point (see [Note: switch transactions] in hybridmem.manager).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class InferenceEngine(Protocol):
       resharding engine can write shards into them in place instead of calling ``load_weights``.
     - ``gpu_memory_utilization``: the share of device memory its KV pool was sized for (``None`` when
       it was sized by a block count); checked against the config (:func:`check_kv_utilization`).
+    - ``unwritten_weights() -> list[str]``: weights ``load_weights`` has not entirely written since the
+      weights were last resumed ([Note: weight coverage] in hybridmem.sync).
+    - ``bind_phase(phase: Callable[[], Phase])``: the manager's phase, named when the engine refuses work.
+    - ``spec``: a :class:`~hybridmem.nn.config.DecoderConfig`, checked against the training model's
+      config when the manager is built (:mod:`hybridmem.architecture`).
     """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -66,6 +66,8 @@ class TorchCopyEngine:
         self.kv_cache = torch.empty(kv_cache_nbytes, dtype=torch.uint8, device=self.device)
         self._kv_nbytes = kv_cache_nbytes
         self._state = {WEIGHTS: EngineMemoryState.RESIDENT, KV_CACHE: EngineMemoryState.RESIDENT}
+        self._written: set[str] = set()
+        self._phase: Any = None
         self.release(list(ENGINE_TAGS))
 
     # InferenceEngine ------------------------------------------------------------------------------
@@ -87,12 +89,12 @@ class TorchCopyEngine:
                 if dst.shape != tensor.shape:
                     raise ValueError(f"weight {name!r}: engine shape {tuple(dst.shape)} != given {tuple(tensor.shape)}")
                 dst.copy_(tensor)
+                self._written.add(name)
 
     def release(self, tags: Sequence[str]) -> None:
-        """Free the storage of ``tags``; a released tag is left as it is."""
+        """Free every storage of ``tags``, whatever state the tag is in (an interrupted resume may have
+        grown some; see [Note: switch transactions] in hybridmem.manager). Idempotent."""
         for tag in check_tags(tags):
-            if self._state[tag] is EngineMemoryState.RELEASED:
-                continue
             for storage, _ in self._storages(tag):
                 storage.resize_(0)
             self._state[tag] = EngineMemoryState.RELEASED
@@ -115,6 +117,8 @@ class TorchCopyEngine:
             raise
         for tag in resumed:
             self._state[tag] = EngineMemoryState.RESIDENT
+            if tag == WEIGHTS:
+                self._written.clear()
 
     # Optional protocol methods --------------------------------------------------------------------
     def resident_nbytes(self, tag: str) -> int:
@@ -133,6 +137,15 @@ class TorchCopyEngine:
         """Where ``tag``'s memory is."""
         return self._state[check_tags([tag])[0]]
 
+    def unwritten_weights(self) -> list[str]:
+        """Weights not written by :meth:`load_weights` since the weights were last resumed (see
+        [Note: weight coverage] in hybridmem.sync)."""
+        return [name for name in self._tensors if name not in self._written]
+
+    def bind_phase(self, phase: Any) -> None:
+        """Name ``phase()`` (the owning manager's phase) when refusing work outside INFER."""
+        self._phase = phase
+
     # Inference ------------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,6 +155,8 @@ class TorchCopyEngine:
             PhaseError: The weights are released (the manager is not in INFER).
         """
         if self._state[WEIGHTS] is not EngineMemoryState.RESIDENT:
+            if self._phase is not None:
+                raise PhaseError("run the engine", self._phase(), "its weights are released; use it inside `with manager.inference()`")
             raise PhaseError("run the engine", self._state[WEIGHTS], "its weights are released; use it inside inference()")
         return self.module(*args, **kwargs)
 

@@ -18,11 +18,22 @@ non-blocking copy with no event; we do not). Onload allocates on the compute str
 stream, and the compute stream waits on the copy's event, so the first kernel after a switch sees the
 restored bytes.
 
-[Note: atomic offload and onload]
-Each call either completes or leaves device state as it found it. Offload does everything that can fail
-(arena allocation against the host budget, the copies) before it frees anything. Onload allocates every
-storage first and, if an allocation fails (device OOM), frees what it allocated and re-raises, with the
-host copy untouched. A switch's rollback relies on this: a failed step needs no undo of its own.
+[Note: offload journal]
+Freeing a device storage is the one irreversible act of an offload, so it is recorded before it
+happens. Offload does everything that can fail before the first free (arena allocation against the host
+budget, the copies, waiting for them); then it records the slots and marks its host arenas as holding
+the only valid copy (``HostBufferPool.hold``), sets the state to ``ON_HOST``, and only then frees the
+storages one by one. An exception (or a ``KeyboardInterrupt``) at any point before the record leaves
+the device untouched; at any point after it, the record says where every byte is, and :meth:`onload`
+restores all of it whatever subset was freed (re-growing a storage that was never freed is a no-op and
+the copy writes the same bytes back). Onload is just as re-runnable: it keeps the record until every copy
+has completed, so an onload interrupted at any point is finished by calling it again. Nothing decides
+what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
+and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.manager`).
+
+A held arena is never handed out for a new offload or dropped (``HostBufferPool`` refuses), so an
+arena holding the only copy of some bytes cannot be overwritten whatever state an offloader believes
+it is in.
 """
 
 from __future__ import annotations
@@ -50,7 +61,9 @@ class OffloadState(Enum):
     ON_DEVICE = "on_device"
     """Storages hold device memory with the live bytes; host arenas hold nothing of value."""
     ON_HOST = "on_host"
-    """Storages are resized to 0 bytes; the bytes are in the pool's host arenas (or known to be zero)."""
+    """The pool's host arenas hold the authoritative bytes (or they are known to be zero); storages are
+    resized to 0 bytes once the offload returns (some may still be allocated if it was interrupted, see
+    [Note: offload journal])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +193,9 @@ class Offloader(ABC):
     def offload(self) -> TransferStats:
         """Copy every live storage to host, wait for the copies, then free the device storage.
 
-        A no-op returning empty stats when already on host. Atomic (see [Note: atomic offload and
-        onload]).
+        A no-op returning empty stats when already on host. Journaled (see [Note: offload journal]):
+        if it raises before its record, the device is untouched; after it, :meth:`onload` restores
+        everything.
 
         Raises:
             HostMemoryBudgetError: The host arenas would exceed the pool's budget (nothing changed).
@@ -190,6 +204,11 @@ class Offloader(ABC):
             return TransferStats(kind=self.kind, owner=self.owner, direction="offload")
         start = time.perf_counter()
         with record_function(f"hybridmem.offload.{self.owner}"):
+            if self.pool.is_held(self.owner):
+                raise RuntimeError(
+                    f"{self!r}: host arenas of owner {self.owner!r} hold the only copy of offloaded bytes; an "
+                    f"offload would overwrite them (internal error: state and pool disagree)"
+                )
             slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d) for s, d in self._storages()]
             if self.skip_zero and slots:
                 self._mark_zero(slots)
@@ -203,10 +222,12 @@ class Offloader(ABC):
                         host.copy_(storage_view(slot.storage, slot.dtype, slot.numel), non_blocking=True)
                 event.record(stream)
             event.synchronize()  # [Note: copy ordering]: no storage is freed before its copy is done
+            # [Note: offload journal]: record, then free.
+            self._slots = slots
+            self.pool.hold(self.owner)
+            self._state = OffloadState.ON_HOST
             for slot in slots:
                 slot.storage.resize_(0)
-        self._slots = slots
-        self._state = OffloadState.ON_HOST
         return self._stats("offload", slots, time.perf_counter() - start)
 
     def _mark_zero(self, slots: list[_Slot]) -> None:
@@ -229,8 +250,9 @@ class Offloader(ABC):
     def onload(self) -> TransferStats:
         """Re-allocate every offloaded storage and copy its bytes back (or re-zero it).
 
-        A no-op returning empty stats when already on device. Atomic (see [Note: atomic offload and
-        onload]).
+        A no-op returning empty stats when already on device. Re-runnable: the record is kept until
+        every copy has completed, so an interrupted onload is finished by calling it again (see
+        [Note: offload journal]); a failed allocation frees what this call allocated.
 
         Raises:
             torch.OutOfMemoryError: The device could not hold the storages; nothing stays allocated.
@@ -254,8 +276,9 @@ class Offloader(ABC):
                 event.record(stream)
             self.accel.current_stream().wait_event(event)
             event.synchronize()  # the report's time is the real copy time; arenas may be reused next
-        self._slots = []
         self._state = OffloadState.ON_DEVICE
+        self._slots = []
+        self.pool.unhold(self.owner)
         return self._stats("onload", slots, time.perf_counter() - start)
 
     def _allocate(self, slots: list[_Slot]) -> None:

@@ -121,29 +121,36 @@ def _order(key: tuple[int, torch.dtype]) -> tuple[int, int]:
 
 
 def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]], bufs: dict[tuple[int, torch.dtype], torch.Tensor],
-            dst: MutableMapping[str, torch.Tensor]) -> None:
+            dst: MutableMapping[str, torch.Tensor], written: dict[str, int] | None = None) -> None:
     for key, ts in recvs.items():
         offset = 0
         for t in ts:
             n = t.numel
-            dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(bufs[key][offset:offset + n].view(_box_shape(t)))
+            target = dst[t.dst_name][piece_index(t.dst_piece, t.box)]
+            target.copy_(bufs[key][offset:offset + n].view(_box_shape(t)))
+            if written is not None:
+                written[t.dst_name] = written.get(t.dst_name, 0) + target.numel()
             offset += n
 
 
 def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor], dst: MutableMapping[str, torch.Tensor],
-                dtype: torch.dtype) -> set[str]:
+                dtype: torch.dtype, written: dict[str, int] | None = None) -> set[str]:
     """This rank's local cells, cast as they would be on the wire; returns the destination names."""
     names = set()
     for t in plan.local[rank]:
         piece = src[t.src_name][piece_index(t.src_piece, t.box)].to(cell_dtype(plan, t.hf_name, dtype))
-        dst[t.dst_name][piece_index(t.dst_piece, t.box)].copy_(piece)
+        target = dst[t.dst_name][piece_index(t.dst_piece, t.box)]
+        target.copy_(piece)
+        if written is not None:
+            written[t.dst_name] = written.get(t.dst_name, 0) + target.numel()
         names.add(t.dst_name)
     return names
 
 
 def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
              dst: MutableMapping[str, torch.Tensor] | None = None,
-             dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], SyncStats]:
+             dtype: torch.dtype | None = None,
+             written: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], SyncStats]:
     """Write this rank's destination tensors from every rank's source tensors.
 
     Call on every rank of ``group`` with the same ``plan``.
@@ -157,6 +164,8 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
             ``None`` allocates them. Tensors with padding rows are zeroed first.
         dtype: The element type on the wire and of allocated destinations, the same on every rank
             (see [Note: wire dtype]); ``None``: the first source tensor's.
+        written: When given, receives the number of elements written into each destination tensor,
+            counted at each copy (the weight-coverage proof, [Note: weight coverage] in hybridmem.sync).
 
     Returns:
         The destination tensors and this rank's figures (``received_nbytes`` counts bytes that arrived
@@ -184,10 +193,10 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     sent = received = peak = 0
     _warm_group(plan, group, device)
     with torch.no_grad(), accel.on_side_stream(side):
-        _copy_local(plan, rank, src, dst, dtype)
+        _copy_local(plan, rank, src, dst, dtype, written)
         for bucket in plan.buckets:
             recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)
-            _unpack(recvs, bufs, dst)
+            _unpack(recvs, bufs, dst, written)
             sent, received, peak = sent + s, received + r, max(peak, s + r)
             del bufs
     accel.current_stream().wait_stream(side)

@@ -22,7 +22,7 @@ from hybridmem.reshard.hf_source import HFSourceLayout
 from hybridmem.reshard.layouts import MegatronConvention, VLLMConvention, hf_layout, megatron_layout, vllm_layout
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, build_plan
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.weight_sync import SyncStats, WeightSync
+from hybridmem.weight_sync import SyncStats, WeightSync, engine_unwritten
 
 if TYPE_CHECKING:
     from hybridmem.engines.protocol import InferenceEngine
@@ -93,7 +93,10 @@ class ReshardSync(WeightSync):
             checks.add_source(src, self.dtype)
         if self.in_place:
             params = {k: v.data for k, v in self.engine.named_parameters()}
-            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params, dtype=self.dtype)
+            written: dict[str, int] = {}
+            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params, dtype=self.dtype,
+                                  written=written)
+            unwritten, checked = self._unwritten(params, written), True
             if checks is not None:
                 checks.add_destinations(dst)
         else:
@@ -109,6 +112,7 @@ class ReshardSync(WeightSync):
             with torch.no_grad():
                 self.engine.load_weights(stream())
             stats = collected[0]
+            unwritten, checked = engine_unwritten(self.engine)
         if checks is not None:
             checks.compare(self.group, device=next(iter(src.values())).device)
         return SyncStats(
@@ -118,4 +122,21 @@ class ReshardSync(WeightSync):
             min_received_nbytes=stats.min_received_nbytes,
             temp_peak_nbytes=stats.temp_peak_nbytes,
             seconds=time.perf_counter() - start,
+            unwritten=unwritten,
+            coverage_checked=checked,
         )
+
+    def _unwritten(self, params: Mapping[str, torch.Tensor], written: Mapping[str, int]) -> tuple[str, ...]:
+        """Engine tensors not written exactly once in every data element ([Note: weight coverage]).
+
+        A tensor's data elements are its plan pieces; the rest is padding, zeroed by ``run_plan``. An
+        engine tensor the plan does not know at all (a bias the training model lacks) is unwritten.
+        """
+        expected = self.plan.dst.tensors(self.rank)
+        out = []
+        for name, tensor in params.items():
+            local = expected.get(name)
+            data = sum(p.numel for p in local.pieces) if local is not None else 0
+            if local is None or written.get(name, 0) != data or data > tensor.numel():
+                out.append(name)
+        return tuple(out)

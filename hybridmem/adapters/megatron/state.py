@@ -189,6 +189,10 @@ class MegatronTrainingState:
         manager.register_step(Direction.TO_INFER, ReleaseWorkspacesStep(self.workspaces), ToInferOrder.EMPTY_CACHE - 1)
         manager.register_owner(WORKSPACE_OWNER, self.workspaces.resident_nbytes, empty_in=(Phase.INFER,))
 
+    def guard_targets(self) -> tuple[list[Any], list[Any]]:
+        """The DDP-wrapped chunks and the Megatron optimizer (see [Note: misuse guards])."""
+        return list(self.model_chunks), [] if self.optimizer is None else [self.optimizer]
+
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """This rank's parameters by Megatron name (no DDP ``module.`` prefix, local layer numbers;
         chunks prefixed ``model{i}.`` when there are several)."""

@@ -127,6 +127,9 @@ class ReferenceEngine:
         self.kv_cache = self.kv_allocator.view(dtype, cache_shape)
         self.blocks = BlockManager(self.num_kv_blocks, block_size)
         self._state = {WEIGHTS: EngineMemoryState.RESIDENT, KV_CACHE: EngineMemoryState.RESIDENT}
+        self._written: dict[str, list[tuple[int, int]]] = {}
+        """Row ranges of each weight written by :meth:`load_weights` since the weights were resumed."""
+        self._phase: Any = None
 
     # InferenceEngine ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -145,19 +148,21 @@ class ReferenceEngine:
                 continue
             dst = self.model.params[placement.name]
             dst[placement.rows].copy_(placement.value)
+            start, stop, _ = placement.rows.indices(dst.shape[0])
+            self._written.setdefault(placement.name, []).append((start, stop))
             if placement.zero_rest:
                 dst[placement.value.shape[0]:].zero_()
+                self._written[placement.name].append((placement.value.shape[0], dst.shape[0]))
 
     def release(self, tags: Sequence[str]) -> None:
         """Give back the memory of ``tags``: weights by storage resize (no host copy), the KV pool
         through its allocator. A released tag is left as it is; see [Note: engine memory tags]."""
         for tag in check_tags(tags):
-            if self._state[tag] is EngineMemoryState.RELEASED:
-                continue
-            if tag == WEIGHTS:
+            if tag == WEIGHTS:  # every storage, whatever the state: an interrupted resume may have grown some
                 self.accel.synchronize()
                 self._resize_weights(resident=False)
-            else:
+                self._written.clear()
+            elif self._state[tag] is not EngineMemoryState.RELEASED:
                 self.blocks.free_all()
                 self.kv_allocator.release()
             self._state[tag] = EngineMemoryState.RELEASED
@@ -172,6 +177,7 @@ class ReferenceEngine:
                     continue
                 if tag == WEIGHTS:
                     self._resize_weights(resident=True)
+                    self._written.clear()
                 else:
                     self.kv_allocator.resume()
                 self._state[tag] = EngineMemoryState.RESIDENT
@@ -211,6 +217,23 @@ class ReferenceEngine:
     def state(self, tag: str) -> EngineMemoryState:
         """Where ``tag``'s memory is."""
         return self._state[check_tags([tag])[0]]
+
+    def unwritten_weights(self) -> list[str]:
+        """Weights whose rows :meth:`load_weights` has not all written since the weights were resumed
+        (vocab padding rows count as written: they are zeroed); see [Note: weight coverage] in
+        hybridmem.sync."""
+        out = []
+        for name, t in self.model.params.items():
+            covered = 0
+            for start, stop in sorted(self._written.get(name, [])):
+                covered = max(covered, stop) if start <= covered else covered
+            if covered < t.shape[0]:
+                out.append(name)
+        return out
+
+    def bind_phase(self, phase: Any) -> None:
+        """Name ``phase()`` (the owning manager's phase) when refusing work outside INFER."""
+        self._phase = phase
 
     # Inference ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -289,6 +312,9 @@ class ReferenceEngine:
     def _require(self, tag: str, operation: str) -> None:
         if self._state[tag] is not EngineMemoryState.RESIDENT:
             state = self._state[tag]
+            if self._phase is not None:
+                hint = f"the engine's {tag!r} are {state.name}; use the engine inside `with manager.inference()`"
+                raise PhaseError(operation, self._phase(), hint)
             hint = f"the engine's {tag!r} are {state.name}; resume([{tag!r}]) first"
             raise PhaseError(operation, state, hint)
 

@@ -1,0 +1,124 @@
+"""Fault injection at every call a switch makes into torch, the host pool, the accelerator and the engine.
+
+:class:`FaultInjector` patches a list of seams (class attributes) with wrappers that count calls. A dry
+run of a switch records the sequence of calls (the injection points); an injected run raises a given
+exception at the k-th call, once. Running the switch once per point with each exception kind covers
+every point at which a switch can be interrupted by a synchronous error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hybridmem.accel import cpu as cpu_accel
+from hybridmem.host_pool import HostBufferPool
+
+__all__ = ["FaultInjector", "Injected", "sample_points", "FULL"]
+
+FULL = os.environ.get("HYBRIDMEM_FAULTS_FULL") == "1"
+"""Inject at every enumerated point (else at the deterministic CI sample of :func:`sample_points`)."""
+
+# (owner, attribute, label): every call a switch makes that can fail or be interrupted.
+TORCH_SEAMS: list[tuple[Any, str, str]] = [
+    (torch.UntypedStorage, "resize_", "storage resize"),
+    (torch.Tensor, "copy_", "copy"),
+    (torch.Tensor, "zero_", "zero"),
+    (torch.Tensor, "any", "zero check"),
+    (torch.Tensor, "tolist", "device sync"),
+    (torch.Tensor, "set_", "storage view"),
+    (torch.Tensor, "narrow", "arena slice"),
+    (cpu_accel._NullEvent, "record", "event record"),
+    (cpu_accel._NullEvent, "synchronize", "event wait"),
+    (cpu_accel._NullStream, "wait_event", "stream wait"),
+    (HostBufferPool, "arena", "host arena"),
+    (cpu_accel.CpuAccelerator, "alloc_host", "host alloc"),
+    (cpu_accel.CpuAccelerator, "empty_cache", "empty cache"),
+]
+
+
+def engine_seams(engine: Any) -> list[tuple[Any, str, str]]:
+    """The engine calls of a switch: resume, release, load_weights."""
+    cls = type(engine)
+    return [(cls, name, f"engine {name}") for name in ("resume", "release", "load_weights")]
+
+
+class Injected(Exception):
+    """The synchronous exception injected (a stand-in for any error a torch call can raise)."""
+
+
+class FaultInjector:
+    """Counts calls through ``seams`` and raises at one of them.
+
+    Args:
+        seams: ``(owner, attribute, label)`` triples to patch while :meth:`active`.
+    """
+
+    def __init__(self, seams: list[tuple[Any, str, str]]):
+        self.seams = seams
+        self.count = 0
+        self.labels: list[str] = []
+        self.target: int | None = None
+        self.exc_factory: Callable[[], BaseException] | None = None
+        self.fired: str | None = None
+
+    def _tick(self, label: str) -> None:
+        self.count += 1
+        self.labels.append(label)
+        if self.count == self.target and self.fired is None:
+            self.fired = label
+            assert self.exc_factory is not None
+            raise self.exc_factory()
+
+    def _wrap(self, original: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._tick(label)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def active(self, *, target: int | None = None, exc: Callable[[], BaseException] | None = None) -> Iterator[FaultInjector]:
+        """Patch the seams; with ``target``, raise ``exc()`` at that call (1-based), once."""
+        self.count, self.labels, self.fired = 0, [], None
+        self.target, self.exc_factory = target, exc
+        saved = []
+        for owner, attr, label in self.seams:
+            own = attr in owner.__dict__
+            original = getattr(owner, attr)
+            saved.append((owner, attr, own, owner.__dict__.get(attr)))
+            setattr(owner, attr, self._wrap(original, label))
+        try:
+            yield self
+        finally:
+            for owner, attr, own, previous in reversed(saved):
+                if own:
+                    setattr(owner, attr, previous)
+                else:
+                    delattr(owner, attr)
+            self.target = None
+
+    def count_calls(self, fn: Callable[[], Any]) -> list[str]:
+        """Run ``fn`` with counting only; returns the label of every call, in order."""
+        with self.active():
+            fn()
+        return list(self.labels)
+
+
+def sample_points(labels: list[str], *, num_strided: int = 16) -> list[int]:
+    """A deterministic subset of the 1-based points of a dry run: the first and last call of every kind
+    (every label), plus ``num_strided`` points evenly spaced over the run. All points when :data:`FULL`."""
+    if FULL:
+        return list(range(1, len(labels) + 1))
+    stride = max(1, len(labels) // num_strided)
+    points = set(range(1, len(labels) + 1, stride))
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, label in enumerate(labels, start=1):
+        first.setdefault(label, i)
+        last[label] = i
+    return sorted(points | set(first.values()) | set(last.values()))
