@@ -66,3 +66,14 @@ def test_demo_megatron_trainer(tmp_path):
 def test_demo_rejects_layout_that_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match="3"):
         grpo.main(["--out", str(tmp_path), "--train-tp", "3"])
+
+
+@pytest.mark.slow
+def test_demo_with_real_vllm_megatron_tp2(tmp_path):
+    """``--engine vllm``: vLLM's CPU build at TP2 (external_launcher) in the two Megatron TP2 training
+    processes; vLLM's log-probs of the sampled tokens equal Megatron's on the resharded weights."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("megatron.core")
+    summary = _run(tmp_path, "--iters", "3", "--engine", "vllm", "--trainer", "megatron", "--infer-tp", "2")
+    assert summary["max_logprob_gap"] < 1e-4
+    assert len(summary["iterations"]) == 3

@@ -479,11 +479,11 @@ class VLLMEngine:
 
     def _check_reload_supported(self) -> None:
         """Refuse a weight update the backend would apply wrongly (see [Note: vllm cpu moe reload])."""
-        experts = [n for n in self.worker_info.repacked if ".experts." in n]
-        if self.device_type == "cpu" and experts:
+        experts = self.worker_info.fused_experts
+        if self.worker_info.device_type == "cpu" and experts:
             raise NotImplementedError(
                 f"the vLLM CPU backend cannot update fused-MoE expert weights ({experts[0]!r} and {len(experts) - 1} "
-                f"more are repacked): its reload_weights leaves the model computing wrong outputs even when given "
+                f"more are prepacked): its reload_weights leaves the model computing wrong outputs even when given "
                 f"the weights it already holds; serve MoE models from a checkpoint on CPU, or update them on a GPU"
             )
 

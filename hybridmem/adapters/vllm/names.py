@@ -61,7 +61,7 @@ def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: s
             problems.append(f"{len(shapes)} shapes differ: {shapes[:6]}")
         raise ValueError(
             f"vLLM worker rank {info.rank} does not match {what}: " + "; ".join(problems)
-            + f" (the worker has {len(engine)} parameters, {len(repacked)} of them repacked to shape [0] and "
+            + f" (the worker has {len(engine)} parameters, {len(repacked)} of them kept by the backend in its kernels' format and "
             f"checked by name only; the sync writes {len(want)})"
         )
 

@@ -24,12 +24,20 @@ class WorkerInfo:
     """Whether the worker offers ``reload_weights(weights_iterator=...)`` (vLLM >= 0.32)."""
     params: tuple[tuple[str, tuple[int, ...]], ...]
     """``(name, shape)`` of every parameter of the worker's model, in model order."""
+    device_type: str | None = None
+    """The worker's device type (``"cpu"`` on vLLM's CPU backend)."""
+
+    @property
+    def fused_experts(self) -> tuple[str, ...]:
+        """The fused-MoE expert weights (``...experts...w13_weight`` / ``w2_weight``)."""
+        return tuple(n for n, _ in self.params if ".experts." in n and n.rsplit(".", 1)[-1] in ("w13_weight", "w2_weight"))
 
     @property
     def repacked(self) -> tuple[str, ...]:
-        """Parameters with no elements: the vLLM CPU backend repacks linear weights into its own
-        kernels' format after loading and leaves the parameter with shape ``[0]``."""
-        return tuple(n for n, shape in self.params if 0 in shape)
+        """Parameters the backend keeps in its kernels' own format, whose shape says nothing: on vLLM's
+        CPU backend linear weights (left with shape ``[0]``) and fused-MoE expert weights (prepacked)."""
+        experts = set(self.fused_experts) if self.device_type == "cpu" else set()
+        return tuple(n for n, shape in self.params if 0 in shape or n in experts)
 
 
 def worker_model(worker: Any) -> torch.nn.Module:
@@ -48,6 +56,7 @@ def probe_worker(worker: Any) -> WorkerInfo:
         rank=int(getattr(worker, "rank", 0) or 0),
         has_reload_weights=callable(getattr(worker, "reload_weights", None)),
         params=tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
+        device_type=getattr(getattr(worker, "device", None), "type", None),
     )
 
 
