@@ -21,8 +21,10 @@ VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
-LLM_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 128, "seed": 0}
-PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [5, 17, 33, 2, 11]]
+LLM_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 128, "seed": 0, "block_size": 32}
+# The last prompt spans full KV blocks, which vLLM's prefix cache keeps across requests: a weight update
+# without a prefix-cache reset would reuse KV computed with the old weights.
+PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [5, 17, 33, 2, 11], [(7 * i + 3) % 200 + 1 for i in range(40)]]
 MAX_TOKENS = 8
 
 
