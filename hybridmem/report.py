@@ -156,6 +156,9 @@ class SwitchReport:
             f"({self.peak_source}); host arenas {format_nbytes(self.host_nbytes)}; "
             f"copied {format_nbytes(self.copied_nbytes)} at {self.gbps:.2f} GB/s"
         )
+        notes = sorted({s.extra["note"] for s in self.steps if s.extra.get("note")})
+        if notes:
+            table.caption += "; " + "; ".join(notes)
         table.caption_justify = "left"
         return table
 

@@ -165,6 +165,14 @@ def _engine_nbytes(engine: InferenceEngine, method: str, tag: str) -> int:
     return int(fn(tag)) if callable(fn) else 0
 
 
+def _memory_extra(engine: InferenceEngine) -> dict:
+    """Report extras of an engine whose release frees no memory (``frees_memory = False``, e.g. vLLM's
+    CPU backend, which has no sleep mode), so a report never claims freed bytes it did not free."""
+    if getattr(engine, "frees_memory", True):
+        return {}
+    return {"frees_memory": False, "note": str(getattr(engine, "memory_note", "the engine frees no memory"))}
+
+
 _TAG_KIND = {WEIGHTS: StateKind.ENGINE_WEIGHTS, KV_CACHE: StateKind.KV_CACHE}
 
 
@@ -183,7 +191,7 @@ class EngineResumeStep(SwitchStep):
     def run(self) -> StepResult:
         start = time.perf_counter()
         self.engine.resume([self.tag])
-        return StepResult(kind=self.kind, seconds=time.perf_counter() - start)
+        return StepResult(kind=self.kind, seconds=time.perf_counter() - start, extra=_memory_extra(self.engine))
 
     def undo(self) -> None:
         self.engine.release([self.tag])
@@ -205,7 +213,8 @@ class EngineReleaseStep(SwitchStep):
         start = time.perf_counter()
         freed = _engine_nbytes(self.engine, "resident_nbytes", self.tag)
         self.engine.release([self.tag])
-        return StepResult(kind=self.kind, zero_nbytes=freed, seconds=time.perf_counter() - start)
+        return StepResult(kind=self.kind, zero_nbytes=freed, seconds=time.perf_counter() - start,
+                          extra=_memory_extra(self.engine))
 
     def undo(self) -> None:
         self.engine.resume([self.tag])

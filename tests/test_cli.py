@@ -100,3 +100,14 @@ def test_demo_without_matplotlib_writes_the_json_and_says_how_to_get_plots(tmp_p
     assert "matplotlib is not installed" in proc.stderr and "hybridmem[bench]" in proc.stderr
     assert len(json.loads((out / "grpo.json").read_text())["iterations"]) == 1
     assert not list(out.glob("*.png"))
+
+
+def test_demo_vllm_engine_takes_infer_tp_1_or_the_world_size(capsys):
+    from hybridmem.examples import grpo
+
+    with pytest.raises(SystemExit) as info:
+        grpo.main(["--engine", "vllm", "--world-size", "4", "--train-tp", "1", "--infer-tp", "2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hybridmem demo: error: --infer-tp 2 is not allowed with --engine vllm: expected 1 (a replica "
+                   "per process) or 4 (--world-size, one engine over all processes) (see 'hybridmem demo --help')"], err

@@ -45,6 +45,8 @@ class ReshardSync(WeightSync):
         source: Returns this rank's training tensors by the source layout's names (a mapping or ``(name, tensor)``
             pairs, e.g. ``model.named_parameters``); called on every sync.
         engine: The engine; written through ``named_parameters()`` when it has it, else ``load_weights``.
+            An engine with ``check_weights(tensors, what=...)`` (the vLLM adapter) checks this rank's
+            tensors of the vLLM layout against its own parameters here, before anything moves.
         bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
         verify: Compare per-slice checksums after each sync (raises ``WeightSyncError`` on mismatch).
         dtype: Element type on the wire, the same on every rank (see [Note: wire dtype]); decides the
@@ -76,6 +78,10 @@ class ReshardSync(WeightSync):
         dst_layout = vllm_layout(spec, dst, world, convention=vllm) if self.in_place else hf_layout(spec, dst, world)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
+        check = getattr(engine, "check_weights", None)
+        if callable(check):  # the engine's own parameters vs the vLLM tensors this sync fills, before any move
+            written = dst_layout if self.in_place else vllm_layout(spec, dst, world, convention=vllm)
+            check(written.tensors(self.rank), what=f"the vLLM layout {dst} this sync writes, rank {self.rank}")
 
     def temp_nbytes(self) -> int:
         """This rank's peak staging bytes in one bucket (plan figure)."""

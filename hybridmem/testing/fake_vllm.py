@@ -1,4 +1,5 @@
-"""A fake ``vllm.LLM`` for testing hybridmem's vLLM adapter where vLLM cannot be installed.
+"""A fake ``vllm.LLM`` for what vLLM's CPU build cannot show (a sleep mode that frees memory, in-place
+writes into woken pools); the adapter is also tested against the real CPU build.
 
 It mimics the signatures and the sleep-mode semantics read from vLLM's source (see [Note: vllm API
 reference] in :mod:`hybridmem.adapters.vllm.compat`) and records every call, so tests can check the call

@@ -1,7 +1,8 @@
 """VLLMEngine against a fake vllm.LLM (hybridmem.testing.fake_vllm).
 
-These tests check hybridmem's side of the contract only (which vLLM calls, in which order, with which
-tags and tensors); the adapter has not been run against a real vLLM in this project's CI.
+These tests check hybridmem's side of the contract (which vLLM calls, in which order, with which tags
+and tensors) and what the vLLM CPU backend cannot show (a sleep that frees memory, GPU-only calls); the
+adapter against a real vLLM is tested in test_vllm_real.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def weights_nbytes(model: torch.nn.Module) -> int:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """A stand-in ``vllm`` module in sys.modules (for SamplingParams and LLM)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     accel = FakeDeviceAccelerator()
     module = make_fake_vllm_module(lambda **kw: FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES))
     monkeypatch.setitem(sys.modules, "vllm", module)
@@ -68,7 +70,8 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int)
 
 
 def without_resets(calls):
-    return [c for c in calls if c[0] != "reset_prefix_cache"]
+    """The calls, less prefix-cache resets and the worker probe the adapter runs when it attaches."""
+    return [c for c in calls if c[0] != "reset_prefix_cache" and c != ("collective_rpc", "probe_worker")]
 
 
 # Lazy import ---------------------------------------------------------------------------------------
@@ -102,8 +105,8 @@ def test_create_without_vllm_names_the_extra(monkeypatch):
         VLLMEngine.create("Qwen/Qwen2.5-0.5B", tensor_parallel_size=1)
 
 
-def test_create_builds_llm_with_sleep_mode_and_external_launcher(fake_vllm, monkeypatch):
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+def test_create_builds_llm_with_sleep_mode_and_external_launcher(fake_vllm):
+    env_before = dict(os.environ)
     engine = VLLMEngine.create("some/model", tensor_parallel_size=2, gpu_memory_utilization=0.4, dtype="bfloat16")
     (kwargs,) = fake_vllm.llm_kwargs
     assert kwargs == {
@@ -114,19 +117,35 @@ def test_create_builds_llm_with_sleep_mode_and_external_launcher(fake_vllm, monk
         "distributed_executor_backend": "external_launcher",
         "dtype": "bfloat16",
     }
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert dict(os.environ) == env_before  # the adapter sets no environment variable
     # Built released, as ShardingManager expects: one level-2 sleep, nothing resident.
     assert without_resets(engine.llm.calls) == [("sleep", 2)]
     assert engine.state("weights") is TagState.RELEASED and engine.state("kv_cache") is TagState.RELEASED
 
 
-def test_create_on_npu_turns_off_nz_layout(fake_vllm, monkeypatch):
+@pytest.mark.parametrize("value", [None, "1"])
+def test_create_names_the_in_process_env_var_and_sets_nothing(fake_vllm, monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        VLLMEngine.create("some/model")
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == value
+    assert fake_vllm.llm_kwargs == []  # no LLM was built
+
+
+def test_create_on_npu_needs_nz_layout_off(fake_vllm, monkeypatch):
     class FakeNpu(FakeDeviceAccelerator):
         name = "npu"
 
     monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    with pytest.raises(ValueError, match="VLLM_ASCEND_ENABLE_NZ=0"):
+        VLLMEngine.create("some/model", accel=FakeNpu())
+    assert "VLLM_ASCEND_ENABLE_NZ" not in os.environ
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     engine = VLLMEngine.create("some/model", accel=FakeNpu())
-    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0" and engine.accel.name == "npu"
+    assert engine.accel.name == "npu"
 
 
 def test_create_from_a_config_writes_it_and_loads_dummy_weights(fake_vllm):
@@ -166,7 +185,7 @@ def test_full_cycle_call_order_weights_and_generation(fake_vllm):
         # Weights first, then the load in buckets, a prefix-cache reset, then the KV cache.
         num_buckets = engine.last_load.num_buckets
         assert num_buckets > 1, "bucket_nbytes=8 KiB must split TinyNet's 40 KiB"
-        assert llm.calls == [("wake_up", ["weights"])] + [("apply_model", "_load_bucket")] * num_buckets + [
+        assert llm.calls == [("wake_up", ["weights"])] + [("apply_model", "load_bucket")] * num_buckets + [
             ("reset_prefix_cache",),
             ("wake_up", ["kv_cache"]),
         ]
@@ -219,7 +238,7 @@ def test_in_place_sync_through_named_parameters(fake_vllm):
         # The KV resume after an in-place write resets the prefix cache.
         assert llm.calls == [
             ("wake_up", ["weights"]),
-            ("apply_model", "_identity"),
+            ("apply_model", "identity"),
             ("wake_up", ["kv_cache"]),
             ("reset_prefix_cache",),
         ]
@@ -373,7 +392,8 @@ def test_unknown_and_malformed_tags_raise():
         engine.release("weights")
     with pytest.raises(ValueError, match="'kv'"):
         engine.resident_nbytes("kv")
-    assert llm.calls == [("sleep", 2), ("reset_prefix_cache",)]  # nothing else reached vLLM
+    # nothing else reached vLLM
+    assert llm.calls == [("collective_rpc", "probe_worker"), ("sleep", 2), ("reset_prefix_cache",)]
 
 
 def fail_kv_wake_once(monkeypatch, llm):
@@ -460,27 +480,12 @@ def test_named_parameters_are_the_in_process_models_own_tensors():
     assert all(ours[n] is theirs[n] for n in ours)
 
 
-def test_named_parameters_out_of_process_raises_with_the_reason():
-    _, engine, _ = build(backend="mp")
-    assert not engine.in_process
-    with pytest.raises(AttributeError, match="external_launcher.*'mp'"):
-        engine.named_parameters()
-    # Probing callers (ReshardSync) see no in-place path and fall back to load_weights.
-    assert getattr(engine, "named_parameters", None) is None
-
-
-def test_out_of_process_load_sends_host_tensors():
-    torch.manual_seed(0)
-    model = TinyNet()
-    llm, engine, _ = build(backend="mp")
-    engine.resume(["weights"])
-    seen = []
-    real = llm.apply_model
-    llm.apply_model = lambda func: (seen.extend(t.device.type for _, t in func.keywords["bucket"]), real(func))[1]
-    engine.load_weights(model.named_parameters())
-    assert seen and set(seen) == {"cpu"}
-    for n, p in llm.worker.model.named_parameters():
-        assert torch.equal(p, dict(model.named_parameters())[n])
+def test_out_of_process_engine_core_is_refused_naming_the_env_var():
+    accel = FakeDeviceAccelerator()
+    llm = FakeLLM(TinyNet(), accel=accel, backend="mp")
+    with pytest.raises(ValueError, match="'mp'.*VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        VLLMEngine(llm, accel=accel)
+    assert llm.calls == []  # refused before anything reached vLLM
 
 
 @settings(max_examples=40, deadline=None)

@@ -80,3 +80,14 @@ def test_demo_rejects_layout_that_does_not_fit(tmp_path, capsys):
     assert info.value.code == 2
     assert "--train-tp 3 is not allowed with --world-size 2" in capsys.readouterr().err
     assert not list(tmp_path.iterdir()), "nothing runs before the arguments are checked"
+
+
+@pytest.mark.slow
+def test_demo_with_real_vllm_megatron_tp2(tmp_path):
+    """``--engine vllm``: vLLM's CPU build at TP2 (external_launcher) in the two Megatron TP2 training
+    processes; vLLM's log-probs of the sampled tokens equal Megatron's on the resharded weights."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("megatron.core")
+    summary = _run(tmp_path, "--iters", "3", "--engine", "vllm", "--trainer", "megatron", "--infer-tp", "2")
+    assert summary["max_logprob_gap"] < 1e-4
+    assert len(summary["iterations"]) == 3

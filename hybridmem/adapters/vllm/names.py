@@ -1,0 +1,86 @@
+"""Check the tensors a weight sync will write against the parameters a vLLM worker really has.
+
+[Note: vllm name check]
+The resharding engine writes vLLM-layout tensors whose names and per-rank shapes come from a layout
+table (:func:`hybridmem.reshard.vllm_layout`), and the ``reload_weights`` path streams HF tensors that
+vLLM turns into the same parameters. A table that disagrees with the installed vLLM (a renamed
+parameter, a tensor built on more pipeline stages than the table says) would otherwise fail halfway
+through the first sync, or silently leave a parameter unwritten. So when the adapter attaches it reads
+the worker's own ``named_parameters()`` (names and shapes) and compares them with the layout for the
+worker's rank; :class:`~hybridmem.reshard.ReshardSync` repeats the check with the layout it will
+really write (its ``infer_layout``). A mismatch raises before any tensor moves, naming both sides.
+
+Shapes are compared where the backend keeps them: the vLLM CPU backend repacks linear weights into
+its kernels' format after loading and leaves those parameters with shape ``[0]``; for them only the
+name is checked (and their values can only be updated through ``reload_weights``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hybridmem.adapters.vllm.worker import WorkerInfo
+
+__all__ = ["check_weight_names", "engine_layout_shapes"]
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in getattr(value, "shape", value))
+
+
+def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: str) -> None:
+    """Compare a worker's parameters with the tensors a sync will write (see [Note: vllm name check]).
+
+    Args:
+        info: What the worker reported (:func:`~hybridmem.adapters.vllm.worker.probe_worker`).
+        expected: ``{name: shape}`` (or objects with ``.shape``, e.g. a layout's ``LocalTensor``).
+        what: Names the expected side in the error (e.g. ``"the vLLM layout tp=2 pp=1 ep=1, rank 1"``).
+
+    Raises:
+        ValueError: A name on one side only, or a shape that differs (repacked ``[0]`` parameters are
+            compared by name only); the message names both sides.
+    """
+    engine = dict(info.params)
+    want = {name: _shape(v) for name, v in expected.items()}
+    only_engine = [n for n in engine if n not in want]
+    only_layout = [n for n in want if n not in engine]
+    repacked = set(info.repacked)
+    shapes = [
+        f"{n}: vLLM {engine[n]} vs {want[n]}"
+        for n in want
+        if n in engine and n not in repacked and engine[n] != want[n]
+    ]
+    if only_engine or only_layout or shapes:
+        problems = []
+        if only_layout:
+            problems.append(f"{len(only_layout)} tensors the sync writes are not vLLM parameters: {only_layout[:6]}")
+        if only_engine:
+            problems.append(f"{len(only_engine)} vLLM parameters the sync never writes: {only_engine[:6]}")
+        if shapes:
+            problems.append(f"{len(shapes)} shapes differ: {shapes[:6]}")
+        raise ValueError(
+            f"vLLM worker rank {info.rank} does not match {what}: " + "; ".join(problems)
+            + f" (the worker has {len(engine)} parameters, {len(repacked)} of them kept by the backend in its kernels' format and "
+            f"checked by name only; the sync writes {len(want)})"
+        )
+
+
+def engine_layout_shapes(hf_config: Any, parallel: Any, rank: int) -> tuple[dict[str, Any], str]:
+    """``({name: LocalTensor}, description)`` of the vLLM layout for the engine's own model and parallel
+    configuration, on ``rank`` of its ``tp * pp`` world.
+
+    Raises:
+        ValueError: The model is not one the resharding engine knows (``ModelSpec.from_hf_config``).
+    """
+    from hybridmem.config import ParallelLayout  # noqa: PLC0415 - keeps the adapter import light
+    from hybridmem.reshard import ModelSpec, vllm_layout  # noqa: PLC0415
+
+    spec = ModelSpec.from_hf_config(hf_config)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    ep = tp if getattr(parallel, "enable_expert_parallel", False) and spec.num_experts else 1
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep)
+    world = tp * pp
+    tensors = vllm_layout(spec, layout, world).tensors(rank % world)
+    return tensors, f"the vLLM layout tp={tp} pp={pp} ep={ep} of {spec.family}, rank {rank % world}"
