@@ -188,10 +188,9 @@ class FSDPTrainingState:
                 yield prefix + name, t
 
     def build_offloaders(self, accel: Accelerator, pool: HostBufferPool, config: HybridConfig) -> dict[StateKind, Offloader]:
-        params = [p for m in self.modules for p in m.parameters()]
         offloaders: dict[StateKind, Offloader] = {
             StateKind.PARAM: FSDPParamOffloader(self.modules, accel, pool),
-            StateKind.GRAD: FSDPGradOffloader(params, accel, pool, skip_zero=config.skip_zero_grads),
+            StateKind.GRAD: FSDPGradOffloader(self.modules, accel, pool, skip_zero=config.skip_zero_grads),
         }
         if self.optimizer is not None:
             offloaders[StateKind.OPTIMIZER] = FSDPOptimizerOffloader(self.optimizer, accel, pool)
@@ -229,13 +228,17 @@ class FSDPTrainingState:
 
     def hf_source_layout(self, spec: ModelSpec, world_size: int, group: Any = None) -> HFSourceLayout:
         """Where every rank's tensors come from (see [Note: FSDP2 shards] in
-        :mod:`hybridmem.reshard.hf_source`), read off the parameters' placements and meshes.
+        :mod:`hybridmem.reshard.hf_source`), read off the parameters' placements and meshes. Every FSDP
+        module is resharded first (``FSDPModule.reshard()``), so that a module left unsharded by a
+        forward is read as FSDP2 holds it between steps.
 
         Raises:
             ValueError: A parameter is placed other than ``Shard(0)`` (after an optional ``Replicate()``
                 dimension, HSDP), parameters use meshes of different sizes, or the mesh ranks are not
                 the resharding group's ranks in order.
         """
+        for m in self.buffers.fsdp_modules:
+            m.reshard()
         fused = any(n.endswith("mlp.experts.gate_up_proj") for n, _ in self._named(False)) or not spec.is_moe
         names = hf_module_tensors(spec, fused)
         shard_sizes: set[int] = set()
