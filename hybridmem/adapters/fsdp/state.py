@@ -61,7 +61,10 @@ UNSHARDED_OWNER = "fsdp unsharded"
 
 def is_fsdp_model(model: Any) -> bool:
     """Whether ``model`` (a module or a list of them) has ``fully_shard`` applied to it or inside it."""
-    modules = [model] if isinstance(model, torch.nn.Module) else list(model) if isinstance(model, (list, tuple)) else []
+    if isinstance(model, torch.nn.Module):
+        modules = [model]
+    else:
+        modules = list(model) if isinstance(model, (list, tuple)) else []
     return any(isinstance(m, FSDPModule) for root in modules if isinstance(root, torch.nn.Module)
                for m in root.modules())
 
@@ -149,7 +152,8 @@ class ReleaseFSDPBuffersStep(SwitchStep):
     def run(self) -> StepResult:
         start = time.perf_counter()
         nbytes = self.buffers.release()
-        return StepResult(zero_nbytes=nbytes, seconds=time.perf_counter() - start, extra={"released_nbytes": nbytes})
+        return StepResult(zero_nbytes=nbytes, seconds=time.perf_counter() - start,
+                          extra={"released_nbytes": nbytes})
 
 
 class FSDPTrainingState:
@@ -175,7 +179,8 @@ class FSDPTrainingState:
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module], optimizer: Any = None):
         self.modules = [model] if isinstance(model, torch.nn.Module) else list(model)
         if not is_fsdp_model(self.modules):
-            raise TypeError(f"model {type(model).__name__} has no fully_shard module; use it without FSDPTrainingState")
+            raise TypeError(f"model {type(model).__name__} has no fully_shard module; "
+                            f"use it without FSDPTrainingState")
         self.optimizer = optimizer
         self.buffers = _FSDPBuffers(self.modules)
         self._attached: set[int] = set()
@@ -187,7 +192,8 @@ class FSDPTrainingState:
             for name, t in items:
                 yield prefix + name, t
 
-    def build_offloaders(self, accel: Accelerator, pool: HostBufferPool, config: HybridConfig) -> dict[StateKind, Offloader]:
+    def build_offloaders(self, accel: Accelerator, pool: HostBufferPool,
+                         config: HybridConfig) -> dict[StateKind, Offloader]:
         offloaders: dict[StateKind, Offloader] = {
             StateKind.PARAM: FSDPParamOffloader(self.modules, accel, pool),
             StateKind.GRAD: FSDPGradOffloader(self.modules, accel, pool, skip_zero=config.skip_zero_grads),
@@ -202,7 +208,8 @@ class FSDPTrainingState:
         ``ShardingManager`` calls it for a state it builds or is given."""
         if id(manager) in self._attached:
             return
-        manager.register_step(Direction.TO_INFER, ReleaseFSDPBuffersStep(self.buffers), ToInferOrder.OPTIMIZER - 5)
+        step = ReleaseFSDPBuffersStep(self.buffers)
+        manager.register_step(Direction.TO_INFER, step, ToInferOrder.OPTIMIZER - 5)
         manager.register_owner(UNSHARDED_OWNER, self.buffers.nbytes, empty_in=(Phase.INFER,))
         self._attached.add(id(manager))
 
