@@ -73,7 +73,8 @@ def rows_of(local: LocalTensor, start: int, stop: int) -> LocalTensor:
     for p in local.pieces:
         if p.dst_prefix:
             if start <= p.dst_prefix[0] < stop:
-                pieces.append(Piece(p.hf_name, p.src, (p.dst_prefix[0] - start, *p.dst_prefix[1:]), p.dst_start))
+                prefix = (p.dst_prefix[0] - start, *p.dst_prefix[1:])
+                pieces.append(Piece(p.hf_name, p.src, prefix, p.dst_start))
             continue
         (a, b), lo = p.src[0], p.dst_start[0]
         keep_lo, keep_hi = max(lo, start), min(lo + b - a, stop)

@@ -165,6 +165,8 @@ def moe_task(ctx, k: int, steps: int = 2):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dst = vllm_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(tp=k), ctx.world_size)
     engine = VLLMParamEngine(allocate_local(dst, ctx.rank, dtype=torch.float32))
+    with torch.no_grad():  # the manager is built while FSDP2 leaves the root unsharded after a forward
+        model(input_ids=_batch(ctx.rank, 0))
     manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(infer_tensor_parallel_size=k),
                               model_spec=cfg)
     out = []

@@ -3,8 +3,18 @@
 ``ShardingManager`` uses it by itself for a model with ``fully_shard`` applied; see docs/fsdp.md.
 """
 
-from hybridmem.adapters.fsdp.offload import FSDPGradOffloader, FSDPOptimizerOffloader, FSDPParamOffloader, local_tensor
-from hybridmem.adapters.fsdp.state import UNSHARDED_OWNER, FSDPTrainingState, ReleaseFSDPBuffersStep, is_fsdp_model
+from hybridmem.adapters.fsdp.offload import (
+    FSDPGradOffloader,
+    FSDPOptimizerOffloader,
+    FSDPParamOffloader,
+    local_tensor,
+)
+from hybridmem.adapters.fsdp.state import (
+    UNSHARDED_OWNER,
+    FSDPTrainingState,
+    ReleaseFSDPBuffersStep,
+    is_fsdp_model,
+)
 
 __all__ = [
     "FSDPTrainingState",

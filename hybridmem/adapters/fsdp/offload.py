@@ -40,10 +40,27 @@ class FSDPParamOffloader(ParamOffloader):
 
 class FSDPGradOffloader(GradOffloader):
     """:class:`~hybridmem.offload.GradOffloader` over the local shards of DTensor gradients (FSDP2's
-    reduce-scatter outputs; the grads of one parameter group share one storage, moved once)."""
+    reduce-scatter outputs; the grads of one parameter group share one storage, moved once).
+
+    The parameters are looked up on every offload, not once: while a module is unsharded (after a
+    forward without backward) FSDP2 registers other parameter objects on it, and the grads live on the
+    sharded ones.
+
+    Args:
+        modules: The model or its chunks.
+        accel, pool, owner, skip_zero: See :class:`~hybridmem.offload.base.Offloader`.
+    """
+
+    def __init__(self, modules: torch.nn.Module | Iterable[torch.nn.Module], accel: Any, pool: Any, *,
+                 skip_zero: bool = True, owner: str | None = None):
+        super().__init__([], accel, pool, skip_zero=skip_zero, owner=owner)
+        self.modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
 
     def tensors(self) -> Iterable[torch.Tensor]:
-        return _locals(super().tensors())
+        for module in self.modules:
+            for p in module.parameters():
+                if p.grad is not None:
+                    yield local_tensor(p.grad)
 
 
 class FSDPOptimizerOffloader(OptimizerStateOffloader):

@@ -61,7 +61,10 @@ UNSHARDED_OWNER = "fsdp unsharded"
 
 def is_fsdp_model(model: Any) -> bool:
     """Whether ``model`` (a module or a list of them) has ``fully_shard`` applied to it or inside it."""
-    modules = [model] if isinstance(model, torch.nn.Module) else list(model) if isinstance(model, (list, tuple)) else []
+    if isinstance(model, torch.nn.Module):
+        modules = [model]
+    else:
+        modules = list(model) if isinstance(model, (list, tuple)) else []
     return any(isinstance(m, FSDPModule) for root in modules if isinstance(root, torch.nn.Module)
                for m in root.modules())
 
@@ -149,7 +152,8 @@ class ReleaseFSDPBuffersStep(SwitchStep):
     def run(self) -> StepResult:
         start = time.perf_counter()
         nbytes = self.buffers.release()
-        return StepResult(zero_nbytes=nbytes, seconds=time.perf_counter() - start, extra={"released_nbytes": nbytes})
+        return StepResult(zero_nbytes=nbytes, seconds=time.perf_counter() - start,
+                          extra={"released_nbytes": nbytes})
 
 
 class FSDPTrainingState:
@@ -175,7 +179,8 @@ class FSDPTrainingState:
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module], optimizer: Any = None):
         self.modules = [model] if isinstance(model, torch.nn.Module) else list(model)
         if not is_fsdp_model(self.modules):
-            raise TypeError(f"model {type(model).__name__} has no fully_shard module; use it without FSDPTrainingState")
+            raise TypeError(f"model {type(model).__name__} has no fully_shard module; "
+                            f"use it without FSDPTrainingState")
         self.optimizer = optimizer
         self.buffers = _FSDPBuffers(self.modules)
         self._attached: set[int] = set()
@@ -187,11 +192,11 @@ class FSDPTrainingState:
             for name, t in items:
                 yield prefix + name, t
 
-    def build_offloaders(self, accel: Accelerator, pool: HostBufferPool, config: HybridConfig) -> dict[StateKind, Offloader]:
-        params = [p for m in self.modules for p in m.parameters()]
+    def build_offloaders(self, accel: Accelerator, pool: HostBufferPool,
+                         config: HybridConfig) -> dict[StateKind, Offloader]:
         offloaders: dict[StateKind, Offloader] = {
             StateKind.PARAM: FSDPParamOffloader(self.modules, accel, pool),
-            StateKind.GRAD: FSDPGradOffloader(params, accel, pool, skip_zero=config.skip_zero_grads),
+            StateKind.GRAD: FSDPGradOffloader(self.modules, accel, pool, skip_zero=config.skip_zero_grads),
         }
         if self.optimizer is not None:
             offloaders[StateKind.OPTIMIZER] = FSDPOptimizerOffloader(self.optimizer, accel, pool)
@@ -203,7 +208,8 @@ class FSDPTrainingState:
         ``ShardingManager`` calls it for a state it builds or is given."""
         if id(manager) in self._attached:
             return
-        manager.register_step(Direction.TO_INFER, ReleaseFSDPBuffersStep(self.buffers), ToInferOrder.OPTIMIZER - 5)
+        step = ReleaseFSDPBuffersStep(self.buffers)
+        manager.register_step(Direction.TO_INFER, step, ToInferOrder.OPTIMIZER - 5)
         manager.register_owner(UNSHARDED_OWNER, self.buffers.nbytes, empty_in=(Phase.INFER,))
         self._attached.add(id(manager))
 
@@ -229,13 +235,17 @@ class FSDPTrainingState:
 
     def hf_source_layout(self, spec: ModelSpec, world_size: int, group: Any = None) -> HFSourceLayout:
         """Where every rank's tensors come from (see [Note: FSDP2 shards] in
-        :mod:`hybridmem.reshard.hf_source`), read off the parameters' placements and meshes.
+        :mod:`hybridmem.reshard.hf_source`), read off the parameters' placements and meshes. Every FSDP
+        module is resharded first (``FSDPModule.reshard()``), so that a module left unsharded by a
+        forward is read as FSDP2 holds it between steps.
 
         Raises:
             ValueError: A parameter is placed other than ``Shard(0)`` (after an optional ``Replicate()``
                 dimension, HSDP), parameters use meshes of different sizes, or the mesh ranks are not
                 the resharding group's ranks in order.
         """
+        for m in self.buffers.fsdp_modules:
+            m.reshard()
         fused = any(n.endswith("mlp.experts.gate_up_proj") for n, _ in self._named(False)) or not spec.is_moe
         names = hf_module_tensors(spec, fused)
         shard_sizes: set[int] = set()
