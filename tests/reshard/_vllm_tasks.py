@@ -84,3 +84,11 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> di
             return {name: p.detach().clone() for name, p in model.named_parameters()}
         finally:
             parallel_state.destroy_model_parallel()
+
+
+def vllm_version(ctx) -> str:
+    """``vllm.__version__`` as vLLM reports it in a worker."""
+    _environment()
+    import vllm
+
+    return vllm.__version__

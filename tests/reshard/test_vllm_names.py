@@ -28,7 +28,7 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, shard, vllm_layout
-from hybridmem.reshard.layouts import installed_vllm_version, resolve_vllm_version
+from hybridmem.reshard.layouts import installed_vllm_version
 from hybridmem.testing.workers import WorkerPool
 from tests.reshard import _vllm_tasks
 
@@ -67,6 +67,8 @@ MODELS = {
                                                   first_k_dense_replace=1, n_group=1, topk_group=1,
                                                   topk_method="greedy", tie_word_embeddings=False)),
 }
+MODELS_CONFIG = dict(model_type="llama", **{k: v for k, v in _COMMON.items() if k != "torch_dtype"},
+                     num_attention_heads=4, intermediate_size=96)
 DENSE_PARALLEL = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1)]
 MOE_PARALLEL = DENSE_PARALLEL + [(2, 1, 2), (4, 1, 4)]
 CASES = [(model, tp, pp, ep) for model, (family, _) in MODELS.items()
@@ -106,8 +108,11 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def test_layouts_follow_installed_release():
-    assert resolve_vllm_version() == resolve_vllm_version(installed_vllm_version())
+def test_layouts_follow_installed_release(pool):
+    reported = pool.run(_vllm_tasks.vllm_version, world_size=1)[0]
+    assert installed_vllm_version() == reported
+    series = ".".join(reported.split(".")[:2])
+    assert vllm_layout(ModelSpec.from_hf_config(MODELS_CONFIG), ParallelLayout(), 1).convention.version == series
 
 
 @pytest.mark.parametrize("model_id,tp,pp,ep", CASES, ids=[f"{m}-tp{tp}-pp{pp}-ep{ep}" for m, tp, pp, ep in CASES])
