@@ -168,7 +168,7 @@ def qwen2_moe() -> dict:
     ckpt = tempfile.mkdtemp()
     model.save_pretrained(ckpt, safe_serialization=True)
     tensors = load_file(os.path.join(ckpt, "model.safetensors"))  # the checkpoint's own names
-    engine = VLLMEngine(vllm.LLM(model=ckpt, skip_tokenizer_init=True, **LLM_KWARGS), check_names=False)
+    engine = VLLMEngine(vllm.LLM(model=ckpt, skip_tokenizer_init=True, **LLM_KWARGS))
     config = engine.llm.llm_engine.vllm_config
     expected, what = engine_layout_shapes(config.model_config.hf_config, config.parallel_config, 0)
     try:

@@ -120,7 +120,5 @@ def test_vllm_cpu_moe_reload_is_wrong_so_the_adapter_refuses_it(qwen2_moe):
     assert "fused-MoE expert weights" in (qwen2_moe["load_error"] or ""), qwen2_moe["load_error"]
 
 
-@pytest.mark.xfail(strict=True, reason="the MoE layout table names vLLM 0.32's experts mlp.experts.w13_weight; "
-                                       "vLLM 0.32 builds mlp.experts.routed_experts.w13_weight")
 def test_qwen2_moe_vllm_names_equal_the_layout_table(qwen2_moe):
     assert qwen2_moe["name_check"] == "ok", qwen2_moe["name_check"]
