@@ -34,7 +34,7 @@ def _decoder(config: Any) -> DecoderConfig | None:
     if config is None or isinstance(config, DecoderConfig):
         return config
     try:
-        return DecoderConfig.from_hf_config(config if isinstance(config, dict) else config)
+        return DecoderConfig.from_hf_config(config)
     except (ValueError, TypeError, KeyError, AttributeError):  # not a Llama/Qwen2-style config: cannot tell
         return None
 

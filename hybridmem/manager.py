@@ -540,7 +540,8 @@ class ShardingManager:
             raise cause  # KeyboardInterrupt and the like: rolled back, re-raised as is
         undone = ", ".join(s.name for s in reversed(run.entered)) or "nothing"
         raise switch_error(
-            f"TRAIN->INFER step {failed_name!r} failed: {cause!r}. Rolled back ({undone}); phase is TRAIN with all training state on the device",
+            f"TRAIN->INFER step {failed_name!r} failed: {cause!r}. Rolled back ({undone}); phase is TRAIN with "
+            f"all training state on the device",
             direction="to_infer",
             step=failed_name,
             phase_after=self.phase,

@@ -132,9 +132,9 @@ def _misuse(actor: _Actor) -> dict[str, str]:
 
     mb = mm.make_batch(actor.spec, 0)[0]
     calls = {
-        "step": actor.optimizer.step,
-        "zero_grad": actor.optimizer.zero_grad,
-        "zero_grad_buffer": actor.chunks[0].zero_grad_buffer,
+        "step": lambda: actor.optimizer.step(),
+        "zero_grad": lambda: actor.optimizer.zero_grad(),
+        "zero_grad_buffer": lambda: actor.chunks[0].zero_grad_buffer(),
         "forward": lambda: actor.chunks[0](mb["tokens"], mb["position_ids"], None, labels=mb["labels"]),
     }
     out = {}

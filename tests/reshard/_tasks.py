@@ -81,10 +81,10 @@ def sync_task(ctx, spec, src, dst, *, in_place, corrupt_rank=None):
     if corrupt_rank == ctx.rank:
         original = execute._unpack
 
-        def corrupting(recvs, bufs, dst_tensors):
+        def corrupting(recvs, bufs, dst_tensors, *rest):
             for buf in bufs.values():
                 buf[0] += 1.0  # one flipped value in transit
-            original(recvs, bufs, dst_tensors)
+            original(recvs, bufs, dst_tensors, *rest)
 
         execute._unpack = corrupting
     sync = ReshardSync(spec, src, dst, ctx.group, lambda: train, engine, bucket_nbytes=256, verify=True,
