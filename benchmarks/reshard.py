@@ -126,7 +126,6 @@ class _Alloc(dict):
 def _task(ctx, spec, src, dst, dtype, bucket_nbytes, repeats):
     import torch.distributed as dist
 
-    from hybridmem.reshard.execute import run_plan
 
     torch.set_num_threads(1)
     world = ctx.world_size
@@ -149,33 +148,42 @@ def _task(ctx, spec, src, dst, dtype, bucket_nbytes, repeats):
     plan_s = time.perf_counter() - t0
     res = {"plan_s": plan_s, "min_nbytes": plan.min_recv_nbytes(ctx.rank), "dst_nbytes": plan.dst_nbytes(ctx.rank),
            "buckets": len(plan.buckets)}
+    res.update(_compare(ctx, plan, train, lambda: _allgather_then_slice(ctx, spec, src, dst_layout, train, groups),
+                        repeats))
+    return res
+
+
+def _compare(ctx, plan, src: dict, baseline, repeats: int) -> dict:
+    """Time (a) ``run_plan`` over ``src`` and (b) ``baseline()`` (returns ``(out, received_nbytes)``), best of
+    ``repeats`` each, and check that both give the same shards."""
+    import torch.distributed as dist
+
+    from hybridmem.reshard.execute import run_plan
+
     a_times, b_times = [], []
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        out_a, stats = run_plan(plan, rank=ctx.rank, src=train)
+        out_a, stats = run_plan(plan, rank=ctx.rank, src=src)
         a_times.append(time.perf_counter() - t0)
         del out_a
         dist.barrier()
         t0 = time.perf_counter()
-        out_b, recv_b = _allgather_then_slice(ctx, spec, src, dst_layout, train, groups)
+        out_b, recv_b = baseline()
         b_times.append(time.perf_counter() - t0)
         del out_b
-    out_a, stats = run_plan(plan, rank=ctx.rank, src=train)
-    out_b, _ = _allgather_then_slice(ctx, spec, src, dst_layout, train, groups)
-    res["same_result"] = all(torch.equal(out_a[n], out_b[n]) for n in out_a)
-    res.update(a_recv=stats.received_nbytes, a_sent=stats.sent_nbytes, a_temp=stats.temp_peak_nbytes,
-               a_s=min(a_times), b_recv=recv_b, b_s=min(b_times))
-    return res
+    out_a, stats = run_plan(plan, rank=ctx.rank, src=src)
+    out_b, _ = baseline()
+    return {"same_result": all(torch.equal(out_a[n], out_b[n]) for n in out_a), "a_recv": stats.received_nbytes,
+            "a_sent": stats.sent_nbytes, "a_temp": stats.temp_peak_nbytes, "a_s": min(a_times), "b_recv": recv_b,
+            "b_s": min(b_times)}
 
 
 def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
     """FSDP2 source: (a) the plan from the FSDP2 shards, (b) ``full_tensor()`` of every parameter, then slice."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from hybridmem.reshard.execute import run_plan
     from hybridmem.reshard.hf_source import fsdp_rows, hf_source_layout
     from hybridmem.reshard.transforms import dst_index, src_index
 
@@ -215,23 +223,7 @@ def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
             del whole
         return out, received
 
-    a_times, b_times = [], []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out_a, stats = run_plan(plan, rank=ctx.rank, src=local)
-        a_times.append(time.perf_counter() - t0)
-        del out_a
-        dist.barrier()
-        t0 = time.perf_counter()
-        out_b, recv_b = full_then_slice()
-        b_times.append(time.perf_counter() - t0)
-        del out_b
-    out_a, stats = run_plan(plan, rank=ctx.rank, src=local)
-    out_b, _ = full_then_slice()
-    res["same_result"] = all(torch.equal(out_a[n], out_b[n]) for n in out_a)
-    res.update(a_recv=stats.received_nbytes, a_sent=stats.sent_nbytes, a_temp=stats.temp_peak_nbytes,
-               a_s=min(a_times), b_recv=recv_b, b_s=min(b_times))
+    res.update(_compare(ctx, plan, local, full_then_slice, repeats))
     return res
 
 
