@@ -7,19 +7,12 @@ A mistake on the command line is reported in one line naming the option and what
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+
+from hybridmem.examples.parsing import OneLineErrorParser
 
 __all__ = ["main", "OneLineErrorParser"]
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line: ``prog: error: ... (see prog --help)``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def _version() -> str:

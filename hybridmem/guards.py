@@ -25,6 +25,7 @@ Each raises :class:`~hybridmem.errors.PhaseError` naming the manager's phase and
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,7 +35,9 @@ from hybridmem.errors import PhaseError
 
 __all__ = ["TrainingGuard"]
 
-_ARMED: list[TrainingGuard] = []
+_ARMED: weakref.WeakSet[TrainingGuard] = weakref.WeakSet()
+"""Armed guards, held weakly: a manager dropped while out of TRAIN takes its guard (and its model) with it
+instead of keeping them alive here."""
 _ORIGINAL: dict[str, Callable[..., Any]] = {}
 
 
@@ -77,6 +80,9 @@ def _check_backward(fn_name: str) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def checked(*args: Any, **kwargs: Any) -> Any:
+        if not _ARMED:  # every armed guard was dropped with its manager: take the check away
+            _remove_autograd_check()
+            return original(*args, **kwargs)
         roots = args[0] if args else kwargs.get("tensors", kwargs.get("outputs"))
         owner = _reaches(_roots(roots), _guarded_params())
         if owner is not None:
@@ -154,9 +160,9 @@ class TrainingGuard:
         backward = self._refuser("accumulate a gradient into a training parameter")
         for p in self.params:
             self._handles.append(p.register_hook(backward))
-        if not _ARMED:
+        if not _ORIGINAL:  # not installed yet (or taken away once no guard was left)
             _install_autograd_check()
-        _ARMED.append(self)
+        _ARMED.add(self)
         self.armed = True
 
     def disarm(self) -> None:
@@ -172,7 +178,7 @@ class TrainingGuard:
             else:
                 setattr(obj, attr, previous)
         self._shadows.clear()
-        _ARMED.remove(self)
+        _ARMED.discard(self)
         if not _ARMED:
             _remove_autograd_check()
         self.armed = False

@@ -26,7 +26,7 @@ from hybridmem.architecture import check_architecture
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
-from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, switch_error
+from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, SwitchError, switch_error
 from hybridmem.guards import TrainingGuard
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind

@@ -20,7 +20,7 @@ def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_t
     model, opt = _trained(tiny_setup)
     numel = sum(p.numel() for p in model.parameters())
     # Adam state: exp_avg + exp_avg_sq (4 bytes each) and a 4-byte step per tensor. The budget holds the
-    # optimizer's arena and not the grads' as well, so the second step fails and the first is undone.
+    # optimizer's arena and not the grads' as well, so the second step fails and both are undone.
     opt_nbytes = 8 * numel + 4 * len(list(model.parameters()))
     config = HybridConfig(host_memory_budget_bytes=opt_nbytes + 1024, skip_zero_grads=False)
     before = snapshot(model, opt)
@@ -31,7 +31,7 @@ def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_t
     assert isinstance(err, SwitchError) and isinstance(err, MemoryError)
     assert err.step == "offload grad" and err.direction == "to_infer" and err.phase_after is Phase.TRAIN
     assert err.budget_nbytes == opt_nbytes + 1024 and err.requested_nbytes == 4 * numel
-    assert "'offload grad' failed" in str(err) and "Rolled back (offload optimizer)" in str(err)
+    assert "'offload grad' failed" in str(err) and "Rolled back (offload grad, offload optimizer)" in str(err)
     assert isinstance(err.__cause__, HostMemoryBudgetError) and not isinstance(err.__cause__, SwitchError)
     assert manager.phase is Phase.TRAIN
     assert_bitwise_equal(before, snapshot(model, opt))

@@ -69,7 +69,7 @@ def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Conso
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``hybridmem switch-loop``: parse and check arguments, then run."""
-    from hybridmem.cli import OneLineErrorParser  # noqa: PLC0415 - the cli imports this module lazily
+    from hybridmem.examples.parsing import OneLineErrorParser  # noqa: PLC0415
 
     parser = OneLineErrorParser(
         prog="hybridmem switch-loop",

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridmem.cli import OneLineErrorParser
+from hybridmem.examples.parsing import OneLineErrorParser
 
 __all__ = ["main", "check_args", "have_matplotlib"]
 
