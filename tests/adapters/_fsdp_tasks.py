@@ -58,6 +58,16 @@ def _batch(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
+def _train_step(model, opt, rank: int, step: int) -> torch.Tensor:
+    """One AdamW step of the causal-LM loss on this rank's batch; returns the loss."""
+    opt.zero_grad()
+    x = _batch(rank, step)
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def hf_greedy(case: str, full: dict) -> list[list[int]]:
     """transformers' own greedy continuation of PROMPTS from the full weights."""
     cfg_cls, model_cls, kwargs = CASES[case]
@@ -108,11 +118,8 @@ def train_task(ctx, case: str, k: int, *, switch: bool, fsdp: bool = True, steps
                                   model_spec=cfg)
     out = []
     for step in range(steps):
-        opt.zero_grad()
+        loss = _train_step(trained, opt, ctx.rank, step)
         x = _batch(ctx.rank, step)
-        loss = trained(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
         record = {"loss": loss.item()}
         before = _snapshot(model, opt) if manager is not None else None  # sharded: before the eval forward
         if eval_forward:  # as an RL step scores rollouts: FSDP2 keeps the root unsharded after it
@@ -171,11 +178,7 @@ def moe_task(ctx, k: int, steps: int = 2):
                               model_spec=cfg)
     out = []
     for step in range(steps):
-        opt.zero_grad()
-        x = _batch(ctx.rank, step)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
+        loss = _train_step(model, opt, ctx.rank, step)
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
         before = _snapshot(model, opt)
         with manager.inference():
