@@ -122,3 +122,31 @@ def sample_points(labels: list[str], *, num_strided: int = 16) -> list[int]:
         first.setdefault(label, i)
         last[label] = i
     return sorted(points | set(first.values()) | set(last.values()))
+
+
+def inject(injector: FaultInjector, point: int, exc: Callable[[], BaseException],
+           switch: Callable[[], Any]) -> tuple[str | None, BaseException | None]:
+    """Run ``switch`` with a fault ``exc()`` at call ``point``: ``(label of the call it fired at, or None
+    when the switch made fewer calls; what the switch raised, or None when it swallowed the fault)``."""
+    raised: BaseException | None = None
+    with injector.active(target=point, exc=exc) as inj:
+        try:
+            switch()
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every kind is checked by the caller
+            raised = e
+    return inj.fired, raised
+
+
+def leftovers(manager: Any, engine: Any) -> str | None:
+    """What a switch that was undone left behind, or None: offloaders not on the device, host arenas
+    still held, engine memory still resident."""
+    from hybridmem.offload import OffloadState  # noqa: PLC0415
+
+    if set(manager.offload_states().values()) != {OffloadState.ON_DEVICE}:
+        return f"offloaders {manager.offload_states()}"
+    held = [o for o in manager.offloaders.values() if manager.pool.is_held(o.owner)]
+    if held:
+        return f"host arenas still held by {held}"
+    if engine.resident_nbytes("weights") or engine.resident_nbytes("kv_cache"):
+        return "the engine still holds device memory"
+    return None

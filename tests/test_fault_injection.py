@@ -27,10 +27,9 @@ from typing import Any
 import pytest
 import torch
 
-from _faults import FULL, TORCH_SEAMS, FaultInjector, Injected, engine_seams, sample_points
+from _faults import FULL, TORCH_SEAMS, FaultInjector, Injected, engine_seams, inject, leftovers, sample_points
 from hybridmem import HybridConfig, Phase, ShardingManager
 from hybridmem.engines import TorchCopyEngine
-from hybridmem.offload import OffloadState
 from hybridmem.testing.tiny import TinyNet, assert_bitwise_equal, snapshot, train_step
 
 EXCEPTIONS: dict[str, Callable[[], BaseException]] = {
@@ -138,14 +137,9 @@ def check_point(cfg: Config, direction: str, point: int, exc: Callable[[], BaseE
     actor = _Actor(cfg)
     switch = actor.prepare(direction, fail_at)
     mgr = actor.manager
-    raised: BaseException | None = None
-    with actor.injector.active(target=point, exc=exc) as inj:
-        try:
-            switch()
-        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every kind is checked below
-            raised = e
-    where = f"point {point} ({inj.fired})"
-    if inj.fired is None:
+    fired, raised = inject(actor.injector, point, exc, switch)
+    where = f"point {point} ({fired})"
+    if fired is None:
         return f"{where}: the switch made fewer calls than the dry run"
     if raised is None:
         return f"{where}: the injected fault was swallowed; phase {mgr.phase.name}"
@@ -157,14 +151,9 @@ def check_point(cfg: Config, direction: str, point: int, exc: Callable[[], BaseE
         assert_bitwise_equal(actor.before, snapshot(actor.model, actor.opt))
     except AssertionError as e:
         return f"{where}: training state differs: {e}"
-    states = set(mgr.offload_states().values())
-    if states != {OffloadState.ON_DEVICE}:
-        return f"{where}: offloaders {mgr.offload_states()}"
-    held = [o for o in mgr.offloaders.values() if mgr.pool.is_held(o.owner)]
-    if held:
-        return f"{where}: host arenas still held by {held}"
-    if actor.engine.resident_nbytes("weights") or actor.engine.resident_nbytes("kv_cache"):
-        return f"{where}: the engine still holds device memory"
+    left = leftovers(mgr, actor.engine)
+    if left is not None:
+        return f"{where}: {left}"
     losses = [train_step(actor.model, actor.opt, 2), train_step(actor.model, actor.opt, 3)]
     if losses != reference:
         return f"{where}: next losses {losses} != uninterrupted {reference}"

@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from _faults import TORCH_SEAMS, FaultInjector, Injected, engine_seams, sample_points
+from _faults import TORCH_SEAMS, FaultInjector, Injected, engine_seams, inject, leftovers, sample_points
 from _megatron_tasks import _copy_engine, _optimizer_tensors, megatron_worker
 from hybridmem import HybridConfig, Phase, ShardingManager
 from hybridmem.adapters.megatron import MegatronTrainingState, ddp_buffers, leaf_optimizers, unwrap_model
-from hybridmem.offload import OffloadState
 from hybridmem.testing import megatron_models as mm
 
 EXCEPTIONS: dict[str, Callable[[], BaseException]] = {
@@ -98,15 +97,10 @@ class _Actor:
               fail_at: int | None) -> str | None:
         self.restore()
         switch = self.prepare(direction, fail_at)
-        raised = None
-        with self.injector.active(target=point, exc=exc) as inj:
-            try:
-                switch()
-            except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every kind is checked below
-                raised = e
-        where = f"point {point} ({inj.fired})"
-        if inj.fired is None or raised is None:
-            return f"{where}: fired={inj.fired} raised={raised!r}"
+        fired, raised = inject(self.injector, point, exc, switch)
+        where = f"point {point} ({fired})"
+        if fired is None or raised is None:
+            return f"{where}: fired={fired} raised={raised!r}"
         if self.manager.phase is Phase.FAILED:
             self.manager.recover()
         if self.manager.phase is not Phase.TRAIN:
@@ -114,12 +108,9 @@ class _Actor:
         diffs = _diffs(_live(self.chunks, self.optimizer), self.snapshot)
         if diffs:
             return f"{where}: differs: {diffs[:5]}"
-        if set(self.manager.offload_states().values()) != {OffloadState.ON_DEVICE}:
-            return f"{where}: offloaders {self.manager.offload_states()}"
-        if any(self.manager.pool.is_held(o.owner) for o in self.manager.offloaders.values()):
-            return f"{where}: host arenas still held"
-        if self.engine.resident_nbytes("weights"):
-            return f"{where}: engine weights resident"
+        left = leftovers(self.manager, self.engine)
+        if left is not None:
+            return f"{where}: {left}"
         losses = self.next_losses()
         if losses != reference:
             return f"{where}: next losses {losses} != uninterrupted {reference}"
