@@ -130,7 +130,7 @@ class OffloadStep(SwitchStep):
         self.kind = offloader.kind
 
     def estimate(self) -> StepEstimate:
-        return StepEstimate(free_nbytes=self.offloader.live_nbytes())
+        return StepEstimate(free_nbytes=self.offloader.live_nbytes(), transient_nbytes=self.offloader.rehome_nbytes())
 
     def run(self) -> StepResult:
         s = self.offloader.offload()

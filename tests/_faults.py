@@ -62,15 +62,19 @@ class FaultInjector:
         self.seams = seams
         self.count = 0
         self.labels: list[str] = []
-        self.target: int | None = None
+        self.targets: frozenset[int] = frozenset()
         self.exc_factory: Callable[[], BaseException] | None = None
         self.fired: str | None = None
+        """The label of the first call a fault was raised at."""
+        self.fired_at: list[int] = []
+        """Every call a fault was raised at."""
 
     def _tick(self, label: str) -> None:
         self.count += 1
         self.labels.append(label)
-        if self.count == self.target and self.fired is None:
-            self.fired = label
+        if self.count in self.targets:
+            self.fired = label if self.fired is None else self.fired
+            self.fired_at.append(self.count)
             assert self.exc_factory is not None
             raise self.exc_factory()
 
@@ -82,10 +86,12 @@ class FaultInjector:
         return wrapper
 
     @contextlib.contextmanager
-    def active(self, *, target: int | None = None, exc: Callable[[], BaseException] | None = None) -> Iterator[FaultInjector]:
-        """Patch the seams; with ``target``, raise ``exc()`` at that call (1-based), once."""
-        self.count, self.labels, self.fired = 0, [], None
-        self.target, self.exc_factory = target, exc
+    def active(self, *, target: int | tuple[int, ...] | None = None,
+               exc: Callable[[], BaseException] | None = None) -> Iterator[FaultInjector]:
+        """Patch the seams; with ``target``, raise ``exc()`` at that call (1-based), or at each of several."""
+        self.count, self.labels, self.fired, self.fired_at = 0, [], None, []
+        self.targets = frozenset((target,) if isinstance(target, int) else target or ())
+        self.exc_factory = exc
         saved = []
         for owner, attr, label in self.seams:
             own = attr in owner.__dict__
@@ -100,7 +106,7 @@ class FaultInjector:
                     setattr(owner, attr, previous)
                 else:
                     delattr(owner, attr)
-            self.target = None
+            self.targets = frozenset()
 
     def count_calls(self, fn: Callable[[], Any]) -> list[str]:
         """Run ``fn`` with counting only; returns the label of every call, in order."""

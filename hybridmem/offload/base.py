@@ -34,6 +34,24 @@ and each undo follows this record (see [Note: switch transactions] in :mod:`hybr
 A held arena is never handed out for a new offload or dropped (``HostBufferPool`` refuses), so an
 arena holding the only copy of some bytes cannot be overwritten whatever state an offloader believes
 it is in.
+
+[Note: foreign storages]
+Some storages cannot be freed by ``resize_(0)``: those torch does not own (memory-mapped safetensors,
+which ``from_pretrained`` leaves every parameter on when it loads on the CPU; ``from_numpy``,
+``frombuffer``, ``from_blob``, DLPack) refuse with "Trying to resize storage that is not resizable", and
+CPU shared-memory storages (``share_memory_()``) accept the shrink but crash the process when grown
+back. The offloader re-homes such a storage on its first offload: after the copy to host and the
+record, it makes a new storage of the same size that torch owns, points every tensor it was given that
+used the old one at the new one with ``set_`` (same offset, sizes and strides, so the tensor objects,
+tied weights and views the model and optimizer hold stay what they were), records the new storage in
+the slot, and only then frees it with ``resize_(0)``. The old storage is dropped (its owner unmaps or
+releases it once no other tensor uses it); every later switch moves the new one like any other. The
+slot keeps the views to re-point, so an onload after an interruption anywhere in this (some tensors
+moved, the slot not yet updated) points them all at the slot's storage again, which then holds the
+bytes. A tensor the offloader was not given (a user's own view of a parameter) keeps the old storage
+and its old bytes: it no longer aliases the parameter after the first switch. Re-homing needs the
+storage's size on the device for a moment (the new storage exists before it is freed), one storage at
+a time; :meth:`Offloader.rehome_nbytes` tells the memory plan.
 """
 
 from __future__ import annotations
@@ -52,7 +70,7 @@ from hybridmem.accel import Accelerator
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 
-__all__ = ["OffloadState", "TransferStats", "Offloader", "storage_view"]
+__all__ = ["OffloadState", "TransferStats", "Offloader", "storage_view", "is_foreign"]
 
 
 class OffloadState(Enum):
@@ -107,10 +125,37 @@ class _Slot:
     """Element offset of this storage's bytes in its dtype's arena."""
     zero: bool = False
     """All bytes were zero at offload: nothing was copied; onload re-zeroes."""
+    views: tuple[_View, ...] | None = None
+    """For a storage torch cannot resize: every tensor on it, to re-point (see [Note: foreign storages])."""
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.numel = self.nbytes // torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _View:
+    """A tensor on a storage being re-homed, with the geometry to put it on the new one."""
+
+    tensor: torch.Tensor
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _View:
+        return cls(tensor, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+
+    def point_at(self, storage: torch.UntypedStorage) -> None:
+        """Make the tensor use ``storage`` (no-op when it already does)."""
+        if self.tensor.untyped_storage()._cdata != storage._cdata:
+            with torch.no_grad():  # set_ on a leaf that requires grad is allowed only here
+                self.tensor.set_(storage, self.offset, self.size, self.stride)
+
+
+def is_foreign(storage: torch.UntypedStorage) -> bool:
+    """Whether ``storage`` cannot be freed and re-grown in place (see [Note: foreign storages])."""
+    return not storage.resizable() or (storage.device.type == "cpu" and storage.is_shared())
 
 
 def storage_view(storage: torch.UntypedStorage, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -122,6 +167,16 @@ def _slot_dtype(tensor: torch.Tensor, nbytes: int) -> torch.dtype:
     # A storage is viewed with the dtype of a tensor using it; if its size is not a whole number of
     # such elements (only possible for storages built by hand), it is moved as raw bytes.
     return tensor.dtype if nbytes % tensor.element_size() == 0 else torch.uint8
+
+
+def _rehome(slot: _Slot) -> None:
+    """Move a foreign storage's tensors onto a new storage torch owns, record it, free it (see [Note:
+    foreign storages]); called once the bytes are safe in the host arena."""
+    new = torch.UntypedStorage(slot.nbytes, device=slot.storage.device)
+    for view in slot.views or ():
+        view.point_at(new)
+    slot.storage = new  # the record: from here on onload restores into ``new``
+    new.resize_(0)
 
 
 class Offloader(ABC):
@@ -157,26 +212,36 @@ class Offloader(ABC):
         return self._state
 
     # Discovery ------------------------------------------------------------------------------------
-    def _storages(self) -> list[tuple[torch.UntypedStorage, torch.dtype]]:
-        """Unique device storages of :meth:`tensors` that hold memory, in first-seen order."""
-        seen: set[int] = set()
-        out = []
+    def _storages(self) -> list[tuple[torch.UntypedStorage, torch.dtype, tuple[_View, ...] | None]]:
+        """Unique device storages of :meth:`tensors` that hold memory, in first-seen order, each with its
+        dtype and, for a foreign storage, every tensor on it (see [Note: foreign storages])."""
+        found: dict[int, tuple[torch.UntypedStorage, torch.dtype, list[_View] | None]] = {}
         for t in self.tensors():
             if t is None or t.device.type != self.accel.device.type:
                 continue
             storage = t.untyped_storage()
             key = storage._cdata
-            if key in seen or storage.nbytes() == 0:
-                continue
-            seen.add(key)
-            out.append((storage, _slot_dtype(t, storage.nbytes())))
-        return out
+            if key not in found:
+                if storage.nbytes() == 0:
+                    continue
+                found[key] = (storage, _slot_dtype(t, storage.nbytes()), [] if is_foreign(storage) else None)
+            views = found[key][2]
+            if views is not None:
+                views.append(_View.of(t))
+        return [(s, d, None if v is None else tuple(v)) for s, d, v in found.values()]
 
     def live_nbytes(self) -> int:
         """Device bytes an offload would free now (or an onload would allocate, when on host)."""
         if self._state is OffloadState.ON_HOST:
             return sum(s.nbytes for s in self._slots)
-        return sum(s.nbytes() for s, _ in self._storages())
+        return sum(s.nbytes() for s, _, _ in self._storages())
+
+    def rehome_nbytes(self) -> int:
+        """Transient device bytes the next offload needs to re-home a foreign storage (the largest one;
+        0 when there is none or the bytes are on host; see [Note: foreign storages])."""
+        if self._state is OffloadState.ON_HOST:
+            return 0
+        return max((s.nbytes() for s, _, views in self._storages() if views is not None), default=0)
 
     def resident_nbytes(self) -> int:
         """Device bytes this offloader's tensors hold now."""
@@ -209,7 +274,7 @@ class Offloader(ABC):
                     f"{self!r}: host arenas of owner {self.owner!r} hold the only copy of offloaded bytes; an "
                     f"offload would overwrite them (internal error: state and pool disagree)"
                 )
-            slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d) for s, d in self._storages()]
+            slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d, views=v) for s, d, v in self._storages()]
             if self.skip_zero and slots:
                 self._mark_zero(slots)
             arenas = self._reserve_arenas(slots)
@@ -227,7 +292,10 @@ class Offloader(ABC):
             self.pool.hold(self.owner)
             self._state = OffloadState.ON_HOST
             for slot in slots:
-                slot.storage.resize_(0)
+                if slot.views is None:
+                    slot.storage.resize_(0)
+                else:
+                    _rehome(slot)
         return self._stats("offload", slots, time.perf_counter() - start)
 
     def _mark_zero(self, slots: list[_Slot]) -> None:
@@ -263,6 +331,9 @@ class Offloader(ABC):
         slots = self._slots
         with record_function(f"hybridmem.onload.{self.owner}"):
             self._allocate(slots)
+            for slot in slots:  # [Note: foreign storages]: finish a re-homing that was interrupted
+                for view in slot.views or ():
+                    view.point_at(slot.storage)
             arenas = {dtype: self.pool.arena(self.owner, dtype, 0) for dtype in {s.dtype for s in slots if not s.zero}}
             stream = self._stream()
             event = self.accel.new_event()
@@ -285,8 +356,9 @@ class Offloader(ABC):
         done: list[_Slot] = []
         try:
             for slot in slots:
-                slot.storage.resize_(slot.nbytes)
-                done.append(slot)
+                if slot.storage.nbytes() != slot.nbytes:  # a storage never freed (interrupted) is kept
+                    slot.storage.resize_(slot.nbytes)
+                    done.append(slot)
         except BaseException:
             for slot in done:
                 slot.storage.resize_(0)
