@@ -6,10 +6,45 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   PYTHONPATH=/tmp/site python3 benchmarks/gpu_suite.py --device cuda --out gpu-suite-out
 #
-# Usage: bash benchmarks/gpu_wheels.sh [PYTHON_VERSION]   (default 3.12)
+# Usage: bash benchmarks/gpu_wheels.sh [-h|--help] [PYTHON_VERSION]   (MAJOR.MINOR, default 3.12)
 set -euo pipefail
+
+usage() {
+  cat <<'USAGE'
+Usage: bash benchmarks/gpu_wheels.sh [-h|--help] [PYTHON_VERSION]
+
+Download into .whl/ (in the repository root) the wheels the GPU suite needs that a bare GPU machine
+lacks: transitions, megatron-core and torch_memory_saver, built for CPython PYTHON_VERSION on x86_64
+Linux.
+
+  PYTHON_VERSION  the GPU machine's Python as MAJOR.MINOR, e.g. 3.12 (the default)
+  -h, --help      print this help and exit
+USAGE
+}
+
+# Check every argument before touching the file system: a mistyped option must not leave a .whl/ behind
+# (nor hand pip a version it would fail on after creating it).
+die() {
+  echo "gpu_wheels.sh: $1 (see --help)" >&2
+  exit 2
+}
+pyver=""
+only_positional=0
+for arg in "$@"; do
+  if [[ $only_positional -eq 0 ]]; then
+    case "$arg" in
+      -h|--help) usage; exit 0 ;;
+      --) only_positional=1; continue ;;
+      -*) die "unknown option '$arg'" ;;
+    esac
+  fi
+  [[ -z "$pyver" ]] || die "unexpected argument '$arg': takes one PYTHON_VERSION, got '$pyver' already"
+  [[ "$arg" =~ ^[0-9]+\.[0-9]+$ ]] || die "malformed PYTHON_VERSION '$arg': expected MAJOR.MINOR, e.g. 3.12"
+  pyver="$arg"
+done
+pyver="${pyver:-3.12}"
+
 cd "$(dirname "$0")/.."
-pyver="${1:-3.12}"
 wheels=(
   "transitions==0.9.3"        # hybridmem's state machine
   "megatron-core==0.16.1"     # the Megatron adapter's CUDA tests and the demo's --trainer megatron

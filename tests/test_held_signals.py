@@ -12,6 +12,19 @@ from hybridmem.txn import HeldSignals
 
 
 @pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test, the previous one restored after.
+
+    Python installs ``default_int_handler`` only where SIGINT was not ignored at startup; a test run
+    started as a background job of a non-interactive shell inherits SIGINT ignored, and a SIGINT sent
+    there raises nothing.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def sigterm_calls():
     calls: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
@@ -27,7 +40,7 @@ def test_a_signal_is_held_then_delivered_once_to_the_previous_handler(sigterm_ca
     assert sigterm_calls == [signal.SIGTERM]
 
 
-def test_sigint_becomes_keyboard_interrupt_after_the_hold():
+def test_sigint_becomes_keyboard_interrupt_after_the_hold(default_sigint):
     with pytest.raises(KeyboardInterrupt):
         with HeldSignals():
             os.kill(os.getpid(), signal.SIGINT)

@@ -26,6 +26,9 @@ SIGINT_SCRIPT = textwrap.dedent(
     from hybridmem.engines import TorchCopyEngine
     from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 
+    # Python's own SIGINT handler even where this process inherited SIGINT ignored (a background job of
+    # a non-interactive shell): Python then installs none, and the signals below would raise nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(384, 384) for _ in range(12)])
