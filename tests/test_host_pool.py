@@ -3,9 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmem import HostMemoryBudgetError
+from hybridmem import HostMemoryBudgetError, ShardingManager
 from hybridmem.accel import get_accelerator
+from hybridmem.engines import TorchCopyEngine
 from hybridmem.host_pool import HostBufferPool
+from hybridmem.testing.tiny import assert_bitwise_equal, snapshot, train_step
 
 
 def test_arena_is_reused_while_large_enough():
@@ -61,3 +63,42 @@ def test_cuda_arenas_are_pinned():
     pool = HostBufferPool(get_accelerator("cuda"))
     assert pool.arena("param", torch.float32, 1024).is_pinned()
     assert pool.report()[0].pinned
+
+
+# [Note: offload journal]: a held arena holds the only copy of offloaded bytes, so a request that would
+# replace it (a larger one) must be refused, not served with a fresh arena.
+def test_a_held_arena_is_not_replaced_by_a_larger_request():
+    pool = HostBufferPool(get_accelerator("cpu"))
+    arena = pool.arena("param", torch.float32, 4)
+    arena.copy_(torch.tensor([1.0, -0.0, float("nan"), 3.5]))
+    kept = arena.clone()
+    pool.hold("param")
+    with pytest.raises(RuntimeError, match=r"param/torch.float32 holds the only copy.*8 elements"):
+        pool.arena("param", torch.float32, 8)
+    assert pool.arena("param", torch.float32, 4) is arena, "the held arena was replaced"
+    assert torch.equal(arena.view(torch.uint8), kept.view(torch.uint8)), "the held bytes changed"
+    assert pool.held_nbytes() == 16 and pool.report()[0].num_grows == 1
+    # Other owners still grow; once released, the owner's arena grows as usual.
+    assert pool.arena("grad", torch.float32, 8).numel() == 8
+    pool.unhold("param")
+    assert pool.arena("param", torch.float32, 8).numel() == 8
+
+
+def test_inside_infer_held_arenas_refuse_to_grow_and_onload_restores_bitwise(tiny_setup, device):
+    model, opt = tiny_setup(device)
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    mgr = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1 << 16), optimizer=opt)
+    mgr.to_infer()
+    held = [(info.owner, getattr(torch, info.dtype.removeprefix("torch."))) for info in mgr.pool.report()
+            if mgr.pool.is_held(info.owner)]
+    assert {owner for owner, _ in held} >= {"param", "optimizer"}, mgr.pool.report()
+    for owner, dtype in held:
+        arena = mgr.pool.arena(owner, dtype, 0)
+        kept = arena.clone()
+        with pytest.raises(RuntimeError, match="only copy of offloaded bytes"):
+            mgr.pool.arena(owner, dtype, arena.numel() + 1)
+        assert mgr.pool.arena(owner, dtype, 0) is arena, f"held arena {owner}/{dtype} was replaced"
+        assert torch.equal(arena.view(torch.uint8), kept.view(torch.uint8)), f"{owner}/{dtype} bytes changed"
+    mgr.to_train()
+    assert_bitwise_equal(before, snapshot(model, opt))
