@@ -13,6 +13,8 @@ contract only; it proves nothing about vLLM itself.
 
 from __future__ import annotations
 
+import os
+
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -295,13 +297,18 @@ class FakeLLM:
 
 def make_fake_vllm_module(build_llm: Any) -> types.ModuleType:
     """A stand-in ``vllm`` module: ``SamplingParams`` is :class:`FakeSamplingParams`, and
-    ``LLM(**kwargs)`` records ``kwargs`` in ``module.llm_kwargs`` and returns ``build_llm(**kwargs)``."""
+    ``LLM(**kwargs)`` records ``kwargs`` in ``module.llm_kwargs`` and the environment it was built in in
+    ``module.llm_environ``, re-seeds torch's global generator as vLLM's ``seed`` does, and returns
+    ``build_llm(**kwargs)``."""
     module = types.ModuleType("vllm")
     module.SamplingParams = FakeSamplingParams
     module.llm_kwargs = []
+    module.llm_environ = []
 
     def LLM(**kwargs: Any) -> Any:  # noqa: N802 - mimics the class name
         module.llm_kwargs.append(kwargs)
+        module.llm_environ.append(dict(os.environ))
+        torch.manual_seed(int(kwargs.get("seed", 0)))
         return build_llm(**kwargs)
 
     module.LLM = LLM

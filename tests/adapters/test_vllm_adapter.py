@@ -105,7 +105,20 @@ def test_create_without_vllm_names_the_extra(monkeypatch):
         VLLMEngine.create("Qwen/Qwen2.5-0.5B", tensor_parallel_size=1)
 
 
-def test_create_builds_llm_with_sleep_mode_and_external_launcher(fake_vllm):
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.fixture
+def plain_process(monkeypatch):
+    """No torchrun variables and no process group: ``python train.py``."""
+    for key in [*TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING"]:
+        monkeypatch.delenv(key, raising=False)
+    assert not torch.distributed.is_initialized()
+
+
+def test_create_under_torchrun_builds_with_sleep_mode_and_external_launcher(fake_vllm, monkeypatch):
+    for key, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(key, value)
     env_before = dict(os.environ)
     engine = VLLMEngine.create("some/model", tensor_parallel_size=2, gpu_memory_utilization=0.4, dtype="bfloat16")
     (kwargs,) = fake_vllm.llm_kwargs
@@ -117,22 +130,55 @@ def test_create_builds_llm_with_sleep_mode_and_external_launcher(fake_vllm):
         "distributed_executor_backend": "external_launcher",
         "dtype": "bfloat16",
     }
-    assert dict(os.environ) == env_before  # the adapter sets no environment variable
+    assert dict(os.environ) == env_before  # vLLM sets what external_launcher needs itself
     # Built released, as ShardingManager expects: one level-2 sleep, nothing resident.
     assert without_resets(engine.llm.calls) == [("sleep", 2)]
     assert engine.state("weights") is TagState.RELEASED and engine.state("kv_cache") is TagState.RELEASED
 
 
 @pytest.mark.parametrize("value", [None, "1"])
-def test_create_names_the_in_process_env_var_and_sets_nothing(fake_vllm, monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
-    else:
+def test_create_in_a_plain_process_needs_nothing_set_and_restores_what_it_sets(fake_vllm, plain_process, monkeypatch,
+                                                                                value):
+    if value is not None:
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
-    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
-        VLLMEngine.create("some/model")
-    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == value
+    env_before = dict(os.environ)
+    torch.manual_seed(7)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(7)
+    VLLMEngine.create("some/model")
+    (kwargs,) = fake_vllm.llm_kwargs
+    assert "distributed_executor_backend" not in kwargs  # vLLM's single in-process worker
+    assert fake_vllm.llm_environ[0]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # set while the LLM was built
+    assert dict(os.environ) == env_before  # ... and put back
+    assert torch.equal(torch.rand(3), expected_draw)  # vLLM's re-seeding did not reach the training code
+
+
+def test_create_in_a_plain_process_refuses_tp_above_one_naming_torchrun(fake_vllm, plain_process):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*torchrun --nproc-per-node 2"):
+        VLLMEngine.create("some/model", tensor_parallel_size=2)
     assert fake_vllm.llm_kwargs == []  # no LLM was built
+
+
+def test_create_refuses_executors_in_other_processes_before_building(fake_vllm):
+    with pytest.raises(ValueError, match="distributed_executor_backend='mp'"):
+        VLLMEngine.create("some/model", distributed_executor_backend="mp")
+    assert fake_vllm.llm_kwargs == []
+
+
+def test_create_with_a_group_initialised_without_rank_variables_sets_them_for_the_build(fake_vllm, plain_process):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
+    try:
+        VLLMEngine.create("some/model", tensor_parallel_size=1)
+        VLLMEngine.create("some/model", tensor_parallel_size=1, distributed_executor_backend="external_launcher")
+    finally:
+        dist.destroy_process_group()
+    replica, launcher = fake_vllm.llm_kwargs
+    assert "distributed_executor_backend" not in replica  # TP 1 in a group: a replica per rank
+    assert launcher["distributed_executor_backend"] == "external_launcher"
+    assert fake_vllm.llm_environ[1]["RANK"] == "0" and fake_vllm.llm_environ[1]["LOCAL_RANK"] == "0"
+    assert "RANK" not in os.environ and "LOCAL_RANK" not in os.environ
 
 
 def test_create_on_npu_needs_nz_layout_off(fake_vllm, monkeypatch):

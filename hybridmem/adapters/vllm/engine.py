@@ -7,10 +7,10 @@ cannot show (a sleep that frees memory).
 [Note: vllm co-location]
 The adapter drives vLLM's engine core in the calling process: ``distributed_executor_backend=
 "external_launcher"`` (one worker per torchrun rank, tensor parallel across the training ranks, as
-verl does) or the single in-process worker of ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. Both need
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the environment before the ``LLM`` is built; the adapter checks
-it and names it in its error, and never sets it (it changes how every later ``LLM`` of the process
-runs). In process, weights reach vLLM without crossing an RPC: ``reload_weights(weights_iterator=...)``
+verl does) or the single in-process worker of ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. :meth:`VLLMEngine.
+create` picks one from how the program was started and sets what the build needs (see [Note: vllm
+launch] in :mod:`hybridmem.adapters.vllm.launch`); an ``LLM`` built by the caller is checked when it is
+wrapped. In process, weights reach vLLM without crossing an RPC: ``reload_weights(weights_iterator=...)``
 consumes this rank's tensors as they are produced, and the in-place path writes into the worker's own
 parameters. Out of process that is impossible (vLLM cannot pass tensors as RPC arguments, and sending a
 function needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), so such an ``LLM`` is refused.
@@ -60,6 +60,7 @@ import torch
 
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
+from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_cache_nbytes, launching, plan_launch
 from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes
 from hybridmem.adapters.vllm.outputs import (
     GREEDY,
@@ -138,6 +139,19 @@ def _add_note(exc: BaseException, note: str) -> None:
     add = getattr(exc, "add_note", None)  # Python >= 3.11
     if add is not None:
         add(note)
+
+
+def _hf_config(model_path_or_config: Any) -> Any:
+    """The transformers config of what ``create`` was given (a config, or a local model directory)."""
+    if hasattr(model_path_or_config, "save_pretrained"):
+        return model_path_or_config
+    try:
+        import transformers  # noqa: PLC0415 - a dependency of vLLM
+
+        return transformers.AutoConfig.from_pretrained(str(model_path_or_config))
+    except (OSError, ValueError, ImportError) as exc:  # a hub name offline, an unknown architecture
+        log.info("hybridmem vLLM adapter: no config read from %r (%s); vLLM sizes the KV cache", model_path_or_config, exc)
+        return None
 
 
 def _attr_path(obj: Any, path: str) -> Any:
@@ -279,24 +293,29 @@ class VLLMEngine:
         *,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
-        distributed_executor_backend: str | None = "external_launcher",
+        distributed_executor_backend: str | None = AUTO,
         accel: Accelerator | str | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         **llm_kwargs: Any,
     ) -> VLLMEngine:
         """Build a ``vllm.LLM`` in this process (with sleep mode where the backend has one) and wrap it.
 
+        Works as is in a plain ``python`` process and under torchrun: it picks the executor, sets what vLLM
+        needs for the build and restores it (see [Note: vllm launch] in
+        :mod:`hybridmem.adapters.vllm.launch`).
+
         Args:
-            model_path_or_config: A model name or path, or a transformers config (an object with
-                ``save_pretrained``): the config is written to a temporary directory and the LLM is
-                built with ``load_format="dummy"`` and no tokenizer, its weights coming from the first
-                weight sync.
+            model_path_or_config: A model directory (e.g. one written by ``save_pretrained``) or hub name,
+                or a transformers config (an object with ``save_pretrained``): the config is written to a
+                temporary directory and the LLM is built with ``load_format="dummy"`` and no tokenizer,
+                its weights coming from the first weight sync.
             tensor_parallel_size: vLLM's inference TP size.
             gpu_memory_utilization: Share of device memory vLLM may use for weights, activations and KV
-                cache, measured when the LLM is built; with co-located training, leave room for it.
-            distributed_executor_backend: ``"external_launcher"`` (default) runs one vLLM worker inside
-                each torchrun rank (SPMD co-location, as verl does; ``RANK``, ``LOCAL_RANK``,
-                ``MASTER_ADDR``, ``MASTER_PORT`` set); ``None`` one worker in this process (TP 1).
+                cache, measured when the LLM is built; with co-located training, leave room for it. On
+                vLLM's CPU backend it is the share of the NUMA node's memory vLLM reserves.
+            distributed_executor_backend: ``"auto"`` (default): ``"external_launcher"`` under torchrun (or
+                an initialised process group) with TP across all ranks, else one in-process worker
+                (``None``); see [Note: vllm launch]. ``"mp"`` and ``"ray"`` are refused.
             accel: See :class:`VLLMEngine`; on Ascend NPUs (``"npu"``) the same call builds a
                 vllm-ascend LLM (vllm-ascend registers itself as vLLM's platform plugin).
             engine_kwargs: Keyword arguments for :class:`VLLMEngine` (``bucket_nbytes``...).
@@ -304,20 +323,15 @@ class VLLMEngine:
 
         Raises:
             ImportError: vLLM is not installed; the message names ``pip install hybridmem[vllm]``.
-            ValueError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is not ``0`` (see [Note: vllm co-location]),
-                or, on NPUs, ``VLLM_ASCEND_ENABLE_NZ`` is not ``0``; hybridmem sets neither itself.
+            ValueError: An executor whose workers run elsewhere, a TP size the launch cannot run, or, on
+                NPUs, ``VLLM_ASCEND_ENABLE_NZ`` not ``0``; each names the value.
         """
         vllm = import_vllm("vllm")
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-            raise ValueError(
-                f"VLLMEngine runs vLLM's engine core in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 in "
-                f"the environment before creating it (it is "
-                f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING', 'unset')!s}; hybridmem does not change it for you)"
-            )
+        launch = plan_launch(distributed_executor_backend, tensor_parallel_size)
         accel = get_accelerator("auto" if accel is None else accel)
         if accel.name == "npu" and os.environ.get("VLLM_ASCEND_ENABLE_NZ") != "0":
-            # vllm-ascend's NPUWorker.wake_up refuses weights kept in FRACTAL_NZ layout, which an RL
-            # weight update would corrupt.
+            # vllm-ascend's NPUWorker.wake_up refuses weights kept in FRACTAL_NZ layout, which an RL weight
+            # update would corrupt.
             raise ValueError(
                 "on Ascend NPUs set VLLM_ASCEND_ENABLE_NZ=0 before creating the engine: vllm-ascend keeps weights "
                 f"in the FRACTAL_NZ layout otherwise, which a weight update corrupts (it is "
@@ -329,20 +343,47 @@ class VLLMEngine:
             model_path_or_config.save_pretrained(model)
             llm_kwargs.setdefault("load_format", "dummy")
             llm_kwargs.setdefault("skip_tokenizer_init", True)
-        sleep_mode = not platform_is_cpu(vllm)  # the CPU backend refuses enable_sleep_mode=True
+        on_cpu = platform_is_cpu(vllm)
+        sleep_mode = not on_cpu  # the CPU backend refuses enable_sleep_mode=True
+        if on_cpu and "kv_cache_memory_bytes" not in llm_kwargs and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            hf_config = _hf_config(model_path_or_config)
+            if hf_config is not None:  # [Note: vllm cpu kv default]
+                llm_kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_nbytes(
+                    hf_config, llm_kwargs, utilization=gpu_memory_utilization,
+                    free_nbytes=get_accelerator("cpu").memory_figures().free_nbytes)
         if llm_kwargs.pop("enable_sleep_mode", sleep_mode) is not sleep_mode:
             raise ValueError(f"VLLMEngine.create sets enable_sleep_mode={sleep_mode} on this platform; do not pass it")
-        if distributed_executor_backend is not None:
-            llm_kwargs["distributed_executor_backend"] = distributed_executor_backend
+        if launch.backend is not None:
+            llm_kwargs["distributed_executor_backend"] = launch.backend
         if sleep_mode:
             llm_kwargs["enable_sleep_mode"] = True
-        llm = vllm.LLM(
-            model=str(model),
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            **llm_kwargs,
-        )
+        log.info("hybridmem vLLM adapter: %s", launch.why)
+        with launching(launch):
+            llm = vllm.LLM(
+                model=str(model),
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                **llm_kwargs,
+            )
         return cls(llm, accel=accel, **dict(engine_kwargs or {}))
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The element type vLLM holds the weights in (``model_config.dtype``)."""
+        dtype = _attr_path(self.llm, "llm_engine.vllm_config.model_config.dtype")
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    @property
+    def parallel_layout(self) -> dict[str, int]:
+        """vLLM's tensor- and pipeline-parallel sizes (expert parallelism is not reported), see [Note:
+        layouts from the parts] in :mod:`hybridmem.parts`."""
+        parallel = _attr_path(self.llm, "llm_engine.vllm_config.parallel_config")
+        out = {}
+        for key, attr in (("tp", "tensor_parallel_size"), ("pp", "pipeline_parallel_size")):
+            value = getattr(parallel, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                out[key] = value
+        return out
 
     @property
     def gpu_memory_utilization(self) -> float | None:
