@@ -32,7 +32,7 @@ def _check_bool(key: str, value: object, *, source: str | None = None) -> None:
         raise ConfigError(key, value, "true or false", source=source)
 
 
-def _check_optional_nbytes(key: str, value: object, *, source: str | None = None) -> None:
+def _check_optional_positive_int(key: str, value: object, *, source: str | None = None) -> None:
     if value is not None:
         _check_positive_int(key, value, source=source)
 
@@ -101,18 +101,22 @@ class HybridConfig:
     """Move gradients to host memory while in INFER (all-zero ones are released without a copy)."""
     offload_train_optimizer: bool = True
     """Move optimizer state (Adam moments, momentum, ...) to host memory while in INFER."""
-    tensor_model_parallel_size: int = 1
-    """Training tensor-parallel size (MindSpeed-RL ``actor_config``)."""
-    pipeline_model_parallel_size: int = 1
-    """Training pipeline-parallel size."""
-    expert_model_parallel_size: int = 1
-    """Training expert-parallel size."""
-    infer_tensor_parallel_size: int = 1
-    """Inference tensor-parallel size (MindSpeed-RL ``generate_config``)."""
-    infer_pipeline_parallel_size: int = 1
-    """Inference pipeline-parallel size."""
-    infer_expert_parallel_size: int = 1
-    """Inference expert-parallel size."""
+    tensor_model_parallel_size: int | None = None
+    """Training tensor-parallel size (MindSpeed-RL ``actor_config``). ``None``: what the training state
+    reports (the Megatron adapter reads it from ``parallel_state``), else 1; a value that differs from
+    what the training state reports is refused when the manager is built."""
+    pipeline_model_parallel_size: int | None = None
+    """Training pipeline-parallel size (``None``: as the training state reports, else 1)."""
+    expert_model_parallel_size: int | None = None
+    """Training expert-parallel size (``None``: as the training state reports, else 1)."""
+    infer_tensor_parallel_size: int | None = None
+    """Inference tensor-parallel size (MindSpeed-RL ``generate_config``). ``None``: what the engine reports
+    (vLLM's ``tensor_parallel_size``, the embedded engine's TP group), else 1; a value that differs from what
+    the engine reports is refused when the manager is built."""
+    infer_pipeline_parallel_size: int | None = None
+    """Inference pipeline-parallel size (``None``: as the engine reports, else 1)."""
+    infer_expert_parallel_size: int | None = None
+    """Inference expert-parallel size (``None``: 1)."""
     gpu_memory_utilization: float | None = None
     """Fraction of device memory the inference engine (weights + KV cache) may use, as vLLM's key of
     that name. ``None``: the engine's own setting stands. When set, :class:`~hybridmem.ShardingManager`
@@ -140,7 +144,7 @@ class HybridConfig:
             elif f.type == "int":
                 _check_positive_int(f.name, value)
             elif f.type == "int | None":
-                _check_optional_nbytes(f.name, value)
+                _check_optional_positive_int(f.name, value)
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0):
             raise ConfigError("gpu_memory_utilization", util, "a float in (0, 1] or null")
@@ -149,20 +153,22 @@ class HybridConfig:
 
     @property
     def train_layout(self) -> ParallelLayout:
-        """The training layout from ``*_model_parallel_size``."""
+        """The training layout from ``*_model_parallel_size`` (an unset key counts as 1; the manager's
+        copy of the config has them resolved from the training state)."""
         return ParallelLayout(
-            tp=self.tensor_model_parallel_size,
-            pp=self.pipeline_model_parallel_size,
-            ep=self.expert_model_parallel_size,
+            tp=self.tensor_model_parallel_size or 1,
+            pp=self.pipeline_model_parallel_size or 1,
+            ep=self.expert_model_parallel_size or 1,
         )
 
     @property
     def infer_layout(self) -> ParallelLayout:
-        """The inference layout from ``infer_*_parallel_size``."""
+        """The inference layout from ``infer_*_parallel_size`` (an unset key counts as 1; the manager's copy
+        of the config has them resolved from the engine)."""
         return ParallelLayout(
-            tp=self.infer_tensor_parallel_size,
-            pp=self.infer_pipeline_parallel_size,
-            ep=self.infer_expert_parallel_size,
+            tp=self.infer_tensor_parallel_size or 1,
+            pp=self.infer_pipeline_parallel_size or 1,
+            ep=self.infer_expert_parallel_size or 1,
         )
 
     def replace(self, **changes: Any) -> HybridConfig:
@@ -236,10 +242,11 @@ class HybridConfig:
 #   generate_config    offload switches, inference layout, gpu_memory_utilization
 #   hybridmem          any HybridConfig key
 #
-# Every other key of those sections (and every key of rl_config) must be one MindSpeed-RL defines there:
-# its config classes reject anything else, so an unknown key is a typo and raises with a suggestion. A
-# top-level section outside SECTIONS raises the same way. Sections hybridmem does not read (ref_config,
-# profiler_config, ...) are not checked: they belong to the user's framework.
+# Every other key of those sections (and every key of rl_config) must be one that some MindSpeed-RL
+# release defines there (mindspeed_keys holds the union over releases, so a file written for any of them
+# loads): its config classes reject anything else, so an unknown key is a typo and raises with a
+# suggestion. A top-level section outside SECTIONS raises the same way. Sections hybridmem does not read
+# (ref_config, profiler_config, ...) are not checked: they belong to the user's framework.
 _TRAIN_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 _GENERATE_KEYS = (
     "offload_train_param", "offload_train_grad", "offload_train_optimizer", "infer_tensor_parallel_size",

@@ -33,6 +33,7 @@ from hybridmem.kinds import StateKind
 from hybridmem.machine import PhaseMachine
 from hybridmem.memplan import MemoryPlan, StepEstimate, plan_switch
 from hybridmem.offload import Offloader, OffloadState
+from hybridmem.parts import resolve_layouts, training_state_of
 from hybridmem.phase import Direction, Phase
 from hybridmem.report import StepReport, SwitchReport
 from hybridmem.residency import ResidencyReport
@@ -48,7 +49,7 @@ from hybridmem.steps import (
     WeightSyncStep,
 )
 from hybridmem.sync import WeightSync, default_weight_sync
-from hybridmem.training_state import TorchTrainingState, TrainingState
+from hybridmem.training_state import TrainingState
 from hybridmem.txn import HeldSignals
 
 __all__ = ["ShardingManager"]
@@ -100,15 +101,6 @@ def _add_note(exc: BaseException, note: str) -> None:
         add(note)
 
 
-def _torch_training_state(model: Any, optimizer: Any) -> TrainingState:
-    """The training state of a plain PyTorch model: FSDP2's when ``fully_shard`` was applied to it."""
-    from hybridmem.adapters.fsdp import FSDPTrainingState, is_fsdp_model  # noqa: PLC0415 - torch.distributed.fsdp
-
-    if is_fsdp_model(model):
-        return FSDPTrainingState(model, optimizer)
-    return TorchTrainingState(model, optimizer)
-
-
 class ShardingManager:
     """Switches one actor (training state + inference engine) between TRAIN and INFER.
 
@@ -124,10 +116,10 @@ class ShardingManager:
         config: Offload switches, layouts and budgets; defaults to ``HybridConfig()``.
         accel: The accelerator; defaults to ``config.device``.
         weight_sync: How training weights reach the engine; defaults to
-            :func:`~hybridmem.sync.default_weight_sync`: resharding from ``config.train_layout`` to
-            ``config.infer_layout`` when the model's spec is known (``model_spec``, or the training
-            state's ``model_spec_dict()``), else streaming this rank's ``named_weights()`` into
-            ``engine.load_weights`` (layouts must then be equal).
+            :func:`~hybridmem.sync.default_weight_sync`: resharding from the training layout to the
+            engine's when the model's spec is known (``model_spec``, a transformers model's ``config``, or
+            the training state's ``model_spec_dict()``), else streaming what a checkpoint of the model
+            holds into ``engine.load_weights`` (layouts must then be equal).
         model_spec: The model's :class:`~hybridmem.reshard.ModelSpec` or HF-style config, for resharding.
         group: The process group spanning both layouts (``None``: the default group).
 
@@ -135,8 +127,9 @@ class ShardingManager:
         ConfigError: ``config.gpu_memory_utilization`` is set and the engine's KV pool was sized for
             another share (:func:`~hybridmem.engines.check_kv_utilization`).
 
-    Call order: construct in TRAIN (training state on the device, engine memory released); then
-    alternate :meth:`to_infer` / :meth:`to_train`, or use :meth:`inference` as a context manager.
+    Call order: construct in TRAIN (training state on the device; an engine still holding memory has it
+    released here); then alternate :meth:`to_infer` / :meth:`to_train`, or use :meth:`inference` as a
+    context manager.
     """
 
     def __init__(
@@ -151,19 +144,16 @@ class ShardingManager:
         model_spec: Any = None,
         group: Any = None,
     ):
-        self.config = HybridConfig() if config is None else config
-        if not isinstance(self.config, HybridConfig):
-            raise TypeError(f"config must be a HybridConfig, got {type(self.config).__name__}")
-        self.accel = get_accelerator(self.config.device if accel is None else accel)
-        if isinstance(model, TrainingState):
-            if optimizer is not None:
-                raise ValueError(f"optimizer= is for plain PyTorch models; {type(model).__name__} carries its own")
-            self.training: TrainingState = model
-        else:
-            self.training = _torch_training_state(model, optimizer)
+        config = HybridConfig() if config is None else config
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+        self.accel = get_accelerator(config.device if accel is None else accel)
+        self.training: TrainingState = training_state_of(model, optimizer)
         if engine is not None and not isinstance(engine, InferenceEngine):
             missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
             raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
+        self.config = resolve_layouts(config, self.training, engine)
+        """The config, its layout keys resolved from the parts (see [Note: layouts from the parts])."""
         check_kv_utilization(engine, self.config)
         self.engine = engine
         self.pool = HostBufferPool(
@@ -197,6 +187,19 @@ class ShardingManager:
         """The latest report of any direction."""
         if getattr(self.training, "attaches_itself", False):
             self.training.attach(self)  # FSDP2: its buffer release step and residency owner
+        self._release_engine_memory()
+
+    def _release_engine_memory(self) -> None:
+        """The manager starts in TRAIN, where the engine holds no memory: an engine handed over awake (a
+        ``ReferenceEngine`` is built so) has its weights and KV cache released now; they are derived
+        state, rewritten by every TRAIN->INFER switch."""
+        resident = getattr(self.engine, "resident_nbytes", None)
+        if not callable(resident):
+            return
+        awake = [tag for tag in (KV_CACHE, WEIGHTS) if resident(tag)]
+        if awake:
+            log.info("hybridmem: releasing the engine's %s (the manager starts in TRAIN)", awake)
+            self.engine.release(awake)
 
     # Introspection --------------------------------------------------------------------------------
     @property

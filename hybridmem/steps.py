@@ -30,7 +30,9 @@ when already done and finishes what an interrupted run left.
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -55,6 +57,12 @@ __all__ = [
     "WeightSyncStep",
     "EmptyCacheStep",
 ]
+
+
+log = logging.getLogger(__name__)
+
+_WARNED_CASTS: weakref.WeakSet = weakref.WeakSet()
+"""Weight syncs whose dtype cast was logged (once per sync, reported on every switch)."""
 
 
 class ToInferOrder(IntEnum):
@@ -238,6 +246,10 @@ class WeightSyncStep(SwitchStep):
         s = self.sync.sync()
         if s.unwritten:  # [Note: weight coverage]
             raise WeightCoverageError(list(s.unwritten))
+        if s.dtype_note and self.sync not in _WARNED_CASTS:  # [Note: no silent dtype change]
+            log.warning("hybridmem: %s; the engine's weights differ from the trainer's by that rounding (build the "
+                        "engine in the trainer's dtype to get them bit for bit)", s.dtype_note)
+            _WARNED_CASTS.add(self.sync)
         return StepResult(
             kind=self.kind,
             copied_nbytes=s.received_nbytes,
@@ -249,6 +261,7 @@ class WeightSyncStep(SwitchStep):
                 "min_received_nbytes": s.min_received_nbytes,
                 "temp_peak_nbytes": s.temp_peak_nbytes,
                 "coverage_checked": s.coverage_checked,
+                **({"note": s.dtype_note} if s.dtype_note else {}),
             },
         )
 

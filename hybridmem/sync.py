@@ -22,71 +22,84 @@ picks between the two from the config's layouts and the model's spec. The interf
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 
 from hybridmem.engines.protocol import InferenceEngine
 from hybridmem.reshard import ModelSpec, ReshardSync
 from hybridmem.weight_sync import LoadWeightsSync, SyncStats, WeightSync, engine_unwritten
 
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync", "engine_unwritten"]
+__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync", "model_spec_of", "engine_unwritten"]
+
+log = logging.getLogger(__name__)
 
 
-def _dominant_dtype(weights: Iterable[tuple[str, torch.Tensor]]) -> torch.dtype:
-    """The dtype holding most bytes (see [Note: wire dtype] in hybridmem.reshard.execute); bf16 if none."""
-    nbytes: dict[torch.dtype, int] = {}
-    for _, t in weights:
-        nbytes[t.dtype] = nbytes.get(t.dtype, 0) + t.numel() * t.element_size()
-    return max(nbytes, key=nbytes.__getitem__) if nbytes else torch.bfloat16
-
-
-def _source_layout(training: Any, spec: Any, config: Any, group: Any) -> Any:
-    """The HF-named source layout of ``training`` (see :func:`default_weight_sync`), or ``None`` for a
-    Megatron-named one."""
-    from hybridmem.reshard.hf_source import hf_source_layout, looks_hf_named  # noqa: PLC0415
-
+def _source_layout(training: Any, spec: Any, group: Any) -> Any:
+    """The training state's own source layout (FSDP2 shards), or ``None``: ``ReshardSync`` then reads
+    ``config.train_layout`` (transformers' names held whole on every rank, or Megatron-core's layout)."""
     own = getattr(training, "hf_source_layout", None)
-    if not callable(own) and not looks_hf_named(name for name, _ in training.named_weights()):
+    if not callable(own):
         return None
-    train = config.train_layout
-    if (train.tp, train.pp, train.ep) != (1, 1, 1):
-        raise ValueError(
-            f"the training weights have transformers' names (unsharded by tensor/pipeline/expert parallelism) "
-            f"but config.train_layout is {train}; set its tp, pp and ep to 1"
-        )
     import torch.distributed as dist  # noqa: PLC0415
 
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    return own(spec, world, group=group) if callable(own) else hf_source_layout(spec, world)
+    return own(spec, world, group=group)
+
+
+def model_spec_of(training: Any) -> ModelSpec | None:
+    """The resharding engine's spec of the training model, derived from the model itself: the training
+    state's ``model_spec_dict()`` (the Megatron and FSDP2 adapters), or the transformers config of a plain
+    model (``hf_config``). ``None`` when the model says nothing, or its family is not one the resharding
+    engine knows (the weights are then streamed as a checkpoint names them).
+
+    Raises:
+        ValueError: The training state's own ``model_spec_dict()`` cannot describe the model (a Megatron
+            configuration the supported families cannot express); the message names the options.
+    """
+    derive = getattr(training, "model_spec_dict", None)
+    if callable(derive):
+        return ModelSpec.from_hf_config(derive())
+    config = getattr(training, "hf_config", None)
+    if config is None:
+        return None
+    try:
+        return ModelSpec.from_hf_config(config)
+    except ValueError as exc:
+        log.info("hybridmem: weights streamed by their checkpoint names, not resharded (%s)", exc)
+        return None
 
 
 def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, model_spec: Any = None,
                         group: Any = None) -> WeightSync:
     """The weight sync ShardingManager uses when none is given.
 
-    With a model spec, a :class:`~hybridmem.reshard.ReshardSync` from the training weights' layout to
-    ``config.infer_layout`` (the engine's vLLM layout). The source layout is the training state's own
-    ``hf_source_layout(spec, world_size, group=group)`` when it has one (the FSDP2 adapter); else, for weights with
-    transformers' names (a plain HF model, one process or DDP), every rank holding them whole
-    (:func:`~hybridmem.reshard.hf_source.hf_source_layout`; ``config.train_layout`` must then be
-    tp = pp = ep = 1); else ``config.train_layout`` in Megatron-core's names and layout. It runs over
-    ``group``, with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, in the
-    element type holding most of the training weights' bytes. The spec is ``model_spec`` or, when that is
-    ``None`` and the layouts differ (or the training state says ``needs_reshard``, as FSDP2's does), the
-    training state's own ``model_spec_dict()`` (the Megatron and FSDP2 adapters have one). The
-    Megatron naming and vocab padding come from the training state's ``megatron_convention()`` when it
-    has one, else Megatron's defaults (vocab padded to a multiple of ``128 * tp``). For other conventions
-    build the ``ReshardSync`` yourself and pass it as ``weight_sync=``. Without a spec, a
-    :class:`LoadWeightsSync` of the training weights as they are, which is only right when the two
-    layouts are equal.
+    - An engine that loads the training model's own names (``loads_training_names``, e.g.
+      ``TorchCopyEngine``) gets :class:`LoadWeightsSync` of the training state's ``named_weights()``; the
+      two layouts must then be equal.
+    - With a model spec (``model_spec``, else derived from the model by :func:`model_spec_of`: a
+      transformers model's ``config``, the Megatron or FSDP2 adapter's ``model_spec_dict()``), a
+      :class:`~hybridmem.reshard.ReshardSync` from the training weights' layout to ``config.infer_layout``
+      (the engine's vLLM layout), whatever the two layouts are, so the engine's own parameter names are
+      checked against what the sync writes when the manager is built. The source layout is the training
+      state's own ``hf_source_layout(spec, world_size, group=group)`` when it has one (the FSDP2 adapter);
+      else, for weights with transformers' names (a plain HF model, one process or DDP), every rank
+      holding them whole (:func:`~hybridmem.reshard.hf_source.hf_source_layout`; ``config.train_layout``
+      must then be tp = pp = ep = 1); else ``config.train_layout`` in Megatron-core's names and layout,
+      with the naming and vocab padding of the training state's ``megatron_convention()``. It runs over
+      ``group`` with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, and its wire dtype
+      is the training weights' own (see [Note: no silent dtype change] in :mod:`hybridmem.weight_sync`).
+    - Otherwise (a model of a family the resharding engine does not know), a :class:`LoadWeightsSync` of
+      what a checkpoint of the model holds (``checkpoint_weights()``: parameters and persistent buffers,
+      never non-persistent ones such as RoPE's ``inv_freq``); the layouts must then be equal.
 
     Args:
-        training: The training state (``named_weights()``; optionally ``model_spec_dict()``,
-            ``source_layout()``, ``megatron_convention()``).
+        training: The training state (``named_weights()``; optionally ``checkpoint_weights()``,
+            ``model_spec_dict()``, ``hf_config``, ``source_layout()``, ``megatron_convention()``).
         engine: The inference engine.
-        config: The :class:`~hybridmem.config.HybridConfig`.
+        config: The :class:`~hybridmem.config.HybridConfig`, its layouts resolved (see
+            :func:`hybridmem.parts.resolve_layouts`).
         model_spec: A :class:`~hybridmem.reshard.ModelSpec` or an HF-style config (object or dict).
         group: The process group spanning both layouts (``None``: the default group).
 
@@ -95,24 +108,21 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
             training state reports a layout (``source_layout()``) other than ``config.train_layout``, or
             HF-named weights come with a ``config.train_layout`` other than tp = pp = ep = 1.
     """
-    derive = getattr(training, "model_spec_dict", None)
     # A sharded HF-named source (FSDP2) cannot be streamed as is, even into an equal layout.
     sharded = bool(getattr(training, "needs_reshard", False))
-    if model_spec is None and (config.train_layout != config.infer_layout or sharded) and callable(derive):
-        model_spec = derive()
-    if model_spec is None and sharded:
-        raise ValueError(
-            f"{type(training).__name__} holds sharded weights, which must be resharded into the engine: pass "
-            f"model_spec= (a hybridmem.reshard.ModelSpec or the model's HF config) or weight_sync="
-        )
-    if model_spec is None:
-        if config.train_layout != config.infer_layout:
-            raise ValueError(
-                f"train layout {config.train_layout} differs from infer layout {config.infer_layout}, so the "
-                f"weights must be resharded: pass model_spec= (a hybridmem.reshard.ModelSpec or the model's HF "
-                f"config) or weight_sync="
-            )
+    if model_spec is None and getattr(engine, "loads_training_names", False) and not sharded:
+        _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
         return LoadWeightsSync(training.named_weights, engine)
+    if model_spec is None:
+        model_spec = model_spec_of(training)
+    if model_spec is None:
+        if sharded:
+            raise ValueError(
+                f"{type(training).__name__} holds sharded weights, which must be resharded into the engine: pass "
+                f"model_spec= (a hybridmem.reshard.ModelSpec or the model's HF config) or weight_sync="
+            )
+        _require_equal_layouts(config, "the model's family is not one the resharding engine knows")
+        return LoadWeightsSync(getattr(training, "checkpoint_weights", training.named_weights), engine)
     layout_fn = getattr(training, "source_layout", None)
     if callable(layout_fn):
         actual = layout_fn()
@@ -128,11 +138,19 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         dict(model_spec) if isinstance(model_spec, Mapping) else model_spec
     )
     convention_fn = getattr(training, "megatron_convention", None)
-    dtype = _dominant_dtype(training.named_weights())
-    source = _source_layout(training, spec, config, group)
+    source = _source_layout(training, spec, group)
     return ReshardSync(
         spec, config.train_layout if source is None else source, config.infer_layout, group,
         training.named_weights, engine,
-        bucket_nbytes=config.reshard_bucket_bytes, verify=config.verify_weight_sync, dtype=dtype,
+        bucket_nbytes=config.reshard_bucket_bytes, verify=config.verify_weight_sync,
         megatron=convention_fn() if callable(convention_fn) else None,
     )
+
+
+def _require_equal_layouts(config: Any, why: str) -> None:
+    if config.train_layout != config.infer_layout:
+        raise ValueError(
+            f"train layout {config.train_layout} differs from infer layout {config.infer_layout}, so the weights "
+            f"must be resharded, but {why}: pass model_spec= (a hybridmem.reshard.ModelSpec or the model's HF "
+            f"config) or weight_sync="
+        )

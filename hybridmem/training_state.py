@@ -75,7 +75,35 @@ class TorchTrainingState:
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Parameters and buffers (non-persistent ones too: an engine copy needs every tensor), by name;
         with several chunks, names are prefixed with the chunk index."""
+        return self._weights(non_persistent=True)
+
+    def checkpoint_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """What a checkpoint of the model holds, as :meth:`named_weights` names it: parameters (a tied one
+        once) and persistent buffers, without non-persistent buffers such as RoPE's ``inv_freq``, which no
+        engine loads."""
+        return self._weights(non_persistent=False)
+
+    def _weights(self, *, non_persistent: bool) -> Iterable[tuple[str, torch.Tensor]]:
         for i, m in enumerate(self.modules):
             prefix = "" if len(self.modules) == 1 else f"{i}."
-            for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            keep = None if non_persistent else set(m.state_dict(keep_vars=True))
+            for name, t in m.named_parameters():
                 yield prefix + name, t
+            for name, t in m.named_buffers():
+                if keep is None or name in keep:
+                    yield prefix + name, t
+
+    @property
+    def hf_config(self) -> Any:
+        """The transformers config of the model (``model.config``, looking through DDP's ``.module``), or
+        ``None`` when it is not a transformers model."""
+        module = self.modules[0]
+        module = getattr(module, "module", module) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+        config = getattr(module, "config", None)
+        return config if callable(getattr(config, "to_dict", None)) else None
+
+    @property
+    def parallel_layout(self) -> dict[str, int] | None:
+        """A transformers model is whole on every rank (tp = pp = ep = 1); other models do not say (see
+        [Note: layouts from the parts] in :mod:`hybridmem.parts`)."""
+        return {"tp": 1, "pp": 1, "ep": 1} if self.hf_config is not None else None

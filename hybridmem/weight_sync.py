@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from hybridmem.engines.protocol import InferenceEngine
 
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "engine_unwritten"]
+__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "engine_unwritten", "dominant_dtype", "dtype_note", "engine_dtypes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,38 @@ class SyncStats:
     """Engine tensors of this rank not entirely written (see [Note: weight coverage] in hybridmem.sync)."""
     coverage_checked: bool = False
     """Whether ``unwritten`` is a proof (False: the engine cannot report what it received)."""
+    dtype_note: str = ""
+    """How the weights' element types changed on the way, when they did (see [Note: no silent dtype
+    change]); empty when the engine received the trainer's dtypes unchanged."""
+
+
+# [Note: no silent dtype change]
+# A weight the engine holds in another element type than the trainer differs from it (an fp32 trainer into
+# a bf16 engine: by up to 2^-9 relative), and in RL that is an error in the importance ratio the user cannot
+# see. So nothing converts on its own: the resharding engine's wire dtype defaults to the trainer's
+# (``ReshardSync(dtype=None)``), and with equal dtypes the engine's weights are the trainer's bit for bit.
+# A conversion happens only where the engine was built in another dtype (what the user asked for) or a
+# wire dtype was given; every sync then says so in ``SyncStats.dtype_note``, which the switch report shows
+# in its caption, and the first one logs a warning.
+
+
+def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """The element type holding most bytes of ``tensors`` (``None`` when there are none)."""
+    nbytes: dict[torch.dtype, int] = {}
+    for t in tensors:
+        nbytes[t.dtype] = nbytes.get(t.dtype, 0) + t.numel() * t.element_size()
+    return max(nbytes, key=nbytes.__getitem__) if nbytes else None
+
+
+def dtype_note(sources: Iterable[torch.dtype], engine: Iterable[torch.dtype], wire: torch.dtype | None = None) -> str:
+    """Describe the casts between the trainer's dtypes, the wire's and the engine's; ``""`` when there are
+    none (see [Note: no silent dtype change])."""
+    names = lambda dtypes: "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))  # noqa: E731
+    src, dst = set(sources), set(engine)
+    if not dst or (src == dst and (wire is None or {wire} == src)):
+        return ""
+    via = f" over a {names([wire])} wire" if wire is not None and {wire} != src else ""
+    return f"weights cast: trainer {names(src)} -> engine {names(dst)}{via}"
 
 
 class WeightSync(ABC):
@@ -73,11 +105,14 @@ class LoadWeightsSync(WeightSync):
         count = 0
         nbytes = 0
 
+        dtypes: set[torch.dtype] = set()
+
         def counted() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal count, nbytes
             for name, tensor in self._weights():
                 count += 1
                 nbytes += tensor.numel() * tensor.element_size()
+                dtypes.add(tensor.dtype)
                 yield name, tensor
 
         with torch.no_grad():
@@ -90,7 +125,14 @@ class LoadWeightsSync(WeightSync):
             seconds=time.perf_counter() - start,
             unwritten=unwritten,
             coverage_checked=checked,
+            dtype_note=dtype_note(dtypes, engine_dtypes(self.engine)),
         )
+
+
+def engine_dtypes(engine: Any) -> set[torch.dtype]:
+    """The element types the engine holds its weights in, where it says (``dtype``); else empty."""
+    dtype = getattr(engine, "dtype", None)
+    return {dtype} if isinstance(dtype, torch.dtype) else set()
 
 
 def engine_unwritten(engine: Any) -> tuple[tuple[str, ...], bool]:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridmem import HybridConfig, ShardingManager
+from hybridmem import ConfigError, HybridConfig, ShardingManager
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, TorchCopyEngine
 from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, init_hf_weights
 from hybridmem.reshard import ReshardSync, megatron_layout, shard
@@ -57,7 +57,14 @@ def test_equal_layouts_without_spec_stream_load_weights():
 
 def test_different_layouts_without_spec_raise_naming_both():
     model = torch.nn.Linear(4, 4)
+    engine = SimpleNamespace(load_weights=lambda weights: None, release=lambda tags: None, resume=lambda tags: None)
     with pytest.raises(ValueError, match=r"TP1xPP1xEP1 differs from infer layout TP2xPP1xEP1.*model_spec="):
+        ShardingManager(model, engine, config=HybridConfig(device="cpu", infer_tensor_parallel_size=2))
+
+
+def test_a_copy_engine_is_laid_out_as_training_and_refuses_another_infer_layout():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"infer_tensor_parallel_size=2 .*expected 1, what the engine TorchCopyEngine"):
         ShardingManager(model, TorchCopyEngine(model), config=HybridConfig(device="cpu", infer_tensor_parallel_size=2))
 
 
@@ -107,7 +114,7 @@ def test_transformers_names_get_the_replicated_hf_source():
 
 
 def test_transformers_names_with_a_tensor_parallel_train_layout_are_refused():
-    with pytest.raises(ValueError, match=r"transformers' names.*TP2xPP1xEP1.*tp, pp and ep to 1"):
+    with pytest.raises(ValueError, match=r"transformers' names.*TP2xPP1xEP1; its tp, pp and ep must be 1"):
         default_weight_sync(_hf_state(), TorchCopyEngine(torch.nn.Linear(2, 2)),
                             HybridConfig(device="cpu", tensor_model_parallel_size=2), model_spec=CFG.to_hf_dict())
 

@@ -223,7 +223,7 @@ def test_every_undo_failing_once_then_recover_loses_nothing(name):
     for first in sample_points(labels, num_strided=8):
         total = _calls_with_fault(cfg, first)
         stride = max(1, (total - first) // 4)
-        undo_calls = sorted({first + 1, total, *range(first + 1, total + 1, stride)})
+        undo_calls = sorted({first + 1, total, *range(first + 1, total + 1, stride)} & set(range(first + 1, total + 1)))
         for second in undo_calls:
             runs += 1
             problem = check_point(cfg, "to_infer", (first, second), EXCEPTIONS["exception"], reference, None)

@@ -50,6 +50,10 @@ class TorchCopyEngine:
         kv_cache_nbytes: Size of a scratch KV-cache pool taken on ``resume(["kv_cache"])``.
     """
 
+    loads_training_names = True
+    """Its ``load_weights`` takes the training model's own names and layout (it is a copy of the module),
+    so the default weight sync streams the training state's ``named_weights()`` into it as they are."""
+
     def __init__(self, module: torch.nn.Module, *, kv_cache_nbytes: int = 0):
         if kv_cache_nbytes < 0:
             raise ValueError(f"kv_cache_nbytes={kv_cache_nbytes} must be >= 0")

@@ -13,8 +13,9 @@ the end, so the results are ready for whatever is queued next.
 A receiver sizes its staging buffer from the plan in elements of the wire dtype, so every rank must
 use the same one: sources of another dtype (Megatron keeps some norms in fp32 beside bf16 weights)
 are cast to it when packed, and received slices are cast to each destination tensor's dtype when
-unpacked. ``ReshardSync`` passes its ``dtype`` on every rank; ``default_weight_sync`` picks the dtype
-holding most of the training weights' bytes, which is the same on every rank of a real model.
+unpacked. ``ReshardSync`` passes its ``dtype`` on every rank; by default the dtype holding most of the
+training weights' bytes, which is the same on every rank of a real model (see [Note: no silent dtype
+change] in :mod:`hybridmem.weight_sync`).
 The one exception is a tensor the spec keeps in fp32 (``ModelSpec.keeps_fp32``: DeepSeek-V3's router
 bias): on a narrower wire its slices travel in fp32, in a second buffer per peer, and local copies of
 it are not cast; every rank knows which cells those are from the plan (``plan.cell_dtype``).

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard.checksum import CellChecksums
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
-from hybridmem.reshard.hf_source import HFSourceLayout
+from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout, looks_hf_named
 from hybridmem.reshard.layouts import MegatronConvention, VLLMConvention, hf_layout, megatron_layout, vllm_layout
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, build_plan
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.weight_sync import SyncStats, WeightSync, engine_unwritten
+from hybridmem.weight_sync import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
 
 if TYPE_CHECKING:
     from hybridmem.engines.protocol import InferenceEngine
@@ -39,7 +39,9 @@ class ReshardSync(WeightSync):
         spec: The model's shapes.
         src: Training layout (e.g. ``HybridConfig.train_layout``), or a prebuilt source layout of
             ``group``'s size (an :class:`~hybridmem.reshard.hf_source.HFSourceLayout` for HF-named
-            weights, replicated or FSDP2-sharded); ``megatron`` is then unused.
+            weights, replicated or FSDP2-sharded); ``megatron`` is then unused. A training layout with
+            sources named as transformers names them (a plain or DDP model) means every rank holds them
+            whole (:func:`~hybridmem.reshard.hf_source.hf_source_layout`); it must then be tp = pp = ep = 1.
         dst: Inference layout (e.g. ``HybridConfig.infer_layout``).
         group: The process group spanning both layouts (``None``: the default group).
         source: Returns this rank's training tensors by the source layout's names (a mapping or ``(name, tensor)``
@@ -50,14 +52,16 @@ class ReshardSync(WeightSync):
         bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
         verify: Compare per-slice checksums after each sync (raises ``WeightSyncError`` on mismatch).
         dtype: Element type on the wire, the same on every rank (see [Note: wire dtype]); decides the
-            plan's byte figures.
+            plan's byte figures. ``None`` (default): the training weights' own, the one holding most of
+            their bytes, so nothing is converted unless the engine holds another dtype (see [Note: no
+            silent dtype change] in :mod:`hybridmem.weight_sync`).
         megatron: Megatron naming/padding options.
         vllm: vLLM padding options.
     """
 
     def __init__(self, spec: ModelSpec, src: ParallelLayout | HFSourceLayout, dst: ParallelLayout, group: Any,
                  source: SourceFn, engine: InferenceEngine, *, bucket_nbytes: int = DEFAULT_BUCKET_NBYTES,
-                 verify: bool = False, dtype: torch.dtype = torch.bfloat16,
+                 verify: bool = False, dtype: torch.dtype | None = None,
                  megatron: MegatronConvention | None = None, vllm: VLLMConvention | None = None):
         self.group = group
         if dist.is_available() and dist.is_initialized():
@@ -68,13 +72,24 @@ class ReshardSync(WeightSync):
         self.engine = engine
         self.verify = verify
         self.in_place = callable(getattr(engine, "named_parameters", None))
-        self.dtype = dtype
+        sources = self._sources_of(source)
+        if isinstance(src, ParallelLayout) and looks_hf_named(sources):
+            if (src.tp, src.pp, src.ep) != (1, 1, 1):
+                raise ValueError(
+                    f"the training weights have transformers' names (unsharded by tensor/pipeline/expert "
+                    f"parallelism) but the training layout is {src}; its tp, pp and ep must be 1"
+                )
+            src = hf_source_layout(spec, world)
         if isinstance(src, ParallelLayout):
             src_layout = megatron_layout(spec, src, world, convention=megatron)
         else:
             if src.spec != spec or src.world_size != world:
                 raise ValueError(f"source layout {src!r} is not of this model on {world} ranks")
             src_layout = src
+        read = src_layout.tensors(self.rank)
+        if dtype is None:  # [Note: no silent dtype change]: the trainer's own
+            dtype = dominant_dtype(t for n, t in sources.items() if n in read) or torch.float32
+        self.dtype = dtype
         dst_layout = vllm_layout(spec, dst, world, convention=vllm) if self.in_place else hf_layout(spec, dst, world)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
@@ -88,7 +103,11 @@ class ReshardSync(WeightSync):
         return self.plan.peak_temp_nbytes(self.rank)
 
     def _sources(self) -> dict[str, torch.Tensor]:
-        got = self.source()
+        return self._sources_of(self.source)
+
+    @staticmethod
+    def _sources_of(source: SourceFn) -> dict[str, torch.Tensor]:
+        got = source()
         return dict(got.items() if isinstance(got, Mapping) else got)
 
     def sync(self) -> SyncStats:
@@ -103,6 +122,7 @@ class ReshardSync(WeightSync):
             dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params, dtype=self.dtype,
                                   written=written)
             unwritten, checked = self._unwritten(params, written), True
+            dst_dtypes = {p.dtype for p in params.values()}
             if checks is not None:
                 checks.add_destinations(dst)
         else:
@@ -119,6 +139,7 @@ class ReshardSync(WeightSync):
                 self.engine.load_weights(stream())
             stats = collected[0]
             unwritten, checked = engine_unwritten(self.engine)
+            dst_dtypes = engine_dtypes(self.engine)
         if checks is not None:
             checks.compare(self.group, device=next(iter(src.values())).device)
         return SyncStats(
@@ -130,6 +151,8 @@ class ReshardSync(WeightSync):
             seconds=time.perf_counter() - start,
             unwritten=unwritten,
             coverage_checked=checked,
+            dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src}, dst_dtypes,
+                                  self.dtype),
         )
 
     def _unwritten(self, params: Mapping[str, torch.Tensor], written: Mapping[str, int]) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridmem import HybridConfig, Phase, ShardingManager, SwitchError, WeightCoverageError
-from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
+from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams
 from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT
 from hybridmem.offload import OffloadState
 from hybridmem.reshard import ModelSpec, ReshardSync, megatron_layout, shard
@@ -99,16 +99,21 @@ def test_llama_into_a_qwen2_engine_through_the_resharding_engine_fails_the_switc
 
 
 def test_a_matching_engine_is_proven_fully_written():
-    """The same Llama into a Llama-config engine: the switch succeeds and reports a checked coverage."""
+    """The same Llama into a Llama-config engine: the switch succeeds, reports a checked coverage, and the
+    engine's greedy tokens are transformers'."""
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = ReferenceEngine(LLAMA, num_kv_blocks=8, block_size=4)
     engine.release(list(ENGINE_TAGS))
     manager = ShardingManager(model, engine, optimizer=opt)
+    prompt = [3, 17, 42, 99, 5]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
     report = manager.to_infer()
     sync_step = next(s for s in report.steps if s.name == "weight sync")
     assert sync_step.extra["coverage_checked"] is True
-    assert engine.unwritten_weights() == []
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))
+    assert out.token_ids == expected
     manager.to_train()
 
 

@@ -222,6 +222,9 @@ class FSDPTrainingState:
         """Bytes FSDP2 holds beside the sharded parameters (see [Note: FSDP2 buffers in INFER])."""
         return self.buffers.nbytes()
 
+    parallel_layout = {"tp": 1, "pp": 1, "ep": 1}
+    """Transformers' names, unsharded by TP/PP/EP (FSDP2 shards are read by :meth:`hf_source_layout`)."""
+
     def model_spec_dict(self) -> dict[str, Any]:
         """The HF config of the model (``model.config.to_dict()``), for the weight sync's spec.
 

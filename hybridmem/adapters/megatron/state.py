@@ -202,6 +202,13 @@ class MegatronTrainingState:
         """See :func:`~hybridmem.adapters.megatron.shards.megatron_shard_specs`."""
         return megatron_shard_specs(self.model_chunks)
 
+    @property
+    def parallel_layout(self) -> dict[str, int]:
+        """The TP/PP/EP sizes ``parallel_state`` was initialised with (see [Note: layouts from the parts]
+        in :mod:`hybridmem.parts`)."""
+        layout = self.source_layout()
+        return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
+
     def source_layout(self) -> MegatronSourceLayout:
         """See :func:`~hybridmem.adapters.megatron.shards.megatron_source_layout`."""
         return megatron_source_layout()
