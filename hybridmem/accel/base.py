@@ -23,7 +23,8 @@ class MemoryFigures:
     """Device memory as the backend reports it, in bytes.
 
     On CPU "device" memory is the storage of the tensors hybridmem tracks, so ``allocated_nbytes`` is the
-    tracked figure passed in and ``free_nbytes`` is the accelerator's capacity minus it.
+    tracked figure passed in; ``free_nbytes`` is what the OS says is available (``MemAvailable``), at most
+    the accelerator's capacity minus the tracked bytes.
     """
 
     allocated_nbytes: int
@@ -57,6 +58,10 @@ class Accelerator(ABC):
     measures_device_memory: ClassVar[bool]
     """Whether :meth:`memory_figures` reads the whole device (``mem_get_info``: the CUDA context, other
     processes and every allocator included) rather than echoing the bytes hybridmem tracks."""
+    memory_is_host: ClassVar[bool] = False
+    """Whether the "device" memory is the host's RAM, shared with everything else the machine runs (the
+    CPU backend): shares of it are taken of what is free, not of the total (see
+    :func:`hybridmem.kv.blocks_for_utilization`)."""
 
     def __init__(self, device: torch.device):
         self.device = device

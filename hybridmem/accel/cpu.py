@@ -58,6 +58,19 @@ def _physical_memory_nbytes() -> int:
         return 1 << 40
 
 
+def _available_memory_nbytes() -> int | None:
+    """The OS's estimate of memory available to new allocations (``MemAvailable`` of /proc/meminfo), or
+    ``None`` where there is no such file."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class CpuAccelerator(Accelerator):
     """The host CPU as the "device".
 
@@ -70,12 +83,15 @@ class CpuAccelerator(Accelerator):
     supports_pinned_memory: ClassVar[bool] = False
     has_streams: ClassVar[bool] = False
     measures_device_memory: ClassVar[bool] = False
+    memory_is_host: ClassVar[bool] = True
 
     def __init__(self, device: torch.device | None = None, *, capacity_nbytes: int | None = None):
         super().__init__(torch.device("cpu") if device is None else device)
         if capacity_nbytes is not None and capacity_nbytes < 1:
             raise ValueError(f"capacity_nbytes={capacity_nbytes} must be positive")
         self.capacity_nbytes = capacity_nbytes if capacity_nbytes is not None else _physical_memory_nbytes()
+        self._reads_os = capacity_nbytes is None
+        """Free memory is the OS's figure (the machine's own capacity); a set capacity is a simulation."""
         self._stream = _NullStream()
         self._peak: int | None = None
 
@@ -99,10 +115,12 @@ class CpuAccelerator(Accelerator):
         pass
 
     def memory_figures(self, tracked_nbytes: int = 0) -> MemoryFigures:
+        free = max(0, self.capacity_nbytes - tracked_nbytes)
+        available = _available_memory_nbytes() if self._reads_os else None
         return MemoryFigures(
             allocated_nbytes=tracked_nbytes,
             reserved_nbytes=tracked_nbytes,
-            free_nbytes=max(0, self.capacity_nbytes - tracked_nbytes),
+            free_nbytes=free if available is None else min(free, available),
             total_nbytes=self.capacity_nbytes,
         )
 

@@ -57,21 +57,31 @@ class KVState(enum.Enum):
 
 
 def blocks_for_utilization(
-    *, total_nbytes: int, free_nbytes: int, block_nbytes: int, utilization: float, reserve_nbytes: int = 0
+    *, total_nbytes: int, free_nbytes: int, block_nbytes: int, utilization: float, reserve_nbytes: int = 0,
+    host_memory: bool = False,
 ) -> int:
     """Number of KV blocks that fit under a memory-utilization cap, as vLLM's ``gpu_memory_utilization``.
 
-    The process may use ``total_nbytes * utilization`` bytes in all; what the device already holds
-    (``total_nbytes - free_nbytes``: this process's tensors, its allocator cache, other processes) and
-    ``reserve_nbytes`` (activations, sampler workspace) are subtracted, and the rest is cut into blocks::
+    On an accelerator with its own memory the process may use ``total_nbytes * utilization`` bytes in all;
+    what the device already holds (``total_nbytes - free_nbytes``: this process's tensors, its allocator
+    cache, other processes) and ``reserve_nbytes`` (activations, sampler workspace) are subtracted, and the
+    rest is cut into blocks::
 
         floor((total * utilization - (total - free) - reserve) / block_nbytes)
+
+    With ``host_memory`` (the CPU backend, whose "device" is the RAM every other program and the
+    offloaded training state live in) the share is taken of what is free, never of the total::
+
+        floor((free * utilization - reserve) / block_nbytes)
 
     Returns:
         The block count; zero or negative when nothing fits (the caller decides whether that is an error).
     """
-    used_nbytes = total_nbytes - free_nbytes
-    budget_nbytes = math.floor(total_nbytes * utilization) - used_nbytes - reserve_nbytes
+    if host_memory:
+        budget_nbytes = math.floor(free_nbytes * utilization) - reserve_nbytes
+    else:
+        used_nbytes = total_nbytes - free_nbytes
+        budget_nbytes = math.floor(total_nbytes * utilization) - used_nbytes - reserve_nbytes
     return budget_nbytes // block_nbytes
 
 
@@ -156,6 +166,13 @@ class KVCacheAllocator(ABC):
         if num_blocks is not None:
             if not isinstance(num_blocks, int) or num_blocks < 1:
                 raise ValueError(f"num_blocks={num_blocks!r} must be a positive int")
+            figures = self.accel.memory_figures()
+            room = figures.free_nbytes + figures.cached_nbytes
+            if num_blocks * block_nbytes > room:
+                raise ValueError(
+                    f"num_blocks={num_blocks} of block_nbytes={block_nbytes} is {num_blocks * block_nbytes} bytes, "
+                    f"more than the {room} bytes free on {self.accel.device}"
+                )
         else:
             assert utilization is not None  # narrowed by the exactly-one check above
             if not 0.0 < utilization <= 1.0:
@@ -167,11 +184,14 @@ class KVCacheAllocator(ABC):
                 block_nbytes=block_nbytes,
                 utilization=utilization,
                 reserve_nbytes=reserve_nbytes,
+                host_memory=self.accel.memory_is_host,
             )
             if num_blocks < 1:
+                share = (f"free_nbytes={figures.free_nbytes}" if self.accel.memory_is_host else
+                         f"total_nbytes={figures.total_nbytes} minus used_nbytes="
+                         f"{figures.total_nbytes - figures.free_nbytes}")
                 raise ValueError(
-                    f"no KV block fits: utilization={utilization} of total_nbytes={figures.total_nbytes} "
-                    f"minus used_nbytes={figures.total_nbytes - figures.free_nbytes} minus "
+                    f"no KV block fits: utilization={utilization} of {share} minus "
                     f"reserve_nbytes={reserve_nbytes} leaves less than block_nbytes={block_nbytes}"
                 )
         self._allocate(num_blocks * block_nbytes)

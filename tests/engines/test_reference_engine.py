@@ -3,6 +3,8 @@ stop tokens, scoring; CUDA variants skip without a GPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from engine_cases import MAX_TOKENS, PROMPTS, build_hf, greedy, hf_logprobs
@@ -188,12 +190,32 @@ def test_kv_utilization_sizes_the_pool(qwen, monkeypatch):
     config, model = qwen
     engine = ReferenceEngine(config, kv_utilization=0.5, block_size=4)
     block_nbytes = engine.kv_allocator.block_nbytes
-    assert engine.num_kv_blocks == (total // 2 - (total - free)) // block_nbytes  # vLLM's rule
+    assert engine.num_kv_blocks == (free // 2) // block_nbytes  # on the CPU: half of what is free, not of the total
     assert engine.kv_allocator.nbytes == engine.num_kv_blocks * block_nbytes
-    with pytest.raises(ValueError, match="kv_utilization=0.05 leaves no room"):
-        ReferenceEngine(config, kv_utilization=0.05, block_size=4)
+    with pytest.raises(ValueError, match="kv_utilization=1e-06 leaves no room"):
+        ReferenceEngine(config, kv_utilization=1e-6, block_size=4)
     with pytest.raises(ValueError, match="at most one"):
         ReferenceEngine(config, kv_utilization=0.5, num_kv_blocks=4)
+    too_many = free // block_nbytes + 1
+    with pytest.raises(ValueError, match=rf"num_blocks={too_many} .* is {too_many * block_nbytes} bytes, more than the {free} bytes free"):
+        ReferenceEngine(config, num_kv_blocks=too_many, block_size=4)
+
+
+def _mem_available_nbytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads the OS's MemAvailable")
+def test_kv_utilization_on_the_cpu_is_a_share_of_what_the_os_says_is_free(qwen):
+    config, _ = qwen
+    before = _mem_available_nbytes()
+    engine = ReferenceEngine(config, kv_utilization=0.002, block_size=4)
+    after = _mem_available_nbytes()
+    pool = engine.num_kv_blocks * engine.kv_allocator.block_nbytes
+    low, high = sorted((before, after + pool))  # the figure was read between the two readings here
+    # Within one block of 0.2% of free memory, allowing for what other programs did between the readings.
+    assert 0.002 * low * 0.9 - engine.kv_allocator.block_nbytes <= pool <= 0.002 * high * 1.1
 
 
 @pytest.mark.cuda

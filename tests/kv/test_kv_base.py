@@ -79,7 +79,7 @@ def test_allocate_by_utilization_uses_the_accelerator_figures():
 
 def test_allocate_by_utilization_raises_with_the_figures_when_no_block_fits():
     kv = TorchKVAllocator(CpuAccelerator(capacity_nbytes=MIB))
-    with pytest.raises(ValueError, match=r"no KV block fits: utilization=0.5 of total_nbytes=1048576 .*"
+    with pytest.raises(ValueError, match=r"no KV block fits: utilization=0.5 of free_nbytes=1048576 minus "
                                          r"reserve_nbytes=524288 leaves less than block_nbytes=1"):
         kv.allocate(block_nbytes=1, utilization=0.5, reserve_nbytes=MIB // 2)
     assert kv.state is KVState.EMPTY
@@ -99,6 +99,11 @@ def test_blocks_for_utilization_is_the_largest_count_under_the_cap(total, used_f
         total_nbytes=total, free_nbytes=free, block_nbytes=block, utilization=util, reserve_nbytes=reserve
     )
     cap = int(total * util) - (total - free) - reserve  # bytes the pool may take
+    assert n * block <= cap < (n + 1) * block
+    # Host memory (the CPU backend): a share of what is free.
+    n = blocks_for_utilization(total_nbytes=total, free_nbytes=free, block_nbytes=block, utilization=util,
+                               reserve_nbytes=reserve, host_memory=True)
+    cap = int(free * util) - reserve
     assert n * block <= cap < (n + 1) * block
 
 

@@ -66,7 +66,8 @@ class ReferenceEngine:
         block_size: Tokens per KV block.
         num_kv_blocks: KV blocks to allocate. At most one of this and ``kv_utilization``.
         kv_utilization: Size the KV pool as vLLM's ``gpu_memory_utilization`` (fraction of the device's
-            total memory this process may use); the block count is the minimum over TP ranks.
+            total memory this process may use; on the CPU, fraction of the memory free now, see
+            :func:`~hybridmem.kv.blocks_for_utilization`); the block count is the minimum over TP ranks.
         kv_allocator: Registered :mod:`hybridmem.kv` allocator name (``"torch"``, ``"cuda-vmm"``).
 
     Raises:
@@ -111,7 +112,7 @@ class ReferenceEngine:
             figures = self.accel.memory_figures()
             num_kv_blocks = blocks_for_utilization(
                 total_nbytes=figures.total_nbytes, free_nbytes=figures.free_nbytes,
-                block_nbytes=block_nbytes, utilization=kv_utilization,
+                block_nbytes=block_nbytes, utilization=kv_utilization, host_memory=self.accel.memory_is_host,
             )
             num_kv_blocks = self._min_over_group(num_kv_blocks)
             if num_kv_blocks < 1:
@@ -130,6 +131,12 @@ class ReferenceEngine:
         self._written: dict[str, list[tuple[int, int]]] = {}
         """Row ranges of each weight written by :meth:`load_weights` since the weights were resumed."""
         self._phase: Any = None
+
+    @property
+    def parallel_layout(self) -> dict[str, int]:
+        """The inference layout this engine runs (its TP group; no pipeline or expert parallelism), see
+        [Note: layouts from the parts] in :mod:`hybridmem.parts`."""
+        return {"tp": self.tp_size, "pp": 1, "ep": 1}
 
     # InferenceEngine ------------------------------------------------------------------------------
     @torch.no_grad()
