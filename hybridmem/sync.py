@@ -48,11 +48,13 @@ def _source_layout(training: Any, spec: Any, group: Any) -> Any:
     return own(spec, world, group=group)
 
 
-def model_spec_of(training: Any) -> ModelSpec | None:
+def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
     """The resharding engine's spec of the training model, derived from the model itself: the training
     state's ``model_spec_dict()`` (the Megatron and FSDP2 adapters), or the transformers config of a plain
     model (``hf_config``). ``None`` when the model says nothing, or its family is not one the resharding
-    engine knows (the weights are then streamed as a checkpoint names them).
+    engine knows (the weights are then streamed as a checkpoint names them). A Megatron model built with
+    a padded vocab whose unpadded size was not given (``vocab_size_known`` false) takes the engine's
+    ``vocab_size``: the engine holds the tokenizer's vocab.
 
     Raises:
         ValueError: The training state's own ``model_spec_dict()`` cannot describe the model (a Megatron
@@ -60,6 +62,9 @@ def model_spec_of(training: Any) -> ModelSpec | None:
     """
     derive = getattr(training, "model_spec_dict", None)
     if callable(derive):
+        engine_vocab = getattr(engine, "vocab_size", None)
+        if getattr(training, "vocab_size_known", True) is False and isinstance(engine_vocab, int):
+            return ModelSpec.from_hf_config(derive(vocab_size=engine_vocab))
         return ModelSpec.from_hf_config(derive())
     config = getattr(training, "hf_config", None)
     if config is None:
@@ -114,7 +119,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
         return LoadWeightsSync(training.named_weights, engine)
     if model_spec is None:
-        model_spec = model_spec_of(training)
+        model_spec = model_spec_of(training, engine)
     if model_spec is None:
         if sharded:
             raise ValueError(

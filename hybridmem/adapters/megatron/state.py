@@ -155,12 +155,22 @@ class MegatronTrainingState:
         if vocab_size is not None and not 1 <= vocab_size <= self.padded_vocab_size:
             raise ValueError(f"vocab_size={vocab_size} must be in [1, the model's padded vocab {self.padded_vocab_size}]")
         self._vocab_size = vocab_size
+        self.workspaces: MegatronWorkspaces | None = None
+        self._attached: set[int] = set()
+
+    attaches_itself = True
+    """``ShardingManager`` calls :meth:`attach` itself when it is built."""
 
     @property
     def vocab_size(self) -> int:
         """The unpadded vocab (the padded one when none was given)."""
         return self.padded_vocab_size if self._vocab_size is None else int(self._vocab_size)
-        self.workspaces: MegatronWorkspaces | None = None
+
+    @property
+    def vocab_size_known(self) -> bool:
+        """Whether the unpadded vocab was given (else :attr:`vocab_size` is the padded one, and the manager
+        takes the engine's vocab when the engine says it)."""
+        return self._vocab_size is not None
 
     @property
     def config(self) -> Any:
@@ -183,7 +193,11 @@ class MegatronTrainingState:
 
     def attach(self, manager: Any) -> None:
         """Register the workspace release step (just before ``empty_cache`` in TRAIN->INFER) and the
-        workspaces' residency owner (expected empty in INFER) with ``manager``."""
+        workspaces' residency owner (expected empty in INFER) with ``manager``. The manager does this when
+        it is built; a second call for the same manager does nothing."""
+        if id(manager) in self._attached:
+            return
+        self._attached.add(id(manager))
         if self.workspaces is None:
             self.workspaces = MegatronWorkspaces(manager.accel.device.type)
         manager.register_step(Direction.TO_INFER, ReleaseWorkspacesStep(self.workspaces), ToInferOrder.EMPTY_CACHE - 1)
@@ -218,13 +232,22 @@ class MegatronTrainingState:
         """The vocab the GPTModel was built with (Megatron's ``args.padded_vocab_size``, over all TP ranks)."""
         return int(unwrap_model(self.model_chunks[0]).vocab_size)
 
-    def model_spec_dict(self) -> dict[str, Any]:
+    def model_spec_dict(self, *, vocab_size: int | None = None) -> dict[str, Any]:
         """The HF-style dict of the model (see :func:`megatron_model_spec_dict`), with ``vocab_size``
-        the unpadded vocab given at construction."""
+        the unpadded vocab given at construction, else ``vocab_size`` (the engine's, as the manager passes
+        it), else the padded one.
+
+        Raises:
+            ValueError: ``vocab_size`` exceeds the model's padded vocab.
+        """
         model = unwrap_model(self.model_chunks[0])
+        if vocab_size is not None and not 1 <= vocab_size <= self.padded_vocab_size:
+            raise ValueError(
+                f"the engine's vocab_size={vocab_size} exceeds the Megatron model's padded vocab {self.padded_vocab_size}"
+            )
         return megatron_model_spec_dict(
             self.config,
-            vocab_size=self.vocab_size,
+            vocab_size=self.vocab_size if self.vocab_size_known or vocab_size is None else vocab_size,
             tie_word_embeddings=bool(getattr(model, "share_embeddings_and_output_weights", False)),
         )
 

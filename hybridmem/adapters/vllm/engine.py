@@ -368,6 +368,12 @@ class VLLMEngine:
         return cls(llm, accel=accel, **dict(engine_kwargs or {}))
 
     @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary of the served model (its HF config's ``vocab_size``)."""
+        value = getattr(_attr_path(self.llm, "llm_engine.vllm_config.model_config.hf_config"), "vocab_size", None)
+        return value if isinstance(value, int) else None
+
+    @property
     def dtype(self) -> torch.dtype | None:
         """The element type vLLM holds the weights in (``model_config.dtype``)."""
         dtype = _attr_path(self.llm, "llm_engine.vllm_config.model_config.dtype")

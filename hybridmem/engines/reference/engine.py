@@ -133,6 +133,11 @@ class ReferenceEngine:
         self._phase: Any = None
 
     @property
+    def vocab_size(self) -> int:
+        """The vocabulary the engine holds (its config's, before its own padding)."""
+        return self.spec.vocab_size
+
+    @property
     def parallel_layout(self) -> dict[str, int]:
         """The inference layout this engine runs (its TP group; no pipeline or expert parallelism), see
         [Note: layouts from the parts] in :mod:`hybridmem.parts`."""

@@ -1,0 +1,107 @@
+"""Run the code blocks of one markdown file, in order, as a reader would (test_docs.py runs one per file).
+
+``python _docs.py FILE.md SUMMARY.json`` parses FILE.md with Sybil and evaluates, in the current directory:
+
+- a ```` ```python ```` block: in one namespace shared by the file's blocks (a later block sees what an
+  earlier one defined, as a reader running them in turn would);
+- a ```` ```python torchrun N ```` block: as a program of its own, started by ``torchrun --standalone
+  --nproc-per-node N`` (its first line says how readers start it); ``torchrun N megatron`` runs it under
+  megatron-core's CPU harness (``hybridmem.testing.megatron_cpu``) when there is no GPU, the way the
+  project's Megatron tests run;
+- a ```` ```yaml title=NAME ```` block: written to NAME, as the text asks the reader to save it.
+
+``<!-- skip: next if(condition, reason="...") -->`` (Sybil's skip directive) skips the next block where
+it cannot run (a GPU-only block on a CPU machine). The summary lists the line of every block run and
+every block skipped, with the reason. With ``HYBRIDMEM_DOCS_CHECK`` set to a directory, every process
+running a block also records its switches and greedy generations there (see ``_docs_check.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+from sybil import Sybil
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+from sybil.parsers.markdown.codeblock import CodeBlockParser
+
+HERE = Path(__file__).resolve().parent
+TORCHRUN_TIMEOUT_S = 900
+
+
+class _InfoParser(CodeBlockParser):
+    """Fenced blocks whose info string matches ``pattern`` (``python torchrun 2``, ``yaml title=x``)."""
+
+    pattern: re.Pattern[str]
+    language = "-"
+
+    def __call__(self, document):
+        for region in self.lexers(document):
+            match = self.pattern.fullmatch(region.lexemes["arguments"].strip())
+            if match is not None:
+                region.parsed = (match, region.lexemes["source"])
+                region.evaluator = self.evaluate
+                yield region
+
+
+class TorchrunBlockParser(_InfoParser):
+    pattern = re.compile(r"python\s+torchrun\s+(?P<nproc>\d+)(?P<megatron>\s+megatron)?")
+
+    def evaluate(self, example) -> str | None:
+        match, source = example.parsed
+        script = Path(tempfile.mkdtemp(prefix="hybridmem-docs-", dir=".")) / f"line{example.line}.py"
+        script.write_text(str(source))
+        launch = [str(HERE / "_docs_launch.py")] + (["--megatron-cpu"] if match["megatron"] else [])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={match['nproc']}",
+               *launch, str(script)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
+        sys.stdout.write(proc.stdout[-4000:])
+        if proc.returncode != 0:
+            return f"torchrun block at line {example.line} exited {proc.returncode}:\n{proc.stderr[-8000:]}"
+        return None
+
+
+class YamlFileParser(_InfoParser):
+    pattern = re.compile(r"yaml\s+title=(?P<name>[\w.\-/]+)")
+
+    def evaluate(self, example) -> None:
+        match, source = example.parsed
+        Path(match["name"]).write_text(str(source))
+
+
+def sybil() -> Sybil:
+    return Sybil(parsers=[PythonCodeBlockParser(), TorchrunBlockParser(), YamlFileParser(), SkipParser()])
+
+
+def main(path: str, summary_path: str) -> int:
+    if os.environ.get("HYBRIDMEM_DOCS_CHECK"):
+        from _docs_check import install  # noqa: PLC0415
+
+        install()
+    document = sybil().parse(Path(path).resolve())
+    summary: dict[str, list] = {"ran": [], "skipped": [], "failed": []}
+    for example in document:
+        kind = type(example.region.evaluator).__name__
+        try:
+            example.evaluate()
+        except unittest.SkipTest as skip:
+            summary["skipped"].append([example.line, str(skip)])
+            continue
+        except BaseException as exc:  # noqa: BLE001 - reported with the block's line, then the run stops
+            summary["failed"].append([example.line, f"{type(exc).__name__}: {exc}"])
+            Path(summary_path).write_text(json.dumps(summary))
+            raise
+        if kind != "Skipper":  # the skip directives themselves are examples too
+            summary["ran"].append(example.line)
+    Path(summary_path).write_text(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,176 @@
+"""Watch what a documented program does with ShardingManager, and check it against transformers.
+
+Installed by the docs runner (``_docs.py``, ``_docs_launch.py``) when ``HYBRIDMEM_DOCS_CHECK`` names a
+directory; the program itself is the reader's code, unchanged. For every switch it records:
+
+- whether the training state (every tensor of every offloader: parameters, buffers, grads, optimizer
+  state) after INFER->TRAIN is byte for byte what it was before TRAIN->INFER;
+- for every greedy ``generate`` call of a ``ReferenceEngine`` or ``VLLMEngine`` inside INFER: the prompts,
+  the tokens the engine returned, and the training weights of that switch as a transformers checkpoint
+  names them (a transformers model's ``state_dict()``; for Megatron-core, the weights of every rank
+  mapped to transformers' names by the independent sharder in tests/reshard/reference.py).
+
+At exit, transformers' own greedy generation on those weights is computed for every recorded call, and
+each process writes ``check-<pid>.json`` into the directory: ``{"switches": [bool, ...], "greedy":
+[{"expected": [...], "got": [...]}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["install"]
+
+
+class _Checker:
+    def __init__(self, out_dir: Path):
+        self.out = out_dir / f"check-{os.getpid()}.json"
+        self.switches: list[bool] = []
+        self.calls: list[dict[str, Any]] = []
+        self._open: dict[int, tuple[list[torch.Tensor], Any]] = {}
+        self._weights: Any = None
+
+    # Hooks ------------------------------------------------------------------------------------------
+    def before_infer(self, manager: Any) -> None:
+        self._open[id(manager)] = (_state(manager), None)
+        self._weights = _reference_weights(manager)
+
+    def after_train(self, manager: Any) -> None:
+        before, _ = self._open.pop(id(manager))
+        after = _state(manager)
+        same = len(before) == len(after) and all(_bytes_equal(a, b) for a, b in zip(before, after))
+        self.switches.append(same)
+        self._weights = None
+
+    def on_generate(self, prompts: Any, params: Any, outputs: Any) -> None:
+        if self._weights is None or params is None or float(getattr(params, "temperature", 1.0)) != 0.0:
+            return
+        self.calls.append({"prompts": [list(map(int, p)) for p in prompts], "max_tokens": int(params.max_tokens),
+                           "got": [list(map(int, o.token_ids)) for o in outputs], "weights": self._weights})
+
+    # Exit -------------------------------------------------------------------------------------------
+    def finish(self) -> None:
+        greedy = []
+        for call in self.calls:
+            config, weights = call["weights"]
+            greedy.append({"expected": _hf_greedy(config, weights, call["prompts"], call["max_tokens"]),
+                           "got": call["got"]})
+        self.out.write_text(json.dumps({"switches": self.switches, "greedy": greedy}))
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _state(manager: Any) -> list[torch.Tensor]:
+    return [t.detach().cpu().clone().contiguous() for off in manager.offloaders.values() for t in off.tensors()
+            if t is not None and t.untyped_storage().nbytes() > 0]
+
+
+def _reference_weights(manager: Any) -> Any:
+    """``(transformers config, {HF name: tensor})`` of the training weights now, or ``None``."""
+    training = manager.training
+    config = getattr(training, "hf_config", None)
+    if config is not None:
+        return config, {k: v.detach().cpu().clone() for k, v in training.modules[0].state_dict().items()}
+    if callable(getattr(training, "model_spec_dict", None)) and callable(getattr(training, "source_layout", None)):
+        return _megatron_to_hf(training)
+    return None
+
+
+def _megatron_to_hf(training: Any) -> Any:
+    """Every rank's Megatron weights, mapped to transformers' names through the reference sharder run on
+    index tensors (each HF element numbered, then sharded as Megatron shards it)."""
+    import torch.distributed as dist  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from hybridmem.reshard import ModelSpec  # noqa: PLC0415
+    from tests.reshard.reference import megatron_shard  # noqa: PLC0415
+
+    spec_dict = training.model_spec_dict()
+    spec = ModelSpec.from_hf_config(spec_dict)
+    config = transformers.AutoConfig.for_model(**spec_dict)
+    shapes = {n: tuple(t.shape) for n, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+    index, offset = {}, 1
+    for name, shape in shapes.items():
+        n = int(torch.tensor(shape).prod())
+        index[name] = torch.arange(offset, offset + n, dtype=torch.float64).reshape(shape)
+        offset += n
+    layout = training.source_layout()
+    world = dist.get_world_size()
+    mine = {n: t.detach().cpu().double().clone() for n, t in training.named_weights()}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    flat = torch.zeros(offset, dtype=torch.float64)
+    for r in range(world):
+        shard = megatron_shard(index, spec, tp=layout.tp, pp=layout.pp, ep=layout.ep, world=world, rank=r,
+                               divisible_by=training.padded_vocab_size // layout.tp)
+        for name, idx in shard.items():
+            keep = idx > 0
+            flat[idx[keep].long()] = gathered[r][name][keep]
+    return config, {name: flat[index[name].long()].float() for name in shapes}
+
+
+def _hf_greedy(config: Any, weights: dict[str, torch.Tensor], prompts: list[list[int]], max_tokens: int) -> list:
+    import transformers  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    dtype = next(iter(weights.values())).dtype
+    model.to(dtype)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (missing, unexpected)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=0)
+            out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
+def install() -> None:
+    """Wrap ShardingManager's switches and the engines' ``generate`` (see the module docstring)."""
+    from hybridmem import ShardingManager  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+
+    checker = _Checker(Path(os.environ["HYBRIDMEM_DOCS_CHECK"]))
+    to_infer, to_train = ShardingManager.to_infer, ShardingManager.to_train
+
+    @functools.wraps(to_infer)
+    def watched_to_infer(self: Any) -> Any:
+        checker.before_infer(self)
+        return to_infer(self)
+
+    @functools.wraps(to_train)
+    def watched_to_train(self: Any) -> Any:
+        report = to_train(self)
+        checker.after_train(self)
+        return report
+
+    ShardingManager.to_infer, ShardingManager.to_train = watched_to_infer, watched_to_train
+    engines = [ReferenceEngine]
+    try:
+        from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415 - never imports vLLM itself
+
+        engines.append(VLLMEngine)
+    except ImportError:
+        pass
+    for cls in engines:
+        generate = cls.generate
+
+        def watched_generate(self: Any, prompts: Any, params: Any = None, *, _generate=generate) -> Any:
+            outputs = _generate(self, prompts, params)
+            checker.on_generate(prompts, params, outputs)
+            return outputs
+
+        cls.generate = watched_generate
+    atexit.register(checker.finish)
