@@ -161,8 +161,7 @@ def train_with_switches(
         if switch:
             if use_engine:
                 engine = _copy_engine(unwrap_model(model_chunks[0]))
-            manager = ShardingManager(state, engine, config=HybridConfig(device=device))
-            state.attach(manager)
+            manager = ShardingManager(state, engine, config=HybridConfig(device=device))  # attaches the state itself
         out: dict[str, Any] = {"losses": [], "infer": [], "round_trip_diffs": [], "expected": [], "reports": [], "workspace_before": []}
         out["optimizer_type"] = type(optimizer).__name__
         out["leaf_optimizers"] = [type(o).__name__ for o in leaf_optimizers(optimizer)]
