@@ -10,9 +10,13 @@ directory; the program itself is the reader's code, unchanged. For every switch 
   names them (a transformers model's ``state_dict()``; for Megatron-core, the weights of every rank
   mapped to transformers' names by the independent sharder in tests/reshard/reference.py).
 
-At exit, transformers' own greedy generation on those weights is computed for every recorded call, and
-each process writes ``check-<pid>.json`` into the directory: ``{"switches": [bool, ...], "greedy":
-[{"expected": [...], "got": [...]}, ...]}``.
+At exit, transformers checks every recorded call on those weights: a forward over each prompt and the
+engine's tokens gives, at every position, transformers' greedy token (the argmax of its logits; where the
+engine's token is within ``TIE`` of the maximum, the two are a tie and the engine's counts), so the
+engine's greedy sequence equals transformers' exactly when every token matches. (``model.generate``
+would compute the same argmaxes, incrementally with a KV cache, whose rounding can flip exact near-ties.)
+Each process writes ``check-<pid>.json`` into the directory: ``{"switches": [bool, ...], "greedy":
+[{"expected": [...], "got": [...], "max_logprob_gap": float}, ...]}``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["install"]
+__all__ = ["install", "teacher_forced_greedy", "TIE"]
+
+TIE = 1e-5
+"""Log-probabilities closer than this are a tie (the engine's token then counts as transformers' choice)."""
 
 
 class _Checker:
@@ -60,8 +67,8 @@ class _Checker:
         greedy = []
         for call in self.calls:
             config, weights = call["weights"]
-            greedy.append({"expected": _hf_greedy(config, weights, call["prompts"], call["max_tokens"]),
-                           "got": call["got"]})
+            expected, gap = teacher_forced_greedy(_hf_model(config, weights), call["prompts"], call["got"])
+            greedy.append({"expected": expected, "got": call["got"], "max_logprob_gap": gap})
         self.out.write_text(json.dumps({"switches": self.switches, "greedy": greedy}))
 
 
@@ -119,22 +126,33 @@ def _megatron_to_hf(training: Any) -> Any:
     return config, {name: flat[index[name].long()].float() for name in shapes}
 
 
-def _hf_greedy(config: Any, weights: dict[str, torch.Tensor], prompts: list[list[int]], max_tokens: int) -> list:
+def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
     import transformers  # noqa: PLC0415
 
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    dtype = next(iter(weights.values())).dtype
-    model.to(dtype)
+    model.to(next(iter(weights.values())).dtype)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (missing, unexpected)
-    out = []
+    return model
+
+
+def teacher_forced_greedy(model: Any, prompts: list[list[int]], got: list[list[int]]) -> tuple[list[list[int]], float]:
+    """Transformers' greedy token at every position of each prompt followed by the engine's tokens (see the
+    module docstring), and the largest log-probability gap between transformers' best token and the
+    engine's."""
+    expected, worst = [], 0.0
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=0)
-            out.append(gen[0, len(prompt):].tolist())
-    return out
+        for prompt, tokens in zip(prompts, got):
+            ids = torch.tensor([list(prompt) + list(tokens)])
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            row = []
+            for i, token in enumerate(tokens):
+                at = logprobs[len(prompt) - 1 + i]
+                gap = float(at.max() - at[token])
+                worst = max(worst, gap)
+                row.append(int(token) if gap <= TIE else int(at.argmax()))
+            expected.append(row)
+    return expected, worst
 
 
 def install() -> None:

@@ -1,7 +1,8 @@
 """Real signals at random moments of switches: held until the step ends, rolled back or finished, re-raised.
 
-A subprocess switches a larger model back and forth while a thread waits for each switch to start and
-sends SIGINT (``os.kill`` to its own process) after a random delay. Whatever moment the signal lands
+A subprocess switches a larger model back and forth while a thread waits for a switch to start (TRAIN->INFER
+and INFER->TRAIN in turn, so both are hit whatever the machine's speed) and sends SIGINT (``os.kill`` to
+its own process) after a random delay. Whatever moment the signal lands
 at, the phase after the switch is TRAIN and the training state is bitwise what it was; the
 ``KeyboardInterrupt`` comes out of the switch (not from inside a step). A second script checks SIGTERM
 with a handler of the program's own (a graceful-shutdown flag): the switch is stopped, rolled back,
@@ -38,18 +39,20 @@ SIGINT_SCRIPT = textwrap.dedent(
     before = snapshot(model, opt)
     mgr = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1 << 20), optimizer=opt)
     rng = random.Random(1234)
-    switching = (Phase.TO_INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK)
     counts = {"to_infer": 0, "to_train": 0, "outside": 0}
 
-    def killer(delay):
-        deadline = time.monotonic() + 2.0
-        while mgr.phase not in switching and time.monotonic() < deadline:
-            time.sleep(0.0002)
+    def killer(target, delay):
+        # Wait for the switch of this iteration's direction, whatever the machine's speed, then a random
+        # moment inside it (or, if it ends first, just after it).
+        deadline = time.monotonic() + 5.0
+        while mgr.phase is not target and time.monotonic() < deadline:
+            time.sleep(0.0001)
         time.sleep(delay)
         os.kill(os.getpid(), signal.SIGINT)
 
     for i in range(int(os.environ["NUM_ITERS"])):
-        t = threading.Thread(target=killer, args=(rng.uniform(0.0, 0.03),))
+        target = Phase.TO_INFER if i % 2 == 0 else Phase.TO_TRAIN
+        t = threading.Thread(target=killer, args=(target, rng.uniform(0.0, 0.004)))
         t.start()
         where = "to_infer"
         try:
