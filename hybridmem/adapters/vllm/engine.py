@@ -60,7 +60,7 @@ import torch
 
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
-from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_cache_nbytes, launching, plan_launch
+from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_default, launching, plan_launch
 from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes
 from hybridmem.adapters.vllm.outputs import (
     GREEDY,
@@ -139,19 +139,6 @@ def _add_note(exc: BaseException, note: str) -> None:
     add = getattr(exc, "add_note", None)  # Python >= 3.11
     if add is not None:
         add(note)
-
-
-def _hf_config(model_path_or_config: Any) -> Any:
-    """The transformers config of what ``create`` was given (a config, or a local model directory)."""
-    if hasattr(model_path_or_config, "save_pretrained"):
-        return model_path_or_config
-    try:
-        import transformers  # noqa: PLC0415 - a dependency of vLLM
-
-        return transformers.AutoConfig.from_pretrained(str(model_path_or_config))
-    except (OSError, ValueError, ImportError) as exc:  # a hub name offline, an unknown architecture
-        log.info("hybridmem vLLM adapter: no config read from %r (%s); vLLM sizes the KV cache", model_path_or_config, exc)
-        return None
 
 
 def _attr_path(obj: Any, path: str) -> Any:
@@ -345,12 +332,8 @@ class VLLMEngine:
             llm_kwargs.setdefault("skip_tokenizer_init", True)
         on_cpu = platform_is_cpu(vllm)
         sleep_mode = not on_cpu  # the CPU backend refuses enable_sleep_mode=True
-        if on_cpu and "kv_cache_memory_bytes" not in llm_kwargs and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            hf_config = _hf_config(model_path_or_config)
-            if hf_config is not None:  # [Note: vllm cpu kv default]
-                llm_kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_nbytes(
-                    hf_config, llm_kwargs, utilization=gpu_memory_utilization,
-                    free_nbytes=get_accelerator("cpu").memory_figures().free_nbytes)
+        if on_cpu:  # [Note: vllm cpu kv default]
+            llm_kwargs.update(cpu_kv_default(model_path_or_config, llm_kwargs, gpu_memory_utilization))
         if llm_kwargs.pop("enable_sleep_mode", sleep_mode) is not sleep_mode:
             raise ValueError(f"VLLMEngine.create sets enable_sleep_mode={sleep_mode} on this platform; do not pass it")
         if launch.backend is not None:

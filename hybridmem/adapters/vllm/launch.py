@@ -36,6 +36,7 @@ memory free now (:func:`cpu_kv_cache_nbytes`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 from collections.abc import Iterator, Mapping
@@ -44,7 +45,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTO", "Launch", "plan_launch", "launching", "cpu_kv_cache_nbytes", "DEFAULT_MAX_NUM_SEQS"]
+log = logging.getLogger(__name__)
+
+__all__ = ["AUTO", "Launch", "plan_launch", "launching", "cpu_kv_cache_nbytes", "cpu_kv_default", "DEFAULT_MAX_NUM_SEQS"]
 
 DEFAULT_MAX_NUM_SEQS = 256
 """vLLM's default ``max_num_seqs`` for offline ``LLM`` use, assumed when the caller gives none."""
@@ -206,3 +209,31 @@ def cpu_kv_cache_nbytes(hf_config: Any, llm_kwargs: Mapping[str, Any], *, utiliz
     tokens *= int(llm_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
     needed = tokens * int(get("num_hidden_layers", 1)) * per_layer * itemsize
     return max(1, min(needed, int(free_nbytes * utilization)))
+
+
+def _hf_config(model_path_or_config: Any) -> Any:
+    """The transformers config of a model directory (or the config itself); ``None`` where none can be read."""
+    if hasattr(model_path_or_config, "save_pretrained"):
+        return model_path_or_config
+    try:
+        import transformers  # noqa: PLC0415 - a dependency of vLLM
+
+        return transformers.AutoConfig.from_pretrained(str(model_path_or_config))
+    except (OSError, ValueError, ImportError) as exc:  # a hub name offline, an unknown architecture
+        log.info("hybridmem vLLM adapter: no config read from %r (%s); vLLM sizes the KV cache", model_path_or_config, exc)
+        return None
+
+
+def cpu_kv_default(model_path_or_config: Any, llm_kwargs: Mapping[str, Any], utilization: float) -> dict[str, Any]:
+    """``{"kv_cache_memory_bytes": ...}`` for an ``LLM`` on vLLM's CPU backend, or ``{}`` when the caller
+    chose (``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE``) or the model's config cannot be read (see
+    [Note: vllm cpu kv default])."""
+    if "kv_cache_memory_bytes" in llm_kwargs or "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+        return {}
+    hf_config = _hf_config(model_path_or_config)
+    if hf_config is None:
+        return {}
+    from hybridmem.accel import get_accelerator  # noqa: PLC0415
+
+    free = get_accelerator("cpu").memory_figures().free_nbytes
+    return {"kv_cache_memory_bytes": cpu_kv_cache_nbytes(hf_config, llm_kwargs, utilization=utilization, free_nbytes=free)}

@@ -1,0 +1,289 @@
+"""Hugging Face TRL's ``GRPOTrainer`` on hybridmem: one changed import.
+
+>>> from hybridmem.integrations.trl import HybridGRPOTrainer                          # doctest: +SKIP
+>>> trainer = HybridGRPOTrainer(model=model, reward_funcs=reward, train_dataset=ds, processing_class=tok,
+...                             args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...))  # doctest: +SKIP
+>>> trainer.train()                                                                     # doctest: +SKIP
+
+[Note: TRL colocate through hybridmem]
+TRL's colocate mode keeps a ``vllm.LLM`` in every training process (``trainer.vllm_generation.llm``,
+built with ``external_launcher``) and offloads nothing of the trainer: optimizer state, grads and weights
+stay on the device while vLLM generates, and the weights reach vLLM one tensor at a time through the
+model's ``load_weights``. :class:`HybridGRPOTrainer` keeps TRL's loop, data, rewards, loss and its
+``LLM``, and replaces what happens around generation:
+
+- TRL builds its ``LLM`` as usual, with three differences: sleep mode where the backend has one (off on
+  vLLM's CPU build), the trainer model's dtype (TRL passes none, and vLLM's ``"auto"`` may serve an fp32
+  model in bf16: the importance ratio would then see that rounding, see [Note: no silent dtype change] in
+  :mod:`hybridmem.weight_sync`; ``vllm_dtype=`` chooses another), and on vLLM's CPU build the KV cache
+  sized as ``VLLMEngine.create`` sizes it ([Note: vllm cpu kv default] in
+  :mod:`hybridmem.adapters.vllm.launch`);
+- the ``LLM`` is wrapped in :class:`~hybridmem.adapters.vllm.VLLMEngine`, and TRL's own sleep/wake and
+  weight sync are switched off;
+- once the optimizer exists (``create_optimizer``), a :class:`~hybridmem.ShardingManager` over the
+  trainer's model, its optimizer and that engine is built (``trainer.hybrid_manager``); TRL's reference
+  model, when ``beta > 0`` gives it one, becomes a co-resident model, on the device only while TRL
+  scores with it;
+- every generation runs inside ``hybrid_manager.inference()``: optimizer state, grads and weights go to
+  host memory, the weights are synced into vLLM by the manager's weight sync (resharded where TP differs;
+  for a PEFT model, the base weights plus each LoRA layer's delta, computed out of place, see
+  :func:`merged_lora_weights`), the KV cache is taken and given back, and a failed switch rolls back. A switch that failed and rolled back (phase TRAIN, nothing lost) is tried
+  once more; a second failure is raised.
+
+Each generation's two switch reports are kept in ``trainer.hybrid_reports`` and summarised in TRL's
+logged metrics (``hybridmem/...``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridmem.config import HybridConfig
+from hybridmem.errors import SwitchError
+from hybridmem.phase import Direction, Phase
+from hybridmem.report import SwitchReport
+
+try:
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"hybridmem.integrations.trl needs Hugging Face TRL ({exc}); install it with `pip install hybridmem[trl]`"
+    ) from exc
+
+__all__ = ["HybridGRPOTrainer", "GenerationSwitches", "REFERENCE_OWNER", "merged_lora_weights"]
+
+log = logging.getLogger(__name__)
+
+REFERENCE_OWNER = "reference"
+"""The co-resident name of TRL's reference model."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSwitches:
+    """The two switches around one generation."""
+
+    global_step: int
+    """TRL's optimizer step when the generation ran."""
+    to_infer: SwitchReport
+    to_train: SwitchReport
+    retried: bool = False
+    """Whether the first TRAIN->INFER failed, rolled back, and was tried again."""
+
+    @property
+    def offloaded_nbytes(self) -> dict[str, int]:
+        """Bytes each offload step of the TRAIN->INFER switch moved or released, by step name."""
+        return {s.name: s.copied_nbytes + s.zero_nbytes for s in self.to_infer.steps if s.name.startswith("offload")}
+
+
+def _check_args(args: Any) -> None:
+    if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
+        got = (getattr(args, "use_vllm", None), getattr(args, "vllm_mode", None))
+        raise ValueError(
+            f"HybridGRPOTrainer drives TRL's co-located vLLM: set GRPOConfig(use_vllm=True, vllm_mode='colocate') "
+            f"(got use_vllm={got[0]!r}, vllm_mode={got[1]!r})"
+        )
+
+
+def _vllm_has_sleep_mode() -> bool:
+    from hybridmem.adapters.vllm.compat import import_vllm, platform_is_cpu  # noqa: PLC0415
+
+    return not platform_is_cpu(import_vllm("vllm"))
+
+
+class HybridGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose co-located vLLM generation runs inside hybridmem's switches (see
+    [Note: TRL colocate through hybridmem]).
+
+    Args:
+        *args, **kwargs: Those of ``trl.GRPOTrainer``; ``args`` must have ``use_vllm=True`` and
+            ``vllm_mode="colocate"``. ``vllm_enable_sleep_mode`` is decided here (on where vLLM has a
+            sleep mode, off on its CPU build): hybridmem sleeps and wakes the engine itself.
+        hybrid_config: The manager's :class:`~hybridmem.HybridConfig` (``None``: defaults).
+        vllm_dtype: The dtype vLLM holds the weights in (``None``: the trainer model's).
+
+    Raises:
+        ValueError: ``args`` without co-located vLLM.
+
+    Attributes:
+        hybrid_manager: The :class:`~hybridmem.ShardingManager` (``None`` until the optimizer exists).
+        hybrid_engine: The :class:`~hybridmem.adapters.vllm.VLLMEngine` around TRL's ``LLM``.
+        hybrid_reports: One :class:`GenerationSwitches` per generation.
+    """
+
+    def __init__(self, *args: Any, hybrid_config: HybridConfig | None = None, vllm_dtype: Any = None,
+                 **kwargs: Any):
+        grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        _check_args(grpo_args)
+        grpo_args = copy.copy(grpo_args)  # the caller's config object is left as it was
+        grpo_args.vllm_enable_sleep_mode = _vllm_has_sleep_mode()
+        if "args" in kwargs or len(args) <= 2:
+            kwargs["args"] = grpo_args
+        else:
+            args = (*args[:2], grpo_args, *args[3:])
+        self.hybrid_config = HybridConfig() if hybrid_config is None else hybrid_config
+        self.hybrid_manager: Any = None
+        self.hybrid_reports: list[GenerationSwitches] = []
+        model = kwargs.get("model", args[0] if args else None)
+        if vllm_dtype is None and isinstance(model, torch.nn.Module):
+            vllm_dtype = next(model.parameters()).dtype
+        with _building_llm(vllm_dtype):
+            super().__init__(*args, **kwargs)
+        self.hybrid_engine = self._wrap_engine()
+
+    # Building the parts -----------------------------------------------------------------------------
+    def _wrap_engine(self) -> Any:
+        """TRL's ``LLM`` as a VLLMEngine; TRL's own sleep/wake and weight sync switched off."""
+        from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415
+
+        generation = self.vllm_generation
+        engine = VLLMEngine(generation.llm)  # released (asleep) until the first switch
+        generation.enable_sleep_mode = False  # TRL must not sleep or wake the engine: the manager does
+        generation._llm_weights_sleeping = False
+        generation.sync_weights = _no_sync  # the TRAIN->INFER switch syncs the weights
+        original = generation.generate
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            with self.hybrid_inference():
+                return original(*args, **kwargs)
+
+        generation.generate = generate
+        return engine
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """TRL's optimizer; then the manager over the model, that optimizer and the engine."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.hybrid_manager is None:
+            self.hybrid_manager = self._build_manager(optimizer)
+        return optimizer
+
+    def _build_manager(self, optimizer: Any) -> Any:
+        from accelerate.utils import is_peft_model  # noqa: PLC0415
+
+        from hybridmem.manager import ShardingManager  # noqa: PLC0415
+        from hybridmem.sync import LoadWeightsSync  # noqa: PLC0415
+
+        model = self.accelerator.unwrap_model(self.model)
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper keeps the torch optimizer inside
+        weight_sync = None
+        if is_peft_model(model):
+            weight_sync = LoadWeightsSync(lambda: merged_lora_weights(model), self.hybrid_engine)
+        manager = ShardingManager(model, self.hybrid_engine, optimizer=inner, config=self.hybrid_config,
+                                  weight_sync=weight_sync)
+        if getattr(self, "ref_model", None) is not None:
+            manager.add_coresident(REFERENCE_OWNER, self.accelerator.unwrap_model(self.ref_model))
+        return manager
+
+    # Generation inside a switch ---------------------------------------------------------------------
+    @contextmanager
+    def hybrid_inference(self) -> Iterator[Any]:
+        """``hybrid_manager.inference()``, the TRAIN->INFER switch tried once more if it rolled back."""
+        manager = self.hybrid_manager
+        if manager is None:
+            raise RuntimeError("HybridGRPOTrainer generated before its optimizer existed (create_optimizer builds "
+                               "the manager); call trainer.train()")
+        retried = False
+        try:
+            manager.to_infer()
+        except SwitchError as exc:
+            if manager.phase is not Phase.TRAIN:
+                raise
+            log.warning("hybridmem: the switch to generation failed and was rolled back (%s); trying once more", exc)
+            retried = True
+            manager.to_infer()
+        to_infer = manager.last_reports[Direction.TO_INFER]
+        try:
+            yield manager.engine
+        finally:
+            manager.to_train()
+        record = GenerationSwitches(int(self.state.global_step), to_infer, manager.last_reports[Direction.TO_TRAIN],
+                                    retried)
+        self.hybrid_reports.append(record)
+        self._log_switches(record)
+
+    def _log_switches(self, record: GenerationSwitches) -> None:
+        metrics = getattr(self, "_metrics", None)
+        if metrics is None:
+            return
+        mode = "train" if self.model.training else "eval"
+        metrics[mode]["hybridmem/to_infer_s"].append(record.to_infer.seconds)
+        metrics[mode]["hybridmem/to_train_s"].append(record.to_train.seconds)
+        metrics[mode]["hybridmem/offloaded_bytes"].append(float(sum(record.offloaded_nbytes.values())))
+        metrics[mode]["hybridmem/host_bytes"].append(float(record.to_infer.host_nbytes))
+
+    # The reference model, on the device only while it scores ---------------------------------------
+    def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        manager = self.hybrid_manager
+        if manager is not None and REFERENCE_OWNER in manager.coresidents and model is getattr(self, "ref_model", None):
+            with manager.onloaded(REFERENCE_OWNER):
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+
+def merged_lora_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """A PEFT model's weights as the base model's checkpoint names them, each LoRA layer's base weight
+    plus its active adapters' delta (``get_delta_weight``), computed out of place.
+
+    TRL's own iterator merges the adapters into the base weights and unmerges them after, which rounds the
+    trained base weights a little on every sync; here nothing of the model is written, so a switch leaves
+    the training state bit for bit as it was. Adapter tensors and the original copies of
+    ``modules_to_save`` are not yielded (vLLM has no such weights).
+    """
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    prefix = getattr(model, "prefix", "lora_")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if prefix in name or "original_module" in name:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            tensor = param.detach()
+            layer = layers.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
+            if layer is not None and leaf == "weight":
+                adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+                if adapters:
+                    tensor = tensor + sum(layer.get_delta_weight(a) for a in adapters).to(tensor.dtype)
+            hf = name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")
+            yield hf, tensor
+
+
+@contextmanager
+def _building_llm(dtype: Any) -> Iterator[None]:
+    """While TRL builds its ``LLM``: in ``dtype`` (unless TRL passes one), with the CPU build's KV cache
+    sized as ``VLLMEngine.create`` sizes it (see [Note: TRL colocate through hybridmem])."""
+    from trl.generation import vllm_generation  # noqa: PLC0415
+
+    from hybridmem.adapters.vllm.compat import import_vllm, platform_is_cpu  # noqa: PLC0415
+    from hybridmem.adapters.vllm.launch import cpu_kv_default  # noqa: PLC0415
+
+    build = getattr(vllm_generation, "LLM", None)
+    if build is None:  # TRL without vLLM: its own check raises the error
+        yield
+        return
+    on_cpu = platform_is_cpu(import_vllm("vllm"))
+
+    def llm(**kwargs: Any) -> Any:
+        if dtype is not None:
+            kwargs.setdefault("dtype", str(dtype).removeprefix("torch."))
+        if on_cpu:
+            kwargs.update(cpu_kv_default(kwargs["model"], kwargs, float(kwargs.get("gpu_memory_utilization", 0.9))))
+        return build(**kwargs)
+
+    vllm_generation.LLM = llm
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = build
+
+
+def _no_sync() -> None:
+    """TRL's ``sync_weights``, replaced: the TRAIN->INFER switch writes the weights (see [Note: TRL colocate
+    through hybridmem])."""
+
