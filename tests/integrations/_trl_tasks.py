@@ -28,7 +28,7 @@ LETTERS = list("abcdefghijklmnopqrstuvwxyz") + list("ABCD")
 PROMPTS = ["abc", "hello", "xyz", "tea", "moon", "quiz", "lamp", "river"]
 
 
-def write_checkpoint(path: str) -> None:
+def write_checkpoint(path: str, *, hidden_size: int = 64, layers: int = 2) -> None:
     """A character tokenizer and a tiny Qwen2 (head_dim 32 for vLLM's CPU attention), saved as users save."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -37,8 +37,9 @@ def write_checkpoint(path: str) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=2, head_dim=32, vocab_size=32, max_position_embeddings=128,
+    heads = hidden_size // 32
+    config = transformers.Qwen2Config(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=min(heads, 2), head_dim=32, vocab_size=32, max_position_embeddings=128,
                                       pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(path)

@@ -2,9 +2,18 @@
 every iteration switching TRAIN <-> INFER through :class:`hybridmem.ShardingManager` with full
 co-location (actor training, rollout engine and reference policy on the same devices).
 
-Spawns ``--world-size`` processes (gloo on CPU); rank 0 prints a progress bar, a per-iteration table,
-the mean reward of the first and last 5 iterations, and writes a JSON log and (with matplotlib) PNG
-plots to ``--out``. Every argument is checked in :func:`check_args` before anything is spawned.
+Spawns ``--world-size`` processes (gloo on CPU), or, started by torchrun (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment), runs as that rank of torchrun's
+process group, on one node or several (see [Note: demo under torchrun]). Global rank 0 prints a progress
+bar, a per-iteration table, the mean reward of the first and last 5 iterations, and writes a JSON log and
+(with matplotlib) PNG plots to ``--out``. Every argument is checked in :func:`check_args` before anything
+is spawned.
+
+[Note: demo under torchrun]
+Under torchrun every process runs ``hybridmem demo`` itself: it joins the process group torchrun's
+variables describe (``init_method="env://"``), takes its rank from ``RANK`` and its device from
+``LOCAL_RANK``, and spawns nothing. ``--world-size`` defaults to ``WORLD_SIZE`` and must equal it when
+given. The learning check runs where the summary is written (global rank 0).
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="hybridmem demo", description=DESCRIPTION)
     p.add_argument("--iters", type=int, default=30,
                    help="GRPO iterations (default 30; from 10 on, the run fails if the last 5 do not beat the first 5)")
-    p.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes (default 2; under torchrun: its WORLD_SIZE, which a given value must equal)")
     p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel)")
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
     p.add_argument("--trainer", choices=("torch", "megatron", "fsdp"), default="torch",
@@ -87,6 +97,14 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
     from hybridmem.examples.grpo.loop import DemoConfig
 
+    if under_torchrun():
+        launched = int(os.environ["WORLD_SIZE"])
+        if args.world_size is not None and args.world_size != launched:
+            parser.error(f"--world-size {args.world_size} is not allowed under torchrun: expected {launched}, the "
+                         f"WORLD_SIZE torchrun started (or leave --world-size out)")
+        args.world_size = launched
+    elif args.world_size is None:
+        args.world_size = 2
     for flag, value, low in (("--iters", args.iters, 1), ("--world-size", args.world_size, 1),
                              ("--num-prompts", args.num_prompts, 1), ("--group-size", args.group_size, 2)):
         if value < low:
@@ -104,7 +122,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             )
     if args.device == "cuda":
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if num_gpus < args.world_size:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)) if under_torchrun() else args.world_size
+        if num_gpus < per_node:
             parser.error(
                 f"--device cuda needs one CUDA device per process: --world-size {args.world_size}, CUDA devices "
                 f"visible {num_gpus}; allowed here: --device cpu" + (f" or --world-size <= {num_gpus}" if num_gpus else "")
@@ -136,7 +155,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, cfg, out: str, plots: bool) -> None:
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The variables torchrun sets for every process it starts (see [Note: demo under torchrun])."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (every one of :data:`TORCHRUN_VARS` is set)."""
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def _worker(rank: int, world: int, port: int | None, cfg, out: str, plots: bool) -> None:
+    """One rank of the demo; ``port`` ``None``: the process group is torchrun's (``env://``)."""
     import warnings
 
     import torch
@@ -149,12 +178,14 @@ def _worker(rank: int, world: int, port: int, cfg, out: str, plots: bool) -> Non
     if cfg.engine == "vllm":
         from hybridmem.examples.grpo.engines import vllm_env
 
-        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp, port).items():
+        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp, port or int(os.environ["MASTER_PORT"])).items():
             os.environ.setdefault(key, value)
     backend = "nccl" if cfg.hybrid.device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))
     try:
         if rank == 0:
@@ -212,7 +243,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         **({"model": _vllm_model()} if args.engine == "vllm" else {}),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out, plots), nprocs=args.world_size, join=True)
+    if under_torchrun():  # [Note: demo under torchrun]
+        rank = int(os.environ["RANK"])
+        _worker(rank, args.world_size, None, cfg, args.out, plots)
+        if rank != 0:
+            return
+    else:
+        mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out, plots), nprocs=args.world_size, join=True)
     summary = json.loads((Path(args.out) / "grpo.json").read_text())
     first, last = summary["first5_reward"], summary["last5_reward"]
     if args.iters >= 2 * LEARN_WINDOW and not last > first:
