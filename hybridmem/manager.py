@@ -185,6 +185,8 @@ class ShardingManager:
         """The latest report of each direction."""
         self.last_report: SwitchReport | None = None
         """The latest report of any direction."""
+        self.last_rollbacks = 0
+        """TRAIN->INFER attempts of the latest :meth:`inference` that failed and were rolled back."""
         if getattr(self.training, "attaches_itself", False):
             self.training.attach(self)  # FSDP2: its buffer release step and residency owner
         self._release_engine_memory()
@@ -440,16 +442,33 @@ class ShardingManager:
         return self._report(Direction.TO_TRAIN, run, before, start, plan)
 
     @contextlib.contextmanager
-    def inference(self) -> Iterator[InferenceEngine | None]:
+    def inference(self, *, retries: int = 0) -> Iterator[InferenceEngine | None]:
         """Context manager: TRAIN -> INFER on entry, INFER -> TRAIN on exit (also on an exception).
 
         An exception raised by the body propagates unchanged after the switch back; if the switch back
         fails too, a note saying so is attached to the body's exception.
 
+        Args:
+            retries: How many more times to try TRAIN -> INFER after it failed and was rolled back (phase
+                TRAIN, nothing lost), e.g. an engine that failed to wake once. A failure that leaves
+                FAILED is raised at once. :attr:`last_rollbacks` counts the attempts rolled back.
+
         Yields:
             The engine.
         """
-        self.to_infer()
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries={retries!r} must be an int >= 0")
+        self.last_rollbacks = 0
+        while True:
+            try:
+                self.to_infer()
+                break
+            except SwitchError as exc:
+                if self.phase is not Phase.TRAIN or self.last_rollbacks >= retries:
+                    raise
+                self.last_rollbacks += 1
+                log.warning("hybridmem: TRAIN->INFER failed and was rolled back (%s); trying again (%d of %d)",
+                            exc, self.last_rollbacks, retries)
         try:
             yield self.engine
         except BaseException as exc:

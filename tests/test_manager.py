@@ -238,7 +238,7 @@ def test_nested_and_out_of_order_use_names_the_phase(tiny_setup):
 def test_engine_refuses_work_outside_infer_naming_the_managers_phase(tiny_setup):
     model, opt = tiny_setup()
     mgr, engine = _manager(model, opt)
-    with pytest.raises(PhaseError, match="phase TRAIN.*inside `with manager.inference\(\)`") as info:
+    with pytest.raises(PhaseError, match=r"phase TRAIN.*inside `with manager.inference\(\)`") as info:
         engine(make_batch(0, "cpu")[0])
     assert info.value.current is Phase.TRAIN
     with mgr.inference():
@@ -423,3 +423,46 @@ def test_plan_predicts_the_tracked_curve(tiny_setup):
     back = mgr.to_train()
     assert [p.after_nbytes for p in back_plan.steps] == [s.allocated_after_nbytes for s in back.steps]
 
+
+
+class _WakesOnSecondTry(TorchCopyEngine):
+    """An engine whose first ``resume`` fails (as an engine failing to wake once would)."""
+
+    def __init__(self, *args, failures: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failures = failures
+
+    def resume(self, tags):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("engine failed to wake")
+        super().resume(tags)
+
+
+def test_inference_retries_a_switch_that_rolled_back(tiny_setup):
+    model, opt = tiny_setup()
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    manager = ShardingManager(model, _WakesOnSecondTry(model, failures=1), optimizer=opt)
+    with manager.inference(retries=1) as engine:
+        assert manager.phase is Phase.INFER and engine.resident_nbytes("weights") > 0
+    assert manager.last_rollbacks == 1 and manager.phase is Phase.TRAIN
+    assert_bitwise_equal(before, snapshot(model, opt))
+    with manager.inference():  # no failure: nothing rolled back
+        pass
+    assert manager.last_rollbacks == 0
+
+
+def test_inference_raises_once_its_retries_are_spent(tiny_setup):
+    model, opt = tiny_setup()
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    manager = ShardingManager(model, _WakesOnSecondTry(model, failures=2), optimizer=opt)
+    with pytest.raises(SwitchError, match="engine failed to wake"):
+        with manager.inference(retries=1):
+            pytest.fail("the body must not run")
+    assert manager.last_rollbacks == 1 and manager.phase is Phase.TRAIN
+    assert_bitwise_equal(before, snapshot(model, opt))
+    with pytest.raises(ValueError, match="retries=-1"):
+        with manager.inference(retries=-1):
+            pass

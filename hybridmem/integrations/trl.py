@@ -46,8 +46,7 @@ from typing import Any
 import torch
 
 from hybridmem.config import HybridConfig
-from hybridmem.errors import SwitchError
-from hybridmem.phase import Direction, Phase
+from hybridmem.phase import Direction
 from hybridmem.report import SwitchReport
 
 try:
@@ -183,27 +182,16 @@ class HybridGRPOTrainer(GRPOTrainer):
     # Generation inside a switch ---------------------------------------------------------------------
     @contextmanager
     def hybrid_inference(self) -> Iterator[Any]:
-        """``hybrid_manager.inference()``, the TRAIN->INFER switch tried once more if it rolled back."""
+        """``hybrid_manager.inference(retries=1)``: a TRAIN->INFER switch that rolled back is tried once more."""
         manager = self.hybrid_manager
         if manager is None:
             raise RuntimeError("HybridGRPOTrainer generated before its optimizer existed (create_optimizer builds "
                                "the manager); call trainer.train()")
-        retried = False
-        try:
-            manager.to_infer()
-        except SwitchError as exc:
-            if manager.phase is not Phase.TRAIN:
-                raise
-            log.warning("hybridmem: the switch to generation failed and was rolled back (%s); trying once more", exc)
-            retried = True
-            manager.to_infer()
-        to_infer = manager.last_reports[Direction.TO_INFER]
-        try:
-            yield manager.engine
-        finally:
-            manager.to_train()
+        with manager.inference(retries=1) as engine:
+            to_infer = manager.last_reports[Direction.TO_INFER]
+            yield engine
         record = GenerationSwitches(int(self.state.global_step), to_infer, manager.last_reports[Direction.TO_TRAIN],
-                                    retried)
+                                    manager.last_rollbacks > 0)
         self.hybrid_reports.append(record)
         self._log_switches(record)
 
