@@ -213,7 +213,10 @@ class VLLMConvention:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HFConvention:
-    """HF-full layout (no options)."""
+    """HF-full layout: what each vLLM pipeline stage loads, by HF name (see :func:`hf_layout`)."""
+
+    every_stage: bool = False
+    """Embedding, final norm and head on every stage (the vLLM release builds them so for this family)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,15 +531,17 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
     embed = "model.embed_tokens.weight"
     head = embed if spec.tie_word_embeddings else "lm_head.weight"
     if side is Side.HF:
-        # Every rank of a stage holds that stage's full tensors; tied embeddings sit on the last stage
-        # too, as in vLLM.
-        if c.first_stage or (spec.tie_word_embeddings and c.last_stage):
+        # Every rank of a stage holds the full tensors that vLLM's loaders of that stage take: its layers'
+        # tensors that have a vLLM name (not DeepSeek's router bias without noaux_tc), and the embedding,
+        # final norm and head where vLLM builds them (tied embeddings on the last stage too; some families
+        # on every stage).
+        every_stage = layout.convention.every_stage
+        if c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage:
             out[embed] = replicate(embed, shapes[embed])
         for i in c.layers:
-            for name, shape in shapes.items():
-                if name.startswith(f"model.layers.{i}."):
-                    out[name] = replicate(name, shape)
-        if c.last_stage:
+            for name in _vllm_loaded_hf_names(spec, i):
+                out[name] = replicate(name, shapes[name])
+        if c.last_stage or every_stage:
             out["model.norm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
             if not spec.tie_word_embeddings:
                 out[head] = replicate(head, shapes[head])
@@ -685,10 +690,30 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.VLLM, convention=conv)
 
 
-def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int) -> ShardLayout:
+def _vllm_loaded_hf_names(spec: ModelSpec, layer: int) -> list[str]:
+    """The HF names of layer ``layer``'s tensors that vLLM loads (rows of :data:`LAYER_RULES` with a vLLM
+    name that apply to the layer), experts expanded."""
+    names = []
+    for rule in LAYER_RULES:
+        if rule.vllm is None or not rule.when(spec, layer):
+            continue
+        for suffix in rule.hf:
+            experts = range(spec.num_experts) if "{e}" in suffix else (None,)
+            names += [f"model.layers.{layer}." + suffix.format(e=e) for e in experts]
+    return names
+
+
+def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
+              vllm_version: str | None = None) -> ShardLayout:
     """Full HF-named tensors of each inference pipeline stage on every rank of that stage (tp, ep ignored
-    except in the rank order): the layout ``load_weights``-only engines take."""
+    except in the rank order): the layout ``load_weights``-only engines take, and what vLLM's loaders of
+    each stage accept: the stage's layers' tensors vLLM has (no DeepSeek-V3 router bias without
+    ``noaux_tc``), and the embedding, final norm and head on the stages where the vLLM release
+    (``vllm_version``, default: the installed one, see :func:`vllm_layout`) builds them: first and last
+    stage, or every stage for the families it builds so (Qwen2-MoE, Qwen3-MoE)."""
     _check_world(parallel, world_size, "HF layout")
     if parallel.pp > spec.num_hidden_layers:
         raise ValueError(f"pp={parallel.pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
-    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.HF, convention=HFConvention())
+    names = VLLM_NAMES[resolve_vllm_version(vllm_version)]
+    convention = HFConvention(every_stage=spec.family in names.every_stage_families)
+    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.HF, convention=convention)

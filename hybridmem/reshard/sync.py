@@ -90,7 +90,8 @@ class ReshardSync(WeightSync):
         if dtype is None:  # [Note: no silent dtype change]: the trainer's own
             dtype = dominant_dtype(t for n, t in sources.items() if n in read) or torch.float32
         self.dtype = dtype
-        dst_layout = vllm_layout(spec, dst, world, convention=vllm) if self.in_place else hf_layout(spec, dst, world)
+        dst_layout = (vllm_layout(spec, dst, world, convention=vllm) if self.in_place
+                      else hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None))
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
         check = getattr(engine, "check_weights", None)

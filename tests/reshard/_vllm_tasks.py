@@ -33,11 +33,13 @@ def _environment() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"hybridmem-vllm-cache-{os.getuid()}"))
 
 
-def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dict:
+def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_stream: bool = False) -> dict:
     """``{name: tensor}`` of this rank's vLLM model after ``load_weights`` of the checkpoint in ``model_dir``.
 
     Every rank of the pool builds the model: ranks beyond ``tp * pp`` are further replicas (vLLM's
-    "external data parallel" ranks), so the result per rank covers the replica order too.
+    "external data parallel" ranks), so the result per rank covers the replica order too. With
+    ``hf_stream`` only this rank's tensors of hybridmem's ``hf_layout`` are loaded (what a streaming weight
+    sync sends each stage), instead of the whole checkpoint.
     """
     _environment()
     import safetensors.torch
@@ -66,6 +68,15 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> di
         device_config=DeviceConfig(device="cpu"),
     )
     weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
+    if hf_stream:
+        import json
+
+        from hybridmem.config import ParallelLayout
+        from hybridmem.reshard import ModelSpec, hf_layout, shard
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            spec = ModelSpec.from_hf_config(json.load(f))
+        weights = shard(weights, hf_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), ctx.world_size), ctx.rank)
     with set_current_vllm_config(vllm_config):
         if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
             parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank, backend="gloo")

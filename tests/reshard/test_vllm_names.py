@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard import ModelSpec, shard, vllm_layout
+from hybridmem.reshard import ModelSpec, hf_layout, shard, vllm_layout
 from hybridmem.reshard.layouts import installed_vllm_version
 from hybridmem.testing.workers import WorkerPool
 from tests.reshard import _vllm_tasks
@@ -128,3 +128,30 @@ def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
         for name, tensor in theirs.items():
             assert ours[name].shape == tensor.shape, (rank, name, ours[name].shape, tensor.shape)
             assert torch.equal(ours[name], tensor), (rank, name)
+
+
+STREAM_CASES = [(model, tp, pp) for model in MODELS for tp, pp in ((1, 2), (2, 2))]
+
+
+@pytest.mark.parametrize("model_id,tp,pp", STREAM_CASES, ids=[f"{m}-tp{tp}-pp{pp}" for m, tp, pp in STREAM_CASES])
+def test_hf_stream_of_each_stage_is_what_vllm_loads_there(pool, checkpoints, model_id, tp, pp):
+    """A streaming weight sync sends each pipeline stage ``hf_layout``'s tensors of that stage: vLLM's own
+    loaders accept them, and every parameter the stage builds ends up with the checkpoint's values (a
+    tensor the stream lacks would keep its dummy values; one vLLM has no place for would raise)."""
+    path, config, weights = checkpoints[model_id]
+    layout = vllm_layout(ModelSpec.from_hf_config(config), ParallelLayout(tp=tp, pp=pp), WORLD)
+    got = pool.run(_vllm_tasks.vllm_loaded_parameters, path, tp, pp, 1, True, world_size=WORLD)
+    for rank in range(WORLD):
+        ours = shard(weights, layout, rank)
+        assert set(ours) == set(got[rank]), rank
+        for name, tensor in got[rank].items():
+            assert torch.equal(ours[name], tensor), (rank, name)
+
+
+def test_hf_stream_sends_deepseek_router_bias_only_with_noaux_tc(checkpoints):
+    for model_id, want in (("deepseek-v3", True), ("deepseek-v3-no-q-lora", False)):
+        _, config, _ = checkpoints[model_id]
+        layout = hf_layout(ModelSpec.from_hf_config(config), ParallelLayout(pp=2), 2)
+        names = {n for rank in range(2) for n in layout.tensors(rank)}
+        # transformers' DeepSeek-V3 checkpoints always hold the bias on every MoE layer (layer 1 here).
+        assert ("model.layers.1.mlp.gate.e_score_correction_bias" in names) is want, model_id
