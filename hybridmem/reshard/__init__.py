@@ -27,8 +27,10 @@ from hybridmem.reshard.layouts import (
     VLLMConvention,
     hf_layout,
     megatron_layout,
+    megatron_stage_layers,
     resolve_vllm_version,
     vllm_layout,
+    vllm_stage_layers,
 )
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, Transfer, build_plan
 from hybridmem.reshard.spec import ModelSpec
@@ -44,6 +46,8 @@ __all__ = [
     "megatron_layout",
     "vllm_layout",
     "hf_layout",
+    "megatron_stage_layers",
+    "vllm_stage_layers",
     "HFSourceLayout",
     "hf_source_layout",
     "SUPPORTED_VLLM_VERSIONS",

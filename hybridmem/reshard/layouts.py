@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -63,6 +64,8 @@ __all__ = [
     "LayerRule",
     "LAYER_RULES",
     "vllm_pp_layers",
+    "vllm_stage_layers",
+    "megatron_stage_layers",
     "VLLMNames",
     "VLLM_NAMES",
     "SUPPORTED_VLLM_VERSIONS",
@@ -95,8 +98,12 @@ class MegatronConvention:
     norm_style: str = "local"
     """``"local"``: ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: fused into
     ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight`` (Transformer Engine spec)."""
+    stage_layers: tuple[int, ...] | None = None
+    """Layers of each pipeline stage, first to last (see [Note: uneven stages]); ``None``: the same number
+    on every stage (``pp`` must divide the layers)."""
 
     def __post_init__(self) -> None:
+        _check_stage_layers(self.stage_layers)
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
         if self.padded_vocab_size is not None and self.padded_vocab_size < 1:
@@ -196,8 +203,12 @@ class VLLMConvention:
     """The vLLM release series the names follow, one of :data:`SUPPORTED_VLLM_VERSIONS` (a full version
     such as ``"0.33.0"`` is accepted); ``None``: decided by :func:`vllm_layout` (see
     [Note: vLLM versions])."""
+    stage_layers: tuple[int, ...] | None = None
+    """Layers of each pipeline stage, as ``VLLM_PP_LAYER_PARTITION`` gives them to vLLM (see [Note: uneven
+    stages]); ``None``: that variable of this process's environment when set, else vLLM's own split."""
 
     def __post_init__(self) -> None:
+        _check_stage_layers(self.stage_layers)
         if self.vocab_padding < 1:
             raise ValueError(f"vocab_padding={self.vocab_padding} must be >= 1")
         if self.version is not None:
@@ -217,6 +228,8 @@ class HFConvention:
 
     every_stage: bool = False
     """Embedding, final norm and head on every stage (the vLLM release builds them so for this family)."""
+    stage_layers: tuple[int, ...] | None = None
+    """Layers of each pipeline stage, as the vLLM engine splits them (see :class:`VLLMConvention`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,14 +256,85 @@ class RankCoords:
         return self.pp_rank == self.pp - 1
 
 
-def vllm_pp_layers(num_layers: int, pp_rank: int, pp: int) -> tuple[int, ...]:
-    """Layers of stage ``pp_rank`` as vLLM's ``get_pp_indices`` splits them (extra layers go to the
-    stages before the last, counting back from the second-to-last)."""
-    parts = [num_layers // pp] * pp
+# [Note: uneven stages]
+# A pipeline stage holds a run of consecutive layers; how many each stage holds is part of a layout. Real
+# models need uneven splits: DeepSeek-V3's 61 layers split over 4 or 8 stages only unevenly. Megatron-core
+# gives the first and the last stage their own counts (``num_layers_in_first_pipeline_stage``,
+# ``num_layers_in_last_pipeline_stage``) and splits the rest evenly over the middle stages
+# (:func:`megatron_stage_layers`; MindSpeed-RL's ``num_layer_list`` names every stage's count); vLLM
+# splits evenly with the remainder on the stages before the last (:func:`vllm_stage_layers`), or as
+# ``VLLM_PP_LAYER_PARTITION`` says. A layout takes the counts from its convention (``stage_layers``);
+# Megatron's names number layers from 0 on each stage, vLLM's and HF's globally.
+
+
+def _check_stage_layers(stage_layers: tuple[int, ...] | None) -> None:
+    if stage_layers is not None and (not stage_layers or any(not isinstance(n, int) or n < 1 for n in stage_layers)):
+        raise ValueError(f"stage_layers={stage_layers!r} must be a non-empty tuple of positive layer counts")
+
+
+def _validate_stages(stage_layers: tuple[int, ...], num_layers: int, pp: int, what: str) -> tuple[int, ...]:
+    if len(stage_layers) != pp or sum(stage_layers) != num_layers:
+        raise ValueError(
+            f"{what} stage_layers={stage_layers} must have pp={pp} counts summing to num_hidden_layers={num_layers}"
+        )
+    return tuple(stage_layers)
+
+
+def megatron_stage_layers(num_layers: int, pp: int, *, first: int | None = None, last: int | None = None) -> tuple[int, ...]:
+    """Layers per stage as megatron-core splits them: ``first``/``last`` stage counts when given
+    (``num_layers_in_first_pipeline_stage``/``num_layers_in_last_pipeline_stage``), the rest evenly over
+    the other stages (see [Note: uneven stages]).
+
+    Raises:
+        ValueError: The rest does not split evenly, or a stage would hold no layer.
+    """
+    counts: list[int | None] = [None] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last if pp > 1 or first is None else counts[-1]
+    rest = num_layers - sum(c for c in counts if c is not None)
+    free = counts.count(None)
+    if (free and rest % free) or (not free and rest) or rest < 0:
+        raise ValueError(
+            f"num_layers={num_layers} with first={first}, last={last} does not split evenly over the other "
+            f"{free} of pp={pp} stages"
+        )
+    out = tuple(c if c is not None else rest // free for c in counts)
+    return _validate_stages(out, num_layers, pp, "Megatron")
+
+
+def vllm_stage_layers(num_layers: int, pp: int, partition: str | None = None) -> tuple[int, ...]:
+    """Layers per stage as vLLM's ``get_pp_indices`` splits them: ``partition`` (the text of
+    ``VLLM_PP_LAYER_PARTITION``, ``"16,15,15,15"``) when given, else evenly with the extra layers on the
+    stages before the last, counting back from the second-to-last (see [Note: uneven stages])."""
+    if partition is not None:
+        try:
+            parts = tuple(int(x) for x in partition.split(","))
+        except ValueError as exc:
+            raise ValueError(f"VLLM_PP_LAYER_PARTITION={partition!r} is not a comma-separated list of ints") from exc
+        return _validate_stages(parts, num_layers, pp, f"VLLM_PP_LAYER_PARTITION={partition!r}:")
+    parts_list = [num_layers // pp] * pp
     for i in range(2, num_layers % pp + 2):
-        parts[-i] += 1
-    start = sum(parts[:pp_rank])
-    return tuple(range(start, start + parts[pp_rank]))
+        parts_list[-i] += 1
+    return tuple(parts_list)
+
+
+def _stage_range(stage_layers: tuple[int, ...], pp_rank: int) -> tuple[int, ...]:
+    start = sum(stage_layers[:pp_rank])
+    return tuple(range(start, start + stage_layers[pp_rank]))
+
+
+def vllm_pp_layers(num_layers: int, pp_rank: int, pp: int) -> tuple[int, ...]:
+    """Layers of stage ``pp_rank`` as vLLM's ``get_pp_indices`` splits them by default."""
+    return _stage_range(vllm_stage_layers(num_layers, pp), pp_rank)
+
+
+def _engine_stage_layers(stage_layers: tuple[int, ...] | None, num_layers: int, pp: int) -> tuple[int, ...]:
+    """The vLLM engine's split: ``stage_layers``, else ``VLLM_PP_LAYER_PARTITION``, else vLLM's own."""
+    if stage_layers is not None:
+        return _validate_stages(stage_layers, num_layers, pp, "vLLM")
+    return vllm_stage_layers(num_layers, pp, os.environ.get("VLLM_PP_LAYER_PARTITION"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -508,14 +592,14 @@ def _coords(layout: ShardLayout, rank: int) -> RankCoords:
         raise ValueError(f"rank={rank} outside world_size={layout.world_size}")
     p, n = layout.parallel, layout.spec.num_hidden_layers
     tp, pp, ep = p.tp, p.pp, p.ep
+    stages = layout.convention.stage_layers  # resolved when the layout was built ([Note: uneven stages])
     if layout.side is Side.MEGATRON:
         dp = layout.world_size // (tp * pp)
         dp_rank, pp_rank = (rank // tp) % dp, rank // (tp * dp)
-        per = n // pp
-        return RankCoords(rank % tp, tp, pp_rank, pp, rank % tp, tp, dp_rank % ep, ep,
-                          tuple(range(pp_rank * per, (pp_rank + 1) * per)))
+        layers = _stage_range(stages, pp_rank) if stages is not None else tuple(range(pp_rank * (n // pp), (pp_rank + 1) * (n // pp)))
+        return RankCoords(rank % tp, tp, pp_rank, pp, rank % tp, tp, dp_rank % ep, ep, layers)
     replica, tp_rank, pp_rank = rank // (tp * pp), rank % tp, (rank // tp) % pp
-    layers = vllm_pp_layers(n, pp_rank, pp)
+    layers = _stage_range(stages, pp_rank)
     if layout.side is Side.HF:
         return RankCoords(0, 1, pp_rank, pp, 0, 1, 0, 1, layers)
     if ep > 1:
@@ -602,11 +686,16 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
             f"training tp={tp} must divide the query groups num_key_value_heads={spec.num_key_value_heads} "
             f"(Megatron splits QKV by whole query groups)"
         )
-    if spec.num_hidden_layers % pp:
-        raise ValueError(f"training pp={pp} does not divide num_hidden_layers={spec.num_hidden_layers}")
+    conv = convention or MegatronConvention()
+    if conv.stage_layers is not None:
+        _validate_stages(conv.stage_layers, spec.num_hidden_layers, pp, "Megatron")
+    elif spec.num_hidden_layers % pp:
+        raise ValueError(
+            f"training pp={pp} does not divide num_hidden_layers={spec.num_hidden_layers}: give the stages' layer "
+            f"counts (MegatronConvention(stage_layers=...), megatron_stage_layers(first=, last=))"
+        )
     if spec.has_dense_layers and spec.intermediate_size % tp:
         raise ValueError(f"training tp={tp} does not divide intermediate_size={spec.intermediate_size}")
-    conv = convention or MegatronConvention()
     if spec.is_mla:
         _check_megatron_mla(spec, tp, conv)
     if spec.is_moe:
@@ -669,6 +758,8 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
         raise ValueError(f"inference tp={tp} and num_key_value_heads={nkv}: one must divide the other")
     if pp > spec.num_hidden_layers:
         raise ValueError(f"inference pp={pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
+    # [Note: uneven stages]: the split is fixed here, so a later change of the environment cannot move it.
+    conv = dataclasses.replace(conv, stage_layers=_engine_stage_layers(conv.stage_layers, spec.num_hidden_layers, pp))
     padded = -(-spec.vocab_size // conv.vocab_padding) * conv.vocab_padding
     if padded % tp:
         raise ValueError(f"inference tp={tp} does not divide the padded vocab {padded} (vocab_size={spec.vocab_size})")
@@ -704,16 +795,18 @@ def _vllm_loaded_hf_names(spec: ModelSpec, layer: int) -> list[str]:
 
 
 def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
-              vllm_version: str | None = None) -> ShardLayout:
+              vllm_version: str | None = None, stage_layers: tuple[int, ...] | None = None) -> ShardLayout:
     """Full HF-named tensors of each inference pipeline stage on every rank of that stage (tp, ep ignored
     except in the rank order): the layout ``load_weights``-only engines take, and what vLLM's loaders of
     each stage accept: the stage's layers' tensors vLLM has (no DeepSeek-V3 router bias without
     ``noaux_tc``), and the embedding, final norm and head on the stages where the vLLM release
     (``vllm_version``, default: the installed one, see :func:`vllm_layout`) builds them: first and last
-    stage, or every stage for the families it builds so (Qwen2-MoE, Qwen3-MoE)."""
+    stage, or every stage for the families it builds so (Qwen2-MoE, Qwen3-MoE). Stages split layers as
+    the vLLM engine does (``stage_layers``, else ``VLLM_PP_LAYER_PARTITION``, else vLLM's own split)."""
     _check_world(parallel, world_size, "HF layout")
     if parallel.pp > spec.num_hidden_layers:
         raise ValueError(f"pp={parallel.pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
     names = VLLM_NAMES[resolve_vllm_version(vllm_version)]
-    convention = HFConvention(every_stage=spec.family in names.every_stage_families)
+    convention = HFConvention(every_stage=spec.family in names.every_stage_families,
+                              stage_layers=_engine_stage_layers(stage_layers, spec.num_hidden_layers, parallel.pp))
     return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.HF, convention=convention)

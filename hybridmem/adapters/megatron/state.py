@@ -253,8 +253,17 @@ class MegatronTrainingState:
 
     def megatron_convention(self) -> Any:
         """The resharding engine's :class:`~hybridmem.reshard.MegatronConvention` of this model: its
-        padded vocab and its norm naming (``"te"`` when the norms are fused into ``linear_qkv``)."""
-        from hybridmem.reshard import MegatronConvention  # noqa: PLC0415 - reshard is optional here
+        padded vocab, its norm naming (``"te"`` when the norms are fused into ``linear_qkv``), and its
+        stages' layer counts when the first or last stage has its own (``num_layers_in_first_pipeline_stage``
+        / ``num_layers_in_last_pipeline_stage``, see [Note: uneven stages] in
+        :mod:`hybridmem.reshard.layouts`)."""
+        from hybridmem.reshard import MegatronConvention, megatron_stage_layers  # noqa: PLC0415 - optional here
 
         te = any(name.endswith("linear_qkv.layer_norm_weight") for name, _ in self.named_weights())
-        return MegatronConvention(padded_vocab_size=self.padded_vocab_size, norm_style="te" if te else "local")
+        config = self.config
+        first = getattr(config, "num_layers_in_first_pipeline_stage", None)
+        last = getattr(config, "num_layers_in_last_pipeline_stage", None)
+        pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+        stages = None if first is None and last is None else megatron_stage_layers(config.num_layers, pp, first=first, last=last)
+        return MegatronConvention(padded_vocab_size=self.padded_vocab_size, norm_style="te" if te else "local",
+                                  stage_layers=stages)
