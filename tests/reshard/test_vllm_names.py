@@ -1,6 +1,7 @@
 """Our vLLM layouts equal what vLLM's own model classes and weight loaders build from the same HF weights.
 
-For each model (Llama tied, Qwen2 with q/k/v bias and fewer kv heads than TP, Qwen2-MoE, Qwen3-MoE,
+For each model (Llama tied, Qwen2 with q/k/v bias and fewer kv heads than TP, Qwen2-MoE, Qwen3-MoE, Mistral,
+Mixtral, Phi-3, Gemma 3, GLM-4.5,
 DeepSeek-V3 with and without ``q_lora_rank``) a tiny HF checkpoint is written by transformers
 (``save_pretrained``: HF's checkpoint names, per-expert tensors) with every value replaced by a distinct
 random number. Four worker processes then build the model with the installed vLLM's classes
@@ -27,7 +28,9 @@ import pytest
 import torch
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard import ModelSpec, hf_layout, shard, vllm_layout
+from hybridmem.models import get_family
+from hybridmem.reshard import ModelSpec, build_plan, hf_layout, hf_source_layout, shard, vllm_layout
+from hybridmem.reshard.transforms import build_local
 from hybridmem.reshard.layouts import installed_vllm_version
 from hybridmem.testing.workers import WorkerPool
 from tests.reshard import _vllm_tasks
@@ -66,13 +69,29 @@ MODELS = {
                                                   qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
                                                   first_k_dense_replace=1, n_group=1, topk_group=1,
                                                   topk_method="greedy", tie_word_embeddings=False)),
+    # The families described since: Mistral (Llama's rules), Mixtral (block_sparse_moe, w1/w3/w2), Phi-3 (fused
+    # qkv_proj and gate_up_proj in the checkpoint), Gemma 3 (sandwich norms, q/k norms, tied), GLM-4.5 (q/k/v bias,
+    # first layer dense, shared experts, a router bias vLLM always builds).
+    "mistral-kv2": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                    tie_word_embeddings=False)),
+    "mixtral": ("mixtral", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
+                                num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    "phi3-kv2": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
+    "gemma3-tied": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96)),
+    "glm4-moe-bias": ("glm4_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                       n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+                                       first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                       attention_bias=True, tie_word_embeddings=False,
+                                       # vLLM's GLM-4.5 refuses a pipeline stage without a MoE layer.
+                                       num_hidden_layers=3)),
 }
 MODELS_CONFIG = dict(model_type="llama", **{k: v for k, v in _COMMON.items() if k != "torch_dtype"},
                      num_attention_heads=4, intermediate_size=96)
 DENSE_PARALLEL = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1)]
 MOE_PARALLEL = DENSE_PARALLEL + [(2, 1, 2), (4, 1, 4)]
 CASES = [(model, tp, pp, ep) for model, (family, _) in MODELS.items()
-         for tp, pp, ep in (MOE_PARALLEL if family.endswith("moe") or family == "deepseek_v3" else DENSE_PARALLEL)]
+         for tp, pp, ep in (MOE_PARALLEL if get_family(family).moe else DENSE_PARALLEL)]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +105,7 @@ def checkpoints(tmp_path_factory):
     """``{model id: (dir, config dict, {hf name: tensor})}``: a transformers checkpoint, random values."""
     out = {}
     for model_id, (family, kw) in MODELS.items():
-        cfg = transformers.AutoConfig.for_model(family, **_COMMON, **kw)
+        cfg = transformers.AutoConfig.for_model(family, **{**_COMMON, **kw})
         torch.manual_seed(0)
         hf_model = transformers.AutoModelForCausalLM.from_config(cfg)
         path = tmp_path_factory.mktemp(model_id)
@@ -96,9 +115,14 @@ def checkpoints(tmp_path_factory):
         for f in files:
             names.update(safetensors_torch.load_file(f))
             f.unlink()
-        gen = torch.Generator().manual_seed(1)
-        # Distinct values everywhere, so a swapped row, expert or tensor cannot compare equal.
-        weights = {n: torch.randn(t.shape, generator=gen) for n, t in sorted(names.items())}
+        # Distinct values everywhere (a random permutation of 1..N, exact in fp32), so a swapped row, expert or
+        # tensor cannot compare equal, and each value names one element of the checkpoint (0 is padding).
+        total = sum(t.numel() for t in names.values())
+        ids = (torch.randperm(total, generator=torch.Generator().manual_seed(1)) + 1).float()
+        weights, start = {}, 0
+        for n, t in sorted(names.items()):
+            weights[n] = ids[start:start + t.numel()].reshape(t.shape).clone()
+            start += t.numel()
         if family == "deepseek_v3" and kw.get("topk_method") != "noaux_tc":
             # vLLM builds no correction bias without noaux_tc routing and its loader has nowhere to put it.
             weights = {n: t for n, t in weights.items() if not n.endswith("e_score_correction_bias")}
@@ -115,12 +139,24 @@ def test_layouts_follow_installed_release(pool):
     assert vllm_layout(ModelSpec.from_hf_config(MODELS_CONFIG), ParallelLayout(), 1).convention.version == series
 
 
+_LOADED: dict = {}
+"""vLLM's loaded parameters per (model, tp, pp, ep), shared by the tests of one worker."""
+
+
+def _vllm_loaded(pool, checkpoints, model_id, tp, pp, ep):
+    key = (model_id, tp, pp, ep)
+    if key not in _LOADED:
+        _LOADED[key] = pool.run(_vllm_tasks.vllm_loaded_parameters, checkpoints[model_id][0], tp, pp, ep,
+                                world_size=WORLD)
+    return _LOADED[key]
+
+
 @pytest.mark.parametrize("model_id,tp,pp,ep", CASES, ids=[f"{m}-tp{tp}-pp{pp}-ep{ep}" for m, tp, pp, ep in CASES])
 def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
     path, config, weights = checkpoints[model_id]
     spec = ModelSpec.from_hf_config(config)
     layout = vllm_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), WORLD)
-    got = pool.run(_vllm_tasks.vllm_loaded_parameters, path, tp, pp, ep, world_size=WORLD)
+    got = _vllm_loaded(pool, checkpoints, model_id, tp, pp, ep)
     for rank in range(WORLD):
         ours = shard(weights, layout, rank)
         theirs = got[rank]
@@ -155,3 +191,35 @@ def test_hf_stream_sends_deepseek_router_bias_only_with_noaux_tc(checkpoints):
         names = {n for rank in range(2) for n in layout.tensors(rank)}
         # transformers' DeepSeek-V3 checkpoints always hold the bias on every MoE layer (layer 1 here).
         assert ("model.layers.1.mlp.gate.e_score_correction_bias" in names) is want, model_id
+
+
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_fsdp2_plan_receives_exactly_what_vllm_lacks(pool, checkpoints, model_id):
+    """From transformers' own model of the checkpoint (``from_pretrained``, its module names), sharded as FSDP2
+    shards it (``torch.chunk`` of dim 0 over 4 ranks), into vLLM at TP 2: the source layout's tensors equal
+    those chunks, and the plan receives exactly the elements of each rank's vLLM parameters (as vLLM's own
+    loaders fill them) that the rank does not hold, counted by value (every checkpoint value is distinct)."""
+    path, config, weights = checkpoints[model_id]
+    spec = ModelSpec.from_hf_config(config)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    module = {n: p.detach() for n, p in model.named_parameters()}
+    bias = {n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    module.update({n: b for n, b in model.named_buffers() if n in bias})
+    src = hf_source_layout(spec, WORLD, shard_size=WORLD, replicated=bias)
+    dst = vllm_layout(spec, ParallelLayout(tp=2), WORLD)
+    plan = build_plan(src, dst, itemsize=4)
+    theirs = _vllm_loaded(pool, checkpoints, model_id, 2, 1, 1)
+    for rank in range(WORLD):
+        local = src.tensors(rank)
+        assert sorted(local) == sorted(module), (rank, sorted(set(local) ^ set(module)))
+        held = set()
+        for name, t in module.items():
+            mine = t if name in bias else (list(t.chunk(WORLD)) + [t[:0]] * WORLD)[rank]
+            if name in bias and name not in weights:
+                continue  # DeepSeek-V3 without noaux_tc: the fixture's checkpoint drops the bias vLLM lacks
+            assert torch.equal(build_local(local[name], weights, dtype=torch.float32), mine), (rank, name)
+            held.update(mine.flatten().tolist())
+        need = {v for t in theirs[rank].values() for v in t.flatten().tolist()} - {0.0}
+        lacking = len(need - held)
+        assert plan.recv_nbytes(rank) == plan.min_recv_nbytes(rank) == 4 * lacking, (
+            model_id, rank, plan.recv_nbytes(rank), 4 * lacking)

@@ -1,0 +1,10 @@
+"""Model families: one file each says what a family is (see [Note: canonical names] in
+:mod:`hybridmem.models.family`); the resharding engine and the adapters read them through
+:func:`get_family` and never branch on a family's name."""
+
+from __future__ import annotations
+
+from hybridmem.models.family import Family, RouterBias, getter
+from hybridmem.models.registry import ALIASES, FAMILIES, family_name, get_family
+
+__all__ = ["Family", "RouterBias", "getter", "FAMILIES", "ALIASES", "family_name", "get_family"]

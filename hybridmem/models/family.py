@@ -1,0 +1,114 @@
+"""What one model family is: how to read its HF config, and how its tensors are named and split.
+
+[Note: canonical names]
+Every family is described against one set of *canonical* per-layer tensor names, the Llama/Qwen ones
+(``self_attn.q_proj.weight``, ``mlp.gate_proj.weight``, ``mlp.experts.{e}.gate_proj.weight``, ...). The
+layout tables of :mod:`hybridmem.reshard.layouts` are written once over those names; a family says, as
+data, where its own names differ:
+
+- ``checkpoint_renames``: regex substitutions from a canonical layer suffix to the checkpoint's
+  (Mixtral's ``block_sparse_moe.experts.{e}.w1.weight`` for ``mlp.experts.{e}.gate_proj.weight``);
+- ``checkpoint_fused``: canonical tensors the checkpoint stores as row blocks of one tensor, in order
+  (Phi-3's ``self_attn.qkv_proj.weight`` = [q; k; v]);
+- ``vllm_renames``: substitutions from the canonical vLLM name to the family's vLLM name;
+- ``module_names``: whether transformers' modules hold the canonical tensors (experts fused, see [Note:
+  transformers experts] in :mod:`hybridmem.reshard.hf_source`) or the checkpoint's.
+
+Pieces of a layout refer to checkpoint names (what ``load_weights`` of vLLM takes, what a checkpoint
+holds); a canonical tensor stored as rows ``[o, o + n)`` of a fused one is that fused tensor's box shifted
+by ``o``. A family file is one :class:`Family` plus its config reader; :mod:`hybridmem.models.registry`
+lists them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+__all__ = ["RouterBias", "Family", "ConfigGetter", "getter"]
+
+ConfigGetter = Callable[..., Any]
+"""``get(key, default=None)`` over a transformers config object or a dict."""
+
+
+def getter(cfg: Any) -> ConfigGetter:
+    """``get(key, default=None)`` reading a ``transformers`` config object or a plain mapping."""
+    if isinstance(cfg, Mapping):
+        return lambda k, d=None: cfg.get(k, d)
+    return lambda k, d=None: getattr(cfg, k, d)
+
+
+class RouterBias(Enum):
+    """Whether a MoE router carries a routing-score correction bias (``e_score_correction_bias``)."""
+
+    NONE = "none"
+    """No bias anywhere."""
+    ALWAYS = "always"
+    """HF, Megatron (``router.expert_bias``) and vLLM all hold it (GLM-4.5)."""
+    NOAUX_TC = "noaux_tc"
+    """HF and Megatron always hold it; vLLM only when the config's ``topk_method`` is ``"noaux_tc"``
+    (DeepSeek-V3)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Family:
+    """One model family (see [Note: canonical names])."""
+
+    name: str
+    """The HF ``model_type``; a :class:`~hybridmem.reshard.ModelSpec`'s ``family``."""
+    read_config: Callable[[ConfigGetter], dict[str, Any]]
+    """``get -> ModelSpec keyword arguments`` (all but ``family``); raises ``ValueError`` naming a key the
+    family does not support."""
+    aliases: tuple[str, ...] = ()
+    """Other ``model_type`` values described by this family (``mistral`` by ``llama``)."""
+    architectures: tuple[str, ...] = ()
+    """HF/vLLM architecture names of the family (``config.architectures``)."""
+    moe: bool = False
+    """Routed experts (every layer from ``first_k_dense_replace`` on)."""
+    mla: bool = False
+    """DeepSeek's multi-latent attention instead of grouped-query attention."""
+    router_bias: RouterBias = RouterBias.NONE
+    """See :class:`RouterBias`."""
+    shared_expert: str | None = None
+    """Module name of the MoE layers' shared expert (``shared_expert``, ``shared_experts``); ``None``: none."""
+    shared_expert_gate: bool = False
+    """The shared expert has a [1, H] sigmoid gate (``mlp.shared_expert_gate.weight``, Qwen2-MoE)."""
+    extra_norms: tuple[str, ...] = ()
+    """Per-layer norm weights beyond ``input_layernorm`` and ``post_attention_layernorm`` (Gemma 3's
+    sandwich norms), each a [hidden_size] tensor replicated on every rank."""
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    """``(pattern, replacement)`` regex substitutions, canonical layer suffix -> checkpoint layer suffix."""
+    checkpoint_fused: tuple[tuple[tuple[str, ...], str], ...] = ()
+    """``((canonical suffixes, in row order), checkpoint suffix)``: tensors stored as row blocks of one."""
+    module_names: str = "canonical"
+    """``"canonical"``: transformers' modules hold the canonical tensors (experts fused); ``"checkpoint"``:
+    they hold the checkpoint's tensors as stored."""
+    vllm_renames: tuple[tuple[str, str], ...] = ()
+    """``(pattern, replacement)`` regex substitutions, canonical vLLM layer suffix -> the family's."""
+    vllm_every_stage: bool = False
+    """vLLM builds ``embed_tokens``, the final ``norm`` and ``lm_head`` on every pipeline stage."""
+    megatron: str | None = None
+    """``None``: megatron-core's ``GPTModel`` expresses the family; otherwise why it does not."""
+    embedded_engine: str | None = "no decoder block of this family in the embedded engine"
+    """``None``: hybridmem's embedded engine runs the family; otherwise why it does not."""
+
+    def __post_init__(self) -> None:
+        if self.module_names not in ("canonical", "checkpoint"):
+            raise ValueError(f"module_names={self.module_names!r}; expected 'canonical' or 'checkpoint'")
+        for pattern, _ in (*self.checkpoint_renames, *self.vllm_renames):
+            re.compile(pattern)
+
+    def checkpoint_suffix(self, suffix: str) -> str:
+        """The checkpoint's layer suffix of a canonical one (before fusing, see :attr:`checkpoint_fused`)."""
+        for pattern, replacement in self.checkpoint_renames:
+            suffix = re.sub(pattern, replacement, suffix)
+        return suffix
+
+    def vllm_suffix(self, suffix: str) -> str:
+        """The family's vLLM layer suffix of a canonical vLLM one."""
+        for pattern, replacement in self.vllm_renames:
+            suffix = re.sub(pattern, replacement, suffix)
+        return suffix

@@ -1,0 +1,44 @@
+"""The families hybridmem knows, by ``model_type``, with their aliases."""
+
+from __future__ import annotations
+
+from hybridmem.models.deepseek_v3 import DEEPSEEK_V3
+from hybridmem.models.family import Family
+from hybridmem.models.gemma3 import GEMMA3
+from hybridmem.models.glm4_moe import GLM4_MOE
+from hybridmem.models.llama import LLAMA
+from hybridmem.models.mixtral import MIXTRAL
+from hybridmem.models.phi3 import PHI3
+from hybridmem.models.qwen2 import QWEN2
+from hybridmem.models.qwen2_moe import QWEN2_MOE
+from hybridmem.models.qwen3 import QWEN3
+from hybridmem.models.qwen3_moe import QWEN3_MOE
+
+__all__ = ["FAMILIES", "ALIASES", "get_family", "family_name"]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, PHI3, GEMMA3, GLM4_MOE,
+)}
+"""Every family by its own ``model_type``."""
+
+ALIASES: dict[str, str] = {alias: f.name for f in FAMILIES.values() for alias in f.aliases}
+"""Other ``model_type`` values -> the family that describes them."""
+
+
+def family_name(model_type: str) -> str:
+    """The family describing ``model_type`` (itself, or the family it is an alias of).
+
+    Raises:
+        ValueError: No family describes it; the message lists the supported ones.
+    """
+    if model_type in FAMILIES:
+        return model_type
+    if model_type in ALIASES:
+        return ALIASES[model_type]
+    known = sorted([*FAMILIES, *ALIASES])
+    raise ValueError(f"model_type={model_type!r} is not supported; expected one of {known}")
+
+
+def get_family(model_type: str) -> Family:
+    """The :class:`Family` describing ``model_type`` (see :func:`family_name`)."""
+    return FAMILIES[family_name(model_type)]

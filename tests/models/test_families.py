@@ -1,0 +1,96 @@
+"""Each family's description against transformers: the checkpoint it says a model has is the one
+``save_pretrained`` writes (names and shapes), and its config reader takes the config transformers writes.
+
+The per-rank vLLM tensors of every family are checked against vLLM's own classes and loaders in
+tests/reshard/test_vllm_names.py; this file covers what needs only transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem.config import ParallelLayout
+from hybridmem.models import ALIASES, FAMILIES, get_family
+from hybridmem.reshard import ModelSpec, megatron_layout
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=3, vocab_size=100, max_position_embeddings=64)
+CONFIGS = {
+    "llama": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48),
+    "mistral": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=48),
+    "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48),
+    "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48),
+    "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, num_experts=4,
+                      moe_intermediate_size=8, shared_expert_intermediate_size=12, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
+                      moe_intermediate_size=8, num_experts_per_tok=2),
+    "deepseek_v3": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48, n_routed_experts=4,
+                        n_shared_experts=2, moe_intermediate_size=6, num_experts_per_tok=2, n_group=1, topk_group=1,
+                        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
+                        qk_rope_head_dim=2, v_head_dim=4),
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=24, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "phi3": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2),
+    "gemma3_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=48),
+    "glm4_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                     n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=8, first_k_dense_replace=1,
+                     num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True),
+}
+
+
+def _saved(model_type: str, tmp_path, **overrides):
+    cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type], **overrides})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tensors = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        tensors.update(safetensors_torch.load_file(f))
+    return cfg, {n: tuple(t.shape) for n, t in tensors.items()}
+
+
+def test_every_family_and_alias_is_covered_here():
+    assert set(CONFIGS) == set(FAMILIES) | set(ALIASES)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_checkpoint_shapes_are_what_transformers_saves(model_type, tied, tmp_path):
+    cfg, saved = _saved(model_type, tmp_path, tie_word_embeddings=tied)
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.family == get_family(model_type).name
+    assert spec.full_shapes() == saved
+
+
+def test_the_same_from_the_config_file(tmp_path):
+    """A config.json read as a plain dict gives the same spec as transformers' config object."""
+    import json  # noqa: PLC0415
+
+    for model_type in CONFIGS:
+        cfg, _ = _saved(model_type, tmp_path / model_type)
+        data = json.loads((tmp_path / model_type / "config.json").read_text())
+        assert ModelSpec.from_hf_config(data) == ModelSpec.from_hf_config(cfg), model_type
+
+
+def test_alias_and_unknown_model_types():
+    assert get_family("mistral") is get_family("llama")
+    assert ModelSpec(family="mistral", hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
+                     intermediate_size=8, num_hidden_layers=1, vocab_size=8).family == "llama"
+    with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported; expected one of \[.*'mistral'.*\]"):
+        get_family("gpt2")
+
+
+def test_a_family_megatron_cannot_express_is_refused_by_name(tmp_path):
+    cfg, _ = _saved("gemma3_text", tmp_path)
+    with pytest.raises(ValueError, match="family='gemma3_text' has no Megatron-core layout: .*post_feedforward_layernorm"):
+        megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+
+
+def test_shared_expert_on_a_family_without_one_is_refused():
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=8 given for family='mixtral'"):
+        ModelSpec(family="mixtral", hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
+                  intermediate_size=0, num_hidden_layers=1, vocab_size=8, num_experts=2, moe_intermediate_size=4,
+                  shared_expert_intermediate_size=8)
