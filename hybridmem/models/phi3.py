@@ -14,6 +14,7 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
 
 
 PHI3 = Family(
+    embedded_engine=None,
     name="phi3",
     architectures=("Phi3ForCausalLM",),
     read_config=read_config,

@@ -12,10 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybridmem.models import ALIASES, get_family
+from hybridmem.models import FAMILIES as _FAMILY_TABLE
+
 __all__ = ["DecoderConfig", "FAMILIES"]
 
-FAMILIES = ("llama", "qwen2")
-"""HF ``model_type`` values a :class:`DecoderConfig` describes."""
+FAMILIES = tuple(sorted(
+    [name for name, f in _FAMILY_TABLE.items() if f.embedded_engine is None]
+    + [alias for alias, name in ALIASES.items() if _FAMILY_TABLE[name].embedded_engine is None]))
+"""HF ``model_type`` values a :class:`DecoderConfig` describes: the families whose description says the
+embedded engine runs them (``Family.embedded_engine is None``), and their aliases."""
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -63,17 +69,28 @@ class DecoderConfig:
         biases), else to the config's ``attention_bias`` (Llama's default ``False``).
 
         Raises:
-            ValueError: ``model_type`` is not ``llama`` or ``qwen2`` (absent counts as ``llama``), or the
-                RoPE is scaled (``rope_scaling`` / ``rope_parameters`` with a ``rope_type`` other than
-                ``default``).
+            ValueError: ``model_type`` is not one of :data:`FAMILIES` (absent counts as ``llama``; a known
+                family the engine has no blocks for is named with the reason), the RoPE is scaled
+                (``rope_scaling`` / ``rope_parameters`` with a ``rope_type`` other than ``default``) or
+                partial, or attention is limited to a sliding window shorter than the context.
         """
         model_type = _get(cfg, "model_type") or "llama"
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported; expected one of {FAMILIES}")
+        reason = get_family(model_type).embedded_engine
+        if reason is not None:
+            raise ValueError(f"model_type={model_type!r} does not run in the embedded engine ({reason}); "
+                             f"it runs {list(FAMILIES)}")
         rope = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ValueError(f"rope_type={rope_type!r} is not supported; only the default (unscaled) RoPE")
+        partial = rope.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor")) or 1.0
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported; the embedded engine rotates whole heads")
+        window, context = _get(cfg, "sliding_window"), _get(cfg, "max_position_embeddings")
+        if window is not None and _get(cfg, "use_sliding_window") is not False and (context is None or window < context):
+            raise ValueError(
+                f"sliding_window={window} (max_position_embeddings={context}) is not supported: the embedded engine "
+                f"attends to the whole context; use a model without a sliding window (sliding_window=None)")
         heads = int(_get(cfg, "num_attention_heads"))
         hidden = int(_get(cfg, "hidden_size"))
         bias = _get(cfg, "attention_bias")

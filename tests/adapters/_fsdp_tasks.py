@@ -13,7 +13,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.engines import ReferenceEngine, SamplingParams
@@ -29,6 +40,12 @@ CASES = {
     # Tied embeddings (one tensor, sharded once), one kv head.
     "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=1,
                                                        tie_word_embeddings=True)),
+    # Mistral (Llama's rules), no sliding window.
+    "mistral": (MistralConfig, MistralForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                        head_dim=16, sliding_window=None, tie_word_embeddings=False)),
+    # Phi-3: q/k/v and gate/up fused in the modules and the checkpoint.
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
     # transformers 5's fused experts; 6 experts over 4 ranks: 2/2/2/0 (the last rank holds none).
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                              head_dim=16, num_experts=6, num_experts_per_tok=2,

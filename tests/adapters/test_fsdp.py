@@ -35,7 +35,7 @@ def pool():
 def baselines(pool):
     """Per case, every rank's losses of 3 steps without any switch."""
     return {case: [[r["loss"] for r in rank] for rank in pool.run(tasks.train_task, case, 1, switch=False)]
-            for case in ("qwen2", "llama_tied")}
+            for case in ("qwen2", "llama_tied", "mistral", "phi3")}
 
 
 def _spec_and_names(case: str):
@@ -45,8 +45,10 @@ def _spec_and_names(case: str):
     return ModelSpec.from_hf_config(cfg), names
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("case", ["qwen2", "llama_tied"])
+FSDP_CASES = [(case, k) for case in ("qwen2", "llama_tied") for k in (1, 2, 4)] + [("mistral", 2), ("phi3", 2)]
+
+
+@pytest.mark.parametrize("case,k", FSDP_CASES, ids=[f"{c}-{k}" for c, k in FSDP_CASES])
 def test_fsdp2_into_reference_engine(pool, baselines, case, k):
     results = pool.run(tasks.train_task, case, k, switch=True)
     spec, names = _spec_and_names(case)

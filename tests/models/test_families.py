@@ -94,3 +94,20 @@ def test_shared_expert_on_a_family_without_one_is_refused():
         ModelSpec(family="mixtral", hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
                   intermediate_size=0, num_hidden_layers=1, vocab_size=8, num_experts=2, moe_intermediate_size=4,
                   shared_expert_intermediate_size=8)
+
+
+def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
+    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+
+    for model_type in ("llama", "mistral", "qwen2", "phi3"):
+        cfg, _ = _saved(model_type, tmp_path / model_type)
+        ReferenceEngine(cfg.to_dict())
+    cfg, _ = _saved("gemma3_text", tmp_path / "gemma3")
+    with pytest.raises(ValueError, match=r"model_type='gemma3_text' does not run in the embedded engine \(Gemma 3's"):
+        ReferenceEngine(cfg.to_dict())
+    mistral = transformers.MistralConfig(**_COMMON, **dict(CONFIGS["mistral"], sliding_window=16))
+    with pytest.raises(ValueError, match="sliding_window=16 \\(max_position_embeddings=64\\) is not supported"):
+        ReferenceEngine(mistral.to_dict())
+    glm = dict(_saved("glm4_moe", tmp_path / "glm")[0].to_dict())
+    with pytest.raises(ValueError, match="model_type='glm4_moe' does not run in the embedded engine"):
+        ReferenceEngine(glm)

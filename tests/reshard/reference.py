@@ -90,7 +90,25 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
     return out
 
 
+def split_fused(full: dict, spec) -> dict:
+    """Phi-3-style checkpoints: ``qkv_proj`` rows [q; k; v] and ``gate_up_proj`` rows [gate; up] as separate
+    tensors (plain row slicing); other tensors unchanged."""
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    out = {}
+    for name, t in full.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            p = name[: -len("qkv_proj.weight")]
+            out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = t[:q], t[q:q + kv], t[q + kv:]
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            p, half = name[: -len("gate_up_proj.weight")], t.shape[0] // 2
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t[:half], t[half:]
+        else:
+            out[name] = t
+    return out
+
+
 def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank: int, padding: int = 64) -> dict:
+    full = split_fused(full, spec)
     replica, r, pp_rank = rank // (tp * pp), rank % tp, (rank // tp) % pp
     moe_tp, moe_r = (1, 0) if ep > 1 else (tp, r)
     ep_rank = (replica * tp + r) % ep if ep > 1 else 0
