@@ -54,7 +54,8 @@ def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
     model (``hf_config``). ``None`` when the model says nothing, or its family is not one the resharding
     engine knows (the weights are then streamed as a checkpoint names them). A Megatron model built with
     a padded vocab whose unpadded size was not given (``vocab_size_known`` false) takes the engine's
-    ``vocab_size``: the engine holds the tokenizer's vocab.
+    ``vocab_size``: the engine holds the tokenizer's vocab; an engine that says which family it serves
+    (``model_type``, vLLM's) names the family, whose tensors the Megatron config must then have.
 
     Raises:
         ValueError: The training state's own ``model_spec_dict()`` cannot describe the model (a Megatron
@@ -62,10 +63,14 @@ def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
     """
     derive = getattr(training, "model_spec_dict", None)
     if callable(derive):
+        kwargs = {}
         engine_vocab = getattr(engine, "vocab_size", None)
         if getattr(training, "vocab_size_known", True) is False and isinstance(engine_vocab, int):
-            return ModelSpec.from_hf_config(derive(vocab_size=engine_vocab))
-        return ModelSpec.from_hf_config(derive())
+            kwargs["vocab_size"] = engine_vocab
+        engine_type = getattr(engine, "model_type", None)
+        if isinstance(engine_type, str) and getattr(training, "family_from_engine", False):
+            kwargs["model_type"] = engine_type  # the family the engine serves names the weights it loads
+        return ModelSpec.from_hf_config(derive(**kwargs))
     config = getattr(training, "hf_config", None)
     if config is None:
         return None

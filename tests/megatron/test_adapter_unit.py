@@ -80,3 +80,47 @@ def test_named_weights_carry_the_router_expert_bias_buffer():
     named = dict(megatron_named_weights([model]))
     assert set(named) == {"mlp.router.weight", "mlp.router.expert_bias"}
     assert named["mlp.router.expert_bias"] is model.mlp.router.expert_bias
+
+
+def _hf_spec(model_type: str, **kw):
+    from hybridmem.reshard import ModelSpec
+
+    transformers = pytest.importorskip("transformers")
+    return ModelSpec.from_hf_config(transformers.AutoConfig.for_model(model_type, **kw))
+
+
+@pytest.mark.parametrize("model_type,megatron,hf", [
+    # Mixtral: every layer MoE, no shared expert; its HF config names one expert's width intermediate_size.
+    ("mixtral", dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2),
+     dict(num_local_experts=4, intermediate_size=32, num_experts_per_tok=2)),
+    # GLM-4.5: q/k/v bias, the first layer dense, shared expert, router bias.
+    ("glm4_moe", dict(add_qkv_bias=True, num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                      moe_shared_expert_intermediate_size=16, moe_router_enable_expert_bias=True,
+                      moe_layer_freq=[0, 1, 1], moe_router_score_function="sigmoid"),
+     dict(attention_bias=True, n_routed_experts=4, moe_intermediate_size=16, n_shared_experts=1,
+          first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1)),
+    # Qwen3: q/k norms.
+    ("qwen3", dict(qk_layernorm=True), dict()),
+    ("phi3", dict(), dict()),
+])
+def test_model_spec_dict_of_the_engines_family_is_the_hf_configs_spec(model_type, megatron, hf):
+    """The spec read from a GPTModel's config for the family the engine serves equals the one transformers'
+    config of that model gives."""
+    from hybridmem.reshard import ModelSpec
+
+    got = ModelSpec.from_hf_config(megatron_model_spec_dict(_config(**megatron), vocab_size=100, model_type=model_type))
+    want = _hf_spec(model_type, num_hidden_layers=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                    head_dim=8, vocab_size=100, tie_word_embeddings=False,
+                    **({"intermediate_size": 96} | hf))
+    assert got == want
+
+
+def test_model_spec_dict_names_what_differs_from_the_engines_family():
+    with pytest.raises(ValueError, match=r"not a qwen3 model as the engine serves it: q/k norms \(qk_layernorm\): "
+                                         r"Megatron False, qwen3 True"):
+        megatron_model_spec_dict(_config(), vocab_size=100, model_type="qwen3")
+    with pytest.raises(ValueError, match=r"router bias \(moe_router_enable_expert_bias\): Megatron False, glm4_moe True"):
+        megatron_model_spec_dict(_config(num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=96),
+                                 vocab_size=100, model_type="glm4_moe")
+    with pytest.raises(ValueError, match="model_type='gemma3_text' cannot be trained in Megatron-core"):
+        megatron_model_spec_dict(_config(), vocab_size=100, model_type="gemma3_text")

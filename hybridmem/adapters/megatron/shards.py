@@ -223,17 +223,36 @@ def megatron_source_layout() -> MegatronSourceLayout:
     )
 
 
-def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embeddings: bool = False) -> dict[str, Any]:
+def _first_dense_layers(config: Any) -> int:
+    """Leading dense layers of ``moe_layer_freq`` (1: none; a 0/1 list: its leading zeros, the rest all 1)."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    if freq in (1, None):
+        return 0
+    if isinstance(freq, (list, tuple)) and set(freq) <= {0, 1}:
+        k = next((i for i, v in enumerate(freq) if v), len(freq))
+        if all(freq[k:]):
+            return k
+    raise ValueError(f"moe_layer_freq={freq!r} is not supported; expected 1 or a list of k zeros then ones "
+                     f"(the first k layers dense)")
+
+
+def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embeddings: bool = False,
+                             model_type: str | None = None) -> dict[str, Any]:
     """The HF-style config dict (``hybridmem.reshard``'s ``ModelSpec.from_hf_config`` input) of a
     ``TransformerConfig``.
 
-    ``model_type`` is ``"llama"`` for a dense model (``"qwen2"`` with ``add_qkv_bias``, q/k/v biases
-    only) and ``"qwen2_moe"`` (no shared expert) for an MoE one, the families whose tensors match a
-    GPTModel without other biases or qk-norm.
+    A GPTModel does not say which HF family it is; the names vLLM loads depend on it. ``model_type`` (the
+    inference engine's, e.g. ``"mixtral"``, ``"glm4_moe"``, ``"qwen3"``) names the family; the dict then
+    carries every key the families' config readers (:mod:`hybridmem.models`) take, and the spec the
+    family reads from it must describe the same tensors as the ``TransformerConfig`` (q/k/v biases, q/k
+    norms, experts, their widths, shared experts, router bias, leading dense layers), else a
+    ``ValueError`` names each difference. Without ``model_type`` it is ``"llama"`` for a dense model
+    (``"qwen2"`` with ``add_qkv_bias``) and ``"qwen2_moe"`` (no shared expert) for an MoE one.
 
     Raises:
-        ValueError: The config uses something these families cannot express (biases other than q/k/v,
-            qk layernorm, a non-gated MLP, MoE on only some layers).
+        ValueError: The config uses something no family here expresses (biases other than q/k/v, a
+            non-gated MLP, MLA, MoE on a pattern other than leading dense layers), the family cannot be
+            trained in Megatron-core, or the family's tensors differ from the config's.
     """
     unsupported = []
     if getattr(config, "multi_latent_attention", False):
@@ -242,11 +261,11 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
         unsupported.append("multi_latent_attention=True (pass the DeepSeek-V3 HF config's ModelSpec)")
     if getattr(config, "add_bias_linear", False):
         unsupported.append("add_bias_linear=True")
-    if getattr(config, "qk_layernorm", False):
-        unsupported.append("qk_layernorm=True")
+    if getattr(config, "qk_layernorm", False) and model_type is None:
+        unsupported.append("qk_layernorm=True (name the family: model_type=)")
     if not config.gated_linear_unit:
         unsupported.append("gated_linear_unit=False")
-    if getattr(config, "moe_layer_freq", 1) not in (1, None):
+    if getattr(config, "moe_layer_freq", 1) not in (1, None) and model_type is None:
         unsupported.append(f"moe_layer_freq={config.moe_layer_freq!r}")
     if unsupported:
         raise ValueError(f"TransformerConfig options without an HF-family equivalent: {unsupported}")
@@ -273,4 +292,53 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
             num_experts_per_tok=int(config.moe_router_topk),
             shared_expert_intermediate_size=0,
         )
+    if model_type is None:
+        return out
+    return _family_spec_dict(config, out, model_type)
+
+
+def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """``out`` for the family of ``model_type``, checked against the ``TransformerConfig``."""
+    from hybridmem.models import get_family  # noqa: PLC0415
+    from hybridmem.reshard import ModelSpec  # noqa: PLC0415
+
+    family = get_family(model_type)
+    if family.megatron is not None:
+        raise ValueError(f"model_type={model_type!r} cannot be trained in Megatron-core: {family.megatron}")
+    experts = int(config.num_moe_experts or 0)
+    width = int(config.moe_ffn_hidden_size or config.ffn_hidden_size) if experts else 0
+    shared = int(getattr(config, "moe_shared_expert_intermediate_size", None) or 0)
+    first_dense = _first_dense_layers(config) if experts else 0
+    out = dict(out, model_type=model_type, use_qk_norm=bool(getattr(config, "qk_layernorm", False)))
+    if experts:
+        out.update(num_local_experts=experts, n_routed_experts=experts, shared_expert_intermediate_size=shared,
+                   n_shared_experts=shared // width if width else 0, first_k_dense_replace=first_dense)
+        if not first_dense:
+            # No dense layer: intermediate_size is free to carry one expert's width, where a family's config
+            # (Mixtral's) names it so.
+            out["intermediate_size"] = width
+    spec = ModelSpec.from_hf_config(out)
+    megatron = {
+        "q/k/v bias (add_qkv_bias)": bool(getattr(config, "add_qkv_bias", False)),
+        "q/k norms (qk_layernorm)": bool(getattr(config, "qk_layernorm", False)),
+        "routed experts (num_moe_experts)": experts,
+        "expert width (moe_ffn_hidden_size)": width,
+        "shared expert width (moe_shared_expert_intermediate_size)": shared,
+        "shared expert gate (moe_shared_expert_gate)": bool(getattr(config, "moe_shared_expert_gate", False)) and shared > 0,
+        "router bias (moe_router_enable_expert_bias)": bool(getattr(config, "moe_router_enable_expert_bias", False)) and experts > 0,
+        "leading dense layers (moe_layer_freq)": first_dense,
+    }
+    ours = {
+        "q/k/v bias (add_qkv_bias)": spec.qkv_bias,
+        "q/k norms (qk_layernorm)": spec.qk_norm,
+        "routed experts (num_moe_experts)": spec.num_experts,
+        "expert width (moe_ffn_hidden_size)": spec.moe_intermediate_size,
+        "shared expert width (moe_shared_expert_intermediate_size)": spec.shared_expert_intermediate_size,
+        "shared expert gate (moe_shared_expert_gate)": spec.has_shared_expert_gate,
+        "router bias (moe_router_enable_expert_bias)": spec.has_router_bias,
+        "leading dense layers (moe_layer_freq)": spec.first_k_dense_replace,
+    }
+    differ = [f"{k}: Megatron {megatron[k]!r}, {spec.family} {ours[k]!r}" for k in megatron if megatron[k] != ours[k]]
+    if differ:
+        raise ValueError(f"the Megatron model is not a {model_type} model as the engine serves it: {'; '.join(differ)}")
     return out

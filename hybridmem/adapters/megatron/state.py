@@ -161,6 +161,10 @@ class MegatronTrainingState:
     attaches_itself = True
     """``ShardingManager`` calls :meth:`attach` itself when it is built."""
 
+    family_from_engine = True
+    """A GPTModel does not say which HF family it is: the manager passes the engine's ``model_type`` to
+    :meth:`model_spec_dict`, which checks the model has that family's tensors."""
+
     @property
     def vocab_size(self) -> int:
         """The unpadded vocab (the padded one when none was given)."""
@@ -232,10 +236,11 @@ class MegatronTrainingState:
         """The vocab the GPTModel was built with (Megatron's ``args.padded_vocab_size``, over all TP ranks)."""
         return int(unwrap_model(self.model_chunks[0]).vocab_size)
 
-    def model_spec_dict(self, *, vocab_size: int | None = None) -> dict[str, Any]:
+    def model_spec_dict(self, *, vocab_size: int | None = None, model_type: str | None = None) -> dict[str, Any]:
         """The HF-style dict of the model (see :func:`megatron_model_spec_dict`), with ``vocab_size``
         the unpadded vocab given at construction, else ``vocab_size`` (the engine's, as the manager passes
-        it), else the padded one.
+        it), else the padded one; ``model_type``: the family the engine serves (the manager passes the
+        engine's), checked against the model's config.
 
         Raises:
             ValueError: ``vocab_size`` exceeds the model's padded vocab.
@@ -249,6 +254,7 @@ class MegatronTrainingState:
             self.config,
             vocab_size=self.vocab_size if self.vocab_size_known or vocab_size is None else vocab_size,
             tie_word_embeddings=bool(getattr(model, "share_embeddings_and_output_weights", False)),
+            model_type=model_type,
         )
 
     def megatron_convention(self) -> Any:

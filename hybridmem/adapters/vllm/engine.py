@@ -351,6 +351,12 @@ class VLLMEngine:
         return cls(llm, accel=accel, **dict(engine_kwargs or {}))
 
     @property
+    def model_type(self) -> str | None:
+        """The served model's HF ``model_type`` (its family, see :mod:`hybridmem.models`), or ``None``."""
+        value = getattr(_attr_path(self.llm, "llm_engine.vllm_config.model_config.hf_config"), "model_type", None)
+        return value if isinstance(value, str) else None
+
+    @property
     def vocab_size(self) -> int | None:
         """The vocabulary of the served model (its HF config's ``vocab_size``)."""
         value = getattr(_attr_path(self.llm, "llm_engine.vllm_config.model_config.hf_config"), "vocab_size", None)
