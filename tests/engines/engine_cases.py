@@ -9,7 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from hybridmem.engines import ReferenceEngine, SamplingParams
 
@@ -29,6 +38,14 @@ CONFIGS = {
     "llama_even": (LlamaConfig, LlamaForCausalLM,
                    dict(_COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                         rope_theta=500000.0, tie_word_embeddings=False)),
+    # Mistral (Llama's blocks), no sliding window.
+    "mistral": (MistralConfig, MistralForCausalLM,
+                dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None,
+                     tie_word_embeddings=False)),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint (loaded through load_weights as stored).
+    "phi3": (Phi3Config, Phi3ForCausalLM,
+             dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)),
 }
 PROMPTS = [[3, 17, 42, 99, 5], [7, 8], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 249, 0]]
 MAX_TOKENS = 10

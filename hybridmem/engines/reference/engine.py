@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hybridmem.accel import get_accelerator
 from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError, blocks_needed
-from hybridmem.engines.reference.layout import place_hf_weight
+from hybridmem.engines.reference.layout import place_hf_weight, split_fused_hf
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
 from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams, make_generator, sample_next
 from hybridmem.engines.reference.spec import tp_shard
@@ -154,17 +154,18 @@ class ReferenceEngine:
             ValueError: A tensor whose shape is not the HF one.
         """
         self._require(WEIGHTS, "load weights")
-        for name, full in weights:
-            placement = place_hf_weight(self.shard, name, full)
-            if placement is None:
-                continue
-            dst = self.model.params[placement.name]
-            dst[placement.rows].copy_(placement.value)
-            start, stop, _ = placement.rows.indices(dst.shape[0])
-            self._written.setdefault(placement.name, []).append((start, stop))
-            if placement.zero_rest:
-                dst[placement.value.shape[0]:].zero_()
-                self._written[placement.name].append((placement.value.shape[0], dst.shape[0]))
+        for fused_name, fused in weights:
+            for name, full in split_fused_hf(self.shard, fused_name, fused):
+                placement = place_hf_weight(self.shard, name, full)
+                if placement is None:
+                    continue
+                dst = self.model.params[placement.name]
+                dst[placement.rows].copy_(placement.value)
+                start, stop, _ = placement.rows.indices(dst.shape[0])
+                self._written.setdefault(placement.name, []).append((start, stop))
+                if placement.zero_rest:
+                    dst[placement.value.shape[0]:].zero_()
+                    self._written[placement.name].append((placement.value.shape[0], dst.shape[0]))
 
     def release(self, tags: Sequence[str]) -> None:
         """Give back the memory of ``tags``: weights by storage resize (no host copy), the KV pool

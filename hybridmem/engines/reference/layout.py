@@ -23,7 +23,9 @@ into it as it writes into vLLM. On rank ``r`` of ``tp`` (sizes from :class:`~.sp
   ``lm_head.weight``).
 
 HF checkpoints name the fused tensors apart (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``);
-:func:`place_hf_weight` maps them as vLLM's ``stacked_params_mapping`` does.
+:func:`place_hf_weight` maps them as vLLM's ``stacked_params_mapping`` does. Phi-3's checkpoints store them
+fused already (``self_attn.qkv_proj.weight`` = [q; k; v], ``mlp.gate_up_proj.weight`` = [gate; up]);
+:func:`split_fused_hf` cuts those into the separate HF tensors first.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from hybridmem.engines.reference.spec import TPShard
 
-__all__ = ["param_shapes", "Placement", "place_hf_weight"]
+__all__ = ["param_shapes", "Placement", "place_hf_weight", "split_fused_hf"]
 
 
 def param_shapes(shard: TPShard) -> dict[str, tuple[int, ...]]:
@@ -84,6 +86,24 @@ _STACKED = {
 }
 _REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def split_fused_hf(shard: TPShard, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, full)]``, or, for a checkpoint tensor that fuses several HF tensors by rows (Phi-3's
+    ``self_attn.qkv_proj.weight`` and ``mlp.gate_up_proj.weight``), its parts under their separate names."""
+    s = shard.spec
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+        _check_shape(name, full, (q + 2 * kv, s.hidden_size))
+        base = name[: -len("qkv_proj.weight")]
+        return [(base + "q_proj.weight", full[:q]), (base + "k_proj.weight", full[q:q + kv]),
+                (base + "v_proj.weight", full[q + kv:])]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        _check_shape(name, full, (2 * s.intermediate_size, s.hidden_size))
+        base = name[: -len("gate_up_proj.weight")]
+        return [(base + "gate_proj.weight", full[: s.intermediate_size]),
+                (base + "up_proj.weight", full[s.intermediate_size:])]
+    return [(name, full)]
 
 
 def _check_shape(name: str, full: torch.Tensor, expected: tuple[int, ...]) -> None:
