@@ -4,9 +4,12 @@
 >>> with manager.inference() as engine:                                               # doctest: +SKIP
 ...     outputs = engine.generate(prompts)
 
-The manager owns no policy of its own: the steps of a switch and their order are in
-:mod:`hybridmem.steps` (see [Note: step order]), the state machine in :mod:`hybridmem.machine`, the
-mechanism that moves bytes in :mod:`hybridmem.offload`.
+The manager is a facade over modules with one job each: the parts built from what the user passed
+(:mod:`hybridmem.parts`), the steps of a switch and their order (:mod:`hybridmem.steps`, [Note: step
+order]), the transaction that runs them, its journal and rollback with signals held (:mod:`hybridmem.txn`,
+[Note: switch transactions]), who holds device memory and the memory plan's budget
+(:mod:`hybridmem.owners`), co-resident models (:mod:`hybridmem.colocate`), the state machine
+(:mod:`hybridmem.machine`) and the mechanism that moves bytes (:mod:`hybridmem.offload`).
 """
 
 from __future__ import annotations
@@ -15,85 +18,35 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
-from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures, get_accelerator
+from hybridmem.accel import Accelerator, MemoryFigures, get_accelerator
 from hybridmem.architecture import check_architecture
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
-from hybridmem.errors import MemoryPlanError, PhaseError, RollbackError, SwitchError, switch_error
+from hybridmem.errors import MemoryPlanError, PhaseError, SwitchError, switch_error
 from hybridmem.guards import TrainingGuard
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.machine import PhaseMachine
-from hybridmem.memplan import MemoryPlan, StepEstimate, plan_switch
+from hybridmem.memplan import MemoryPlan, StepEstimate
 from hybridmem.offload import Offloader, OffloadState
 from hybridmem.parts import resolve_layouts, training_state_of
 from hybridmem.phase import Direction, Phase
-from hybridmem.report import StepReport, SwitchReport
+from hybridmem.report import SwitchReport
 from hybridmem.residency import ResidencyReport
-from hybridmem.steps import (
-    EmptyCacheStep,
-    EngineReleaseStep,
-    EngineResumeStep,
-    OffloadStep,
-    OnloadStep,
-    SwitchStep,
-    ToInferOrder,
-    ToTrainOrder,
-    WeightSyncStep,
-)
+from hybridmem.owners import DeviceOwners
+from hybridmem.steps import SwitchStep, switch_steps
 from hybridmem.sync import WeightSync, default_weight_sync
 from hybridmem.training_state import TrainingState
-from hybridmem.txn import HeldSignals
+from hybridmem.txn import HeldSignals, SwitchRun, roll_back, run_steps
 
 __all__ = ["ShardingManager"]
 
 log = logging.getLogger(__name__)
-
-_OWNER = {
-    StateKind.PARAM: "train param",
-    StateKind.GRAD: "train grad",
-    StateKind.OPTIMIZER: "optimizer",
-}
-_ENGINE_OWNER = {WEIGHTS: "engine weights", KV_CACHE: "kv cache"}
-
-
-# [Note: switch transactions]
-# A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
-# journal (``_Run.entered``); the step then records its own irreversible acts before doing them (an
-# offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
-# journal] in hybridmem.offload.base; an engine's release frees every storage of a tag whatever state it
-# believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
-# KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] in
-# hybridmem.txn), every entered step is undone in reverse, the failed one included, and each undo works
-# from whatever part of its step was done: nothing is undone from what a step was *supposed* to have
-# done. INFER->TRAIN steps are re-runnable from any partial state, so a failure there leaves FAILED and
-# ``recover()`` runs them all again. The whole switch runs with SIGINT/SIGTERM held, so no undo is itself
-# interrupted by one. tests/test_fault_injection.py injects a failure at every call a switch makes into
-# torch, the host pool and the engine, and checks the training state after each.
-
-
-@dataclass
-class _Run:
-    """What :meth:`ShardingManager._execute` did (see [Note: switch transactions])."""
-
-    entered: list[SwitchStep]
-    """Steps started, in order (the last one may have failed or been interrupted)."""
-    reports: list[StepReport]
-    failed_step: SwitchStep | None = None
-    error: BaseException | None = None
-    interrupted: bool = False
-    """A held signal was pending between steps (TRAIN->INFER stops there and rolls back)."""
-    interrupted_before: SwitchStep | None = None
-    """The step not started because of it (``None`` with ``interrupted``: after the last step)."""
-    tracked_peak_nbytes: int = 0
-
 
 def _add_note(exc: BaseException, note: str) -> None:
     add = getattr(exc, "add_note", None)  # Python >= 3.11
@@ -170,7 +123,6 @@ class ShardingManager:
             weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
-        self._extra_owners: dict[str, tuple[Callable[[], int], tuple[Phase, ...]]] = {}
         self._machine = PhaseMachine()
         targets = getattr(self.training, "guard_targets", None)
         modules, optimizers = targets() if callable(targets) else ([], [])
@@ -181,6 +133,9 @@ class ShardingManager:
             bind(lambda: self.phase)
         self.coresidents: dict[str, CoResident] = {}
         """Co-resident models by name (see [Note: co-resident phases])."""
+        self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
+                                   self.config.device_memory_budget_bytes)
+        """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.owners`)."""
         self.last_reports: dict[Direction, SwitchReport] = {}
         """The latest report of each direction."""
         self.last_report: SwitchReport | None = None
@@ -217,84 +172,27 @@ class ShardingManager:
 
     def register_owner(self, name: str, resident_nbytes: Callable[[], int], *, empty_in: tuple[Phase, ...] = ()) -> None:
         """Count ``resident_nbytes()`` as owner ``name`` in residency reports; a leftover in ``empty_in``."""
-        if name in self._owner_nbytes():
-            raise ValueError(f"owner {name!r} is already registered")
-        self._extra_owners[name] = (resident_nbytes, tuple(empty_in))
+        self.owners.register(name, resident_nbytes, empty_in=empty_in)
 
     def steps(self, direction: Direction) -> list[SwitchStep]:
         """The steps a switch in ``direction`` runs now, in order (see [Note: step order])."""
         direction = Direction(direction)
-        items: list[tuple[int, SwitchStep]] = []
-        offloadable = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in self.offloaders and self._enabled[k]]
-        if direction is Direction.TO_INFER:
-            items += [(ToInferOrder[k.name], OffloadStep(self.offloaders[k])) for k in offloadable]
-            items.append((ToInferOrder.EMPTY_CACHE, EmptyCacheStep(self.accel)))
-            if self.engine is not None:
-                items.append((ToInferOrder.ENGINE_WEIGHTS, EngineResumeStep(self.engine, WEIGHTS)))
-                if self.weight_sync is not None:
-                    items.append((ToInferOrder.WEIGHT_SYNC, WeightSyncStep(self.weight_sync)))
-                items.append((ToInferOrder.KV_CACHE, EngineResumeStep(self.engine, KV_CACHE)))
-        else:
-            items += [(ToTrainOrder[k.name], OnloadStep(self.offloaders[k])) for k in offloadable]
-            if self.engine is not None:
-                items.append((ToTrainOrder.KV_CACHE, EngineReleaseStep(self.engine, KV_CACHE)))
-                items.append((ToTrainOrder.ENGINE_WEIGHTS, EngineReleaseStep(self.engine, WEIGHTS)))
-        items += self._extra_steps[direction]
-        return [step for _, step in sorted(items, key=lambda item: item[0])]
-
-    def _owner_nbytes(self) -> dict[str, int]:
-        owners = {_OWNER.get(k, str(k)): off.resident_nbytes() for k, off in self.offloaders.items()}
-        if self.engine is not None:
-            for tag, name in _ENGINE_OWNER.items():
-                fn = getattr(self.engine, "resident_nbytes", None)
-                owners[name] = int(fn(tag)) if callable(fn) else 0
-        for name, (fn, _) in self._extra_owners.items():
-            owners[name] = int(fn())
-        for name, co in self.coresidents.items():
-            owners[name] = co.resident_nbytes()
-        return owners
+        return switch_steps(direction, offloaders=self.offloaders, enabled=self._enabled, accel=self.accel,
+                            engine=self.engine, weight_sync=self.weight_sync, extra=self._extra_steps[direction])
 
     def memory(self) -> MemoryFigures:
         """Device memory figures now (on CPU, "allocated" is the sum over known owners)."""
-        return self.accel.memory_figures(sum(self._owner_nbytes().values()))
+        return self.owners.memory()
 
     def residency(self) -> ResidencyReport:
         """Device bytes by owner now; owners that should be empty in the current phase are flagged."""
-        owners = self._owner_nbytes()
-        figures = self.accel.memory_figures(sum(owners.values()))
-        expected_empty: list[str] = []
-        if self.phase is Phase.INFER:
-            expected_empty += [_OWNER[k] for k in self.offloaders if self._enabled.get(k) and k in _OWNER]
-        if self.phase is Phase.TRAIN:
-            expected_empty += list(_ENGINE_OWNER.values())
-        expected_empty += [n for n, (_, phases) in self._extra_owners.items() if self.phase in phases]
-        expected_empty += [n for n, co in self.coresidents.items() if co.state is CoResidentState.OFFLOADED]
-        return ResidencyReport(
-            phase=self.phase,
-            by_owner=owners,
-            allocated_nbytes=figures.allocated_nbytes,
-            reserved_nbytes=figures.reserved_nbytes,
-            expected_empty=tuple(expected_empty),
-            device_used_nbytes=(figures.total_nbytes - figures.free_nbytes
-                                if self.accel.measures_device_memory else None),
-        )
+        return self.owners.residency(self.phase)
 
     def plan(self, direction: Direction, steps: list[SwitchStep] | None = None) -> MemoryPlan:
         """The predicted memory curve of a switch in ``direction`` from the current state."""
         direction = Direction(direction)
         steps = self.steps(direction) if steps is None else steps
-        return self._plan(direction, [(s.name, s.estimate()) for s in steps])
-
-    def _plan(self, direction: Direction, estimates: list[tuple[str, StepEstimate]]) -> MemoryPlan:
-        figures = self.memory()
-        if self.config.device_memory_budget_bytes is not None:
-            budget, source = self.config.device_memory_budget_bytes, "device_memory_budget_bytes"
-        elif isinstance(self.accel, CpuAccelerator):
-            budget, source = figures.total_nbytes, "cpu capacity_nbytes"
-        else:
-            budget = figures.allocated_nbytes + figures.free_nbytes + figures.cached_nbytes
-            source = "allocated + device free + allocator cache"
-        return plan_switch(direction, figures.allocated_nbytes, estimates, budget_nbytes=budget, budget_source=source)
+        return self.owners.plan(direction, [(s.name, s.estimate()) for s in steps])
 
     # Co-resident models ---------------------------------------------------------------------------
     def add_coresident(self, name: str, model: Any) -> CoResident:
@@ -307,8 +205,9 @@ class ShardingManager:
             ValueError: ``name`` is taken by another owner.
         """
         self._check_phase(f"add co-resident {name!r}", Phase.TRAIN)
-        if name in self._owner_nbytes():
-            raise ValueError(f"owner name {name!r} is already taken; taken: {sorted(self._owner_nbytes())}")
+        taken = self.owners.nbytes()
+        if name in taken:
+            raise ValueError(f"owner name {name!r} is already taken; taken: {sorted(taken)}")
         co = CoResident(name, model, self.accel, self.pool)
         co.offload()
         self.coresidents[name] = co
@@ -333,7 +232,7 @@ class ShardingManager:
         if co.state is CoResidentState.ONLOADED:
             raise PhaseError(f"onload co-resident {name!r}", self.phase, "it is already onloaded (nested onloaded())")
         direction = Direction.TO_INFER if self.phase is Phase.INFER else Direction.TO_TRAIN
-        plan = self._plan(direction, [(f"onload {name}", StepEstimate(alloc_nbytes=co.live_nbytes()))])
+        plan = self.owners.plan(direction, [(f"onload {name}", StepEstimate(alloc_nbytes=co.live_nbytes()))])
         if not plan.fits:
             raise MemoryPlanError(plan)
         co.onload()
@@ -381,9 +280,9 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = self._execute(Direction.TO_INFER, steps, before, held)
+        run = run_steps(Direction.TO_INFER, steps, before=before, held=held, accel=self.accel, memory=self.memory)
         if run.error is not None or run.interrupted:
-            self._rollback(run)
+            roll_back(run, machine=self._machine, guard=self._guard)
             return None
         self._machine.fire("end_infer", operation="finish the switch to INFER")
         self._guard.arm()
@@ -424,7 +323,7 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = self._execute(Direction.TO_TRAIN, steps, before, held)
+        run = run_steps(Direction.TO_TRAIN, steps, before=before, held=held, accel=self.accel, memory=self.memory)
         if run.error is not None:
             self._machine.fire("fail", operation="record a failed switch")
             self._guard.arm()
@@ -496,84 +395,10 @@ class ShardingManager:
         if onloaded:
             raise PhaseError(operation, self.phase, f"co-resident {onloaded} is onloaded; leave onloaded() first")
 
-    def _execute(self, direction: Direction, steps: list[SwitchStep], before: MemoryFigures, held: HeldSignals) -> _Run:
-        """Run ``steps`` in order, journaling each before it starts (see [Note: switch transactions])."""
-        self.accel.reset_peak()
-        run = _Run(entered=[], reports=[], tracked_peak_nbytes=before.allocated_nbytes)
-        for step in [*steps, None]:
-            if held.pending and direction is Direction.TO_INFER:
-                run.interrupted, run.interrupted_before = True, step
-                return run
-            if step is None:
-                break
-            run.entered.append(step)
-            start = time.perf_counter()
-            try:
-                with record_function(f"hybridmem.{direction.value}.{step.name}"):
-                    result = step.run()
-            except BaseException as exc:  # noqa: BLE001 - handled by the caller (rollback or FAILED)
-                run.failed_step, run.error = step, exc
-                return run
-            seconds = time.perf_counter() - start
-            after = self.memory()
-            run.tracked_peak_nbytes = max(run.tracked_peak_nbytes, after.allocated_nbytes)
-            run.reports.append(
-                StepReport(
-                    name=step.name,
-                    kind=result.kind,
-                    seconds=seconds,
-                    copied_nbytes=result.copied_nbytes,
-                    zero_nbytes=result.zero_nbytes,
-                    allocated_after_nbytes=after.allocated_nbytes,
-                    extra=result.extra,
-                )
-            )
-        return run
-
-    def _rollback(self, run: _Run) -> None:
-        """Undo every entered step in reverse, the failed one included (see [Note: switch transactions]);
-        then raise, unless a held signal stopped the switch (delivered when the hold ends)."""
-        cause = run.error
-        what = (
-            f"TRAIN->INFER step {run.failed_step.name!r} failed ({run.error!r})"
-            if run.failed_step is not None
-            else f"TRAIN->INFER was interrupted by a signal "
-            f"{'after its last step' if run.interrupted_before is None else f'before step {run.interrupted_before.name!r}'}"
-        )
-        failed_name = run.failed_step.name if run.failed_step is not None else "(between steps)"
-        self._machine.fire("begin_rollback", operation="roll back")
-        for step in reversed(run.entered):
-            try:
-                step.undo()
-            except BaseException as undo_exc:  # noqa: BLE001
-                self._machine.fire("fail", operation="record a failed rollback")
-                self._guard.arm()
-                raise RollbackError(
-                    f"{what} and undoing {step.name!r} failed too ({undo_exc!r}). Phase is FAILED; no training "
-                    f"state is lost (offloaded bytes stay in host arenas); call recover() once the cause is fixed",
-                    direction="to_infer",
-                    step=failed_name,
-                    phase_after=self.phase,
-                ) from (cause if cause is not None else undo_exc)
-        self._machine.fire("end_rollback", operation="finish the rollback")
-        if cause is None:
-            return
-        if not isinstance(cause, Exception):
-            raise cause  # KeyboardInterrupt and the like: rolled back, re-raised as is
-        undone = ", ".join(s.name for s in reversed(run.entered)) or "nothing"
-        raise switch_error(
-            f"TRAIN->INFER step {failed_name!r} failed: {cause!r}. Rolled back ({undone}); phase is TRAIN with "
-            f"all training state on the device",
-            direction="to_infer",
-            step=failed_name,
-            phase_after=self.phase,
-            cause=cause,
-        ) from cause
-
     def _report(
         self,
         direction: Direction,
-        run: _Run,
+        run: SwitchRun,
         before: MemoryFigures,
         start: float,
         plan: MemoryPlan,

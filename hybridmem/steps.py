@@ -23,7 +23,7 @@ INFER->TRAIN releases first and onloads after:
 
 Every TRAIN->INFER step has an ``undo`` (offload <-> onload, resume <-> release, sync: nothing), so a
 failure at step k undoes steps k..1 in reverse, step k included, from whatever part of it was done
-(see [Note: switch transactions] in hybridmem.manager). INFER->TRAIN steps need no undo: if one fails,
+(see [Note: switch transactions] in hybridmem.txn). INFER->TRAIN steps need no undo: if one fails,
 the manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op
 when already done and finishes what an interrupted run left.
 """
@@ -34,6 +34,7 @@ import logging
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -43,6 +44,7 @@ from hybridmem.errors import WeightCoverageError
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import StepEstimate
 from hybridmem.offload import Offloader
+from hybridmem.phase import Direction
 from hybridmem.sync import WeightSync
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "EngineReleaseStep",
     "WeightSyncStep",
     "EmptyCacheStep",
+    "switch_steps",
 ]
 
 
@@ -282,3 +285,28 @@ class EmptyCacheStep(SwitchStep):
         start = time.perf_counter()
         self.accel.empty_cache()
         return StepResult(seconds=time.perf_counter() - start)
+
+
+def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],
+                 accel: Accelerator, engine: InferenceEngine | None, weight_sync: WeightSync | None,
+                 extra: Iterable[tuple[int, SwitchStep]] = ()) -> list[SwitchStep]:
+    """The steps of a switch in ``direction``, in order (see [Note: step order]): offloading (onloading)
+    the enabled kinds, emptying the allocator cache, the engine's tags and the weight sync, and the
+    ``(order, step)`` pairs registered by adapters, sorted by :class:`ToInferOrder` / :class:`ToTrainOrder`."""
+    items: list[tuple[int, SwitchStep]] = []
+    kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in offloaders and enabled.get(k)]
+    if direction is Direction.TO_INFER:
+        items += [(ToInferOrder[k.name], OffloadStep(offloaders[k])) for k in kinds]
+        items.append((ToInferOrder.EMPTY_CACHE, EmptyCacheStep(accel)))
+        if engine is not None:
+            items.append((ToInferOrder.ENGINE_WEIGHTS, EngineResumeStep(engine, WEIGHTS)))
+            if weight_sync is not None:
+                items.append((ToInferOrder.WEIGHT_SYNC, WeightSyncStep(weight_sync)))
+            items.append((ToInferOrder.KV_CACHE, EngineResumeStep(engine, KV_CACHE)))
+    else:
+        items += [(ToTrainOrder[k.name], OnloadStep(offloaders[k])) for k in kinds]
+        if engine is not None:
+            items.append((ToTrainOrder.KV_CACHE, EngineReleaseStep(engine, KV_CACHE)))
+            items.append((ToTrainOrder.ENGINE_WEIGHTS, EngineReleaseStep(engine, WEIGHTS)))
+    items += list(extra)
+    return [step for _, step in sorted(items, key=lambda item: item[0])]

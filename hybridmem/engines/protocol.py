@@ -16,7 +16,7 @@ An engine's device memory is split by tag, as vLLM's sleep mode splits it:
 ``resume`` must be all-or-nothing: if it fails halfway it gives back what it took and re-raises, so
 the switch's rollback sees the engine exactly as before the call. ``release`` must free every storage
 of a tag whatever state the engine believes the tag is in: a rollback calls it after a resume that was
-interrupted at any point (see [Note: switch transactions] in hybridmem.manager).
+interrupted at any point (see [Note: switch transactions] in hybridmem.txn).
 """
 
 from __future__ import annotations

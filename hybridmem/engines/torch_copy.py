@@ -97,7 +97,7 @@ class TorchCopyEngine:
 
     def release(self, tags: Sequence[str]) -> None:
         """Free every storage of ``tags``, whatever state the tag is in (an interrupted resume may have
-        grown some; see [Note: switch transactions] in hybridmem.manager). Idempotent."""
+        grown some; see [Note: switch transactions] in hybridmem.txn). Idempotent."""
         for tag in check_tags(tags):
             for storage, _ in self._storages(tag):
                 storage.resize_(0)

@@ -29,7 +29,7 @@ restores all of it whatever subset was freed (re-growing a storage that was neve
 the copy writes the same bytes back). Onload is just as re-runnable: it keeps the record until every copy
 has completed, so an onload interrupted at any point is finished by calling it again. Nothing decides
 what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
-and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.manager`).
+and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.txn`).
 
 A held arena is never handed out for a new offload or dropped (``HostBufferPool`` refuses), so an
 arena holding the only copy of some bytes cannot be overwritten whatever state an offloader believes
