@@ -26,7 +26,7 @@ from hybridmem.accel import Accelerator, MemoryFigures, get_accelerator
 from hybridmem.architecture import check_architecture
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
+from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of, check_kv_utilization
 from hybridmem.errors import MemoryPlanError, PhaseError, SwitchError, switch_error
 from hybridmem.guards import TrainingGuard
 from hybridmem.host_pool import HostBufferPool
@@ -109,6 +109,8 @@ class ShardingManager:
         """The config, its layout keys resolved from the parts (see [Note: layouts from the parts])."""
         check_kv_utilization(engine, self.config)
         self.engine = engine
+        self.engine_capabilities = capabilities_of(engine) if engine is not None else None
+        """What the engine declares it can do ([Note: engine capabilities]); checked against its methods here."""
         self.pool = HostBufferPool(
             self.accel, budget_nbytes=self.config.host_memory_budget_bytes, pin=self.config.pin_memory
         )
@@ -128,9 +130,8 @@ class ShardingManager:
         modules, optimizers = targets() if callable(targets) else ([], [])
         self._guard = TrainingGuard(lambda: self.phase, modules, optimizers)
         """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
-        bind = getattr(engine, "bind_phase", None)
-        if callable(bind):
-            bind(lambda: self.phase)
+        if self.engine_capabilities is not None and self.engine_capabilities.binds_phase:
+            engine.bind_phase(lambda: self.phase)
         self.coresidents: dict[str, CoResident] = {}
         """Co-resident models by name (see [Note: co-resident phases])."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
@@ -150,10 +151,9 @@ class ShardingManager:
         """The manager starts in TRAIN, where the engine holds no memory: an engine handed over awake (a
         ``ReferenceEngine`` is built so) has its weights and KV cache released now; they are derived
         state, rewritten by every TRAIN->INFER switch."""
-        resident = getattr(self.engine, "resident_nbytes", None)
-        if not callable(resident):
+        if self.engine_capabilities is None or not self.engine_capabilities.reports_residency:
             return
-        awake = [tag for tag in (KV_CACHE, WEIGHTS) if resident(tag)]
+        awake = [tag for tag in (KV_CACHE, WEIGHTS) if self.engine.resident_nbytes(tag)]
         if awake:
             log.info("hybridmem: releasing the engine's %s (the manager starts in TRAIN)", awake)
             self.engine.release(awake)

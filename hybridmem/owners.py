@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures
 from hybridmem.colocate import CoResident, CoResidentState
+from hybridmem.engines.protocol import capabilities_of
 from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS, StateKind
 from hybridmem.memplan import MemoryPlan, StepEstimate, plan_switch
 from hybridmem.offload import Offloader
@@ -68,9 +69,9 @@ class DeviceOwners:
         """Device bytes held now, by owner."""
         owners = {OFFLOADER_OWNERS.get(k, str(k)): off.resident_nbytes() for k, off in self.offloaders.items()}
         if self.engine is not None:
-            fn = getattr(self.engine, "resident_nbytes", None)
+            reports = capabilities_of(self.engine).reports_residency
             for tag, name in ENGINE_OWNERS.items():
-                owners[name] = int(fn(tag)) if callable(fn) else 0
+                owners[name] = int(self.engine.resident_nbytes(tag)) if reports else 0
         for name, (fn, _) in self._extra.items():
             owners[name] = int(fn())
         for name, co in self.coresidents.items():

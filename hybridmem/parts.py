@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridmem.config import HybridConfig, ParallelLayout
+from hybridmem.engines.protocol import capabilities_of
 from hybridmem.errors import ConfigError
 from hybridmem.training_state import TorchTrainingState, TrainingState
 
@@ -70,7 +71,7 @@ def resolve_layouts(config: HybridConfig, training: TrainingState, engine: Any) 
     sides = ((training, TRAIN_LAYOUT_KEYS, "the training state"), (engine, INFER_LAYOUT_KEYS, "the engine"))
     for part, keys, what in sides:
         reported = _reported(part)
-        if part is engine and not reported and getattr(engine, "loads_training_names", False):
+        if part is engine and not reported and capabilities_of(engine).loads_training_names:
             # A copy of the training module (TorchCopyEngine) is laid out as training is.
             reported = {f: getattr(config, TRAIN_LAYOUT_KEYS[f]) or changes.get(TRAIN_LAYOUT_KEYS[f], 1)
                         for f in TRAIN_LAYOUT_KEYS}

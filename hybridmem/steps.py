@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from hybridmem.accel import Accelerator
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine
+from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of
 from hybridmem.errors import WeightCoverageError
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import StepEstimate
@@ -172,16 +172,16 @@ class OnloadStep(SwitchStep):
 
 
 def _engine_nbytes(engine: InferenceEngine, method: str, tag: str) -> int:
-    fn = getattr(engine, method, None)
-    return int(fn(tag)) if callable(fn) else 0
+    return int(getattr(engine, method)(tag)) if capabilities_of(engine).reports_residency else 0
 
 
 def _memory_extra(engine: InferenceEngine) -> dict:
     """Report extras of an engine whose release frees no memory (``frees_memory = False``, e.g. vLLM's
     CPU backend, which has no sleep mode), so a report never claims freed bytes it did not free."""
-    if getattr(engine, "frees_memory", True):
+    caps = capabilities_of(engine)
+    if caps.frees_memory:
         return {}
-    return {"frees_memory": False, "note": str(getattr(engine, "memory_note", "the engine frees no memory"))}
+    return {"frees_memory": False, "note": caps.memory_note or "the engine frees no memory"}
 
 
 _TAG_KIND = {WEIGHTS: StateKind.ENGINE_WEIGHTS, KV_CACHE: StateKind.KV_CACHE}

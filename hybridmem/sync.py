@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from hybridmem.engines.protocol import InferenceEngine
+from hybridmem.engines.protocol import InferenceEngine, capabilities_of
 from hybridmem.reshard import ModelSpec, ReshardSync
 from hybridmem.weight_sync import LoadWeightsSync, SyncStats, WeightSync, engine_unwritten
 
@@ -120,7 +120,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
     """
     # A sharded HF-named source (FSDP2) cannot be streamed as is, even into an equal layout.
     sharded = bool(getattr(training, "needs_reshard", False))
-    if model_spec is None and getattr(engine, "loads_training_names", False) and not sharded:
+    if model_spec is None and capabilities_of(engine).loads_training_names and not sharded:
         _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
         return LoadWeightsSync(training.named_weights, engine)
     if model_spec is None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridmem.engines.protocol import capabilities_of
+
 if TYPE_CHECKING:
     from hybridmem.engines.protocol import InferenceEngine
 
@@ -137,7 +139,6 @@ def engine_dtypes(engine: Any) -> set[torch.dtype]:
 
 def engine_unwritten(engine: Any) -> tuple[tuple[str, ...], bool]:
     """``(engine tensors not entirely written by load_weights, whether the engine could tell)``."""
-    fn = getattr(engine, "unwritten_weights", None)
-    if not callable(fn):
+    if not capabilities_of(engine).reports_weight_coverage:
         return (), False
-    return tuple(fn()), True
+    return tuple(engine.unwritten_weights()), True

@@ -22,6 +22,7 @@ interrupted at any point (see [Note: switch transactions] in hybridmem.txn).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -29,7 +30,8 @@ import torch
 from hybridmem.errors import ConfigError
 from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 
-__all__ = ["InferenceEngine", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS", "check_kv_utilization"]
+__all__ = ["InferenceEngine", "EngineCapabilities", "capabilities_of", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS",
+           "check_kv_utilization"]
 
 
 @runtime_checkable
@@ -59,6 +61,67 @@ class InferenceEngine(Protocol):
 
     def resume(self, tags: Sequence[str]) -> None:
         """Take back the device memory of ``tags``; all-or-nothing."""
+
+
+# [Note: engine capabilities]
+# What an engine can do beyond the three methods is declared, not probed: an engine's ``capabilities``
+# attribute is an EngineCapabilities, and every caller (the steps, the weight syncs, the residency
+# report) reads capabilities_of(engine). A declared capability whose method is missing is a TypeError
+# naming both, raised when the manager is built. An engine that declares nothing (a third-party object
+# implementing the protocol) gets its capabilities read once from the methods it has.
+
+
+_METHODS = {
+    "writes_in_place": ("named_parameters",),
+    "reports_weight_coverage": ("unwritten_weights",),
+    "reports_residency": ("resident_nbytes", "planned_nbytes"),
+    "binds_phase": ("bind_phase",),
+}
+"""The methods each capability promises."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineCapabilities:
+    """What an engine declares it can do (see [Note: engine capabilities])."""
+
+    frees_memory: bool = True
+    """``release`` gives device memory back (False: vLLM's CPU backend, which has no sleep mode)."""
+    memory_note: str = ""
+    """What ``release`` does to device memory, in words, when it frees none (for switch reports)."""
+    writes_in_place: bool = False
+    """``named_parameters()`` gives the engine's own weight tensors, which a resharding sync may write."""
+    reports_weight_coverage: bool = False
+    """``unwritten_weights()`` lists weights ``load_weights`` has not written since they were resumed."""
+    reports_residency: bool = False
+    """``resident_nbytes(tag)`` / ``planned_nbytes(tag)`` give its device bytes per tag."""
+    keeps_addresses: bool = False
+    """Weight tensors keep their device addresses across ``release``/``resume`` (CuMemAllocator re-maps)."""
+    loads_training_names: bool = False
+    """``load_weights`` takes the training model's own names and layout (a copy of the module)."""
+    binds_phase: bool = False
+    """``bind_phase(phase)`` takes the manager's phase, named when the engine refuses work."""
+
+
+def capabilities_of(engine: Any) -> EngineCapabilities:
+    """The engine's declared :class:`EngineCapabilities`, or, when it declares none, what its methods offer.
+
+    Raises:
+        TypeError: The engine declares a capability whose method it lacks (naming both).
+    """
+    declared = getattr(engine, "capabilities", None)
+    if isinstance(declared, EngineCapabilities):
+        for capability, methods in _METHODS.items():
+            missing = [m for m in methods if getattr(declared, capability) and not callable(getattr(engine, m, None))]
+            if missing:
+                raise TypeError(f"{type(engine).__name__}.capabilities declares {capability}=True but the engine has "
+                                f"no callable {missing}")
+        return declared
+    if declared is not None:
+        raise TypeError(f"{type(engine).__name__}.capabilities must be an EngineCapabilities, got {type(declared).__name__}")
+    has = {c: all(callable(getattr(engine, m, None)) for m in ms) for c, ms in _METHODS.items()}
+    frees = bool(getattr(engine, "frees_memory", True))
+    return EngineCapabilities(frees_memory=frees, memory_note=str(getattr(engine, "memory_note", "") or ""),
+                              loads_training_names=bool(getattr(engine, "loads_training_names", False)), **has)
 
 
 _NO_ATTRIBUTE = object()

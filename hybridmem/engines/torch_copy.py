@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS
+from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.errors import PhaseError
 
 __all__ = ["TorchCopyEngine", "EngineMemoryState"]
@@ -53,6 +53,9 @@ class TorchCopyEngine:
     loads_training_names = True
     """Its ``load_weights`` takes the training model's own names and layout (it is a copy of the module),
     so the default weight sync streams the training state's ``named_weights()`` into it as they are."""
+    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
+                                      loads_training_names=True, binds_phase=True)
+    """See [Note: engine capabilities] in :mod:`hybridmem.engines.protocol`."""
 
     def __init__(self, module: torch.nn.Module, *, kv_cache_nbytes: int = 0):
         if kv_cache_nbytes < 0:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
+from hybridmem.engines.protocol import capabilities_of
 from hybridmem.reshard.checksum import CellChecksums
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout, looks_hf_named
@@ -71,7 +72,7 @@ class ReshardSync(WeightSync):
         self.source = source
         self.engine = engine
         self.verify = verify
-        self.in_place = callable(getattr(engine, "named_parameters", None))
+        self.in_place = capabilities_of(engine).writes_in_place
         sources = self._sources_of(source)
         if isinstance(src, ParallelLayout) and looks_hf_named(sources):
             if (src.tp, src.pp, src.ep) != (1, 1, 1):

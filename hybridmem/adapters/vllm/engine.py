@@ -68,7 +68,7 @@ from hybridmem.adapters.vllm.outputs import (
     to_vllm_sampling_kwargs,
 )
 from hybridmem.adapters.vllm.worker import identity, load_bucket, probe_worker, reprocess_weights
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS
+from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.sampling import GenerationOutput
 from hybridmem.engines.torch_copy import check_tags
 from hybridmem.errors import PhaseError
@@ -229,6 +229,13 @@ class VLLMEngine:
         self._reprocess_pending = False
         (self.worker_info,) = llm.collective_rpc(probe_worker)
         self._check_own_layout(check_names)
+        self.capabilities = EngineCapabilities(
+            frees_memory=self.frees_memory, memory_note=self.memory_note,
+            writes_in_place=not self.worker_info.repacked, reports_residency=True,
+            keeps_addresses=True,  # CuMemAllocator re-maps a woken pool at the same addresses
+        )
+        """See [Note: engine capabilities] in :mod:`hybridmem.engines.protocol`; ``writes_in_place`` is off
+        where the backend repacks its parameters after loading (vLLM's CPU build)."""
         hint = dict(nbytes_hint or {}) if self.frees_memory else {}
         check_tags(list(hint))
         self._nbytes: dict[str, int] = {t: int(hint.get(t, 0)) for t in ENGINE_TAGS}

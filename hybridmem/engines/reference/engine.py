@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS
+from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError, blocks_needed
 from hybridmem.engines.reference.layout import place_hf_weight, split_fused_hf
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
@@ -73,6 +73,10 @@ class ReferenceEngine:
     Raises:
         ValueError: A bad argument, or a model that ``group``'s size cannot split.
     """
+
+    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
+                                      binds_phase=True)
+    """See [Note: engine capabilities] in :mod:`hybridmem.engines.protocol`."""
 
     def __init__(
         self,

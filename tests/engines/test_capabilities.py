@@ -1,0 +1,67 @@
+"""Engines declare what they can do (EngineCapabilities); a declaration the engine cannot keep is refused
+when the manager is built, and an engine that declares nothing gets what its methods offer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem import HybridConfig, ShardingManager
+from hybridmem.engines import TorchCopyEngine
+from hybridmem.engines.protocol import EngineCapabilities, capabilities_of
+
+
+class _Minimal:
+    """Only the three protocol methods."""
+
+    def load_weights(self, weights):
+        for _ in weights:
+            pass
+
+    def release(self, tags):
+        pass
+
+    def resume(self, tags):
+        pass
+
+
+class _Claims(_Minimal):
+    capabilities = EngineCapabilities(writes_in_place=True, reports_residency=True)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_a_capability_without_its_method_is_refused_at_construction():
+    model, opt = _model()
+    with pytest.raises(TypeError, match=r"_Claims.capabilities declares writes_in_place=True but the engine has no "
+                                        r"callable \['named_parameters'\]"):
+        ShardingManager(model, _Claims(), optimizer=opt, config=HybridConfig(device="cpu"))
+
+
+def test_an_engine_declaring_nothing_gets_what_its_methods_offer():
+    caps = capabilities_of(_Minimal())
+    assert caps == EngineCapabilities()
+    assert not (caps.writes_in_place or caps.reports_residency or caps.reports_weight_coverage)
+
+
+def test_the_copy_engine_declares_its_capabilities_and_the_manager_uses_them():
+    model, opt = _model()
+    engine = TorchCopyEngine(model)
+    assert capabilities_of(engine).loads_training_names and capabilities_of(engine).reports_weight_coverage
+    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"))
+    assert manager.engine_capabilities is engine.capabilities
+    with manager.inference():
+        # The residency report reads the engine's bytes because the engine says it reports them.
+        assert manager.residency().by_owner["engine weights"] == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_a_wrong_type_of_declaration_is_named():
+    class Bad(_Minimal):
+        capabilities = {"writes_in_place": True}
+
+    with pytest.raises(TypeError, match="Bad.capabilities must be an EngineCapabilities, got dict"):
+        capabilities_of(Bad())
