@@ -638,3 +638,29 @@ def test_gpu_memory_utilization_must_be_the_share_vllm_was_built_with(fake_vllm)
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0\.4 .*expected 0\.5, the share the VLLMEngine"):
         ShardingManager(model, engine, config=HybridConfig(gpu_memory_utilization=0.4))
     ShardingManager(model, engine, config=HybridConfig(gpu_memory_utilization=0.5))
+
+
+def test_weights_content_is_one_state(reprocess_calls):
+    """An in-place update owes a prefix reset and a reprocess; a KV resume pays the first, the next
+    generation the second; a level-2 sleep makes the weights stale until a load."""
+    from hybridmem.adapters.vllm.engine import WeightsContent
+
+    llm, engine = _mla_engine(use_mla=True)
+    engine.resume(["weights"])
+    engine.load_weights(TinyNet().named_parameters())
+    assert engine.weights is WeightsContent.CURRENT and len(reprocess_calls) == 1
+    for _, p in engine.named_parameters():
+        p.data.add_(0.0)
+    assert engine.weights is WeightsContent.UPDATED
+    resets = sum(c == ("reset_prefix_cache",) for c in llm.calls)
+    engine.resume(["kv_cache"])
+    assert engine.weights is WeightsContent.REPROCESS_OWED
+    assert sum(c == ("reset_prefix_cache",) for c in llm.calls) == resets + 1
+    engine.generate([[5, 6]], SamplingParams(max_tokens=2))
+    assert engine.weights is WeightsContent.CURRENT and len(reprocess_calls) == 2
+    assert sum(c == ("reset_prefix_cache",) for c in llm.calls) == resets + 1  # not reset twice
+    engine.release(["kv_cache", "weights"])
+    assert engine.weights is WeightsContent.STALE
+    engine.resume(["weights", "kv_cache"])
+    with pytest.raises(PhaseError, match="phase STALE; the weights were discarded by a sleep"):
+        engine.generate([[5, 6]], SamplingParams(max_tokens=2))

@@ -91,6 +91,21 @@ class TagState(Enum):
     """Unmapped, contents discarded."""
 
 
+class WeightsContent(Enum):
+    """What the served weights hold, and what vLLM owes them before the next generation."""
+
+    CURRENT = "current"
+    """The latest weights, processed, the prefix cache consistent with them."""
+    UPDATED = "updated"
+    """Written in place since the last generation: the prefix cache must be reset and, for models that
+    need it (``reprocess_after_update``), vLLM's post-load processing rerun."""
+    REPROCESS_OWED = "reprocess_owed"
+    """Written in place, the prefix cache already reset (a sleep or a KV resume did it); the post-load
+    processing is still owed."""
+    STALE = "stale"
+    """Discarded by a sleep and not loaded since: generation is refused until a weight sync."""
+
+
 class KVOnlyRelease(Enum):
     """What ``release(["kv_cache"])`` does to the resident weights (see [Note: vllm sleep granularity])."""
 
@@ -226,7 +241,6 @@ class VLLMEngine:
         if reprocess_after_update is None:
             reprocess_after_update = _attr_path(llm, "llm_engine.vllm_config.model_config.use_mla") is True
         self.reprocess_after_update = bool(reprocess_after_update)
-        self._reprocess_pending = False
         (self.worker_info,) = llm.collective_rpc(probe_worker)
         self._check_own_layout(check_names)
         self.capabilities = EngineCapabilities(
@@ -241,8 +255,8 @@ class VLLMEngine:
         self._nbytes: dict[str, int] = {t: int(hint.get(t, 0)) for t in ENGINE_TAGS}
         self._state = {t: TagState.RESIDENT for t in ENGINE_TAGS}
         self._asleep: set[str] = set()  # mirrors the executor's sleeping tags
-        self._weights_valid = True
-        self._prefix_stale = False
+        self.weights = WeightsContent.CURRENT
+        """What the served weights hold (:class:`WeightsContent`)."""
         self.last_freed_nbytes = 0
         """Device bytes the last sleep freed (free-memory figure after minus before)."""
         self.last_load: LoadStats | None = None
@@ -410,7 +424,7 @@ class VLLMEngine:
         for tag in wanted:  # already off the device: only the bookkeeping changes
             if self._state[tag] is TagState.ON_HOST:
                 self._state[tag] = TagState.RELEASED
-                self._weights_valid = False
+                self.weights = WeightsContent.STALE
         to_free = {t for t in wanted if self._state[t] is TagState.RESIDENT}
         if not to_free:
             return
@@ -434,13 +448,13 @@ class VLLMEngine:
         self.llm.sleep(level=level)
         self.last_freed_nbytes = self._free_nbytes() - free_before
         self._asleep = set(ENGINE_TAGS)
-        self._prefix_stale = False  # LLM.sleep resets the prefix cache
         self._state[KV_CACHE] = TagState.RELEASED
         if level == 1:
             self._state[WEIGHTS] = TagState.ON_HOST
+            self._prefix_was_reset()  # LLM.sleep resets the prefix cache
         else:
             self._state[WEIGHTS] = TagState.RELEASED
-            self._weights_valid = False
+            self.weights = WeightsContent.STALE
         self._wake(rewake)
 
     def resume(self, tags: Sequence[str]) -> None:
@@ -456,9 +470,9 @@ class VLLMEngine:
         if not self.frees_memory:  # no sleep mode: the memory never left
             for tag in order:
                 self._state[tag] = TagState.RESIDENT
-            if KV_CACHE in order and self._prefix_stale:
+            if KV_CACHE in order and self.weights is WeightsContent.UPDATED:
                 self.llm.reset_prefix_cache()
-                self._prefix_stale = False
+                self._prefix_was_reset()
             return
         prior = dict(self._state)
         done: list[str] = []
@@ -482,9 +496,9 @@ class VLLMEngine:
                         f"granularity])"
                     )
             raise
-        if KV_CACHE in done and self._prefix_stale:
+        if KV_CACHE in done and self.weights is WeightsContent.UPDATED:
             self.llm.reset_prefix_cache()
-            self._prefix_stale = False
+            self._prefix_was_reset()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream this rank's full HF-named tensors into its vLLM worker; then reset the prefix cache.
@@ -519,11 +533,10 @@ class VLLMEngine:
                     count += len(bucket)
                     nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                     num_buckets += 1
-                self._reprocess_pending = True
-                self._reprocess()
+                if self.reprocess_after_update:
+                    self.llm.collective_rpc(reprocess_weights)
         self.llm.reset_prefix_cache()
-        self._prefix_stale = False
-        self._weights_valid = True
+        self.weights = WeightsContent.CURRENT
         self.last_load = LoadStats(count, nbytes, num_buckets, time.perf_counter() - start)
 
     def _check_reload_supported(self) -> None:
@@ -564,9 +577,7 @@ class VLLMEngine:
         models = self.llm.apply_model(identity)
         if len(models) != 1:
             raise RuntimeError(f"expected one in-process vLLM worker per rank, got {len(models)}")
-        self._weights_valid = True
-        self._prefix_stale = True
-        self._reprocess_pending = True
+        self.weights = WeightsContent.UPDATED
         return iter(models[0].named_parameters())
 
     def resident_nbytes(self, tag: str) -> int:
@@ -601,17 +612,19 @@ class VLLMEngine:
                 raise PhaseError(
                     "generate with vLLM", self._state[tag], f"{tag!r} is not resident; resume it first"
                 )
-        if not self._weights_valid:
+        if self.weights is WeightsContent.STALE:
             raise PhaseError(
-                "generate with vLLM", "STALE_WEIGHTS", "the weights were discarded by a sleep, not reloaded"
+                "generate with vLLM", WeightsContent.STALE, "the weights were discarded by a sleep, not reloaded"
             )
         params = GREEDY if params is None else params
         vllm_params = import_vllm("vllm").SamplingParams
         sampling_params = [vllm_params(**to_vllm_sampling_kwargs(params, i)) for i in range(len(prompt_ids))]
-        self._reprocess()
-        if self._prefix_stale:
-            self.llm.reset_prefix_cache()
-            self._prefix_stale = False
+        if self.weights in (WeightsContent.UPDATED, WeightsContent.REPROCESS_OWED):
+            if self.reprocess_after_update:
+                self.llm.collective_rpc(reprocess_weights)
+            if self.weights is WeightsContent.UPDATED:
+                self.llm.reset_prefix_cache()
+            self.weights = WeightsContent.CURRENT
         prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompt_ids]
         outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False)
         if len(outputs) != len(prompts):
@@ -620,11 +633,10 @@ class VLLMEngine:
         return [from_request_output(p, o, want_logprobs=want) for p, o in zip(prompt_ids, outputs)]
 
     # Internals ------------------------------------------------------------------------------------
-    def _reprocess(self) -> None:
-        """vLLM's post-load processing in every worker once per weight update, when enabled."""
-        if self.reprocess_after_update and self._reprocess_pending:
-            self.llm.collective_rpc(reprocess_weights)
-        self._reprocess_pending = False
+    def _prefix_was_reset(self) -> None:
+        """The prefix cache was reset: an in-place update now owes only its post-load processing."""
+        if self.weights is WeightsContent.UPDATED:
+            self.weights = WeightsContent.REPROCESS_OWED
 
     def _free_nbytes(self) -> int:
         return self.accel.memory_figures().free_nbytes
