@@ -215,8 +215,10 @@ class _VLLMLayoutHolder:
     """A test engine holding vLLM-layout tensors of given shapes (for MoE, which ReferenceEngine lacks):
     ReshardSync writes into ``named_parameters()``; release/resume are bookkeeping only."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, model_type: str | None = None):
         self.params = {n: torch.full(s, float("nan"), dtype=dtype) for n, s in shapes.items()}
+        self.model_type = model_type
+        """The family the engine serves, as vLLM's engine reports it (its HF config's ``model_type``)."""
 
     def named_parameters(self):
         return iter(self.params.items())
@@ -265,7 +267,29 @@ def _shard_diffs(want: dict[str, torch.Tensor], have: dict[str, torch.Tensor], *
     return sorted(diffs)
 
 
-def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int, vocab_size: int) -> dict:
+_MIXTRAL_NAMES = (
+    # Mixtral's checkpoint and vLLM names against the Llama/Qwen ones the reference slicer reads, written
+    # from Mixtral's checkpoints (block_sparse_moe; w1 = gate, w3 = up, w2 = down) for this test.
+    ("block_sparse_moe.gate.", "mlp.gate."),
+    ("block_sparse_moe.experts.routed_experts.", "mlp.experts.routed_experts."),
+    (".w1.weight", ".gate_proj.weight"),
+    (".w3.weight", ".up_proj.weight"),
+    (".w2.weight", ".down_proj.weight"),
+    ("block_sparse_moe.experts.", "mlp.experts."),
+)
+
+
+def _renamed(tensors: dict[str, torch.Tensor], pairs, *, reverse: bool = False) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        for a, b in pairs:
+            name = name.replace(b, a) if reverse else name.replace(a, b)
+        out[name] = t
+    return out
+
+
+def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int, vocab_size: int,
+                        engine_model_type: str | None = None) -> dict:
     """Train with a TRAIN->INFER switch after every step into an engine at inference TP ``infer_tp``
     (ShardingManager's default weight sync, spec and vocab padding derived from the Megatron model), and
     compare every engine tensor with the reference vLLM slice of the full weights.
@@ -283,7 +307,8 @@ def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int
     with megatron_worker(spec):
         model_chunks, optimizer = mm.build_megatron_gpt(spec)
         state = MegatronTrainingState(model_chunks, optimizer, vocab_size=vocab_size)
-        model_spec = ModelSpec.from_hf_config(state.model_spec_dict())
+        model_spec = ModelSpec.from_hf_config(state.model_spec_dict(model_type=engine_model_type))
+        names = _MIXTRAL_NAMES if engine_model_type == "mixtral" else ()
         config = HybridConfig(
             device="cpu", tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp,
             expert_model_parallel_size=spec.ep, infer_tensor_parallel_size=infer_tp,
@@ -292,7 +317,7 @@ def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int
         convention = state.megatron_convention()
         if model_spec.is_moe:
             shapes = {n: t.shape for n, t in vllm_layout(model_spec, config.infer_layout, world).tensors(rank).items()}
-            engine = _VLLMLayoutHolder({n: tuple(s) for n, s in shapes.items()}, spec.params_dtype)
+            engine = _VLLMLayoutHolder({n: tuple(s) for n, s in shapes.items()}, spec.params_dtype, engine_model_type)
         else:
             engine = ReferenceEngine(state.model_spec_dict(), group=infer_groups[rank // infer_tp],
                                      num_kv_blocks=4, block_size=4, dtype=spec.params_dtype)
@@ -306,14 +331,16 @@ def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int
             local = {n: p.detach().clone() for n, p in state.named_weights()}
             every: list[Any] = [None] * world
             torch.distributed.all_gather_object(every, local)
-            full = unshard(every, megatron_layout(model_spec, config.train_layout, world, convention=convention))
+            full = _renamed(unshard(every, megatron_layout(model_spec, config.train_layout, world, convention=convention)),
+                            names)
             for r, theirs in enumerate(every):
                 mine = ref.megatron_shard(full, model_spec, tp=spec.tp, pp=spec.pp, ep=spec.ep, world=world, rank=r,
                                           divisible_by=convention.padded_vocab_size // spec.tp)
                 out["megatron_diffs"] += [f"rank {r}: {d}" for d in _shard_diffs(mine, theirs, tp_rank=r % spec.tp,
                                                                                     vocab=model_spec.vocab_size)]
             manager.to_infer()
-            expected = ref.vllm_shard(full, model_spec, tp=infer_tp, pp=1, ep=1, world=world, rank=rank)
+            expected = _renamed(ref.vllm_shard(full, model_spec, tp=infer_tp, pp=1, ep=1, world=world, rank=rank),
+                                names[:2], reverse=True)
             diffs = _shard_diffs(expected, dict(engine.named_parameters()), tp_rank=rank % infer_tp,
                                  vocab=model_spec.vocab_size, cast=True)
             out["diffs"].append(diffs)
