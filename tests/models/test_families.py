@@ -36,6 +36,8 @@ CONFIGS = {
     "phi3": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, pad_token_id=0, bos_token_id=1,
                  eos_token_id=2),
     "gemma3_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=48),
+    "granite": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0),
     "glm4_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
                      n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=8, first_k_dense_replace=1,
                      num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True),
