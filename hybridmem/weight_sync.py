@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridmem.engines.protocol import capabilities_of
+from hybridmem.engine_contract import capabilities_of
 
 if TYPE_CHECKING:
-    from hybridmem.engines.protocol import InferenceEngine
+    from hybridmem.engine_contract import InferenceEngine
 
 __all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "engine_unwritten", "dominant_dtype", "dtype_note", "engine_dtypes"]
 

@@ -1,156 +1,20 @@
-"""The contract between hybridmem and an inference engine.
+"""The contract between hybridmem and an inference engine: see :mod:`hybridmem.engine_contract`.
 
-An engine is any object with the three methods of :class:`InferenceEngine`; hybridmem wraps third-party
-engines (vLLM) in adapters that implement it, and ships engines of its own
-(:class:`hybridmem.engines.TorchCopyEngine`, the embedded ``ReferenceEngine``).
-
-[Note: engine memory tags]
-An engine's device memory is split by tag, as vLLM's sleep mode splits it:
-
-- ``"weights"``: the model weights in the engine's own (inference) layout. They are always derivable
-  from the training weights, so ``release(["weights"])`` discards them (no host copy) and every
-  TRAIN->INFER switch resumes the storage and writes fresh weights into it.
-- ``"kv_cache"``: the paged KV cache. Its contents are dead once generation ends, so release discards
-  and resume re-allocates without copying anything.
-
-``resume`` must be all-or-nothing: if it fails halfway it gives back what it took and re-raises, so
-the switch's rollback sees the engine exactly as before the call. ``release`` must free every storage
-of a tag whatever state the engine believes the tag is in: a rollback calls it after a resume that was
-interrupted at any point (see [Note: switch transactions] in hybridmem.txn).
+It lives below every unit that talks to engines (the weight syncs, the resharding engine, the steps), so
+the engines themselves may use the resharding engine's layouts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
-
-import torch
-
-from hybridmem.errors import ConfigError
-from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
+from hybridmem.engine_contract import (
+    ENGINE_TAGS,
+    KV_CACHE,
+    WEIGHTS,
+    EngineCapabilities,
+    InferenceEngine,
+    capabilities_of,
+    check_kv_utilization,
+)
 
 __all__ = ["InferenceEngine", "EngineCapabilities", "capabilities_of", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS",
            "check_kv_utilization"]
-
-
-@runtime_checkable
-class InferenceEngine(Protocol):
-    """What ShardingManager needs from an inference engine.
-
-    Optional methods, used when present:
-
-    - ``resident_nbytes(tag) -> int``: device bytes held now under ``tag`` (residency report).
-    - ``planned_nbytes(tag) -> int``: device bytes ``resume([tag])`` will allocate (memory plan).
-    - ``named_parameters() -> Iterable[tuple[str, Tensor]]``: the engine's own weight tensors, so the
-      resharding engine can write shards into them in place instead of calling ``load_weights``.
-    - ``gpu_memory_utilization``: the share of device memory its KV pool was sized for (``None`` when
-      it was sized by a block count); checked against the config (:func:`check_kv_utilization`).
-    - ``unwritten_weights() -> list[str]``: weights ``load_weights`` has not entirely written since the
-      weights were last resumed ([Note: weight coverage] in hybridmem.sync).
-    - ``bind_phase(phase: Callable[[], Phase])``: the manager's phase, named when the engine refuses work.
-    - ``spec``: a :class:`~hybridmem.nn.config.DecoderConfig`, checked against the training model's
-      config when the manager is built (:mod:`hybridmem.architecture`).
-    """
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``(name, tensor)`` pairs into the engine's weights (storage must be resumed)."""
-
-    def release(self, tags: Sequence[str]) -> None:
-        """Give back the device memory of ``tags`` (see [Note: engine memory tags])."""
-
-    def resume(self, tags: Sequence[str]) -> None:
-        """Take back the device memory of ``tags``; all-or-nothing."""
-
-
-# [Note: engine capabilities]
-# What an engine can do beyond the three methods is declared, not probed: an engine's ``capabilities``
-# attribute is an EngineCapabilities, and every caller (the steps, the weight syncs, the residency
-# report) reads capabilities_of(engine). A declared capability whose method is missing is a TypeError
-# naming both, raised when the manager is built. An engine that declares nothing (a third-party object
-# implementing the protocol) gets its capabilities read once from the methods it has.
-
-
-_METHODS = {
-    "writes_in_place": ("named_parameters",),
-    "reports_weight_coverage": ("unwritten_weights",),
-    "reports_residency": ("resident_nbytes", "planned_nbytes"),
-    "binds_phase": ("bind_phase",),
-}
-"""The methods each capability promises."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineCapabilities:
-    """What an engine declares it can do (see [Note: engine capabilities])."""
-
-    frees_memory: bool = True
-    """``release`` gives device memory back (False: vLLM's CPU backend, which has no sleep mode)."""
-    memory_note: str = ""
-    """What ``release`` does to device memory, in words, when it frees none (for switch reports)."""
-    writes_in_place: bool = False
-    """``named_parameters()`` gives the engine's own weight tensors, which a resharding sync may write."""
-    reports_weight_coverage: bool = False
-    """``unwritten_weights()`` lists weights ``load_weights`` has not written since they were resumed."""
-    reports_residency: bool = False
-    """``resident_nbytes(tag)`` / ``planned_nbytes(tag)`` give its device bytes per tag."""
-    keeps_addresses: bool = False
-    """Weight tensors keep their device addresses across ``release``/``resume`` (CuMemAllocator re-maps)."""
-    loads_training_names: bool = False
-    """``load_weights`` takes the training model's own names and layout (a copy of the module)."""
-    binds_phase: bool = False
-    """``bind_phase(phase)`` takes the manager's phase, named when the engine refuses work."""
-
-
-def capabilities_of(engine: Any) -> EngineCapabilities:
-    """The engine's declared :class:`EngineCapabilities`, or, when it declares none, what its methods offer.
-
-    Raises:
-        TypeError: The engine declares a capability whose method it lacks (naming both).
-    """
-    declared = getattr(engine, "capabilities", None)
-    if isinstance(declared, EngineCapabilities):
-        for capability, methods in _METHODS.items():
-            missing = [m for m in methods if getattr(declared, capability) and not callable(getattr(engine, m, None))]
-            if missing:
-                raise TypeError(f"{type(engine).__name__}.capabilities declares {capability}=True but the engine has "
-                                f"no callable {missing}")
-        return declared
-    if declared is not None:
-        raise TypeError(f"{type(engine).__name__}.capabilities must be an EngineCapabilities, got {type(declared).__name__}")
-    has = {c: all(callable(getattr(engine, m, None)) for m in ms) for c, ms in _METHODS.items()}
-    frees = bool(getattr(engine, "frees_memory", True))
-    return EngineCapabilities(frees_memory=frees, memory_note=str(getattr(engine, "memory_note", "") or ""),
-                              loads_training_names=bool(getattr(engine, "loads_training_names", False)), **has)
-
-
-_NO_ATTRIBUTE = object()
-
-
-def check_kv_utilization(engine: Any, config: Any) -> None:
-    """Refuse an engine whose KV pool was not sized by ``config.gpu_memory_utilization``.
-
-    The KV pool is sized where the engine is built (vLLM measures free memory then; the
-    ``ReferenceEngine`` with ``kv_utilization=``), so the config's value takes effect there and this
-    check makes sure both agree. Nothing is checked when the key is ``None`` or the engine does not say
-    how its pool was sized (no ``gpu_memory_utilization`` attribute, e.g. ``TorchCopyEngine``).
-
-    Raises:
-        ConfigError: The engine's pool was sized for another share, or by a block count.
-    """
-    want = getattr(config, "gpu_memory_utilization", None)
-    have = getattr(engine, "gpu_memory_utilization", _NO_ATTRIBUTE)
-    if want is None or engine is None or have is _NO_ATTRIBUTE:
-        return
-    if have is None:
-        raise ConfigError(
-            "gpu_memory_utilization", want,
-            f"null (unset), because the {type(engine).__name__} sized its KV pool by a block count; or build "
-            f"it with the same share (ReferenceEngine(..., kv_utilization={want}))",
-        )
-    if abs(float(have) - float(want)) > 1e-9:
-        raise ConfigError(
-            "gpu_memory_utilization", want,
-            f"{have}, the share the {type(engine).__name__} was built with (build the engine with {want}, or "
-            f"set the key to {have} or null)",
-        )

@@ -55,7 +55,7 @@ class TorchCopyEngine:
     so the default weight sync streams the training state's ``named_weights()`` into it as they are."""
     capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
                                       loads_training_names=True, binds_phase=True)
-    """See [Note: engine capabilities] in :mod:`hybridmem.engines.protocol`."""
+    """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
 
     def __init__(self, module: torch.nn.Module, *, kv_cache_nbytes: int = 0):
         if kv_cache_nbytes < 0:

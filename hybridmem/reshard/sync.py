@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
-from hybridmem.engines.protocol import capabilities_of
+from hybridmem.engine_contract import capabilities_of
 from hybridmem.reshard.checksum import CellChecksums
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout, looks_hf_named
@@ -26,7 +26,7 @@ from hybridmem.reshard.spec import ModelSpec
 from hybridmem.weight_sync import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
 
 if TYPE_CHECKING:
-    from hybridmem.engines.protocol import InferenceEngine
+    from hybridmem.engine_contract import InferenceEngine
 
 __all__ = ["ReshardSync"]
 

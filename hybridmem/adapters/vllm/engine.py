@@ -248,7 +248,7 @@ class VLLMEngine:
             writes_in_place=not self.worker_info.repacked, reports_residency=True,
             keeps_addresses=True,  # CuMemAllocator re-maps a woken pool at the same addresses
         )
-        """See [Note: engine capabilities] in :mod:`hybridmem.engines.protocol`; ``writes_in_place`` is off
+        """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`; ``writes_in_place`` is off
         where the backend repacks its parameters after loading (vLLM's CPU build)."""
         hint = dict(nbytes_hint or {}) if self.frees_memory else {}
         check_tags(list(hint))

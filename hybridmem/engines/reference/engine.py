@@ -76,7 +76,7 @@ class ReferenceEngine:
 
     capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
                                       binds_phase=True)
-    """See [Note: engine capabilities] in :mod:`hybridmem.engines.protocol`."""
+    """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
 
     def __init__(
         self,

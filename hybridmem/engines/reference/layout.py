@@ -35,31 +35,36 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridmem.engines.reference.spec import TPShard
+from hybridmem.config import ParallelLayout
+from hybridmem.engines.reference.spec import VOCAB_PADDING, TPShard
+from hybridmem.nn.config import DecoderConfig
+from hybridmem.reshard import ModelSpec, VLLMConvention, vllm_layout
+from hybridmem.reshard.layouts import DEFAULT_VLLM_VERSION
 
-__all__ = ["param_shapes", "Placement", "place_hf_weight", "split_fused_hf"]
+__all__ = ["layout_spec", "param_shapes", "Placement", "place_hf_weight", "split_fused_hf"]
+
+
+def layout_spec(spec: DecoderConfig) -> ModelSpec:
+    """The resharding engine's :class:`~hybridmem.reshard.ModelSpec` of a decoder the embedded engine runs.
+
+    Every family it runs has Llama's vLLM names (Qwen2 adds the q/k/v bias, Phi-3 differs only in its
+    checkpoint), so the spec is Llama's with ``qkv_bias`` as the config says."""
+    return ModelSpec(family="llama", hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+                     num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+                     intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                     vocab_size=spec.vocab_size, qkv_bias=spec.attention_bias,
+                     tie_word_embeddings=spec.tie_word_embeddings)
 
 
 def param_shapes(shard: TPShard) -> dict[str, tuple[int, ...]]:
-    """Name -> per-rank shape of every engine parameter, in vLLM's order and naming."""
-    s = shard.spec
-    d, h = s.head_dim, s.hidden_size
-    qkv_rows = (shard.num_heads + 2 * shard.num_kv_heads) * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shard.vocab_rows, h)}
-    for i in range(s.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "self_attn.qkv_proj.weight"] = (qkv_rows, h)
-        if s.attention_bias:
-            shapes[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, shard.num_heads * d)
-        shapes[p + "mlp.gate_up_proj.weight"] = (2 * shard.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, shard.intermediate_size)
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-    shapes["model.norm.weight"] = (h,)
-    if not s.tie_word_embeddings:
-        shapes["lm_head.weight"] = (shard.vocab_rows, h)
-    return shapes
+    """Name -> per-rank shape of every engine parameter, in vLLM's naming: read from the resharding
+    engine's vLLM layout (:func:`~hybridmem.reshard.vllm_layout`, the rules checked against vLLM's own
+    loaders), so the engine holds exactly what a weight sync into vLLM writes."""
+    spec = layout_spec(shard.spec)
+    convention = VLLMConvention(vocab_padding=VOCAB_PADDING, version=DEFAULT_VLLM_VERSION,
+                                stage_layers=(spec.num_hidden_layers,))
+    layout = vllm_layout(spec, ParallelLayout(tp=shard.tp_size), shard.tp_size, convention=convention)
+    return {name: tuple(local.shape) for name, local in layout.tensors(shard.tp_rank).items()}
 
 
 @dataclass(frozen=True, slots=True)
