@@ -197,12 +197,28 @@ def test_create_on_npu_needs_nz_layout_off(fake_vllm, monkeypatch):
 def test_create_from_a_config_writes_it_and_loads_dummy_weights(fake_vllm):
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
-    VLLMEngine.create(config, distributed_executor_backend=None)
+    engine = VLLMEngine.create(config, distributed_executor_backend=None)  # the written config lives with it
     (kwargs,) = fake_vllm.llm_kwargs
     assert kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"] is True
     assert "distributed_executor_backend" not in kwargs
     saved = transformers.AutoConfig.from_pretrained(kwargs["model"])
     assert saved.hidden_size == 32 and saved.vocab_size == 64
+    del engine
+
+
+def test_the_config_written_for_vllm_goes_with_the_engine(fake_vllm):
+    import gc
+    import os
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64)
+    engine = VLLMEngine.create(config, distributed_executor_backend=None)
+    path = fake_vllm.llm_kwargs[-1]["model"]
+    assert os.path.isdir(path)
+    del engine
+    gc.collect()
+    assert not os.path.exists(path)
 
 
 def test_llm_without_sleep_mode_is_refused():

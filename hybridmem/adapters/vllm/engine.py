@@ -49,8 +49,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -369,7 +371,11 @@ class VLLMEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 **llm_kwargs,
             )
-        return cls(llm, accel=accel, **dict(engine_kwargs or {}))
+        engine = cls(llm, accel=accel, **dict(engine_kwargs or {}))
+        if model is not model_path_or_config:
+            # The config written for vLLM is removed with the engine (or at exit), not left in the temp dir.
+            weakref.finalize(engine, shutil.rmtree, model, ignore_errors=True)
+        return engine
 
     @property
     def model_type(self) -> str | None:
