@@ -122,7 +122,8 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
         ])
         out[prefix + "down_proj"] = stack([replicate(by_expert[e]["down"], shapes[by_expert[e]["down"]])
                                            for e in order])
-    return {name: to_checkpoint_names(spec, local) for name, local in out.items()}
+    where = spec.checkpoint_names()
+    return {name: to_checkpoint_names(where, local) for name, local in out.items()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -44,7 +44,7 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -628,8 +628,8 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
             if not spec.tie_word_embeddings:
                 out[head] = replicate(head, shapes[head])
         # Phi-3's fused checkpoint tensors: one full tensor for its canonical parts.
-        full = spec.full_shapes()
-        names = dict.fromkeys(spec.checkpoint_name(n)[0] for n in out)
+        full, where = spec.full_shapes(), spec.checkpoint_names()
+        names = dict.fromkeys(where[n][0] for n in out)
         return {n: replicate(n, full[n]) for n in names}
 
     rows = _vocab_rows(side, spec, layout.convention, c)
@@ -661,12 +661,13 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
     return _to_checkpoint(spec, out)
 
 
-def to_checkpoint_names(spec: ModelSpec, local: LocalTensor) -> LocalTensor:
+def to_checkpoint_names(where: Mapping[str, tuple[str, int]], local: LocalTensor) -> LocalTensor:
     """``local`` with its pieces naming checkpoint tensors instead of canonical ones (a renamed tensor, or
-    rows of a fused one: the box shifted by the block's first row; see [Note: canonical names])."""
+    rows of a fused one: the box shifted by the block's first row; see [Note: canonical names]); ``where``
+    is the spec's :meth:`~hybridmem.reshard.ModelSpec.checkpoint_names`."""
     pieces = []
     for p in local.pieces:
-        name, row = spec.checkpoint_name(p.hf_name)
+        name, row = where[p.hf_name]
         src = p.src if not row else ((p.src[0][0] + row, p.src[0][1] + row), *p.src[1:])
         pieces.append(Piece(name, src, p.dst_prefix, p.dst_start))
     return LocalTensor(local.shape, tuple(pieces))
@@ -676,7 +677,8 @@ def _to_checkpoint(spec: ModelSpec, out: dict[str, LocalTensor]) -> dict[str, Lo
     family = spec.traits
     if not (family.checkpoint_renames or family.checkpoint_fused):
         return out
-    return {name: to_checkpoint_names(spec, local) for name, local in out.items()}
+    where = spec.checkpoint_names()
+    return {name: to_checkpoint_names(where, local) for name, local in out.items()}
 
 
 def _check_world(parallel: ParallelLayout, world_size: int, what: str) -> int:

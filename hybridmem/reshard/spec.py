@@ -9,6 +9,7 @@ from the family's description (:attr:`ModelSpec.traits`). Supported families: :d
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,10 +219,10 @@ class ModelSpec:
         :mod:`hybridmem.models.family`)."""
         return dict(_checkpoint(self)[0])
 
-    def checkpoint_name(self, canonical: str) -> tuple[str, int]:
-        """``(checkpoint name, first row)`` of the canonical tensor ``canonical``: the tensor itself, a
-        renamed one, or a row block of a fused one (Phi-3's ``qkv_proj``)."""
-        return _checkpoint(self)[1][canonical]
+    def checkpoint_names(self) -> Mapping[str, tuple[str, int]]:
+        """``{canonical name: (checkpoint name, first row)}``: the tensor itself, a renamed one, or a row
+        block of a fused one (Phi-3's ``qkv_proj``). Cached per spec; do not modify."""
+        return _checkpoint(self)[1]
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor by its canonical name (see [Note: canonical names]) and its shape, in HF's order."""
