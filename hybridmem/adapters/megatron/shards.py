@@ -318,27 +318,19 @@ def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict
             # (Mixtral's) names it so.
             out["intermediate_size"] = width
     spec = ModelSpec.from_hf_config(out)
-    megatron = {
-        "q/k/v bias (add_qkv_bias)": bool(getattr(config, "add_qkv_bias", False)),
-        "q/k norms (qk_layernorm)": bool(getattr(config, "qk_layernorm", False)),
-        "routed experts (num_moe_experts)": experts,
-        "expert width (moe_ffn_hidden_size)": width,
-        "shared expert width (moe_shared_expert_intermediate_size)": shared,
-        "shared expert gate (moe_shared_expert_gate)": bool(getattr(config, "moe_shared_expert_gate", False)) and shared > 0,
-        "router bias (moe_router_enable_expert_bias)": bool(getattr(config, "moe_router_enable_expert_bias", False)) and experts > 0,
-        "leading dense layers (moe_layer_freq)": first_dense,
-    }
-    ours = {
-        "q/k/v bias (add_qkv_bias)": spec.qkv_bias,
-        "q/k norms (qk_layernorm)": spec.qk_norm,
-        "routed experts (num_moe_experts)": spec.num_experts,
-        "expert width (moe_ffn_hidden_size)": spec.moe_intermediate_size,
-        "shared expert width (moe_shared_expert_intermediate_size)": spec.shared_expert_intermediate_size,
-        "shared expert gate (moe_shared_expert_gate)": spec.has_shared_expert_gate,
-        "router bias (moe_router_enable_expert_bias)": spec.has_router_bias,
-        "leading dense layers (moe_layer_freq)": spec.first_k_dense_replace,
-    }
-    differ = [f"{k}: Megatron {megatron[k]!r}, {spec.family} {ours[k]!r}" for k in megatron if megatron[k] != ours[k]]
+    pairs = (  # (what, the Megatron config's, the family's spec's)
+        ("q/k/v bias (add_qkv_bias)", bool(getattr(config, "add_qkv_bias", False)), spec.qkv_bias),
+        ("q/k norms (qk_layernorm)", bool(getattr(config, "qk_layernorm", False)), spec.qk_norm),
+        ("routed experts (num_moe_experts)", experts, spec.num_experts),
+        ("expert width (moe_ffn_hidden_size)", width, spec.moe_intermediate_size),
+        ("shared expert width (moe_shared_expert_intermediate_size)", shared, spec.shared_expert_intermediate_size),
+        ("shared expert gate (moe_shared_expert_gate)",
+         bool(getattr(config, "moe_shared_expert_gate", False)) and shared > 0, spec.has_shared_expert_gate),
+        ("router bias (moe_router_enable_expert_bias)",
+         bool(getattr(config, "moe_router_enable_expert_bias", False)) and experts > 0, spec.has_router_bias),
+        ("leading dense layers (moe_layer_freq)", first_dense, spec.first_k_dense_replace),
+    )
+    differ = [f"{what}: Megatron {mine!r}, {spec.family} {family!r}" for what, mine, family in pairs if mine != family]
     if differ:
         raise ValueError(f"the Megatron model is not a {model_type} model as the engine serves it: {'; '.join(differ)}")
     return out
