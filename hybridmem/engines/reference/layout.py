@@ -30,6 +30,7 @@ fused already (``self_attn.qkv_proj.weight`` = [q; k; v], ``mlp.gate_up_proj.wei
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.engines.reference.spec import VOCAB_PADDING, TPShard
+from hybridmem.models import FAMILIES
 from hybridmem.nn.config import DecoderConfig
 from hybridmem.reshard import ModelSpec, VLLMConvention, vllm_layout
 from hybridmem.reshard.layouts import DEFAULT_VLLM_VERSION
@@ -93,22 +95,34 @@ _REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
+_FUSED: dict[str, tuple[str, ...]] = {
+    whole: parts for family in FAMILIES.values() for parts, whole in family.checkpoint_fused
+}
+"""Checkpoint layer suffix -> the canonical suffixes it stacks by rows, from the families' descriptions
+(``Family.checkpoint_fused``: Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_rows(spec: DecoderConfig) -> dict[str, int]:
+    """Rows of each canonical tensor of a layer (its suffix after ``model.layers.{i}.``)."""
+    prefix = "model.layers.0."
+    return {name[len(prefix):]: shape[0] for name, shape in layout_spec(spec).canonical_shapes().items()
+            if name.startswith(prefix)}
+
+
 def split_fused_hf(shard: TPShard, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """``[(name, full)]``, or, for a checkpoint tensor that fuses several HF tensors by rows (Phi-3's
-    ``self_attn.qkv_proj.weight`` and ``mlp.gate_up_proj.weight``), its parts under their separate names."""
-    s = shard.spec
-    if name.endswith("self_attn.qkv_proj.weight"):
-        q, kv = s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-        _check_shape(name, full, (q + 2 * kv, s.hidden_size))
-        base = name[: -len("qkv_proj.weight")]
-        return [(base + "q_proj.weight", full[:q]), (base + "k_proj.weight", full[q:q + kv]),
-                (base + "v_proj.weight", full[q + kv:])]
-    if name.endswith("mlp.gate_up_proj.weight"):
-        _check_shape(name, full, (2 * s.intermediate_size, s.hidden_size))
-        base = name[: -len("gate_up_proj.weight")]
-        return [(base + "gate_proj.weight", full[: s.intermediate_size]),
-                (base + "up_proj.weight", full[s.intermediate_size:])]
-    return [(name, full)]
+    """``[(name, full)]``, or, for a checkpoint tensor that stacks several HF tensors by rows (a family's
+    ``checkpoint_fused``, e.g. Phi-3's ``self_attn.qkv_proj.weight``), its parts under their own names."""
+    m = _LAYER.match(name)
+    if m is None or m.group(2) not in _FUSED:
+        return [(name, full)]
+    parts, rows = _FUSED[m.group(2)], _layer_rows(shard.spec)
+    _check_shape(name, full, (sum(rows[p] for p in parts), shard.spec.hidden_size))
+    base, out, start = name[: -len(m.group(2))], [], 0
+    for part in parts:
+        out.append((base + part, full[start:start + rows[part]]))
+        start += rows[part]
+    return out
 
 
 def _check_shape(name: str, full: torch.Tensor, expected: tuple[int, ...]) -> None:
