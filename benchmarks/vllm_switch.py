@@ -30,7 +30,7 @@ def main() -> None:
     from hybridmem import Direction, ShardingManager
     from hybridmem.adapters.vllm import VLLMEngine
     from hybridmem.engines import SamplingParams
-    from hybridmem.sync import LoadWeightsSync
+    from hybridmem.weight_sync import LoadWeightsSync
 
     dtype = getattr(torch, args.dtype)
     cfg = transformers.Qwen2Config(hidden_size=args.hidden, intermediate_size=4 * args.hidden,

@@ -5,7 +5,7 @@ The check runs when both sides say what they are: the engine through a ``spec`` 
 ``model_spec=`` given to the manager (an HF-style config), the training state's ``model_spec_dict()``
 (the Megatron adapter) or an HF model's ``config``. With a ``weight_sync=`` of the caller's own the
 check is skipped (such a sync may convert between architectures on purpose); the weight-coverage proof
-of every sync ([Note: weight coverage] in :mod:`hybridmem.sync`) still fails a switch that leaves an
+of every sync ([Note: weight coverage] in :mod:`hybridmem.weight_sync`) still fails a switch that leaves an
 engine tensor unwritten.
 """
 

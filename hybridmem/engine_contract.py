@@ -47,7 +47,7 @@ class InferenceEngine(Protocol):
     - ``gpu_memory_utilization``: the share of device memory its KV pool was sized for (``None`` when
       it was sized by a block count); checked against the config (:func:`check_kv_utilization`).
     - ``unwritten_weights() -> list[str]``: weights ``load_weights`` has not entirely written since the
-      weights were last resumed ([Note: weight coverage] in hybridmem.sync).
+      weights were last resumed ([Note: weight coverage] in hybridmem.weight_sync).
     - ``bind_phase(phase: Callable[[], Phase])``: the manager's phase, named when the engine refuses work.
     - ``spec``: a :class:`~hybridmem.nn.config.DecoderConfig`, checked against the training model's
       config when the manager is built (:mod:`hybridmem.architecture`).

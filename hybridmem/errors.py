@@ -146,7 +146,7 @@ class WeightSyncError(HybridMemError, RuntimeError):
 
 
 class WeightCoverageError(WeightSyncError):
-    """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in hybridmem.sync.
+    """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in hybridmem.weight_sync.
 
     Attributes:
         unwritten: The engine tensors of this rank not entirely written.

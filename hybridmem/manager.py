@@ -40,7 +40,7 @@ from hybridmem.report import SwitchReport
 from hybridmem.residency import ResidencyReport
 from hybridmem.owners import DeviceOwners
 from hybridmem.steps import SwitchStep, switch_steps
-from hybridmem.sync import WeightSync, default_weight_sync
+from hybridmem.weight_sync import WeightSync, default_weight_sync
 from hybridmem.training_state import TrainingState
 from hybridmem.txn import HeldSignals, SwitchRun, roll_back, run_steps
 
@@ -69,7 +69,7 @@ class ShardingManager:
         config: Offload switches, layouts and budgets; defaults to ``HybridConfig()``.
         accel: The accelerator; defaults to ``config.device``.
         weight_sync: How training weights reach the engine; defaults to
-            :func:`~hybridmem.sync.default_weight_sync`: resharding from the training layout to the
+            :func:`~hybridmem.weight_sync.default_weight_sync`: resharding from the training layout to the
             engine's when the model's spec is known (``model_spec``, a transformers model's ``config``, or
             the training state's ``model_spec_dict()``), else streaming what a checkpoint of the model
             holds into ``engine.load_weights`` (layouts must then be equal).

@@ -45,7 +45,7 @@ from hybridmem.kinds import StateKind
 from hybridmem.memplan import StepEstimate
 from hybridmem.offload import Offloader
 from hybridmem.phase import Direction
-from hybridmem.sync import WeightSync
+from hybridmem.weight_sync import WeightSync
 
 __all__ = [
     "ToInferOrder",
@@ -232,8 +232,8 @@ class EngineReleaseStep(SwitchStep):
 
 
 class WeightSyncStep(SwitchStep):
-    """Run a :class:`~hybridmem.sync.WeightSync` and fail with ``WeightCoverageError`` when it left engine
-    tensors unwritten ([Note: weight coverage] in hybridmem.sync); nothing to undo (the engine weights
+    """Run a :class:`~hybridmem.weight_sync.WeightSync` and fail with ``WeightCoverageError`` when it left engine
+    tensors unwritten ([Note: weight coverage] in hybridmem.weight_sync); nothing to undo (the engine weights
     are released by the undo of the engine-weights resume)."""
 
     name = "weight sync"

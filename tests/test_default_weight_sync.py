@@ -11,9 +11,9 @@ import torch
 from hybridmem import ConfigError, HybridConfig, ShardingManager
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, TorchCopyEngine
 from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, init_hf_weights
-from hybridmem.reshard import ReshardSync, megatron_layout, shard
+from hybridmem.reshard import megatron_layout, shard
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.sync import LoadWeightsSync, default_weight_sync
+from hybridmem.weight_sync import LoadWeightsSync, ReshardSync, default_weight_sync
 
 CFG = DecoderConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
                     num_hidden_layers=2, vocab_size=50, attention_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)

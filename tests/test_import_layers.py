@@ -63,7 +63,8 @@ def test_units_import_one_way():
 
 def test_named_layers():
     graph = unit_graph()
-    assert "hybridmem.sync" not in graph["hybridmem.reshard"]
-    assert "hybridmem.reshard" in graph["hybridmem.sync"]
+    assert "hybridmem.weight_sync" not in graph["hybridmem.reshard"]
+    assert "hybridmem.reshard" in graph["hybridmem.weight_sync"]
+    assert "hybridmem.sync" not in graph  # one weight_sync package
     assert "hybridmem.engines" not in graph["hybridmem.kv"]
     assert "hybridmem.kv" in graph["hybridmem.engines"]

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hybridmem import ConfigError, HybridConfig, ShardingManager
 from hybridmem.engines import ReferenceEngine, SamplingParams
-from hybridmem.reshard import ModelSpec, ReshardSync
-from hybridmem.sync import LoadWeightsSync
+from hybridmem.reshard import ModelSpec
+from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 from tests.reshard.reference import vllm_shard
 

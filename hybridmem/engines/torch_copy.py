@@ -146,7 +146,7 @@ class TorchCopyEngine:
 
     def unwritten_weights(self) -> list[str]:
         """Weights not written by :meth:`load_weights` since the weights were last resumed (see
-        [Note: weight coverage] in hybridmem.sync)."""
+        [Note: weight coverage] in hybridmem.weight_sync)."""
         return [name for name in self._tensors if name not in self._written]
 
     def bind_phase(self, phase: Any) -> None:

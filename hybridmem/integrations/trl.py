@@ -166,7 +166,7 @@ class HybridGRPOTrainer(GRPOTrainer):
         from accelerate.utils import is_peft_model  # noqa: PLC0415
 
         from hybridmem.manager import ShardingManager  # noqa: PLC0415
-        from hybridmem.sync import LoadWeightsSync  # noqa: PLC0415
+        from hybridmem.weight_sync import LoadWeightsSync  # noqa: PLC0415
 
         model = self.accelerator.unwrap_model(self.model)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper keeps the torch optimizer inside

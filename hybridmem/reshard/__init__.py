@@ -9,14 +9,16 @@
 - :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
 - :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
 - :func:`run_plan`, :func:`iter_full_tensors`: the plan run over a ``torch.distributed`` group.
-- :class:`ReshardSync`: the TRAIN->INFER weight sync for ShardingManager (optional checksum check).
+
+The weight sync that runs a plan on every switch, ``ReshardSync``, is in :mod:`hybridmem.weight_sync`, above
+this package.
 """
 
 from __future__ import annotations
 
 from hybridmem.reshard.checksum import CellChecksums, verify_offline
 from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
-from hybridmem.reshard.execute import iter_full_tensors, run_plan
+from hybridmem.reshard.execute import TransferStats, iter_full_tensors, run_plan
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout
 from hybridmem.reshard.layouts import (
     SUPPORTED_VLLM_VERSIONS,
@@ -34,7 +36,6 @@ from hybridmem.reshard.layouts import (
 )
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, Transfer, build_plan
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.reshard.sync import ReshardSync
 
 __all__ = [
     "ModelSpec",
@@ -62,7 +63,7 @@ __all__ = [
     "reshard_offline",
     "run_plan",
     "iter_full_tensors",
+    "TransferStats",
     "CellChecksums",
     "verify_offline",
-    "ReshardSync",
 ]

@@ -13,7 +13,7 @@ the end, so the results are ready for whatever is queued next.
 A receiver sizes its staging buffer from the plan in elements of the wire dtype, so every rank must
 use the same one: sources of another dtype (Megatron keeps some norms in fp32 beside bf16 weights)
 are cast to it when packed, and received slices are cast to each destination tensor's dtype when
-unpacked. ``ReshardSync`` passes its ``dtype`` on every rank; by default the dtype holding most of the
+unpacked. ``hybridmem.weight_sync.ReshardSync`` passes its ``dtype`` on every rank; by default the dtype holding most of the
 training weights' bytes, which is the same on every rank of a real model (see [Note: no silent dtype
 change] in :mod:`hybridmem.weight_sync`).
 The one exception is a tensor the spec keeps in fp32 (``ModelSpec.keeps_fp32``: DeepSeek-V3's router
@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,9 +35,25 @@ import torch.distributed as dist
 from hybridmem.accel import get_accelerator
 from hybridmem.reshard.layouts import Side
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype, piece_index
-from hybridmem.weight_sync import SyncStats
 
-__all__ = ["run_plan", "iter_full_tensors"]
+__all__ = ["run_plan", "iter_full_tensors", "TransferStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What one run of a plan moved on this rank."""
+
+    num_tensors: int = 0
+    """Destination tensors written (or yielded)."""
+    sent_nbytes: int = 0
+    """Bytes this rank sent to other ranks."""
+    received_nbytes: int = 0
+    """Bytes this rank received from other ranks or copied locally."""
+    min_received_nbytes: int = 0
+    """The fewest bytes this rank could have received (what it did not already hold)."""
+    temp_peak_nbytes: int = 0
+    """Peak staging bytes of one bucket."""
+    seconds: float = 0.0
 
 
 def _box_shape(t: Transfer) -> tuple[int, ...]:
@@ -151,7 +168,7 @@ def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor], d
 def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
              dst: MutableMapping[str, torch.Tensor] | None = None,
              dtype: torch.dtype | None = None,
-             written: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], SyncStats]:
+             written: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Write this rank's destination tensors from every rank's source tensors.
 
     Call on every rank of ``group`` with the same ``plan``.
@@ -166,7 +183,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
         dtype: The element type on the wire and of allocated destinations, the same on every rank
             (see [Note: wire dtype]); ``None``: the first source tensor's.
         written: When given, receives the number of elements written into each destination tensor,
-            counted at each copy (the weight-coverage proof, [Note: weight coverage] in hybridmem.sync).
+            counted at each copy (the weight-coverage proof, [Note: weight coverage] in hybridmem.weight_sync).
 
     Returns:
         The destination tensors and this rank's figures (``received_nbytes`` counts bytes that arrived
@@ -202,7 +219,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
             del bufs
     accel.current_stream().wait_stream(side)
     accel.synchronize()  # so ``seconds`` is the time to completion
-    return dict(dst), SyncStats(
+    return dict(dst), TransferStats(
         num_tensors=len(expected),
         sent_nbytes=sent,
         received_nbytes=received,
@@ -232,7 +249,7 @@ class _AllocateOnFirstUse(dict):
 
 
 def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor],
-                      group: Any = None, stats: list[SyncStats] | None = None,
+                      group: Any = None, stats: list[TransferStats] | None = None,
                       dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for this rank's pipeline stage, each as soon as it is complete.
 
@@ -240,7 +257,7 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     (:func:`~hybridmem.reshard.layouts.hf_layout`). Every rank must exhaust the iterator (a rank that
     stops early leaves its peers waiting in a bucket). A tensor is allocated when its first slice
     arrives and dropped by this function once yielded. When ``stats`` is given, one
-    :class:`~hybridmem.weight_sync.SyncStats` is appended to it at the end.
+    :class:`TransferStats` is appended to it at the end.
 
     Raises:
         ValueError: The plan's destination is not an HF layout, or a source tensor is wrong.
@@ -282,6 +299,6 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     if left:
         raise RuntimeError(f"rank {rank}: plan left {len(left)} HF tensors incomplete, e.g. {next(iter(left))}")
     if stats is not None:
-        stats.append(SyncStats(num_tensors=len(expected), sent_nbytes=sent, received_nbytes=received,
+        stats.append(TransferStats(num_tensors=len(expected), sent_nbytes=sent, received_nbytes=received,
                                min_received_nbytes=plan.min_recv_nbytes(rank), temp_peak_nbytes=peak,
                                seconds=time.perf_counter() - start))

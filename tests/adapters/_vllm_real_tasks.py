@@ -91,7 +91,7 @@ def torch_tp1(num_switches: int) -> dict:
 
     from hybridmem import ShardingManager
     from hybridmem.adapters.vllm import VLLMEngine
-    from hybridmem.sync import LoadWeightsSync
+    from hybridmem.weight_sync import LoadWeightsSync
 
     cfg = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,
@@ -213,7 +213,8 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
     from hybridmem.examples.grpo.topology import build_topology
     from hybridmem.examples.grpo.trainers import build_trainer
     from hybridmem.nn.gpt import DecoderConfig
-    from hybridmem.reshard import ModelSpec, ReshardSync
+    from hybridmem.reshard import ModelSpec
+    from hybridmem.weight_sync import ReshardSync
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reshard"))
     from reference import megatron_shard

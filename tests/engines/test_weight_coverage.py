@@ -16,8 +16,8 @@ from hybridmem import HybridConfig, Phase, ShardingManager, SwitchError, WeightC
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams
 from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT
 from hybridmem.offload import OffloadState
-from hybridmem.reshard import ModelSpec, ReshardSync, megatron_layout, shard
-from hybridmem.sync import LoadWeightsSync
+from hybridmem.reshard import ModelSpec, megatron_layout, shard
+from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 
 DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -6,7 +6,7 @@ import torch
 
 from hybridmem.reshard import build_plan, hf_layout, megatron_layout, vllm_layout
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
-from hybridmem.reshard.sync import ReshardSync
+from hybridmem.weight_sync import ReshardSync
 from tests.reshard.reference import megatron_shard, random_full
 
 

@@ -10,7 +10,7 @@ from hybridmem.errors import WeightSyncError
 from hybridmem.reshard import MegatronConvention, ModelSpec, build_plan, megatron_layout, shard, unshard, vllm_layout
 from hybridmem.reshard.checksum import verify_offline
 from hybridmem.reshard.execute import run_plan
-from hybridmem.reshard.sync import ReshardSync
+from hybridmem.weight_sync import ReshardSync
 from tests.reshard._tasks import LoadOnlyEngine, ParamEngine
 from tests.reshard.reference import random_full, vllm_shard
 

@@ -238,7 +238,7 @@ class ReferenceEngine:
     def unwritten_weights(self) -> list[str]:
         """Weights whose rows :meth:`load_weights` has not all written since the weights were resumed
         (vocab padding rows count as written: they are zeroed); see [Note: weight coverage] in
-        hybridmem.sync."""
+        hybridmem.weight_sync."""
         out = []
         for name, t in self.model.params.items():
             covered = 0

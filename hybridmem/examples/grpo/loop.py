@@ -130,7 +130,7 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
 
 def _run(cfg: DemoConfig, topo: Topology, trainer: Any, engine: Any, device: torch.device, dtype: torch.dtype,
          on_iteration: Any) -> list[IterationStats]:
-    from hybridmem.reshard import ReshardSync  # noqa: PLC0415
+    from hybridmem.weight_sync import ReshardSync  # noqa: PLC0415
 
     if cfg.trainer == "fsdp":  # the user's path: the manager finds the FSDP2 shards and reshards them
         manager = ShardingManager(trainer.training, engine, optimizer=trainer.optimizer, config=cfg.hybrid,

@@ -1,24 +1,5 @@
-"""Weight sync: write the current training weights into the inference engine.
-
-[Note: weight coverage]
-An engine tensor the sync never writes keeps whatever its storage held when it was resumed (uninitialised
-memory), and generation silently produces garbage. Every sync therefore proves that it wrote every byte
-of every engine tensor of its rank and reports the ones it did not in ``SyncStats.unwritten``; the
-weight-sync step then fails the switch (``WeightCoverageError``), which rolls back. Padding rows (vocab
-padding) count as written: the sync zeroes them. The proof comes from the party that sees the writes:
-:class:`LoadWeightsSync` asks the engine (``unwritten_weights()``, which ``TorchCopyEngine`` and
-``ReferenceEngine`` keep per name and row range since the weights were resumed); the resharding sync,
-writing in place, counts the elements each engine tensor received against its plan and lists every
-engine tensor the plan does not fill. An engine without ``unwritten_weights()`` that is written through
-``load_weights`` (vLLM in another process) cannot be checked; ``SyncStats.coverage_checked`` says so.
-
-The default, :class:`~hybridmem.weight_sync.LoadWeightsSync`, streams ``(name, tensor)`` pairs into the
-engine's ``load_weights``; it suits engines that hold the training layout (``TorchCopyEngine``) or load
-full HF-named tensors. The resharding engine (:mod:`hybridmem.reshard`) provides a sync that writes each
-rank's inference-layout shards straight into the engine's parameters; :func:`default_weight_sync`
-picks between the two from the config's layouts and the model's spec. The interface types live in
-:mod:`hybridmem.weight_sync` (below :mod:`hybridmem.reshard`) and are re-exported here.
-"""
+"""The weight sync ShardingManager uses when none is given (:func:`default_weight_sync`), and the model
+spec it reads from the training state (:func:`model_spec_of`)."""
 
 from __future__ import annotations
 
@@ -27,11 +8,13 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from hybridmem.engines.protocol import InferenceEngine, capabilities_of
-from hybridmem.reshard import ModelSpec, ReshardSync
-from hybridmem.weight_sync import LoadWeightsSync, SyncStats, WeightSync, engine_unwritten
+from hybridmem.engine_contract import InferenceEngine, capabilities_of
+from hybridmem.reshard import ModelSpec
+from hybridmem.weight_sync.base import WeightSync
+from hybridmem.weight_sync.resharding import ReshardSync
+from hybridmem.weight_sync.streamed import LoadWeightsSync
 
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "default_weight_sync", "model_spec_of", "engine_unwritten"]
+__all__ = ["default_weight_sync", "model_spec_of"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +73,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
       two layouts must then be equal.
     - With a model spec (``model_spec``, else derived from the model by :func:`model_spec_of`: a
       transformers model's ``config``, the Megatron or FSDP2 adapter's ``model_spec_dict()``), a
-      :class:`~hybridmem.reshard.ReshardSync` from the training weights' layout to ``config.infer_layout``
+      :class:`~hybridmem.weight_sync.ReshardSync` from the training weights' layout to ``config.infer_layout``
       (the engine's vLLM layout), whatever the two layouts are, so the engine's own parameter names are
       checked against what the sync writes when the manager is built. The source layout is the training
       state's own ``hf_source_layout(spec, world_size, group=group)`` when it has one (the FSDP2 adapter);
@@ -99,7 +82,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
       must then be tp = pp = ep = 1); else ``config.train_layout`` in Megatron-core's names and layout,
       with the naming and vocab padding of the training state's ``megatron_convention()``. It runs over
       ``group`` with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, and its wire dtype
-      is the training weights' own (see [Note: no silent dtype change] in :mod:`hybridmem.weight_sync`).
+      is the training weights' own (see [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`).
     - Otherwise (a model of a family the resharding engine does not know), a :class:`LoadWeightsSync` of
       what a checkpoint of the model holds (``checkpoint_weights()``: parameters and persistent buffers,
       never non-persistent ones such as RoPE's ``inv_freq``); the layouts must then be equal.

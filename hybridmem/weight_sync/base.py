@@ -1,27 +1,18 @@
-"""The weight-sync interface: :class:`WeightSync`, what one sync did (:class:`SyncStats`), and the plain
-:class:`LoadWeightsSync`.
-
-This module sits below :mod:`hybridmem.reshard` (whose ``ReshardSync`` implements the interface) and
-below :mod:`hybridmem.sync` (which picks a sync for ShardingManager), so the dependencies run one way:
-``hybridmem.sync -> hybridmem.reshard -> hybridmem.weight_sync``.
-"""
+"""The weight-sync interface: :class:`WeightSync`, what one sync did (:class:`SyncStats`), and the helpers
+every sync uses to say what it wrote (coverage, element types)."""
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hybridmem.engine_contract import capabilities_of
 
-if TYPE_CHECKING:
-    from hybridmem.engine_contract import InferenceEngine
-
-__all__ = ["SyncStats", "WeightSync", "LoadWeightsSync", "engine_unwritten", "dominant_dtype", "dtype_note", "engine_dtypes"]
+__all__ = ["SyncStats", "WeightSync", "engine_unwritten", "dominant_dtype", "dtype_note", "engine_dtypes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +31,7 @@ class SyncStats:
     """Peak temporary device bytes."""
     seconds: float = 0.0
     unwritten: tuple[str, ...] = ()
-    """Engine tensors of this rank not entirely written (see [Note: weight coverage] in hybridmem.sync)."""
+    """Engine tensors of this rank not entirely written (see [Note: weight coverage] in hybridmem.weight_sync)."""
     coverage_checked: bool = False
     """Whether ``unwritten`` is a proof (False: the engine cannot report what it received)."""
     dtype_note: str = ""
@@ -87,48 +78,6 @@ class WeightSync(ABC):
     @abstractmethod
     def sync(self) -> SyncStats:
         """Write the weights; the engine's weight storage is resumed before this is called."""
-
-
-class LoadWeightsSync(WeightSync):
-    """Feeds ``weights()`` into ``engine.load_weights``.
-
-    Args:
-        weights: Returns the ``(name, tensor)`` pairs to load (called on every sync, so it sees the
-            weights as training left them).
-        engine: The engine.
-    """
-
-    def __init__(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], engine: InferenceEngine):
-        self._weights = weights
-        self.engine = engine
-
-    def sync(self) -> SyncStats:
-        start = time.perf_counter()
-        count = 0
-        nbytes = 0
-
-        dtypes: set[torch.dtype] = set()
-
-        def counted() -> Iterable[tuple[str, torch.Tensor]]:
-            nonlocal count, nbytes
-            for name, tensor in self._weights():
-                count += 1
-                nbytes += tensor.numel() * tensor.element_size()
-                dtypes.add(tensor.dtype)
-                yield name, tensor
-
-        with torch.no_grad():
-            self.engine.load_weights(counted())
-        unwritten, checked = engine_unwritten(self.engine)
-        return SyncStats(
-            num_tensors=count,
-            received_nbytes=nbytes,
-            min_received_nbytes=nbytes,
-            seconds=time.perf_counter() - start,
-            unwritten=unwritten,
-            coverage_checked=checked,
-            dtype_note=dtype_note(dtypes, engine_dtypes(self.engine)),
-        )
 
 
 def engine_dtypes(engine: Any) -> set[torch.dtype]:

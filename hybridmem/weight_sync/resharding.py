@@ -17,13 +17,25 @@ import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
 from hybridmem.engine_contract import capabilities_of
-from hybridmem.reshard.checksum import CellChecksums
-from hybridmem.reshard.execute import iter_full_tensors, run_plan
-from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout, looks_hf_named
-from hybridmem.reshard.layouts import MegatronConvention, VLLMConvention, hf_layout, megatron_layout, vllm_layout
-from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, build_plan
-from hybridmem.reshard.spec import ModelSpec
-from hybridmem.weight_sync import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
+from hybridmem.reshard import (
+    DEFAULT_BUCKET_NBYTES,
+    CellChecksums,
+    HFSourceLayout,
+    MegatronConvention,
+    ModelSpec,
+    ReshardPlan,
+    TransferStats,
+    VLLMConvention,
+    build_plan,
+    hf_layout,
+    hf_source_layout,
+    iter_full_tensors,
+    megatron_layout,
+    run_plan,
+    vllm_layout,
+)
+from hybridmem.reshard.hf_source import looks_hf_named
+from hybridmem.weight_sync.base import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
 
 if TYPE_CHECKING:
     from hybridmem.engine_contract import InferenceEngine
@@ -55,7 +67,7 @@ class ReshardSync(WeightSync):
         dtype: Element type on the wire, the same on every rank (see [Note: wire dtype]); decides the
             plan's byte figures. ``None`` (default): the training weights' own, the one holding most of
             their bytes, so nothing is converted unless the engine holds another dtype (see [Note: no
-            silent dtype change] in :mod:`hybridmem.weight_sync`).
+            silent dtype change] in :mod:`hybridmem.weight_sync.base`).
         megatron: Megatron naming/padding options.
         vllm: vLLM padding options.
     """
@@ -128,7 +140,7 @@ class ReshardSync(WeightSync):
             if checks is not None:
                 checks.add_destinations(dst)
         else:
-            collected: list[SyncStats] = []
+            collected: list[TransferStats] = []
 
             def stream() -> Iterator[tuple[str, torch.Tensor]]:
                 for name, tensor in iter_full_tensors(self.plan, rank=self.rank, src=src, group=self.group,
