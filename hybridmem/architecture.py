@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridmem.nn.config import DecoderConfig
+from hybridmem.training_state import training_capabilities_of
 
 __all__ = ["ARCHITECTURE_FIELDS", "check_architecture"]
 
@@ -43,14 +44,12 @@ def _training_side(training: Any, model_spec: Any) -> tuple[str, DecoderConfig] 
     candidates: list[tuple[str, Any]] = []
     if model_spec is not None:
         candidates.append(("model_spec", model_spec))
-    derive = getattr(training, "model_spec_dict", None)
-    if callable(derive):
-        candidates.append((f"{type(training).__name__}.model_spec_dict()", derive()))
-    for module in getattr(training, "modules", None) or []:
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
-            candidates.append((f"{type(module).__name__} ({getattr(config, 'model_type', '?')})", config))
-            break
+    capabilities = training_capabilities_of(training)
+    if capabilities.describes_model:
+        candidates.append((f"{type(training).__name__}.model_spec_dict()", training.model_spec_dict()))
+    config = training.hf_config if capabilities.has_hf_config else None
+    if config is not None:
+        candidates.append((f"the training model ({getattr(config, 'model_type', '?')})", config))
     for label, config in candidates:
         decoder = _decoder(config)
         if decoder is not None:

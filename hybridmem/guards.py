@@ -6,7 +6,8 @@ backward or an optimizer step there would read or write freed memory: a raw torc
 a segfault at worst. On leaving TRAIN (INFER reached, or FAILED) the manager arms a
 :class:`TrainingGuard`; on the return to TRAIN it disarms it, so TRAIN pays nothing. Armed, it holds:
 
-- a forward pre-hook on every module of the training model (``register_forward_pre_hook``);
+- a forward pre-hook on every module of the training model (``register_forward_pre_hook``), ahead of the
+  module's own (FSDP2's all-gather), so a refused forward starts no collective;
 - for a ``torch.optim.Optimizer``, a step pre-hook (``register_step_pre_hook``); for other optimizers
   (Megatron's), a ``step`` shadowing the class's on the instance; and a ``zero_grad`` shadow on the
   instance for both (torch has no zero_grad hook);
@@ -147,7 +148,7 @@ class TrainingGuard:
         forward = self._refuser("run the training model's forward")
         for module in self.modules:
             for sub in module.modules():
-                self._handles.append(sub.register_forward_pre_hook(forward))
+                self._handles.append(sub.register_forward_pre_hook(forward, prepend=True))
             self._shadow(module, "zero_grad", "zero the training model's grads")
             if callable(getattr(module, "zero_grad_buffer", None)):  # Megatron's DDP
                 self._shadow(module, "zero_grad_buffer", "zero the training model's grad buffers")

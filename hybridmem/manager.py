@@ -41,7 +41,7 @@ from hybridmem.residency import ResidencyReport
 from hybridmem.owners import DeviceOwners
 from hybridmem.steps import SwitchStep, switch_steps
 from hybridmem.weight_sync import WeightSync, default_weight_sync
-from hybridmem.training_state import TrainingState
+from hybridmem.training_state import TrainingState, training_capabilities_of
 from hybridmem.txn import HeldSignals, SwitchRun, roll_back, run_steps
 
 __all__ = ["ShardingManager"]
@@ -102,6 +102,8 @@ class ShardingManager:
             raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.accel = get_accelerator(config.device if accel is None else accel)
         self.training: TrainingState = training_state_of(model, optimizer)
+        self.training_capabilities = training_capabilities_of(self.training)
+        """What the training state declares it offers ([Note: training capabilities]); checked here."""
         if engine is not None and not isinstance(engine, InferenceEngine):
             missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
             raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
@@ -126,8 +128,7 @@ class ShardingManager:
         self.weight_sync = weight_sync
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
         self._machine = PhaseMachine()
-        targets = getattr(self.training, "guard_targets", None)
-        modules, optimizers = targets() if callable(targets) else ([], [])
+        modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
         self._guard = TrainingGuard(lambda: self.phase, modules, optimizers)
         """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
         if self.engine_capabilities is not None and self.engine_capabilities.binds_phase:
@@ -143,7 +144,7 @@ class ShardingManager:
         """The latest report of any direction."""
         self.last_rollbacks = 0
         """TRAIN->INFER attempts of the latest :meth:`inference` that failed and were rolled back."""
-        if getattr(self.training, "attaches_itself", False):
+        if self.training_capabilities.attaches_itself:
             self.training.attach(self)  # FSDP2: its buffer release step and residency owner
         self._release_engine_memory()
 

@@ -85,12 +85,13 @@ def _state(manager: Any) -> list[torch.Tensor]:
 def _reference_weights(manager: Any) -> Any:
     """``(transformers config, {HF name: tensor})`` of the training weights now, or ``None``."""
     training = manager.training
-    config = getattr(training, "hf_config", None)
+    capabilities = manager.training_capabilities
+    config = training.hf_config if capabilities.has_hf_config else None
     if config is not None and hasattr(training.modules[0], "peft_config"):
         return None  # a PEFT model: its state dict is not a checkpoint of the base model (checked by its caller)
     if config is not None:
         return config, {k: v.detach().cpu().clone() for k, v in training.modules[0].state_dict().items()}
-    if callable(getattr(training, "model_spec_dict", None)) and callable(getattr(training, "source_layout", None)):
+    if capabilities.describes_model and capabilities.megatron_names:
         return _megatron_to_hf(training)
     return None
 

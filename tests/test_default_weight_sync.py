@@ -13,6 +13,7 @@ from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, TorchCopyEngine
 from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, init_hf_weights
 from hybridmem.reshard import megatron_layout, shard
 from hybridmem.reshard.spec import ModelSpec
+from hybridmem.training_state import TrainingCapabilities
 from hybridmem.weight_sync import LoadWeightsSync, ReshardSync, default_weight_sync
 
 CFG = DecoderConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
@@ -120,6 +121,7 @@ def test_transformers_names_with_a_tensor_parallel_train_layout_are_refused():
 
 
 def test_sharded_state_without_spec_is_refused_even_with_equal_layouts():
-    state = SimpleNamespace(named_weights=lambda: iter(()), needs_reshard=True)
+    state = SimpleNamespace(named_weights=lambda: iter(()), hf_source_layout=lambda *a, **k: None,
+                            capabilities=TrainingCapabilities(shards_weights=True))
     with pytest.raises(ValueError, match=r"holds sharded weights.*model_spec="):
         default_weight_sync(state, TorchCopyEngine(torch.nn.Linear(2, 2)), HybridConfig(device="cpu"))

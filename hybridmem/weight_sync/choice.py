@@ -10,6 +10,7 @@ from typing import Any
 
 from hybridmem.engine_contract import InferenceEngine, capabilities_of
 from hybridmem.reshard import ModelSpec
+from hybridmem.training_state import training_capabilities_of
 from hybridmem.weight_sync.base import WeightSync
 from hybridmem.weight_sync.resharding import ReshardSync
 from hybridmem.weight_sync.streamed import LoadWeightsSync
@@ -22,39 +23,40 @@ log = logging.getLogger(__name__)
 def _source_layout(training: Any, spec: Any, group: Any) -> Any:
     """The training state's own source layout (FSDP2 shards), or ``None``: ``ReshardSync`` then reads
     ``config.train_layout`` (transformers' names held whole on every rank, or Megatron-core's layout)."""
-    own = getattr(training, "hf_source_layout", None)
-    if not callable(own):
+    if not training_capabilities_of(training).shards_weights:
         return None
     import torch.distributed as dist  # noqa: PLC0415
 
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    return own(spec, world, group=group)
+    return training.hf_source_layout(spec, world, group=group)
 
 
 def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
-    """The resharding engine's spec of the training model, derived from the model itself: the training
-    state's ``model_spec_dict()`` (the Megatron and FSDP2 adapters), or the transformers config of a plain
-    model (``hf_config``). ``None`` when the model says nothing, or its family is not one the resharding
-    engine knows (the weights are then streamed as a checkpoint names them). A Megatron model built with
-    a padded vocab whose unpadded size was not given (``vocab_size_known`` false) takes the engine's
-    ``vocab_size``: the engine holds the tokenizer's vocab; an engine that says which family it serves
-    (``model_type``, vLLM's) names the family, whose tensors the Megatron config must then have.
+    """The resharding engine's spec of the training model, derived from the model itself, as the training
+    state's capabilities say ([Note: training capabilities] in :mod:`hybridmem.training_state`): its
+    ``model_spec_dict()`` (``describes_model``: the Megatron and FSDP2 adapters), or the transformers config
+    of a plain model (``has_hf_config``). ``None`` when the model says nothing, or its family is not one
+    the resharding engine knows (the weights are then streamed as a checkpoint names them). A state that
+    wants the engine's vocab (``vocab_from_engine``: a Megatron model built with a padded vocab whose
+    unpadded size was not given) gets the engine's ``vocab_size``, since the engine holds the tokenizer's
+    vocab; one that takes the engine's family (``family_from_engine``) gets the engine's ``model_type``
+    (vLLM's), and its config must then have that family's tensors.
 
     Raises:
         ValueError: The training state's own ``model_spec_dict()`` cannot describe the model (a Megatron
             configuration the supported families cannot express); the message names the options.
     """
-    derive = getattr(training, "model_spec_dict", None)
-    if callable(derive):
+    capabilities = training_capabilities_of(training)
+    if capabilities.describes_model:
         kwargs = {}
         engine_vocab = getattr(engine, "vocab_size", None)
-        if getattr(training, "vocab_size_known", True) is False and isinstance(engine_vocab, int):
+        if capabilities.vocab_from_engine and isinstance(engine_vocab, int):
             kwargs["vocab_size"] = engine_vocab
         engine_type = getattr(engine, "model_type", None)
-        if isinstance(engine_type, str) and getattr(training, "family_from_engine", False):
+        if capabilities.family_from_engine and isinstance(engine_type, str):
             kwargs["model_type"] = engine_type  # the family the engine serves names the weights it loads
-        return ModelSpec.from_hf_config(derive(**kwargs))
-    config = getattr(training, "hf_config", None)
+        return ModelSpec.from_hf_config(training.model_spec_dict(**kwargs))
+    config = training.hf_config if capabilities.has_hf_config else None
     if config is None:
         return None
     try:
@@ -88,8 +90,8 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
       never non-persistent ones such as RoPE's ``inv_freq``); the layouts must then be equal.
 
     Args:
-        training: The training state (``named_weights()``; optionally ``checkpoint_weights()``,
-            ``model_spec_dict()``, ``hf_config``, ``source_layout()``, ``megatron_convention()``).
+        training: The training state (``named_weights()``, and what its capabilities declare, see
+            [Note: training capabilities] in :mod:`hybridmem.training_state`).
         engine: The inference engine.
         config: The :class:`~hybridmem.config.HybridConfig`, its layouts resolved (see
             :func:`hybridmem.parts.resolve_layouts`).
@@ -102,7 +104,8 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
             HF-named weights come with a ``config.train_layout`` other than tp = pp = ep = 1.
     """
     # A sharded HF-named source (FSDP2) cannot be streamed as is, even into an equal layout.
-    sharded = bool(getattr(training, "needs_reshard", False))
+    capabilities = training_capabilities_of(training)
+    sharded = capabilities.shards_weights
     if model_spec is None and capabilities_of(engine).loads_training_names and not sharded:
         _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
         return LoadWeightsSync(training.named_weights, engine)
@@ -115,10 +118,10 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
                 f"model_spec= (a hybridmem.reshard.ModelSpec or the model's HF config) or weight_sync="
             )
         _require_equal_layouts(config, "the model's family is not one the resharding engine knows")
-        return LoadWeightsSync(getattr(training, "checkpoint_weights", training.named_weights), engine)
-    layout_fn = getattr(training, "source_layout", None)
-    if callable(layout_fn):
-        actual = layout_fn()
+        return LoadWeightsSync(
+            training.checkpoint_weights if capabilities.lists_checkpoint_weights else training.named_weights, engine)
+    if capabilities.reports_source_layout:
+        actual = training.source_layout()
         got = tuple(getattr(actual, k) for k in ("tp", "pp", "ep"))
         want = (config.train_layout.tp, config.train_layout.pp, config.train_layout.ep)
         if got != want:
@@ -130,13 +133,12 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
     spec = model_spec if isinstance(model_spec, ModelSpec) else ModelSpec.from_hf_config(
         dict(model_spec) if isinstance(model_spec, Mapping) else model_spec
     )
-    convention_fn = getattr(training, "megatron_convention", None)
     source = _source_layout(training, spec, group)
     return ReshardSync(
         spec, config.train_layout if source is None else source, config.infer_layout, group,
         training.named_weights, engine,
         bucket_nbytes=config.reshard_bucket_bytes, verify=config.verify_weight_sync,
-        megatron=convention_fn() if callable(convention_fn) else None,
+        megatron=training.megatron_convention() if capabilities.megatron_names else None,
     )
 
 

@@ -26,7 +26,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from hybridmem import HybridConfig, ShardingManager
+from hybridmem import HybridConfig, PhaseError, ShardingManager
 from hybridmem.engines import ReferenceEngine, SamplingParams
 from hybridmem.offload import optimizer_state_tensors
 from hybridmem.phase import Direction
@@ -158,6 +158,25 @@ def train_task(ctx, case: str, k: int, *, switch: bool, fsdp: bool = True, steps
             record["restored"] = all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
         out.append(record)
     return out
+
+
+def misuse_task(ctx):
+    """Inside ``inference()``: a forward and an optimizer step of the FSDP2 model, each caught; then the
+    same 2 training steps a run without switches takes. Returns what was refused and the losses."""
+    cfg, model = build("qwen2", fsdp=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ReferenceEngine(cfg.to_dict(), group=dist.new_subgroups(1)[0])
+    manager = ShardingManager(model, engine, optimizer=opt, model_spec=cfg)
+    refused, losses = [], []
+    for step in range(2):
+        losses.append(_train_step(model, opt, ctx.rank, step).item())
+        with manager.inference():
+            for what, call in (("forward", lambda: model(input_ids=_batch(ctx.rank, step))), ("step", opt.step)):
+                try:
+                    call()
+                except PhaseError as exc:
+                    refused.append((what, str(exc)))
+    return {"refused": refused, "losses": losses}
 
 
 class VLLMParamEngine:

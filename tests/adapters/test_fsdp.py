@@ -122,6 +122,14 @@ def test_one_process_plain_model_with_model_spec():
         assert tokens == ref, f"step {step}"
 
 
+def test_the_fsdp2_model_refuses_forward_and_step_inside_inference(pool, baselines):
+    for rank, r in enumerate(pool.run(tasks.misuse_task)):
+        assert [what for what, _ in r["refused"]] == ["forward", "step"] * 2, rank
+        assert all("INFER" in message for _, message in r["refused"]), r["refused"]
+        # Nothing moved by the refused calls: training goes on as a run without switches does.
+        assert r["losses"] == baselines["qwen2"][rank][:2], rank
+
+
 def test_release_drops_unsharded_params_and_comm_buffers(pool):
     for rank, r in enumerate(pool.run(tasks.buffers_task)):
         assert r["after_backward"] == 0

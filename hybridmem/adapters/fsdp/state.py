@@ -52,6 +52,7 @@ from hybridmem.phase import Direction, Phase
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_module_tensors, hf_source_layout
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.steps import StepResult, SwitchStep, ToInferOrder
+from hybridmem.training_state import TrainingCapabilities
 
 __all__ = ["FSDPTrainingState", "ReleaseFSDPBuffersStep", "is_fsdp_model", "UNSHARDED_OWNER"]
 
@@ -171,10 +172,10 @@ class FSDPTrainingState:
         TypeError: ``model`` has no ``fully_shard`` module.
     """
 
-    needs_reshard = True
-    """Local shards cannot be streamed into an engine as they are (see ``default_weight_sync``)."""
-    attaches_itself = True
-    """``ShardingManager`` calls :meth:`attach` itself."""
+    capabilities = TrainingCapabilities(guards_misuse=True, attaches_itself=True, describes_model=True,
+                                        shards_weights=True)
+    """Misuse guards; :meth:`attach` (the manager calls it); the model's HF config; local shards, which
+    cannot be streamed into an engine as they are (see ``default_weight_sync``)."""
 
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module], optimizer: Any = None):
         self.modules = [model] if isinstance(model, torch.nn.Module) else list(model)
@@ -212,6 +213,12 @@ class FSDPTrainingState:
         manager.register_step(Direction.TO_INFER, step, ToInferOrder.OPTIMIZER - 5)
         manager.register_owner(UNSHARDED_OWNER, self.buffers.nbytes, empty_in=(Phase.INFER,))
         self._attached.add(id(manager))
+
+    def guard_targets(self) -> tuple[list[torch.nn.Module], list[Any]]:
+        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards]); the
+        forward guard runs before FSDP2's own pre-forward, so a refused forward starts no all-gather."""
+        opts = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+        return list(self.modules), [o for o in opts if o is not None]
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """This rank's local shards of the parameters, and the buffers, by transformers' names."""

@@ -41,6 +41,7 @@ from hybridmem.memplan import StepEstimate
 from hybridmem.offload import Offloader
 from hybridmem.phase import Direction, Phase
 from hybridmem.steps import StepResult, SwitchStep, ToInferOrder
+from hybridmem.training_state import TrainingCapabilities
 
 __all__ = ["MegatronTrainingState", "MegatronWorkspaces", "ReleaseWorkspacesStep", "WORKSPACE_OWNER"]
 
@@ -158,12 +159,16 @@ class MegatronTrainingState:
         self.workspaces: MegatronWorkspaces | None = None
         self._attached: set[int] = set()
 
-    attaches_itself = True
-    """``ShardingManager`` calls :meth:`attach` itself when it is built."""
-
-    family_from_engine = True
-    """A GPTModel does not say which HF family it is: the manager passes the engine's ``model_type`` to
-    :meth:`model_spec_dict`, which checks the model has that family's tensors."""
+    @property
+    def capabilities(self) -> TrainingCapabilities:
+        """Misuse guards; :meth:`attach` (the manager calls it when it is built); the model's HF-style
+        config, taking the engine's vocab when the unpadded one was not given, and the engine's family: a
+        GPTModel does not say which HF family it is, so the manager passes the engine's ``model_type`` to
+        :meth:`model_spec_dict`, which checks the model has that family's tensors; its TP/PP/EP and Megatron
+        naming."""
+        return TrainingCapabilities(guards_misuse=True, attaches_itself=True, describes_model=True,
+                                    vocab_from_engine=not self.vocab_size_known, family_from_engine=True,
+                                    reports_source_layout=True, megatron_names=True)
 
     @property
     def vocab_size(self) -> int:
