@@ -185,7 +185,7 @@ def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
     from torch.distributed.tensor import DTensor, Shard
 
     from hybridmem.reshard.hf_source import fsdp_rows, hf_source_layout
-    from hybridmem.reshard.transforms import dst_index, src_index
+    from hybridmem.reshard.transforms import piece_view, src_index
 
     torch.set_num_threads(1)
     world = ctx.world_size
@@ -219,7 +219,7 @@ def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
             whole = dt.full_tensor()  # verl: every parameter gathered on every rank
             received += (whole.numel() - local[name].numel()) * itemsize
             for dname, piece in wants.get(name, ()):
-                out[dname][dst_index(piece)] = whole[src_index(piece.src)]
+                piece_view(out[dname], piece).copy_(whole[src_index(piece.src)])
             del whole
         return out, received
 

@@ -10,13 +10,16 @@ data, where its own names differ:
   (Mixtral's ``block_sparse_moe.experts.{e}.w1.weight`` for ``mlp.experts.{e}.gate_proj.weight``);
 - ``checkpoint_fused``: canonical tensors the checkpoint stores as row blocks of one tensor, in order
   (Phi-3's ``self_attn.qkv_proj.weight`` = [q; k; v]);
+- ``checkpoint_stacked``: per-expert canonical tensors the checkpoint stores as slices of one tensor
+  stacked over experts, maybe transposed (gpt-oss's ``mlp.experts.gate_up_proj`` [E, H, 2I]);
 - ``vllm_renames``: substitutions from the canonical vLLM name to the family's vLLM name;
 - ``module_names``: whether transformers' modules hold the canonical tensors (experts fused, see [Note:
   transformers experts] in :mod:`hybridmem.reshard.hf_source`) or the checkpoint's.
 
 Pieces of a layout refer to checkpoint names (what ``load_weights`` of vLLM takes, what a checkpoint
 holds); a canonical tensor stored as rows ``[o, o + n)`` of a fused one is that fused tensor's box shifted
-by ``o``. A family file is one :class:`Family` plus its config reader; :mod:`hybridmem.models.registry`
+by ``o``; one stored as slice ``[e]`` of a stacked tensor is the box with a leading ``(e, e + 1)`` the
+local tensor drops, its last two axes swapped when stored transposed (``Piece.transposed``). A family file is one :class:`Family` plus its config reader; :mod:`hybridmem.models.registry`
 lists them.
 """
 
@@ -83,6 +86,10 @@ class Family:
     """``(pattern, replacement)`` regex substitutions, canonical layer suffix -> checkpoint layer suffix."""
     checkpoint_fused: tuple[tuple[tuple[str, ...], str], ...] = ()
     """``((canonical suffixes, in row order), checkpoint suffix)``: tensors stored as row blocks of one."""
+    checkpoint_stacked: tuple[tuple[str, str, bool], ...] = ()
+    """``(canonical suffix regex with the expert index as group 1, checkpoint suffix, transposed)``: one
+    expert's tensor is slice ``[e]`` of a checkpoint tensor stacked over experts, its last two axes swapped
+    when ``transposed`` (gpt-oss's ``mlp.experts.gate_up_proj`` [E, H, 2I])."""
     module_names: str = "canonical"
     """``"canonical"``: transformers' modules hold the canonical tensors (experts fused); ``"checkpoint"``:
     they hold the checkpoint's tensors as stored."""

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.errors import WeightSyncError
-from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype, piece_index
-from hybridmem.reshard.transforms import Box
+from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
+from hybridmem.reshard.transforms import Box, piece_view
 
 __all__ = ["box_checksum", "CellChecksums", "verify_offline"]
 
@@ -80,7 +80,7 @@ class CellChecksums:
         cells = _cells(self.plan)
         for i in self._src:
             t = cells[i]
-            piece = src[t.src_name][piece_index(t.src_piece, t.box)]
+            piece = piece_view(src[t.src_name], t.src_piece, t.box)
             if dtype is not None:
                 piece = piece.to(cell_dtype(self.plan, t.hf_name, dtype))
             self._figures[0, i] = torch.tensor(box_checksum(piece, t.box))
@@ -90,7 +90,7 @@ class CellChecksums:
         cells = _cells(self.plan)
         for i in self._dst_by_name.get(name, ()):
             t = cells[i]
-            self._figures[1, i] = torch.tensor(box_checksum(tensor[piece_index(t.dst_piece, t.box)], t.box))
+            self._figures[1, i] = torch.tensor(box_checksum(piece_view(tensor, t.dst_piece, t.box), t.box))
 
     def add_destinations(self, dst: Mapping[str, torch.Tensor]) -> None:
         """:meth:`add_destination` for every destination tensor of this rank."""

@@ -11,9 +11,9 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard.layouts import MegatronConvention, ShardLayout, VLLMConvention, megatron_layout, vllm_layout
-from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, build_plan, piece_index
+from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, build_plan
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.reshard.transforms import build_local, scatter_local
+from hybridmem.reshard.transforms import build_local, piece_view, scatter_local
 
 __all__ = ["shard", "unshard", "reshard_offline", "allocate_local"]
 
@@ -93,6 +93,6 @@ def reshard_offline(train_shards: Sequence[Mapping[str, torch.Tensor]], *, model
     with torch.no_grad():
         for transfers in (*plan.local, *plan.buckets):
             for t in transfers:
-                src_t = train_shards[t.src_rank][t.src_name][piece_index(t.src_piece, t.box)]
-                out[t.dst_rank][t.dst_name][piece_index(t.dst_piece, t.box)] = src_t
+                src_t = piece_view(train_shards[t.src_rank][t.src_name], t.src_piece, t.box)
+                piece_view(out[t.dst_rank][t.dst_name], t.dst_piece, t.box).copy_(src_t)
     return out

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
 from hybridmem.reshard.layouts import Side
-from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype, piece_index
+from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
+from hybridmem.reshard.transforms import piece_view
 
 __all__ = ["run_plan", "iter_full_tensors", "TransferStats"]
 
@@ -116,7 +117,7 @@ def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: M
     send_bufs = {}
     for key in sorted(sends, key=_order):
         peer, wire = key
-        buf = torch.cat([src[t.src_name][piece_index(t.src_piece, t.box)].reshape(-1).to(wire) for t in sends[key]])
+        buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire) for t in sends[key]])
         send_bufs[key] = buf
         ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
     recv_bufs = {}
@@ -144,7 +145,7 @@ def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]], bufs: dict[tup
         offset = 0
         for t in ts:
             n = t.numel
-            target = dst[t.dst_name][piece_index(t.dst_piece, t.box)]
+            target = piece_view(dst[t.dst_name], t.dst_piece, t.box)
             target.copy_(bufs[key][offset:offset + n].view(_box_shape(t)))
             if written is not None:
                 written[t.dst_name] = written.get(t.dst_name, 0) + target.numel()
@@ -156,8 +157,8 @@ def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor], d
     """This rank's local cells, cast as they would be on the wire; returns the destination names."""
     names = set()
     for t in plan.local[rank]:
-        piece = src[t.src_name][piece_index(t.src_piece, t.box)].to(cell_dtype(plan, t.hf_name, dtype))
-        target = dst[t.dst_name][piece_index(t.dst_piece, t.box)]
+        piece = piece_view(src[t.src_name], t.src_piece, t.box).to(cell_dtype(plan, t.hf_name, dtype))
+        target = piece_view(dst[t.dst_name], t.dst_piece, t.box)
         target.copy_(piece)
         if written is not None:
             written[t.dst_name] = written.get(t.dst_name, 0) + target.numel()

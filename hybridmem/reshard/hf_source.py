@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from hybridmem.config import ParallelLayout
@@ -75,8 +75,10 @@ def rows_of(local: LocalTensor, start: int, stop: int) -> LocalTensor:
         if p.dst_prefix:
             if start <= p.dst_prefix[0] < stop:
                 prefix = (p.dst_prefix[0] - start, *p.dst_prefix[1:])
-                pieces.append(Piece(p.hf_name, p.src, prefix, p.dst_start))
+                pieces.append(replace(p, dst_prefix=prefix))
             continue
+        if p.transposed or len(p.src) != len(p.dst_start):
+            raise ValueError(f"{p.hf_name}: rows of a transposed or stacked-checkpoint piece are not supported")
         (a, b), lo = p.src[0], p.dst_start[0]
         keep_lo, keep_hi = max(lo, start), min(lo + b - a, stop)
         if keep_lo >= keep_hi:

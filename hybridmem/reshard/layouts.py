@@ -45,11 +45,11 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard.spec import ModelSpec
+from hybridmem.reshard.spec import ModelSpec, Placement
 from hybridmem.reshard.transforms import LocalTensor, Piece, block, chunk, concat, pad_rows, replicate, split, stack
 
 __all__ = [
@@ -629,7 +629,7 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
                 out[head] = replicate(head, shapes[head])
         # Phi-3's fused checkpoint tensors: one full tensor for its canonical parts.
         full, where = spec.full_shapes(), spec.checkpoint_names()
-        names = dict.fromkeys(where[n][0] for n in out)
+        names = dict.fromkeys(where[n].name for n in out)
         return {n: replicate(n, full[n]) for n in names}
 
     rows = _vocab_rows(side, spec, layout.convention, c)
@@ -661,21 +661,27 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
     return _to_checkpoint(spec, out)
 
 
-def to_checkpoint_names(where: Mapping[str, tuple[str, int]], local: LocalTensor) -> LocalTensor:
-    """``local`` with its pieces naming checkpoint tensors instead of canonical ones (a renamed tensor, or
-    rows of a fused one: the box shifted by the block's first row; see [Note: canonical names]); ``where``
-    is the spec's :meth:`~hybridmem.reshard.ModelSpec.checkpoint_names`."""
+def to_checkpoint_names(where: Mapping[str, Placement], local: LocalTensor) -> LocalTensor:
+    """``local`` with its pieces naming checkpoint tensors instead of canonical ones (a renamed tensor;
+    rows of a fused one: the box shifted by the block's first row; one expert of a stacked one: the box
+    under a leading ``(e, e + 1)``, transposed where the checkpoint is; see [Note: canonical names]);
+    ``where`` is the spec's :meth:`~hybridmem.reshard.ModelSpec.checkpoint_names`."""
     pieces = []
     for p in local.pieces:
-        name, row = where[p.hf_name]
-        src = p.src if not row else ((p.src[0][0] + row, p.src[0][1] + row), *p.src[1:])
-        pieces.append(Piece(name, src, p.dst_prefix, p.dst_start))
+        at = where[p.hf_name]
+        if p.transposed or len(p.src) != len(p.dst_start):
+            raise ValueError(f"{p.hf_name}: a piece already in checkpoint form cannot be placed again")
+        src = p.src if not at.row else ((p.src[0][0] + at.row, p.src[0][1] + at.row), *p.src[1:])
+        if at.transposed:
+            src = (*src[:-2], src[-1], src[-2])
+        src = (*((i, i + 1) for i in at.index), *src)
+        pieces.append(replace(p, hf_name=at.name, src=src, transposed=at.transposed))
     return LocalTensor(local.shape, tuple(pieces))
 
 
 def _to_checkpoint(spec: ModelSpec, out: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
     family = spec.traits
-    if not (family.checkpoint_renames or family.checkpoint_fused):
+    if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
         return out
     where = spec.checkpoint_names()
     return {name: to_checkpoint_names(where, local) for name, local in out.items()}

@@ -26,7 +26,7 @@ from hybridmem.reshard.layouts import ShardLayout
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import Box, Piece
 
-__all__ = ["Transfer", "ReshardPlan", "build_plan", "cell_dtype", "piece_index", "DEFAULT_BUCKET_NBYTES"]
+__all__ = ["Transfer", "ReshardPlan", "build_plan", "cell_dtype", "DEFAULT_BUCKET_NBYTES"]
 
 DEFAULT_BUCKET_NBYTES = 512 * 2**20
 
@@ -64,12 +64,6 @@ def cell_dtype(plan: ReshardPlan, hf_name: str, wire_dtype: torch.dtype) -> torc
     """The dtype a slice of ``hf_name`` travels in: ``wire_dtype`` (the plan's element size), or fp32
     where :meth:`ReshardPlan.cell_itemsize` widens it."""
     return torch.float32 if plan.cell_itemsize(hf_name) > wire_dtype.itemsize else wire_dtype
-
-
-def piece_index(piece: Piece, box: Box) -> tuple:
-    """Index inside a local tensor of the sub-box ``box`` of ``piece.src``."""
-    return (*piece.dst_prefix,
-            *(slice(s + a - pa, s + b - pa) for s, (a, b), (pa, _) in zip(piece.dst_start, box, piece.src)))
 
 
 def _intersect(a: Box, b: Box) -> Box | None:

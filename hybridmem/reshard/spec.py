@@ -9,14 +9,29 @@ from the family's description (:attr:`ModelSpec.traits`). Supported families: :d
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridmem.models import FAMILIES as _FAMILY_TABLE
 from hybridmem.models import Family, RouterBias, family_name, get_family, getter
 
-__all__ = ["ModelSpec", "FAMILIES"]
+__all__ = ["ModelSpec", "FAMILIES", "Placement"]
+
+
+class Placement(NamedTuple):
+    """Where a canonical tensor sits in the checkpoint (see [Note: canonical names] in
+    :mod:`hybridmem.models.family`)."""
+
+    name: str
+    """The checkpoint tensor."""
+    row: int = 0
+    """First row of the canonical tensor inside it (a row block of a fused tensor, Phi-3's ``qkv_proj``)."""
+    index: tuple[int, ...] = ()
+    """Leading indices of a checkpoint tensor stacked over experts (gpt-oss's ``experts.gate_up_proj``)."""
+    transposed: bool = False
+    """The checkpoint holds the canonical tensor transposed (its last two axes swapped)."""
 
 FAMILIES = tuple(_FAMILY_TABLE)
 """The families' ``model_type`` names (see :mod:`hybridmem.models.registry`; aliases such as ``mistral``
@@ -219,9 +234,10 @@ class ModelSpec:
         :mod:`hybridmem.models.family`)."""
         return dict(_checkpoint(self)[0])
 
-    def checkpoint_names(self) -> Mapping[str, tuple[str, int]]:
-        """``{canonical name: (checkpoint name, first row)}``: the tensor itself, a renamed one, or a row
-        block of a fused one (Phi-3's ``qkv_proj``). Cached per spec; do not modify."""
+    def checkpoint_names(self) -> Mapping[str, Placement]:
+        """``{canonical name: Placement}``: the tensor itself, a renamed one, a row block of a fused one
+        (Phi-3's ``qkv_proj``), or one expert of a tensor stacked over experts, maybe transposed
+        (gpt-oss). Cached per spec; do not modify."""
         return _checkpoint(self)[1]
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -262,13 +278,14 @@ class ModelSpec:
 
 
 @functools.lru_cache(maxsize=64)
-def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[str, int]]]:
-    """``({checkpoint name: shape}, {canonical name: (checkpoint name, first row)})`` of ``spec``."""
+def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, Placement]]:
+    """``({checkpoint name: shape}, {canonical name: Placement})`` of ``spec``."""
     family = spec.traits
     canonical = spec.canonical_shapes()
     fused = {part: (whole, parts) for parts, whole in family.checkpoint_fused for part in parts}
+    stacked = [(re.compile(pattern), whole, transposed) for pattern, whole, transposed in family.checkpoint_stacked]
     shapes: dict[str, tuple[int, ...]] = {}
-    where: dict[str, tuple[str, int]] = {}
+    where: dict[str, Placement] = {}
     for name, shape in canonical.items():
         prefix, suffix = _split_layer(name)
         if suffix in fused:
@@ -276,11 +293,20 @@ def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, 
             target = prefix + whole
             if target not in shapes:
                 shapes[target] = (sum(canonical[prefix + q][0] for q in parts), *shape[1:])
-            where[name] = (target, sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
+            where[name] = Placement(target, sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
+            continue
+        match = next(((m, whole, t) for pattern, whole, t in stacked if (m := pattern.fullmatch(suffix))), None)
+        if match is not None:
+            m, whole, transposed = match
+            target, expert = prefix + whole, int(m.group(1))
+            inner = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+            if target not in shapes:
+                shapes[target] = (spec.num_experts, *inner)
+            where[name] = Placement(target, index=(expert,), transposed=transposed)
             continue
         target = prefix + family.checkpoint_suffix(suffix) if prefix else name
         shapes[target] = shape
-        where[name] = (target, 0)
+        where[name] = Placement(target)
     return shapes, where
 
 

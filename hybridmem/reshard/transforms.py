@@ -7,7 +7,11 @@ known offsets; rows no block covers are padding and hold zeros (vocab padding). 
 ``dst_prefix`` indexes leading stacking axes the HF tensor lacks (the expert axis of vLLM's
 ``w13_weight``). Megatron's per-group interleaved QKV, fused gate/up halves, padded vocab and stacked
 experts are all just lists of pieces, so sharding, unsharding and the transfer plan are each written
-once, over pieces, and never per model.
+once, over pieces, and never per model. Two more things a piece may say, for checkpoints that store a
+tensor other than the engine holds it (gpt-oss's experts): its box may have leading axes of extent 1
+the local block lacks (one expert of a checkpoint tensor stacked over experts), and it may be
+``transposed`` (the box's last two axes swapped in the local tensor). Every copy goes through
+:func:`piece_view`, a view of the local tensor shaped like the box.
 
 The transforms below each return a :class:`LocalTensor` and are composed by the layout tables in
 :mod:`hybridmem.reshard.layouts`.
@@ -16,7 +20,7 @@ The transforms below each return a :class:`LocalTensor` and are composed by the 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +37,7 @@ __all__ = [
     "stack",
     "build_local",
     "scatter_local",
+    "piece_view",
 ]
 
 Box = tuple[tuple[int, int], ...]
@@ -47,6 +52,10 @@ class Piece:
     src: Box
     dst_prefix: tuple[int, ...]
     dst_start: tuple[int, ...]
+    """Where the block starts in the local tensor (after ``dst_prefix``), one entry per local axis; fewer
+    than ``src`` has axes when the box's leading axes (extent 1) are dropped in the local tensor."""
+    transposed: bool = False
+    """The box's last two axes are swapped in the local tensor."""
 
     @property
     def numel(self) -> int:
@@ -127,7 +136,7 @@ def concat(parts: Sequence[LocalTensor], *, axis: int = 0) -> LocalTensor:
                 raise ValueError("concat of stacked parts is not supported; concat first, then stack")
             start = list(p.dst_start)
             start[axis - len(p.dst_prefix)] += offset
-            pieces.append(Piece(p.hf_name, p.src, p.dst_prefix, tuple(start)))
+            pieces.append(replace(p, dst_start=tuple(start)))
         offset += part.shape[axis]
     shape = list(parts[0].shape)
     shape[axis] = offset
@@ -155,12 +164,8 @@ def stack(parts: Sequence[LocalTensor]) -> LocalTensor:
     for i, part in enumerate(parts):
         if part.shape != parts[0].shape:
             raise ValueError(f"stack: shape {part.shape} of part {i} differs from {parts[0].shape}")
-        pieces.extend(Piece(p.hf_name, p.src, (i, *p.dst_prefix), p.dst_start) for p in part.pieces)
+        pieces.extend(replace(p, dst_prefix=(i, *p.dst_prefix)) for p in part.pieces)
     return LocalTensor((len(parts), *parts[0].shape), tuple(pieces))
-
-
-def _index(prefix: tuple[int, ...], start: tuple[int, ...], src: Box) -> tuple:
-    return (*prefix, *(slice(s, s + (b - a)) for s, (a, b) in zip(start, src)))
 
 
 def src_index(src: Box) -> tuple[slice, ...]:
@@ -168,9 +173,26 @@ def src_index(src: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in src)
 
 
-def dst_index(piece: Piece) -> tuple:
-    """The index of a piece inside its local tensor."""
-    return _index(piece.dst_prefix, piece.dst_start, piece.src)
+def piece_view(local: torch.Tensor, piece: Piece, box: Box | None = None) -> torch.Tensor:
+    """The part of ``local`` (a tensor of the piece's layout) holding ``box``, a sub-box of ``piece.src``
+    (default: all of it), as a view shaped like ``box``: the HF tensor's ``[box]`` reads and writes
+    through it, whatever the piece's dropped axes and transposition.
+
+    Raises:
+        ValueError: A dropped leading axis of the piece's box is longer than 1.
+    """
+    box = piece.src if box is None else box
+    dropped = len(piece.src) - len(piece.dst_start)
+    if any(b - a != 1 for a, b in piece.src[:dropped]):
+        raise ValueError(f"{piece.hf_name}: box {piece.src} drops {dropped} leading axes, which must have extent 1")
+    inner, origin = list(box[dropped:]), list(piece.src[dropped:])
+    if piece.transposed:
+        inner[-2:], origin[-2:] = inner[:-3:-1], origin[:-3:-1]
+    view = local[(*piece.dst_prefix,
+                  *(slice(s + a - pa, s + b - pa) for s, (a, b), (pa, _) in zip(piece.dst_start, inner, origin)))]
+    if piece.transposed:
+        view = view.transpose(-1, -2)
+    return view[(None,) * dropped] if dropped else view  # a view still: writes reach ``local``
 
 
 def build_local(local: LocalTensor, full: Mapping[str, torch.Tensor], *,
@@ -192,7 +214,7 @@ def build_local(local: LocalTensor, full: Mapping[str, torch.Tensor], *,
             raise ValueError(f"{local.shape} is all padding and no tensor gives its dtype; pass dtype=")
     out = torch.zeros(local.shape, dtype=dtype or first.dtype, device=first.device if first is not None else None)
     for p in local.pieces:
-        out[dst_index(p)] = full[p.hf_name][src_index(p.src)]
+        piece_view(out, p).copy_(full[p.hf_name][src_index(p.src)])
     return out
 
 
@@ -201,4 +223,4 @@ def scatter_local(local: LocalTensor, tensor: torch.Tensor, full: Mapping[str, t
     if tuple(tensor.shape) != local.shape:
         raise ValueError(f"tensor shape {tuple(tensor.shape)} != layout shape {local.shape}")
     for p in local.pieces:
-        full[p.hf_name][src_index(p.src)] = tensor[dst_index(p)]
+        full[p.hf_name][src_index(p.src)] = piece_view(tensor, p)

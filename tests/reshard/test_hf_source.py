@@ -13,8 +13,7 @@ import torch
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, vllm_layout
 from hybridmem.reshard.hf_source import fsdp_rows, hf_source_layout, looks_hf_named
-from hybridmem.reshard.plan import piece_index
-from hybridmem.reshard.transforms import build_local
+from hybridmem.reshard.transforms import build_local, piece_view
 from tests.reshard.hf_reference import chunk_rows, element_ids, fsdp_to_vllm_lacking, fused, unfused
 from tests.reshard.reference import vllm_shard
 from tests.reshard.test_spec import _config
@@ -92,8 +91,8 @@ def test_fsdp_to_vllm_plan_moves_exactly_what_each_rank_lacks(family, tied, tp):
     out = [{n: torch.zeros(lt.shape, dtype=torch.float64) for n, lt in dst.tensors(r).items()} for r in range(world)]
     for transfers in (*plan.local, *plan.buckets):
         for t in transfers:
-            out[t.dst_rank][t.dst_name][piece_index(t.dst_piece, t.box)] = \
-                local[t.src_rank][t.src_name][piece_index(t.src_piece, t.box)]
+            piece_view(out[t.dst_rank][t.dst_name], t.dst_piece, t.box).copy_(
+                piece_view(local[t.src_rank][t.src_name], t.src_piece, t.box))
     for rank in range(world):
         want = vllm_shard(ids, spec, tp=tp, pp=1, ep=1, world=world, rank=rank)
         assert sorted(out[rank]) == sorted(want)
