@@ -79,6 +79,15 @@ class Family:
     """Module name of the MoE layers' shared expert (``shared_expert``, ``shared_experts``); ``None``: none."""
     shared_expert_gate: bool = False
     """The shared expert has a [1, H] sigmoid gate (``mlp.shared_expert_gate.weight``, Qwen2-MoE)."""
+    attention_sinks: bool = False
+    """Every attention layer has a learned per-head sink logit, ``self_attn.sinks`` [num_attention_heads]
+    (gpt-oss), split by heads under TP."""
+    router_linear_bias: bool = False
+    """The router is a linear layer with a bias, ``mlp.gate.bias`` [num_experts] canonically (gpt-oss)."""
+    experts_interleaved: bool = False
+    """One expert's gate and up projections are one tensor with interleaved rows, canonically
+    ``mlp.experts.{e}.gate_up_proj.weight`` [2I, H], each expert projection with a bias (gpt-oss); vLLM
+    splits the 2I rows into contiguous blocks per TP rank."""
     extra_norms: tuple[str, ...] = ()
     """Per-layer norm weights beyond ``input_layernorm`` and ``post_attention_layernorm`` (Gemma 3's
     sandwich norms), each a [hidden_size] tensor replicated on every rank."""
@@ -95,6 +104,8 @@ class Family:
     they hold the checkpoint's tensors as stored."""
     vllm_renames: tuple[tuple[str, str], ...] = ()
     """``(pattern, replacement)`` regex substitutions, canonical vLLM layer suffix -> the family's."""
+    vllm_embedding: str = "model.embed_tokens.weight"
+    """vLLM's name of the token embedding (gpt-oss: ``model.embedding.weight``)."""
     vllm_every_stage: bool = False
     """vLLM builds ``embed_tokens``, the final ``norm`` and ``lm_head`` on every pipeline stage."""
     megatron: str | None = None

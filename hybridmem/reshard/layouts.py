@@ -122,13 +122,21 @@ class VLLMNames:
     """Stacked gate/up weights of a layer's routed experts, after ``model.layers.{i}.``."""
     experts_w2: str
     """Stacked down weights of a layer's routed experts, after ``model.layers.{i}.``."""
+    experts_w13_bias: str
+    """Stacked gate/up biases (gpt-oss), after ``model.layers.{i}.``."""
+    experts_w2_bias: str
+    """Stacked down biases (gpt-oss), after ``model.layers.{i}.``."""
 
 
 VLLM_NAMES: dict[str, VLLMNames] = {
     "0.32": VLLMNames(experts_w13="mlp.experts.routed_experts.w13_weight",
-                      experts_w2="mlp.experts.routed_experts.w2_weight"),
+                      experts_w2="mlp.experts.routed_experts.w2_weight",
+                      experts_w13_bias="mlp.experts.routed_experts.w13_bias",
+                      experts_w2_bias="mlp.experts.routed_experts.w2_bias"),
     "0.33": VLLMNames(experts_w13="mlp.experts.routed_experts.w13_weight",
-                      experts_w2="mlp.experts.routed_experts.w2_weight"),
+                      experts_w2="mlp.experts.routed_experts.w2_weight",
+                      experts_w13_bias="mlp.experts.routed_experts.w13_bias",
+                      experts_w2_bias="mlp.experts.routed_experts.w2_bias"),
 }
 """The per-release names, keyed by ``major.minor``."""
 
@@ -372,6 +380,14 @@ def _moe(spec: ModelSpec, i: int) -> bool:
     return spec.is_moe_layer(i)
 
 
+def _split_experts(spec: ModelSpec, i: int) -> bool:
+    return spec.is_moe_layer(i) and not spec.traits.experts_interleaved
+
+
+def _interleaved_experts(spec: ModelSpec, i: int) -> bool:
+    return spec.is_moe_layer(i) and spec.traits.experts_interleaved
+
+
 def _shared(spec: ModelSpec, i: int) -> bool:
     return spec.is_moe_layer(i) and spec.shared_expert_intermediate_size > 0
 
@@ -423,7 +439,10 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "self_attn.kv_a_layernorm.weight", "replicate", when=_mla),
     LayerRule(("self_attn.kv_b_proj.weight",), "self_attention.linear_kv_up_proj.weight",
               "self_attn.kv_b_proj.weight", "column", when=_mla),
+    LayerRule(("self_attn.sinks",), None, "self_attn.sinks", "column", when=lambda s, i: s.traits.attention_sinks),
     LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
+    LayerRule(("self_attn.o_proj.bias",), "self_attention.linear_proj.bias", "self_attn.o_proj.bias", "replicate",
+              when=lambda s, i: s.o_bias),
     LayerRule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight", "post_attention_layernorm.weight",
               "replicate", megatron_te="mlp.linear_fc1.layer_norm_weight"),
     # Gemma 3's sandwich norms (no Megatron equivalent: such a family is refused by megatron_layout).
@@ -440,8 +459,19 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               when=lambda s, i: s.is_moe_layer(i) and s.has_router_bias),
     LayerRule(("mlp.gate.e_score_correction_bias",), None, "mlp.gate.e_score_correction_bias", "replicate",
               when=lambda s, i: s.is_moe_layer(i) and s.vllm_router_bias),
+    LayerRule(("mlp.gate.bias",), None, "mlp.gate.bias", "replicate",
+              when=lambda s, i: s.is_moe_layer(i) and s.traits.router_linear_bias),
     LayerRule(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-              "mlp.experts.local_experts.{j}.linear_fc1.weight", "<experts_w13>", "experts_gate_up", when=_moe),
+              "mlp.experts.local_experts.{j}.linear_fc1.weight", "<experts_w13>", "experts_gate_up",
+              when=_split_experts),
+    # gpt-oss: one interleaved gate/up tensor per expert, contiguous row blocks per TP rank; the down bias is
+    # whole on MoE-TP rank 0 and zero (no piece: padding) on the others.
+    LayerRule(("mlp.experts.{e}.gate_up_proj.weight",), None, "<experts_w13>", "experts_column",
+              when=_interleaved_experts),
+    LayerRule(("mlp.experts.{e}.gate_up_proj.bias",), None, "<experts_w13_bias>", "experts_column",
+              when=_interleaved_experts),
+    LayerRule(("mlp.experts.{e}.down_proj.bias",), None, "<experts_w2_bias>", "experts_first_rank",
+              when=_interleaved_experts),
     LayerRule(("mlp.experts.{e}.down_proj.weight",), "mlp.experts.local_experts.{j}.linear_fc2.weight",
               "<experts_w2>", "experts_row", when=_moe),
     # {shared}: the family's shared-expert module name (shared_expert, shared_experts).
@@ -543,13 +573,18 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
         return {prefix + name: split(hf[0], shapes[hf[0]], axis=1, rank=c.tp_rank, num=c.tp)}
     if rule.kind == "gate_up":
         return {prefix + name: _gate_up(hf, shapes, c.tp_rank, c.tp)}
-    if rule.kind in ("experts_gate_up", "experts_row"):
+    if rule.kind in ("experts_gate_up", "experts_row", "experts_column", "experts_first_rank"):
         lo, hi = _expert_range(spec.num_experts, c.ep_rank, c.ep)
         parts = []
         for e in range(lo, hi):
             names = tuple(s.format(e=e) for s in hf)
             if rule.kind == "experts_gate_up":
                 parts.append(_gate_up(names, shapes, c.moe_tp_rank, c.moe_tp))
+            elif rule.kind == "experts_column":
+                parts.append(split(names[0], shapes[names[0]], axis=0, rank=c.moe_tp_rank, num=c.moe_tp))
+            elif rule.kind == "experts_first_rank":
+                whole = replicate(names[0], shapes[names[0]])
+                parts.append(whole if c.moe_tp_rank == 0 else LocalTensor(whole.shape, ()))
             else:
                 parts.append(split(names[0], shapes[names[0]], axis=1, rank=c.moe_tp_rank, num=c.moe_tp))
         if side is Side.MEGATRON:
@@ -643,7 +678,7 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
         if c.first_stage:
             out["embedding.word_embeddings.weight"] = vocab(embed)
     elif c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage:
-        out[embed] = vocab(embed)
+        out[spec.traits.vllm_embedding] = vocab(embed)
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
             if rule.when(spec, layer):

@@ -65,6 +65,8 @@ class ModelSpec:
     """Real vocabulary rows (before any padding)."""
     qkv_bias: bool = False
     """q/k/v projections carry a bias (Qwen2)."""
+    o_bias: bool = False
+    """The attention output projection carries a bias [hidden_size] (gpt-oss), whole on every TP rank."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k (Qwen3): ``q_norm.weight`` / ``k_norm.weight`` of shape [head_dim]."""
     tie_word_embeddings: bool = False
@@ -207,6 +209,8 @@ class ModelSpec:
     def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:
         h = self.hidden_size
         if not self.is_mla:
+            if self.traits.attention_sinks:
+                shapes[p + "self_attn.sinks"] = (self.num_attention_heads,)
             for proj, rows in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
                 shapes[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
                 if self.qkv_bias:
@@ -215,6 +219,8 @@ class ModelSpec:
                 shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
                 shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+            if self.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
             return
         n, kv_lora = self.num_attention_heads, self.kv_lora_rank
         if self.q_lora_rank:
@@ -257,12 +263,22 @@ class ModelSpec:
                 shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
                 continue
             shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+            if self.traits.router_linear_bias:
+                shapes[p + "mlp.gate.bias"] = (self.num_experts,)
             if self.has_router_bias:
                 shapes[p + "mlp.gate.e_score_correction_bias"] = (self.num_experts,)
+            width = self.moe_intermediate_size
             for e in range(self.num_experts):
+                x = p + f"mlp.experts.{e}."
+                if self.traits.experts_interleaved:
+                    shapes[x + "gate_up_proj.weight"] = (2 * width, h)
+                    shapes[x + "gate_up_proj.bias"] = (2 * width,)
+                    shapes[x + "down_proj.weight"] = (h, width)
+                    shapes[x + "down_proj.bias"] = (h,)
+                    continue
                 for proj in ("gate", "up"):
-                    shapes[p + f"mlp.experts.{e}.{proj}_proj.weight"] = (self.moe_intermediate_size, h)
-                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, self.moe_intermediate_size)
+                    shapes[x + f"{proj}_proj.weight"] = (width, h)
+                shapes[x + "down_proj.weight"] = (h, width)
             if self.shared_expert_intermediate_size:
                 s = self.shared_expert_intermediate_size
                 x = p + f"mlp.{self.shared_expert_name}."

@@ -41,6 +41,8 @@ CONFIGS = {
     "glm4_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
                      n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=8, first_k_dense_replace=1,
                      num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True),
+    "gpt_oss": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
 
 
@@ -89,6 +91,26 @@ def test_a_family_megatron_cannot_express_is_refused_by_name(tmp_path):
     cfg, _ = _saved("gemma3_text", tmp_path)
     with pytest.raises(ValueError, match="family='gemma3_text' has no Megatron-core layout: .*post_feedforward_layernorm"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+    cfg, _ = _saved("gpt_oss", tmp_path / "gpt_oss")
+    with pytest.raises(ValueError, match="family='gpt_oss' has no Megatron-core layout: .*attention sinks"):
+        megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+
+
+def test_gpt_oss_experts_are_the_checkpoints_transposed_slices(tmp_path):
+    """One expert's canonical tensors, as vLLM's TP 1 layout holds them, are the checkpoint's stacked tensors
+    sliced at that expert and transposed (gate/up columns interleaved, kept so)."""
+    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+
+    cfg = transformers.AutoConfig.for_model("gpt_oss", **{**_COMMON, **CONFIGS["gpt_oss"]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    local = shard(weights, vllm_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1), 0)
+    x = "model.layers.0.mlp.experts."
+    assert torch.equal(local[x + "routed_experts.w13_weight"], weights[x + "gate_up_proj"].transpose(1, 2))
+    assert torch.equal(local[x + "routed_experts.w2_weight"], weights[x + "down_proj"].transpose(1, 2))
+    assert torch.equal(local[x + "routed_experts.w13_bias"], weights[x + "gate_up_proj_bias"])
+    assert torch.equal(local["model.layers.0.attn.sinks"], weights["model.layers.0.self_attn.sinks"])
 
 
 def test_shared_expert_on_a_family_without_one_is_refused():
@@ -113,3 +135,5 @@ def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
     glm = dict(_saved("glm4_moe", tmp_path / "glm")[0].to_dict())
     with pytest.raises(ValueError, match="model_type='glm4_moe' does not run in the embedded engine"):
         ReferenceEngine(glm)
+    with pytest.raises(ValueError, match="model_type='gpt_oss' does not run in the embedded engine"):
+        ReferenceEngine(_saved("gpt_oss", tmp_path / "gpt_oss")[0].to_dict())

@@ -103,3 +103,26 @@ def vllm_version(ctx) -> str:
     import vllm
 
     return vllm.__version__
+
+
+def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
+    """This rank's vLLM-layout tensors at ``tp`` after ``run_plan`` over the pool's gloo group, from
+    transformers' own model of ``model_dir`` (``from_pretrained``, its module names) chunked as FSDP2 shards
+    dim 0 (``torch.chunk`` over the pool). What the in-place sync writes into vLLM's parameters."""
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from hybridmem.config import ParallelLayout  # noqa: PLC0415
+    from hybridmem.reshard import ModelSpec, build_plan, hf_source_layout, run_plan, vllm_layout  # noqa: PLC0415
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    spec = ModelSpec.from_hf_config(model.config)
+    world = ctx.world_size
+    bias = {n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    tensors.update({n: b for n, b in model.named_buffers() if n in bias})
+    src = {n: t if n in bias else (list(t.chunk(world)) + [t[:0]] * world)[ctx.rank] for n, t in tensors.items()}
+    plan = build_plan(hf_source_layout(spec, world, shard_size=world, replicated=bias),
+                      vllm_layout(spec, ParallelLayout(tp=tp), world), itemsize=4)
+    out, _ = run_plan(plan, rank=ctx.rank, src={n: t.contiguous() for n, t in src.items()})
+    return out

@@ -1,7 +1,7 @@
 """Our vLLM layouts equal what vLLM's own model classes and weight loaders build from the same HF weights.
 
 For each model (Llama tied, Qwen2 with q/k/v bias and fewer kv heads than TP, Qwen2-MoE, Qwen3-MoE, Mistral,
-Mixtral, Phi-3, Gemma 3, GLM-4.5,
+Mixtral, Phi-3, Gemma 3, GLM-4.5, gpt-oss,
 DeepSeek-V3 with and without ``q_lora_rank``) a tiny HF checkpoint is written by transformers
 (``save_pretrained``: HF's checkpoint names, per-expert tensors) with every value replaced by a distinct
 random number. Four worker processes then build the model with the installed vLLM's classes
@@ -88,6 +88,12 @@ MODELS = {
                                        attention_bias=True, tie_word_embeddings=False,
                                        # vLLM's GLM-4.5 refuses a pipeline stage without a MoE layer.
                                        num_hidden_layers=3)),
+    # gpt-oss: q/k/v/o biases, attention sinks, router bias, experts stacked and transposed in the checkpoint
+    # with interleaved gate/up columns and biases (vLLM zeroes the down bias on TP ranks > 0). vLLM splits its
+    # kv heads without replicating them, so TP is at most num_key_value_heads.
+    "gpt-oss": ("gpt_oss", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=128,
+                                num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                                tie_word_embeddings=False)),
 }
 MODELS_CONFIG = dict(model_type="llama", **{k: v for k, v in _COMMON.items() if k != "torch_dtype"},
                      num_attention_heads=4, intermediate_size=96)
@@ -213,7 +219,8 @@ def test_fsdp2_plan_receives_exactly_what_vllm_lacks(pool, checkpoints, model_id
     """From transformers' own model of the checkpoint (``from_pretrained``, its module names), sharded as FSDP2
     shards it (``torch.chunk`` of dim 0 over 4 ranks), into vLLM at TP 2: the source layout's tensors equal
     those chunks, and the plan receives exactly the elements of each rank's vLLM parameters (as vLLM's own
-    loaders fill them) that the rank does not hold, counted by value (every checkpoint value is distinct)."""
+    loaders fill them) that the rank does not hold, counted by value (every checkpoint value is distinct); run
+    over gloo, it writes exactly the values vLLM's loaders put there."""
     path, config, weights = checkpoints[model_id]
     spec = ModelSpec.from_hf_config(config)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -238,3 +245,9 @@ def test_fsdp2_plan_receives_exactly_what_vllm_lacks(pool, checkpoints, model_id
         lacking = len(need - held)
         assert plan.recv_nbytes(rank) == plan.min_recv_nbytes(rank) == 4 * lacking, (
             model_id, rank, plan.recv_nbytes(rank), 4 * lacking)
+    # The plan run over gloo writes exactly what vLLM's own loaders put in each parameter.
+    written = pool.run(_vllm_tasks.fsdp_chunks_through_plan, str(path), 2)
+    for rank in range(WORLD):
+        assert set(written[rank]) == set(theirs[rank]), rank
+        for name, tensor in theirs[rank].items():
+            assert torch.equal(written[rank][name], tensor), (model_id, rank, name)
