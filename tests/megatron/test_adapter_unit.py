@@ -31,15 +31,44 @@ def test_model_spec_dict_names_what_it_cannot_express():
         megatron_model_spec_dict(_config(add_bias_linear=True, gated_linear_unit=False), vocab_size=100)
 
 
-def test_model_spec_dict_refuses_multi_latent_attention():
+def _mla_config(**overrides):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    config = MLATransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24,
-                                  gated_linear_unit=True, add_bias_linear=False, use_cpu_initialization=True,
-                                  multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=6, qk_head_dim=4,
-                                  qk_pos_emb_head_dim=2, v_head_dim=4, rope_type="rope")
-    with pytest.raises(ValueError, match="multi_latent_attention=True"):
-        megatron_model_spec_dict(config, vocab_size=100)
+    base = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, gated_linear_unit=True,
+                add_bias_linear=False, use_cpu_initialization=True, normalization="RMSNorm", qk_layernorm=True,
+                multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                v_head_dim=16, rope_type="rope", num_moe_experts=8, moe_ffn_hidden_size=12, moe_router_topk=2,
+                moe_shared_expert_intermediate_size=12, moe_layer_freq=[0, 1, 1],
+                moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    return MLATransformerConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, None], ids=["q-lora", "no-q-lora"])
+def test_model_spec_dict_of_multi_latent_attention_is_deepseek_v3s(q_lora_rank):
+    """A DeepSeek-V3-style MLATransformerConfig gives the spec transformers' DeepseekV3Config of the same model
+    gives, with or without the engine naming the family."""
+    import transformers
+
+    from hybridmem.reshard import ModelSpec
+
+    want = ModelSpec.from_hf_config(transformers.DeepseekV3Config(
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+        vocab_size=100, q_lora_rank=q_lora_rank, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, moe_intermediate_size=12, n_shared_experts=1, first_k_dense_replace=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc", tie_word_embeddings=False))
+    config = _mla_config(q_lora_rank=q_lora_rank)
+    for model_type in (None, "deepseek_v3"):
+        got = ModelSpec.from_hf_config(megatron_model_spec_dict(config, vocab_size=100, model_type=model_type))
+        assert got == want, model_type
+
+
+def test_multi_latent_attention_for_another_family_is_refused():
+    with pytest.raises(ValueError, match=r"not a glm4_moe model as the engine serves it: multi-latent attention "
+                                         r"\(multi_latent_attention\): Megatron True, glm4_moe False"):
+        megatron_model_spec_dict(_mla_config(), vocab_size=100, model_type="glm4_moe")
+    with pytest.raises(ValueError, match=r"router bias \(moe_router_enable_expert_bias\): Megatron False, deepseek_v3 True"):
+        megatron_model_spec_dict(_mla_config(moe_router_enable_expert_bias=False, moe_router_score_function="softmax"),
+                                 vocab_size=100)
 
 
 def test_model_spec_dict_maps_qkv_bias_to_qwen2():

@@ -247,25 +247,23 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
     family reads from it must describe the same tensors as the ``TransformerConfig`` (q/k/v biases, q/k
     norms, experts, their widths, shared experts, router bias, leading dense layers), else a
     ``ValueError`` names each difference. Without ``model_type`` it is ``"llama"`` for a dense model
-    (``"qwen2"`` with ``add_qkv_bias``) and ``"qwen2_moe"`` (no shared expert) for an MoE one.
+    (``"qwen2"`` with ``add_qkv_bias``) and ``"qwen2_moe"`` (no shared expert) for an MoE one, and
+    ``"deepseek_v3"`` with multi-latent attention (an ``MLATransformerConfig``).
 
     Raises:
         ValueError: The config uses something no family here expresses (biases other than q/k/v, a
-            non-gated MLP, MLA, MoE on a pattern other than leading dense layers), the family cannot be
+            non-gated MLP, MoE on a pattern other than leading dense layers), the family cannot be
             trained in Megatron-core, or the family's tensors differ from the config's.
     """
     unsupported = []
-    if getattr(config, "multi_latent_attention", False):
-        # DeepSeek-V3: its spec needs fields a TransformerConfig spreads over MLA options and
-        # moe_layer_freq; build it with ModelSpec.from_hf_config from the HF config instead.
-        unsupported.append("multi_latent_attention=True (pass the DeepSeek-V3 HF config's ModelSpec)")
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if getattr(config, "add_bias_linear", False):
         unsupported.append("add_bias_linear=True")
-    if getattr(config, "qk_layernorm", False) and model_type is None:
+    if getattr(config, "qk_layernorm", False) and model_type is None and not mla:  # MLA: its latent norms
         unsupported.append("qk_layernorm=True (name the family: model_type=)")
     if not config.gated_linear_unit:
         unsupported.append("gated_linear_unit=False")
-    if getattr(config, "moe_layer_freq", 1) not in (1, None) and model_type is None:
+    if getattr(config, "moe_layer_freq", 1) not in (1, None) and model_type is None and not mla:
         unsupported.append(f"moe_layer_freq={config.moe_layer_freq!r}")
     if unsupported:
         raise ValueError(f"TransformerConfig options without an HF-family equivalent: {unsupported}")
@@ -292,9 +290,29 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
             num_experts_per_tok=int(config.moe_router_topk),
             shared_expert_intermediate_size=0,
         )
+    if mla:
+        out.update(_mla_fields(config))
+        model_type = model_type or "deepseek_v3"  # the one family with multi-latent attention
     if model_type is None:
         return out
     return _family_spec_dict(config, out, model_type)
+
+
+def _mla_fields(config: Any) -> dict[str, Any]:
+    """DeepSeek-V3's HF config keys of an ``MLATransformerConfig``: the latent ranks and head widths
+    (``qk_head_dim`` is the part without RoPE, ``qk_pos_emb_head_dim`` the RoPE part), and ``topk_method``
+    ``"noaux_tc"`` when the router carries its expert bias (``moe_router_enable_expert_bias``)."""
+    nope, rope = int(config.qk_head_dim), int(config.qk_pos_emb_head_dim)
+    return {
+        "q_lora_rank": int(config.q_lora_rank) if config.q_lora_rank else None,
+        "kv_lora_rank": int(config.kv_lora_rank),
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": int(config.v_head_dim),
+        "head_dim": nope + rope,
+        "num_key_value_heads": int(config.num_attention_heads),
+        "topk_method": "noaux_tc" if getattr(config, "moe_router_enable_expert_bias", False) else "greedy",
+    }
 
 
 def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -319,8 +337,10 @@ def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict
             out["intermediate_size"] = width
     spec = ModelSpec.from_hf_config(out)
     pairs = (  # (what, the Megatron config's, the family's spec's)
+        ("multi-latent attention (multi_latent_attention)", bool(getattr(config, "multi_latent_attention", False)),
+         spec.is_mla),
         ("q/k/v bias (add_qkv_bias)", bool(getattr(config, "add_qkv_bias", False)), spec.qkv_bias),
-        ("q/k norms (qk_layernorm)", bool(getattr(config, "qk_layernorm", False)), spec.qk_norm),
+        ("q/k norms (qk_layernorm)", bool(getattr(config, "qk_layernorm", False)) and not spec.is_mla, spec.qk_norm),
         ("routed experts (num_moe_experts)", experts, spec.num_experts),
         ("expert width (moe_ffn_hidden_size)", width, spec.moe_intermediate_size),
         ("shared expert width (moe_shared_expert_intermediate_size)", shared, spec.shared_expert_intermediate_size),
