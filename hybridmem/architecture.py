@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridmem.nn.config import DecoderConfig
-from hybridmem.training_state import training_capabilities_of
+from hybridmem.training_state import TorchTrainingState, training_capabilities_of
 
 __all__ = ["ARCHITECTURE_FIELDS", "check_architecture"]
 
@@ -49,7 +49,9 @@ def _training_side(training: Any, model_spec: Any) -> tuple[str, DecoderConfig] 
         candidates.append((f"{type(training).__name__}.model_spec_dict()", training.model_spec_dict()))
     config = training.hf_config if capabilities.has_hf_config else None
     if config is not None:
-        candidates.append((f"the training model ({getattr(config, 'model_type', '?')})", config))
+        module = training.modules[0] if isinstance(training, TorchTrainingState) else None
+        what = type(getattr(module, "module", module)).__name__ if module is not None else "the training model"
+        candidates.append((f"{what} ({getattr(config, 'model_type', '?')})", config))
     for label, config in candidates:
         decoder = _decoder(config)
         if decoder is not None:

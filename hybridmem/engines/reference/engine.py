@@ -23,11 +23,12 @@ import torch.distributed as dist
 from hybridmem.accel import get_accelerator
 from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError, blocks_needed
-from hybridmem.engines.reference.layout import place_hf_weight, split_fused_hf
+from hybridmem.engines.reference.layout import place_hf_weight, rank_tensors, split_fused_hf
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
 from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams, make_generator, sample_next
 from hybridmem.engines.reference.spec import tp_shard
 from hybridmem.nn.config import DecoderConfig
+from hybridmem.reshard.transforms import Piece, piece_view, src_index
 from hybridmem.engines.torch_copy import EngineMemoryState, check_tags
 from hybridmem.errors import PhaseError
 from hybridmem.kv import blocks_for_utilization, get_kv_allocator
@@ -132,8 +133,8 @@ class ReferenceEngine:
         self.kv_cache = self.kv_allocator.view(dtype, cache_shape)
         self.blocks = BlockManager(self.num_kv_blocks, block_size)
         self._state = {WEIGHTS: EngineMemoryState.RESIDENT, KV_CACHE: EngineMemoryState.RESIDENT}
-        self._written: dict[str, list[tuple[int, int]]] = {}
-        """Row ranges of each weight written by :meth:`load_weights` since the weights were resumed."""
+        self._written: dict[str, set[Piece]] = {}
+        """Pieces of each weight written by :meth:`load_weights` since the weights were resumed."""
         self._phase: Any = None
 
     @property
@@ -158,18 +159,19 @@ class ReferenceEngine:
             ValueError: A tensor whose shape is not the HF one.
         """
         self._require(WEIGHTS, "load weights")
+        layout = rank_tensors(self.shard)
+        for name, local in layout.items():
+            if not local.pieces and name not in self._written:  # all padding here (the last TP rank's vocab)
+                self.model.params[name].zero_()
+                self._written[name] = set()
         for fused_name, fused in weights:
             for name, full in split_fused_hf(self.shard, fused_name, fused):
-                placement = place_hf_weight(self.shard, name, full)
-                if placement is None:
-                    continue
-                dst = self.model.params[placement.name]
-                dst[placement.rows].copy_(placement.value)
-                start, stop, _ = placement.rows.indices(dst.shape[0])
-                self._written.setdefault(placement.name, []).append((start, stop))
-                if placement.zero_rest:
-                    dst[placement.value.shape[0]:].zero_()
-                    self._written[placement.name].append((placement.value.shape[0], dst.shape[0]))
+                for target, piece in place_hf_weight(self.shard, name, full) or ():
+                    dst = self.model.params[target]
+                    if target not in self._written and sum(p.numel for p in layout[target].pieces) < dst.numel():
+                        dst.zero_()  # vocab padding rows: zero, as vLLM leaves them
+                    piece_view(dst, piece).copy_(full[src_index(piece.src)])
+                    self._written.setdefault(target, set()).add(piece)
 
     def release(self, tags: Sequence[str]) -> None:
         """Give back the memory of ``tags``: weights by storage resize (no host copy), the KV pool
@@ -236,17 +238,12 @@ class ReferenceEngine:
         return self._state[check_tags([tag])[0]]
 
     def unwritten_weights(self) -> list[str]:
-        """Weights whose rows :meth:`load_weights` has not all written since the weights were resumed
-        (vocab padding rows count as written: they are zeroed); see [Note: weight coverage] in
-        hybridmem.weight_sync."""
-        out = []
-        for name, t in self.model.params.items():
-            covered = 0
-            for start, stop in sorted(self._written.get(name, [])):
-                covered = max(covered, stop) if start <= covered else covered
-            if covered < t.shape[0]:
-                out.append(name)
-        return out
+        """Weights :meth:`load_weights` has not entirely written since the weights were resumed: a piece
+        of the vLLM layout not received (vocab padding rows count as written: they are zeroed, a weight that
+        is all padding on this rank too);
+        see [Note: weight coverage] in hybridmem.weight_sync."""
+        layout = rank_tensors(self.shard)
+        return [name for name in self.model.params if set(layout[name].pieces) - self._written.get(name, set())]
 
     def bind_phase(self, phase: Any) -> None:
         """Name ``phase()`` (the owning manager's phase) when refusing work outside INFER."""

@@ -23,7 +23,8 @@ into it as it writes into vLLM. On rank ``r`` of ``tp`` (sizes from :class:`~.sp
   ``lm_head.weight``).
 
 HF checkpoints name the fused tensors apart (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``);
-:func:`place_hf_weight` maps them as vLLM's ``stacked_params_mapping`` does. Phi-3's checkpoints store them
+:func:`place_hf_weight` places them by the pieces of the resharding engine's vLLM layout (the rules
+checked against vLLM's own loaders), as vLLM's ``stacked_params_mapping`` does. Phi-3's checkpoints store them
 fused already (``self_attn.qkv_proj.weight`` = [q; k; v], ``mlp.gate_up_proj.weight`` = [gate; up]);
 :func:`split_fused_hf` cuts those into the separate HF tensors first.
 """
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
 
 import torch
 
@@ -42,8 +42,9 @@ from hybridmem.models import FAMILIES
 from hybridmem.nn.config import DecoderConfig
 from hybridmem.reshard import ModelSpec, VLLMConvention, vllm_layout
 from hybridmem.reshard.layouts import DEFAULT_VLLM_VERSION
+from hybridmem.reshard.transforms import LocalTensor, Piece
 
-__all__ = ["layout_spec", "param_shapes", "Placement", "place_hf_weight", "split_fused_hf"]
+__all__ = ["layout_spec", "param_shapes", "rank_tensors", "place_hf_weight", "split_fused_hf"]
 
 
 def layout_spec(spec: DecoderConfig) -> ModelSpec:
@@ -62,37 +63,10 @@ def param_shapes(shard: TPShard) -> dict[str, tuple[int, ...]]:
     """Name -> per-rank shape of every engine parameter, in vLLM's naming: read from the resharding
     engine's vLLM layout (:func:`~hybridmem.reshard.vllm_layout`, the rules checked against vLLM's own
     loaders), so the engine holds exactly what a weight sync into vLLM writes."""
-    spec = layout_spec(shard.spec)
-    convention = VLLMConvention(vocab_padding=VOCAB_PADDING, version=DEFAULT_VLLM_VERSION,
-                                stage_layers=(spec.num_hidden_layers,))
-    layout = vllm_layout(spec, ParallelLayout(tp=shard.tp_size), shard.tp_size, convention=convention)
-    return {name: tuple(local.shape) for name, local in layout.tensors(shard.tp_rank).items()}
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where (part of) a HF-full tensor goes: ``params[name][rows] = value``.
-
-    ``zero_rest`` asks to zero the parameter's rows after ``rows`` (vocab padding).
-    """
-
-    name: str
-    rows: slice
-    value: torch.Tensor
-    zero_rest: bool = False
+    return {name: tuple(local.shape) for name, local in rank_tensors(shard).items()}
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_STACKED = {
-    # HF suffix -> (vLLM fused name, shard id), as vLLM's stacked_params_mapping.
-    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
-    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
-    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight")
-_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
 _FUSED: dict[str, tuple[str, ...]] = {
@@ -130,62 +104,45 @@ def _check_shape(name: str, full: torch.Tensor, expected: tuple[int, ...]) -> No
         raise ValueError(f"HF weight {name!r} has shape {tuple(full.shape)}, expected {expected}")
 
 
-def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> Placement | None:
-    """Slice the HF-full tensor ``name`` for this rank and say where it goes.
+@functools.lru_cache(maxsize=64)
+def rank_tensors(shard: TPShard) -> dict[str, LocalTensor]:
+    """This rank's engine tensors as the resharding engine's vLLM layout has them: per-rank shapes, and the
+    pieces of HF tensors each holds (see [Note: pieces] in :mod:`hybridmem.reshard.transforms`)."""
+    spec = layout_spec(shard.spec)
+    convention = VLLMConvention(vocab_padding=VOCAB_PADDING, version=DEFAULT_VLLM_VERSION,
+                                stage_layers=(spec.num_hidden_layers,))
+    return vllm_layout(spec, ParallelLayout(tp=shard.tp_size), shard.tp_size, convention=convention).tensors(shard.tp_rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _targets(shard: TPShard) -> dict[str, tuple[tuple[str, Piece], ...]]:
+    out: dict[str, list[tuple[str, Piece]]] = {}
+    for name, local in rank_tensors(shard).items():
+        for piece in local.pieces:
+            out.setdefault(piece.hf_name, []).append((name, piece))
+    return {hf: tuple(targets) for hf, targets in out.items()}
+
+
+def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> tuple[tuple[str, Piece], ...] | None:
+    """Where the HF-full tensor ``name`` goes on this rank: ``(engine tensor, piece)`` pairs of the vLLM
+    layout (copy ``full[src_index(piece.src)]`` into ``piece_view(engine tensor, piece)``), as vLLM's
+    ``load_weights`` places it; empty where this rank holds none of it.
 
     Returns:
-        The placement, or ``None`` for a tensor vLLM skips (RoPE buffers such as
-        ``rotary_emb.inv_freq``; ``lm_head.weight`` when embeddings are tied).
+        The pairs, or ``None`` for a tensor vLLM skips (RoPE buffers such as ``rotary_emb.inv_freq``;
+        ``lm_head.weight`` when embeddings are tied).
 
     Raises:
         KeyError: ``name`` is not a weight of this architecture.
         ValueError: ``full`` does not have the HF shape for ``name``.
     """
-    s = shard.spec
-    d, h, r = s.head_dim, s.hidden_size, shard.tp_rank
     if ".rotary_emb." in name:  # inv_freq, original_inv_freq, cos/sin caches: recomputed, as vLLM skips them
         return None
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if name == "lm_head.weight" and s.tie_word_embeddings:
-            return None
-        _check_shape(name, full, (s.vocab_size, h))
-        start = r * shard.vocab_rows
-        stop = min(s.vocab_size, start + shard.vocab_rows)
-        value = full[start:max(start, stop)]
-        return Placement(name, slice(0, value.shape[0]), value, zero_rest=True)
-    if name == "model.norm.weight":
-        _check_shape(name, full, (h,))
-        return Placement(name, slice(None), full)
-    m = _LAYER.match(name)
-    if m is None or int(m.group(1)) >= s.num_hidden_layers:
-        raise KeyError(f"no engine weight for HF name {name!r} (model has {s.num_hidden_layers} layers)")
-    prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    if rest in _REPLICATED:
-        _check_shape(name, full, (h,))
-        return Placement(prefix + rest, slice(None), full)
-    if rest in _ROW_PARALLEL:
-        width = shard.num_heads * d if rest.startswith("self_attn") else shard.intermediate_size
-        total = s.num_attention_heads * d if rest.startswith("self_attn") else s.intermediate_size
-        _check_shape(name, full, (h, total))
-        return Placement(prefix + rest, slice(None), full[:, r * width:(r + 1) * width])
-    module, _, kind = rest.rpartition(".")
-    if module not in _STACKED or kind not in ("weight", "bias"):
-        raise KeyError(f"no engine weight for HF name {name!r}")
-    if kind == "bias" and not (s.attention_bias and module.startswith("self_attn")):
-        raise KeyError(f"HF weight {name!r} is a bias this model does not have (attention_bias={s.attention_bias})")
-    fused, shard_id = _STACKED[module]
-    tail = (h,) if kind == "weight" else ()
-    if shard_id == "q":
-        _check_shape(name, full, (s.num_attention_heads * d, *tail))
-        n = shard.num_heads * d
-        return Placement(f"{prefix}{fused}.{kind}", slice(0, n), full[r * n:(r + 1) * n])
-    if shard_id in ("k", "v"):
-        _check_shape(name, full, (s.num_key_value_heads * d, *tail))
-        n = shard.num_kv_heads * d
-        start = shard.num_heads * d + (n if shard_id == "v" else 0)
-        src = shard.kv_head_start * d
-        return Placement(f"{prefix}{fused}.{kind}", slice(start, start + n), full[src:src + n])
-    _check_shape(name, full, (s.intermediate_size, *tail))
-    n = shard.intermediate_size
-    start = shard_id * n
-    return Placement(f"{prefix}{fused}.{kind}", slice(start, start + n), full[r * n:(r + 1) * n])
+    if name == "lm_head.weight" and shard.spec.tie_word_embeddings:
+        return None
+    shapes = layout_spec(shard.spec).full_shapes()
+    if name not in shapes:
+        raise KeyError(f"no engine weight for HF name {name!r} (model has {shard.spec.num_hidden_layers} layers, "
+                       f"attention_bias={shard.spec.attention_bias})")
+    _check_shape(name, full, shapes[name])
+    return _targets(shard).get(name, ())
