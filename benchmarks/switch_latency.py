@@ -7,8 +7,12 @@ Builds a model of a given size with AdamW state and non-zero grads, then measure
 (b) a naive baseline, as hand-written sharding managers do it: for every tensor
     ``t.data = t.data.to("cpu")`` and back (on CPU, where ``.to("cpu")`` is a no-op, a fresh
     ``clone()`` per tensor, which is what the pageable round trip costs there);
-(c) hybridmem's TRAIN->INFER and INFER->TRAIN (no engine: offload and onload only), the first switch
-    (which allocates the host arenas) and the steady state (median of ``--repeats``).
+(c) hybridmem's TRAIN->INFER and INFER->TRAIN (no engine: offload and onload only), each cycle after one
+    training step (forward, backward, AdamW step), as in an RL loop: the first switch and the steady
+    state (median of ``--repeats``). The host arenas are prewarmed in the background from the manager's
+    construction on (``prewarm_host_buffers``), so the first switch finds them ready when a training step
+    ran in between; a first switch right after construction, with no step to overlap, is measured apart
+    (a second manager on the same model), and so is a first switch with prewarming off.
 
 It prints bytes, seconds, GB/s, the ratio of (c) to (a), the speed-up of (c) over (b), and the device
 memory freed (``mem_get_info``) as a share of the bytes offloaded. Targets on a GPU: >= 0.9 of (a),
@@ -49,6 +53,25 @@ def build(num_params: float, dtype: torch.dtype, accel: Accelerator, hidden: int
     opt.step()  # creates exp_avg / exp_avg_sq in the param dtype
     accel.synchronize()
     return model, opt
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, accel: Accelerator, hidden: int) -> float:
+    """One forward/backward/AdamW step on a batch of 8 random rows; returns its seconds."""
+    start = time.perf_counter()
+    x = torch.randn(8, hidden, device=accel.device, dtype=next(model.parameters()).dtype)
+    model(x).float().square().mean().backward()
+    opt.step()
+    accel.synchronize()
+    return time.perf_counter() - start
+
+
+def first_switch(model: torch.nn.Module, opt: torch.optim.Optimizer, accel: Accelerator, *, prewarm: bool) -> dict:
+    """The first TRAIN->INFER and INFER->TRAIN of a manager used right after its construction."""
+    manager = ShardingManager(model, optimizer=opt, accel=accel,
+                              config=HybridConfig(skip_zero_grads=False, prewarm_host_buffers=prewarm))
+    off, on = manager.to_infer(), manager.to_train()
+    manager.close()
+    return {"to_infer_s": off.seconds, "to_train_s": on.seconds}
 
 
 def device_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -114,9 +137,14 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
     del tensors
     accel.empty_cache()
 
+    immediate = first_switch(model, opt, accel, prewarm=True)
+    cold = first_switch(model, opt, accel, prewarm=False)
+    accel.empty_cache()
+
     manager = ShardingManager(model, optimizer=opt, config=HybridConfig(skip_zero_grads=False), accel=accel)
     cycles, freed, residency = [], [], None
     for _ in range(repeats + 1):
+        step_s = train_step(model, opt, accel, hidden)
         free_before = accel.memory_figures().free_nbytes if accel.measures_device_memory else None
         off = manager.to_infer()
         if free_before is not None:
@@ -125,7 +153,8 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
         if off.copied_nbytes != total:
             raise RuntimeError(f"hybridmem moved {off.copied_nbytes} bytes, expected {total}")
         on = manager.to_train()
-        cycles.append({"to_infer_s": off.seconds, "to_train_s": on.seconds, "freed_nbytes": off.freed_nbytes})
+        cycles.append({"to_infer_s": off.seconds, "to_train_s": on.seconds, "freed_nbytes": off.freed_nbytes,
+                       "train_step_s": step_s})
     steady_off = statistics.median(c["to_infer_s"] for c in cycles[1:])
     steady_on = statistics.median(c["to_train_s"] for c in cycles[1:])
     freed_share = (statistics.median(freed) if freed else cycles[-1]["freed_nbytes"]) / total
@@ -143,6 +172,8 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
         "to_infer_speedup_vs_naive": naive_off / steady_off,
         "to_train_speedup_vs_naive": naive_on / steady_on,
         "first_vs_steady": max(cycles[0]["to_infer_s"] / steady_off, cycles[0]["to_train_s"] / steady_on),
+        "first_right_after_construction": immediate,
+        "first_without_prewarm": cold,
         "freed_share": freed_share,
         "freed_source": "mem_get_info" if freed else "tracked",
         "residency_in_infer": None if residency is None else residency.to_dict(),
@@ -174,8 +205,11 @@ def table(fig: dict) -> Table:
         ("raw copy H2D (pinned, preallocated)", raw_h2d, raw_h2d, None),
         ("naive per-tensor offload", naive_off, raw_d2h, None),
         ("naive per-tensor onload", naive_on, raw_h2d, None),
-        ("hybridmem TRAIN->INFER, first", first["to_infer_s"], raw_d2h, naive_off),
+        ("hybridmem TRAIN->INFER, first (after a training step)", first["to_infer_s"], raw_d2h, naive_off),
         ("hybridmem INFER->TRAIN, first", first["to_train_s"], raw_h2d, naive_on),
+        ("TRAIN->INFER, first, right after construction", fig["first_right_after_construction"]["to_infer_s"],
+         raw_d2h, naive_off),
+        ("TRAIN->INFER, first, prewarming off", fig["first_without_prewarm"]["to_infer_s"], raw_d2h, naive_off),
         ("hybridmem TRAIN->INFER, steady", fig["steady"]["to_infer_s"], raw_d2h, naive_off),
         ("hybridmem INFER->TRAIN, steady", fig["steady"]["to_train_s"], raw_h2d, naive_on),
     ]
@@ -210,7 +244,13 @@ def main() -> None:
                   f"params + grads + AdamW state = {format_nbytes(fig['total_nbytes'])} on the device")
     console.print(table(fig))
     console.print("first 3 cycles (TRAIN->INFER / INFER->TRAIN s): "
-                  + ", ".join(f"{c['to_infer_s']:.4f} / {c['to_train_s']:.4f}" for c in fig["cycles"][:3]))
+                  + ", ".join(f"{c['to_infer_s']:.4f} / {c['to_train_s']:.4f}" for c in fig["cycles"][:3])
+                  + f"; training step before each: {fig['cycles'][0]['train_step_s']:.3f} s")
+    steady = fig["steady"]
+    console.print(f"first / steady: TRAIN->INFER {fig['cycles'][0]['to_infer_s'] / steady['to_infer_s']:.2f}x, "
+                  f"INFER->TRAIN {fig['cycles'][0]['to_train_s'] / steady['to_train_s']:.2f}x (after a training "
+                  f"step); right after construction {fig['first_right_after_construction']['to_infer_s'] / steady['to_infer_s']:.2f}x; "
+                  f"prewarming off {fig['first_without_prewarm']['to_infer_s'] / steady['to_infer_s']:.2f}x")
     console.print(f"device memory freed by TRAIN->INFER ({fig['freed_source']}): "
                   f"{fig['freed_share'] * 100:.2f}% of the {format_nbytes(fig['total_nbytes'])} offloaded")
     res = fig["residency_in_infer"]

@@ -125,6 +125,9 @@ class HybridConfig:
     """Accelerator backend: one of :data:`DEVICE_CHOICES`; ``auto`` picks npu, then cuda, then cpu."""
     pin_memory: bool = True
     """Pin host arenas (ignored on backends without pinned memory, e.g. cpu)."""
+    prewarm_host_buffers: bool = True
+    """Allocate the host arenas in the background before the first switch needs them (see [Note: prewarmed
+    arenas] in :mod:`hybridmem.host_pool`)."""
     host_memory_budget_bytes: int | None = None
     """Upper bound on host bytes the buffer pool may hold; ``None`` means no bound."""
     device_memory_budget_bytes: int | None = None

@@ -41,6 +41,7 @@ from hybridmem.residency import ResidencyReport
 from hybridmem.owners import DeviceOwners
 from hybridmem.steps import SwitchStep, switch_steps
 from hybridmem.weight_sync import WeightSync, default_weight_sync
+from hybridmem.prewarm import ArenaPrewarmer
 from hybridmem.training_state import TrainingState, training_capabilities_of
 from hybridmem.txn import HeldSignals, SwitchRun, roll_back, run_steps
 
@@ -147,6 +148,9 @@ class ShardingManager:
         if self.training_capabilities.attaches_itself:
             self.training.attach(self)  # FSDP2: its buffer release step and residency owner
         self._release_engine_memory()
+        self.prewarmer = (ArenaPrewarmer(self.pool, self.offloaders, self._enabled, optimizers)
+                          if self.config.prewarm_host_buffers else None)
+        """Allocates the host arenas in the background ([Note: prewarmed arenas] in hybridmem.host_pool)."""
 
     def _release_engine_memory(self) -> None:
         """The manager starts in TRAIN, where the engine holds no memory: an engine handed over awake (a
@@ -384,6 +388,8 @@ class ShardingManager:
         self._check_phase("close", Phase.TRAIN)
         for co in self.coresidents.values():
             co.onload()
+        if self.prewarmer is not None:
+            self.prewarmer.close()
         self.pool.free()
 
     # Internals ------------------------------------------------------------------------------------

@@ -67,6 +67,8 @@ class Config:
     zero_grads: bool = False
     foreign: bool = False
     """Parameters, buffers and optimizer state on storages torch cannot resize (see tests/_foreign.py)."""
+    prewarm: bool = True
+    """Host arenas prewarmed before the first switch (the default); without, the switch allocates them."""
 
 
 CONFIGS = {
@@ -75,6 +77,7 @@ CONFIGS = {
     "adamw-zeroed-grads": Config("tiny", "adamw", zero_grads=True),
     "adamw-mixed-dtypes": Config("mixed", "adamw"),
     "adamw-foreign": Config("tiny", "adamw", foreign=True),
+    "adamw-cold-arenas": Config("tiny", "adamw", prewarm=False),
 }
 
 
@@ -105,7 +108,10 @@ class _Actor:
         self.model, self.opt = _trained(cfg)
         self.before = snapshot(self.model, self.opt)
         self.engine = TorchCopyEngine(self.model, kv_cache_nbytes=4096)
-        self.manager = ShardingManager(self.model, self.engine, optimizer=self.opt, config=HybridConfig())
+        self.manager = ShardingManager(self.model, self.engine, optimizer=self.opt,
+                                       config=HybridConfig(prewarm_host_buffers=cfg.prewarm))
+        # The background allocation is done before any call is counted: the faults go into the switch.
+        self.manager.pool.wait_prewarmed()
         self.injector = FaultInjector(TORCH_SEAMS + engine_seams(self.engine))
 
     def prepare(self, direction: str, fail_at: int | None = None) -> Callable[[], Any]:

@@ -236,6 +236,17 @@ class Offloader(ABC):
             return sum(s.nbytes for s in self._slots)
         return sum(s.nbytes() for s, _, _ in self._storages())
 
+    def arena_needs(self) -> dict[torch.dtype, int]:
+        """Host arena elements per dtype the next offload would ask for at most (every live storage
+        copied); empty when the bytes are on host already. What the pool prewarms (see [Note: prewarmed
+        arenas] in :mod:`hybridmem.host_pool`)."""
+        if self._state is OffloadState.ON_HOST:
+            return {}
+        totals: dict[torch.dtype, int] = {}
+        for storage, dtype, _ in self._storages():
+            totals[dtype] = totals.get(dtype, 0) + storage.nbytes() // torch.empty((), dtype=dtype).element_size()
+        return totals
+
     def rehome_nbytes(self) -> int:
         """Transient device bytes the next offload needs to re-home a foreign storage (the largest one;
         0 when there is none or the bytes are on host; see [Note: foreign storages])."""
