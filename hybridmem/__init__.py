@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from hybridmem.config import HybridConfig, ParallelLayout
 from hybridmem.errors import (
+    CollectiveTimeoutError,
     ConfigError,
     HostMemoryBudgetError,
     HybridMemError,
@@ -45,6 +46,7 @@ __all__ = [
     "HostMemoryBudgetError",
     "WeightCoverageError",
     "WeightSyncError",
+    "CollectiveTimeoutError",
 ]
 
 __version__ = "0.1.0"

@@ -138,6 +138,10 @@ class HybridConfig:
     """Largest transfer bucket of the resharding engine; bounds its temporary memory."""
     verify_weight_sync: bool = False
     """Compare per-tensor checksums between training and the engine after each weight sync."""
+    collective_deadline_s: float | None = None
+    """Seconds a multi-rank weight sync's collectives have on each rank before the switch fails with
+    ``CollectiveTimeoutError`` and rolls back (a peer stuck or dead); ``None``: sized from the plan (120 s
+    plus the rank's bytes at 100 MB/s, see [Note: collective deadlines] in hybridmem.reshard.execute)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -148,6 +152,10 @@ class HybridConfig:
                 _check_positive_int(f.name, value)
             elif f.type == "int | None":
                 _check_optional_positive_int(f.name, value)
+        deadline = self.collective_deadline_s
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
+                                     or not deadline > 0):
+            raise ConfigError("collective_deadline_s", deadline, "a number of seconds > 0, or null")
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0):
             raise ConfigError("gpu_memory_utilization", util, "a float in (0, 1] or null")

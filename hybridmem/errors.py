@@ -161,6 +161,28 @@ class WeightCoverageError(WeightSyncError):
         )
 
 
+class CollectiveTimeoutError(HybridMemError, TimeoutError):
+    """A collective of a multi-rank weight sync did not complete by the switch's deadline, or a peer left it
+    (see [Note: collective deadlines] in hybridmem.reshard.execute).
+
+    Attributes:
+        peers: Ranks (of the sync's group) this rank was waiting for.
+        deadline_s: The deadline, in seconds from the sync's start.
+        group_usable: Whether the process group can still be used (False after a timeout or a lost peer:
+            gloo and NCCL close the connection).
+    """
+
+    def __init__(self, what: str, *, peers: tuple[int, ...], deadline_s: float, elapsed_s: float, cause: str):
+        self.peers = tuple(peers)
+        self.deadline_s = deadline_s
+        self.group_usable = False
+        super().__init__(
+            f"{what}: rank(s) {list(self.peers)} did not complete within the {deadline_s:.1f} s deadline "
+            f"(waited {elapsed_s:.1f} s: {cause}); the process group is no longer usable (its connections are "
+            f"closed): destroy and re-create it, or restart the job"
+        )
+
+
 class KVStateError(HybridMemError, RuntimeError):
     """A KV-cache allocator was asked for an operation its state does not allow.
 
@@ -221,10 +243,15 @@ class SwitchKVResumeError(_SwitchFailedWith, KVResumeError):
     """A switch could not re-create the KV pool; catch it as either base."""
 
 
+class SwitchCollectiveTimeoutError(_SwitchFailedWith, CollectiveTimeoutError):
+    """A switch's weight sync waited past its deadline for a peer (stuck or dead); catch it as either base."""
+
+
 _SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...] = (
     (HostMemoryBudgetError, SwitchHostMemoryBudgetError),
     (WeightSyncError, SwitchWeightSyncError),
     (KVResumeError, SwitchKVResumeError),
+    (CollectiveTimeoutError, SwitchCollectiveTimeoutError),
 )
 
 

@@ -17,6 +17,7 @@ import torch
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.offload import Offloader
+from hybridmem.steps import ToInferOrder
 
 __all__ = ["ArenaPrewarmer"]
 
@@ -34,7 +35,9 @@ class ArenaPrewarmer:
     def __init__(self, pool: HostBufferPool, offloaders: Mapping[StateKind, Offloader],
                  enabled: Mapping[StateKind, bool], optimizers: Iterable[Any]):
         self.pool = pool
-        self.offloaders = [off for kind, off in offloaders.items() if enabled.get(kind)]
+        # In the order TRAIN->INFER offloads them, so a host budget admits the arenas the switch would.
+        self.offloaders = [off for kind, off in sorted(offloaders.items(), key=lambda kv: ToInferOrder[kv[0].name])
+                           if enabled.get(kind)]
         self.scheduled_nbytes = 0
         """Bytes handed to the pool's background thread so far."""
         self._handles = []

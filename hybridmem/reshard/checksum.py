@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hybridmem.errors import WeightSyncError
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
+from hybridmem.reshard.deadline import Bound, wait_all
 from hybridmem.reshard.transforms import Box, piece_view
 
 __all__ = ["box_checksum", "CellChecksums", "verify_offline"]
@@ -97,15 +98,18 @@ class CellChecksums:
         for name in self._dst_by_name:
             self.add_destination(name, dst[name])
 
-    def compare(self, group: Any = None, *, device: torch.device | str = "cpu") -> int:
+    def compare(self, group: Any = None, *, device: torch.device | str = "cpu", bound: Bound | None = None) -> int:
         """Sum the figures over ``group`` and compare; returns the number of cells checked.
 
         Raises:
             WeightSyncError: A cell's figures differ (names tensor, slice, source and destination rank).
+            CollectiveTimeoutError: The sum did not complete within ``bound`` (see [Note: collective
+                deadlines] in :mod:`hybridmem.reshard.execute`).
         """
         figures = self._figures.to(device)
         if self.plan.world_size > 1:
-            dist.all_reduce(figures, group=group)
+            work = dist.all_reduce(figures, group=group, async_op=True)
+            wait_all([(work, tuple(range(self.plan.world_size)))], bound, "the weight sync's checksum comparison")
         return _raise_on_mismatch(self.plan, figures.cpu())
 
 

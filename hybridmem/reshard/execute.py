@@ -16,6 +16,16 @@ are cast to it when packed, and received slices are cast to each destination ten
 unpacked. ``hybridmem.weight_sync.ReshardSync`` passes its ``dtype`` on every rank; by default the dtype holding most of the
 training weights' bytes, which is the same on every rank of a real model (see [Note: no silent dtype
 change] in :mod:`hybridmem.weight_sync`).
+
+[Note: collective deadlines]
+A rank that dies or hangs mid-sync would leave every peer waiting in its ``batch_isend_irecv`` until the
+process group's own timeout (30 minutes by default). So every wait here is bounded by the sync's
+``deadline_s`` (counted from the call; ``None``: unbounded): each wait gets what is left of it
+(``Work.wait(timeout)``, which gloo honours), and a wait that times out, or fails because a peer's
+connection closed, raises :class:`~hybridmem.errors.CollectiveTimeoutError` naming the bucket and the
+peers it still waited for. The switch then rolls this rank back as for any failed step. The group is
+not usable afterwards (gloo closes a pair whose operation timed out) and the error says so.
+
 The one exception is a tensor the spec keeps in fp32 (``ModelSpec.keeps_fp32``: DeepSeek-V3's router
 bias): on a narrower wire its slices travel in fp32, in a second buffer per peer, and local copies of
 it are not cast; every rank knows which cells those are from the plan (``plan.cell_dtype``).
@@ -33,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
+from hybridmem.reshard.deadline import Bound, deadline_bound, post, wait_all
 from hybridmem.reshard.layouts import Side
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import piece_view
@@ -65,7 +76,7 @@ def _global(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _warm_group(plan: ReshardPlan, group: Any, device: torch.device) -> None:
+def _warm_group(plan: ReshardPlan, group: Any, device: torch.device, deadline: Bound | None) -> None:
     """Initialise the communicator with one collective before the first p2p batch.
 
     NCCL requires every rank of a group to take part in ``batch_isend_irecv`` when it is the first
@@ -73,7 +84,8 @@ def _warm_group(plan: ReshardPlan, group: Any, device: torch.device) -> None:
     all_reduce comes first (gloo has no such rule).
     """
     if plan.buckets and plan.world_size > 1 and dist.get_backend(group) != "gloo":
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        work = dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
+        wait_all([(work, tuple(range(plan.world_size)))], deadline, "the resharding group's first collective")
 
 
 def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor],
@@ -98,7 +110,8 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
 
 def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: Mapping[str, torch.Tensor],
               group: Any, dtype: torch.dtype,
-              device: torch.device) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
+              device: torch.device, deadline: Bound | None = None,
+              what: str = "") -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
                                              dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
     """Post and wait for one bucket's sends and receives; returns what arrived, per (peer, dtype).
 
@@ -113,22 +126,27 @@ def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: M
             sends[t.dst_rank, wire].append(t)
         if t.dst_rank == rank:
             recvs[t.src_rank, wire].append(t)
-    ops = []
+    ops, peers = [], []
     send_bufs = {}
     for key in sorted(sends, key=_order):
         peer, wire = key
         buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire) for t in sends[key]])
         send_bufs[key] = buf
         ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
+        peers.append(peer)
     recv_bufs = {}
     for key in sorted(recvs, key=_order):
         peer, wire = key
         buf = torch.empty(sum(t.numel for t in recvs[key]), dtype=wire, device=device)
         recv_bufs[key] = buf
         ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group))
+        peers.append(peer)
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        what = what or f"rank {rank}: a bucket of the resharding plan"
+        works = post(lambda: dist.batch_isend_irecv(ops), tuple(peers), deadline, what)
+        pairs = (list(zip(works, ((p,) for p in peers))) if len(works) == len(peers)
+                 else [(w, tuple(peers)) for w in works])  # one work for the whole batch (NCCL coalesces)
+        wait_all(pairs, deadline, what)
     sent = sum(b.numel() * b.element_size() for b in send_bufs.values())
     received = sum(b.numel() * b.element_size() for b in recv_bufs.values())
     return recvs, recv_bufs, sent, received
@@ -169,7 +187,8 @@ def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor], d
 def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
              dst: MutableMapping[str, torch.Tensor] | None = None,
              dtype: torch.dtype | None = None,
-             written: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
+             written: dict[str, int] | None = None,
+             deadline_s: float | None = None) -> tuple[dict[str, torch.Tensor], TransferStats]:
     """Write this rank's destination tensors from every rank's source tensors.
 
     Call on every rank of ``group`` with the same ``plan``.
@@ -185,6 +204,8 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
             (see [Note: wire dtype]); ``None``: the first source tensor's.
         written: When given, receives the number of elements written into each destination tensor,
             counted at each copy (the weight-coverage proof, [Note: weight coverage] in hybridmem.weight_sync).
+        deadline_s: Seconds from the call within which every collective must complete (see [Note:
+            collective deadlines]); ``None``: no bound but the process group's own timeout.
 
     Returns:
         The destination tensors and this rank's figures (``received_nbytes`` counts bytes that arrived
@@ -192,8 +213,10 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
 
     Raises:
         ValueError: A source or destination tensor is missing or has the wrong shape.
+        CollectiveTimeoutError: A peer did not complete a bucket within ``deadline_s`` (stuck or dead).
     """
     start = time.perf_counter()
+    bound = deadline_bound(deadline_s)
     dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
     if dst is None:
@@ -210,11 +233,12 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     accel = get_accelerator(device)
     side = accel.new_stream()
     sent = received = peak = 0
-    _warm_group(plan, group, device)
+    _warm_group(plan, group, device, bound)
     with torch.no_grad(), accel.on_side_stream(side):
         _copy_local(plan, rank, src, dst, dtype, written)
-        for bucket in plan.buckets:
-            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)
+        for i, bucket in enumerate(plan.buckets):
+            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device, bound,
+                                          f"rank {rank}: bucket {i + 1} of {len(plan.buckets)} of the resharding plan")
             _unpack(recvs, bufs, dst, written)
             sent, received, peak = sent + s, received + r, max(peak, s + r)
             del bufs
@@ -251,7 +275,8 @@ class _AllocateOnFirstUse(dict):
 
 def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor],
                       group: Any = None, stats: list[TransferStats] | None = None,
-                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      dtype: torch.dtype | None = None,
+                      deadline_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for this rank's pipeline stage, each as soon as it is complete.
 
     For engines that only take ``load_weights``: the plan's destination must be an HF layout
@@ -266,6 +291,7 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
     if plan.dst.side is not Side.HF:
         raise ValueError(f"iter_full_tensors needs an HF destination layout, got {plan.dst.side.value}")
     start = time.perf_counter()
+    bound = deadline_bound(deadline_s)
     dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
     remaining = {name: local.numel for name, local in expected.items()}
@@ -279,14 +305,15 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
             if remaining[name] == 0 and name in dst:
                 yield name, dst.pop(name)
 
-    _warm_group(plan, group, device)
+    _warm_group(plan, group, device, bound)
     with torch.no_grad():
         touched = _copy_local(plan, rank, src, dst, dtype)
         for t in plan.local[rank]:
             remaining[t.dst_name] -= t.numel
         yield from done(touched)
-        for bucket in plan.buckets:
-            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device)
+        for i, bucket in enumerate(plan.buckets):
+            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device, bound,
+                                          f"rank {rank}: bucket {i + 1} of {len(plan.buckets)} of the resharding plan")
             _unpack(recvs, bufs, dst)
             del bufs
             sent, received, peak = sent + s, received + r, max(peak, s + r)

@@ -18,6 +18,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +47,15 @@ class WorkerContext:
 
 
 class WorkerError(RuntimeError):
-    """A task raised on one or more ranks."""
+    """A task raised on one or more ranks, or a rank died.
+
+    Attributes:
+        results: The results of the ranks that returned, by rank.
+    """
+
+    def __init__(self, message: str, results: dict[int, Any] | None = None):
+        super().__init__(message)
+        self.results = dict(results or {})
 
 
 def _free_port() -> int:
@@ -152,16 +161,23 @@ class WorkerPool:
             q.put((task_id, world_size, fn, args, kwargs))
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        pending = self.max_world_size
-        while pending:
+        waiting = set(range(self.max_world_size))
+        give_up = time.monotonic() + self.timeout_s
+        while waiting:
             try:
-                tid, rank, (status, value) = self._results.get(timeout=self.timeout_s)
+                tid, rank, (status, value) = self._results.get(timeout=1.0)
             except queue.Empty:
-                errors[-1] = f"no result within {self.timeout_s} s (ranks done: {sorted(out)})"
-                break
+                for r in sorted(waiting):  # a worker that died (SIGKILL, abort) never reports
+                    if not self._procs[r].is_alive():
+                        errors[r] = f"rank {r} died (exit code {self._procs[r].exitcode})"
+                        waiting.discard(r)
+                if waiting and time.monotonic() > give_up:
+                    errors[-1] = f"no result within {self.timeout_s} s (ranks done: {sorted(out)})"
+                    break
+                continue
             if tid != task_id:
                 continue
-            pending -= 1
+            waiting.discard(rank)
             if status == "ok":
                 out[rank] = value
             elif status == "error":
@@ -169,7 +185,8 @@ class WorkerPool:
         if errors:
             self.close()
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise WorkerError(f"task {getattr(fn, '__name__', fn)} failed on world_size={world_size}:\n{detail}")
+            raise WorkerError(f"task {getattr(fn, '__name__', fn)} failed on world_size={world_size}:\n{detail}",
+                              {r: v for r, v in out.items() if r < world_size})
         return [out[r] for r in range(world_size)]
 
     def close(self) -> None:

@@ -138,6 +138,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         spec, config.train_layout if source is None else source, config.infer_layout, group,
         training.named_weights, engine,
         bucket_nbytes=config.reshard_bucket_bytes, verify=config.verify_weight_sync,
+        deadline_s=config.collective_deadline_s,
         megatron=training.megatron_convention() if capabilities.megatron_names else None,
     )
 

@@ -34,13 +34,26 @@ from hybridmem.reshard import (
     run_plan,
     vllm_layout,
 )
+from hybridmem.reshard.deadline import deadline_bound
 from hybridmem.reshard.hf_source import looks_hf_named
 from hybridmem.weight_sync.base import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
 
 if TYPE_CHECKING:
     from hybridmem.engine_contract import InferenceEngine
 
-__all__ = ["ReshardSync"]
+__all__ = ["ReshardSync", "default_deadline_s"]
+
+DEADLINE_BASE_S = 120.0
+"""Seconds every sync's deadline allows beyond its bytes: process start-up skew, the engine's own load."""
+DEADLINE_SLOWEST_BPS = 100e6
+"""The slowest link a default deadline allows for (bytes per second)."""
+
+
+def default_deadline_s(plan: ReshardPlan, rank: int) -> float:
+    """The deadline of a sync on ``rank`` when none is given: :data:`DEADLINE_BASE_S` plus the rank's plan
+    bytes (sent and received) at :data:`DEADLINE_SLOWEST_BPS` (a 10 GiB sync: 227 s), far below the 30
+    minutes a process group waits by default."""
+    return DEADLINE_BASE_S + (plan.send_nbytes(rank) + plan.recv_nbytes(rank)) / DEADLINE_SLOWEST_BPS
 
 SourceFn = Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]]
 
@@ -70,12 +83,16 @@ class ReshardSync(WeightSync):
             silent dtype change] in :mod:`hybridmem.weight_sync.base`).
         megatron: Megatron naming/padding options.
         vllm: vLLM padding options.
+        deadline_s: Seconds within which each sync's collectives must complete on this rank, else
+            ``CollectiveTimeoutError`` (see [Note: collective deadlines] in :mod:`hybridmem.reshard.execute`);
+            ``None``: sized from the plan, :func:`default_deadline_s`.
     """
 
     def __init__(self, spec: ModelSpec, src: ParallelLayout | HFSourceLayout, dst: ParallelLayout, group: Any,
                  source: SourceFn, engine: InferenceEngine, *, bucket_nbytes: int = DEFAULT_BUCKET_NBYTES,
                  verify: bool = False, dtype: torch.dtype | None = None,
-                 megatron: MegatronConvention | None = None, vllm: VLLMConvention | None = None):
+                 megatron: MegatronConvention | None = None, vllm: VLLMConvention | None = None,
+                 deadline_s: float | None = None):
         self.group = group
         if dist.is_available() and dist.is_initialized():
             self.rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -107,6 +124,10 @@ class ReshardSync(WeightSync):
                       else hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None))
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"deadline_s={deadline_s} must be > 0 or None")
+        self.deadline_s = default_deadline_s(self.plan, self.rank) if deadline_s is None else float(deadline_s)
+        """Seconds each sync's collectives have on this rank ([Note: collective deadlines])."""
         check = getattr(engine, "check_weights", None)
         if callable(check):  # the engine's own parameters vs the vLLM tensors this sync fills, before any move
             written = dst_layout if self.in_place else vllm_layout(spec, dst, world, convention=vllm)
@@ -126,6 +147,11 @@ class ReshardSync(WeightSync):
 
     def sync(self) -> SyncStats:
         start = time.perf_counter()
+        bound = deadline_bound(self.deadline_s) if self.plan.world_size > 1 else None
+
+        def left() -> float | None:
+            return None if bound is None else max(0.001, bound[1] - time.monotonic())
+
         src = {k: v.detach() for k, v in self._sources().items()}
         checks = CellChecksums(self.plan, self.rank) if self.verify else None
         if checks is not None:
@@ -134,6 +160,7 @@ class ReshardSync(WeightSync):
             params = {k: v.data for k, v in self.engine.named_parameters()}
             written: dict[str, int] = {}
             dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params, dtype=self.dtype,
+                                  deadline_s=left(),
                                   written=written)
             unwritten, checked = self._unwritten(params, written), True
             dst_dtypes = {p.dtype for p in params.values()}
@@ -144,6 +171,7 @@ class ReshardSync(WeightSync):
 
             def stream() -> Iterator[tuple[str, torch.Tensor]]:
                 for name, tensor in iter_full_tensors(self.plan, rank=self.rank, src=src, group=self.group,
+                                                      deadline_s=left(),
                                                       stats=collected, dtype=self.dtype):
                     if checks is not None:
                         checks.add_destination(name, tensor)
@@ -155,7 +183,7 @@ class ReshardSync(WeightSync):
             unwritten, checked = engine_unwritten(self.engine)
             dst_dtypes = engine_dtypes(self.engine)
         if checks is not None:
-            checks.compare(self.group, device=next(iter(src.values())).device)
+            checks.compare(self.group, device=next(iter(src.values())).device, bound=bound)
         return SyncStats(
             num_tensors=stats.num_tensors,
             sent_nbytes=stats.sent_nbytes,

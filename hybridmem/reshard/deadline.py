@@ -1,0 +1,61 @@
+"""Bounded waits for the collectives of a weight sync (see [Note: collective deadlines] in
+:mod:`hybridmem.reshard.execute`)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hybridmem.errors import CollectiveTimeoutError
+
+__all__ = ["Bound", "deadline_bound", "wait_all", "post"]
+
+Bound = tuple[float, float]
+"""``(start, deadline)`` on ``time.monotonic()``."""
+
+
+def deadline_bound(deadline_s: float | None) -> Bound | None:
+    """``(now, now + deadline_s)``, or ``None`` without a deadline.
+
+    Raises:
+        ValueError: ``deadline_s`` is not positive.
+    """
+    if deadline_s is None:
+        return None
+    if deadline_s <= 0:
+        raise ValueError(f"deadline_s={deadline_s} must be > 0 or None")
+    now = time.monotonic()
+    return now, now + deadline_s
+
+
+def post(start_ops: Callable[[], Any], peers: tuple[int, ...], bound: Bound | None, what: str) -> Any:
+    """``start_ops()`` (posting sends and receives); a failure there (a peer's connection already closed)
+    raises ``CollectiveTimeoutError`` as :func:`wait_all` does."""
+    start = bound[0] if bound is not None else time.monotonic()
+    try:
+        return start_ops()
+    except RuntimeError as exc:
+        raise CollectiveTimeoutError(what, peers=tuple(sorted(set(peers))),
+                                     deadline_s=(bound[1] - start) if bound else float("inf"),
+                                     elapsed_s=time.monotonic() - start,
+                                     cause=str(exc).splitlines()[0][:200]) from exc
+
+
+def wait_all(works: Sequence[tuple[Any, tuple[int, ...]]], bound: Bound | None, what: str) -> None:
+    """Wait for ``(work, peers)`` pairs in order, each with what is left of ``bound``; a wait that times out,
+    or fails because a peer's connection closed, raises ``CollectiveTimeoutError`` naming ``what`` and the
+    peers of the works not known to be done."""
+    start = bound[0] if bound is not None else time.monotonic()
+    for i, (work, _) in enumerate(works):
+        try:
+            if bound is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=max(0.001, bound[1] - time.monotonic())))
+        except RuntimeError as exc:
+            peers = tuple(sorted({peer for _, some in works[i:] for peer in some}))
+            raise CollectiveTimeoutError(what, peers=peers, deadline_s=(bound[1] - start) if bound else float("inf"),
+                                         elapsed_s=time.monotonic() - start,
+                                         cause=str(exc).splitlines()[0][:200]) from exc

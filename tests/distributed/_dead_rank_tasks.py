@@ -1,0 +1,123 @@
+"""Module-level task for test_dead_rank.py, run in WorkerPool processes (importable by spawn).
+
+Every rank loads the same transformers checkpoint with ``from_pretrained``, applies FSDP2's
+``fully_shard`` (so each rank holds a quarter of every tensor and the weight sync must exchange them),
+trains one AdamW step and builds the manager with the user's code: ``new_subgroups(2)``,
+``ReferenceEngine(model.config, group=tp_group)``, ``ShardingManager(model, engine, optimizer=opt,
+config=HybridConfig(infer_tensor_parallel_size=2, collective_deadline_s=...))``. One rank then misbehaves
+during a switch: it stalls or dies (SIGKILL) at a chosen call. Every other rank returns what it saw.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from hybridmem import CollectiveTimeoutError, HybridConfig, ShardingManager
+from hybridmem.engines import ReferenceEngine
+from hybridmem.offload import optimizer_state_tensors
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _snapshot(model, opt) -> list[torch.Tensor]:
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None),
+               *optimizer_state_tensors(opt)]
+    return [_local(t).detach().clone() for t in tensors]
+
+
+def _misbehave(how: str, seconds: float):
+    def act(*_, **__):
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "raise":  # before anything is posted: an allocation failing on the way into the collective
+            raise MemoryError("injected before the collective")
+        time.sleep(seconds)
+    return act
+
+
+def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, call: int,
+                  direction: str, deadline_s: float, stall_s: float) -> dict:
+    """Switch with rank ``bad_rank`` stalling ``stall_s`` s or dying (``how``) at its ``call``-th call of
+    ``where`` (``"resume"``: the engine taking its memory back, before the weight sync; ``"exchange"``: a
+    bucket's ``batch_isend_irecv``; ``"release"``: the engine giving its memory back) during ``direction``
+    (``"to_infer"`` or ``"to_train"``). ``bad_rank=-1``: every rank; ``how="raise"``: an exception before
+    the call; ``how="none"``: no fault (the reference run). When the group is still usable after the
+    switch, one more round trip and one more training step follow; their loss is recorded."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(ctx.rank))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    tp_group, _ = dist.new_subgroups(2)
+    engine = ReferenceEngine(model.config, group=tp_group)
+    manager = ShardingManager(model, engine, optimizer=opt,
+                              config=HybridConfig(infer_tensor_parallel_size=2, collective_deadline_s=deadline_s))
+    manager.pool.wait_prewarmed()
+    before = _snapshot(model, opt)
+    if direction == "to_train":
+        manager.to_infer()
+    real = dist.batch_isend_irecv
+    if how != "none" and (ctx.rank == bad_rank or bad_rank == -1):
+        calls = {"n": 0}
+        act = _misbehave(how, stall_s)
+        if where == "exchange":
+            def exchange(ops):
+                calls["n"] += 1
+                if calls["n"] == call:
+                    act()
+                return real(ops)
+
+            dist.batch_isend_irecv = exchange
+        else:
+            real_method = getattr(engine, where)
+
+            def method(*args, **kwargs):
+                calls["n"] += 1
+                if calls["n"] == call:
+                    act()
+                return real_method(*args, **kwargs)
+
+            setattr(engine, where, method)
+    record = {"rank": ctx.rank, "error": None}
+    start = time.monotonic()
+    try:
+        getattr(manager, direction)()
+    except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+        record.update(error=type(exc).__name__, message=str(exc),
+                      collective=isinstance(exc, CollectiveTimeoutError),
+                      peers=list(getattr(exc, "peers", ())), group_usable=getattr(exc, "group_usable", None))
+    record["seconds"] = time.monotonic() - start
+    record["phase"] = manager.phase.name
+    if manager.phase.name == "INFER":
+        manager.to_train()
+    after = _snapshot(model, opt)
+    record["state_intact"] = manager.phase.name == "TRAIN" and len(before) == len(after) and all(
+        torch.equal(a, b) for a, b in zip(before, after))
+    if how in ("raise", "none"):  # the group is usable: the job goes on
+        if where == "exchange":
+            dist.batch_isend_irecv = real
+        else:
+            vars(engine).pop(where, None)
+        manager.to_infer()
+        manager.to_train()
+        opt.zero_grad()
+        x = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(100 + ctx.rank))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        record["next_loss"] = loss.item()
+    return record

@@ -1,0 +1,97 @@
+"""A rank that stalls or dies during a switch does not hang the others (4 gloo ranks, FSDP2, a weight
+sync that exchanges every tensor): the survivors raise ``CollectiveTimeoutError`` within the deadline,
+naming the step and the peer, back in TRAIN with their training state bitwise what it was; a rank lost
+while no collective is pending (INFER->TRAIN) stops nobody.
+
+See [Note: collective deadlines] in hybridmem.reshard.execute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from hybridmem.testing.workers import WorkerError, WorkerPool
+from tests.distributed import _dead_rank_tasks as tasks
+
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+BAD = 3
+DEADLINE_S = 3.0
+STALL_S = 8.0
+
+
+@pytest.fixture
+def pool():
+    """A fresh pool per case: each case leaves its process group closed, as the error says."""
+    with WorkerPool(WORLD, timeout_s=90.0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)).save_pretrained(path)
+    return str(path)
+
+
+def _run(pool, model_dir, **kwargs) -> dict[int, dict]:
+    try:
+        return dict(enumerate(pool.run(tasks.bad_rank_task, model_dir, bad_rank=BAD, deadline_s=DEADLINE_S,
+                                       stall_s=STALL_S, **kwargs)))
+    except WorkerError as exc:  # the killed rank never returns
+        assert "rank 3 died" in str(exc), str(exc)[-2000:]
+        return exc.results
+
+
+CASES = [  # (how, where, call): where in TRAIN->INFER the bad rank misbehaves
+    ("stall", "resume", 1),    # before the weight sync: the others wait for it in the first bucket
+    ("kill", "resume", 1),
+    ("stall", "exchange", 1),  # at its first bucket's exchange: mid-sync
+    ("kill", "exchange", 1),
+]
+
+
+@pytest.mark.parametrize("how,where,call", CASES, ids=[f"{h}-{w}" for h, w, _ in CASES])
+def test_survivors_raise_within_the_deadline_with_nothing_lost(pool, model_dir, how, where, call):
+    results = _run(pool, model_dir, how=how, where=where, call=call, direction="to_infer")
+    survivors = [r for r in range(WORLD) if r != BAD]
+    assert set(survivors) <= set(results), sorted(results)
+    for rank in survivors:
+        r = results[rank]
+        assert r["error"] == "SwitchCollectiveTimeoutError" and r["collective"], (rank, r)
+        assert "weight sync" in r["message"] and "process group is no longer usable" in r["message"], r["message"]
+        assert BAD in r["peers"] and r["group_usable"] is False, (rank, r)
+        assert r["seconds"] < DEADLINE_S + 5.0, (rank, r["seconds"])
+        assert r["phase"] == "TRAIN" and r["state_intact"], (rank, r)
+    if how == "stall":  # the stalled rank comes back to a group its peers closed: it rolls back too
+        r = results[BAD]
+        assert r["collective"] and r["phase"] == "TRAIN" and r["state_intact"], r
+
+
+def test_a_fault_on_every_rank_before_a_collective_keeps_the_group_and_the_run(pool, model_dir):
+    """Every rank fails on its way into the first bucket's exchange (before anything is posted): each rolls
+    back with the fault named, the group stays usable, and the next switch and training step give the
+    loss a run without the fault gives."""
+    faulted = pool.run(tasks.bad_rank_task, model_dir, bad_rank=-1, how="raise", where="exchange", call=1,
+                       direction="to_infer", deadline_s=DEADLINE_S, stall_s=STALL_S)
+    clean = pool.run(tasks.bad_rank_task, model_dir, bad_rank=-1, how="none", where="exchange", call=1,
+                     direction="to_infer", deadline_s=DEADLINE_S, stall_s=STALL_S)
+    for rank in range(WORLD):
+        f, c = faulted[rank], clean[rank]
+        assert f["error"] == "SwitchError" and "injected before the collective" in f["message"], f
+        assert "weight sync" in f["message"] and f["phase"] == "TRAIN" and f["state_intact"], f
+        assert c["error"] is None
+        assert f["next_loss"] == c["next_loss"], (rank, f["next_loss"], c["next_loss"])
+
+
+def test_a_rank_lost_in_infer_to_train_stops_nobody(pool, model_dir):
+    results = _run(pool, model_dir, how="kill", where="release", call=1, direction="to_train")
+    for rank in range(WORLD - 1):
+        r = results[rank]
+        assert r["error"] is None and r["phase"] == "TRAIN" and r["state_intact"], (rank, r)
+        assert r["seconds"] < DEADLINE_S, (rank, r["seconds"])
