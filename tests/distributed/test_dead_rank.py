@@ -61,6 +61,7 @@ def test_survivors_raise_within_the_deadline_with_nothing_lost(pool, model_dir, 
     results = _run(pool, model_dir, how=how, where=where, call=call, direction="to_infer")
     survivors = [r for r in range(WORLD) if r != BAD]
     assert set(survivors) <= set(results), sorted(results)
+    print(f"{how} at {where}: survivors raised after", [round(results[r]["seconds"], 2) for r in survivors], "s")
     for rank in survivors:
         r = results[rank]
         assert r["error"] == "SwitchCollectiveTimeoutError" and r["collective"], (rank, r)
