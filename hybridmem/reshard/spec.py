@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hybridmem.models import FAMILIES as _FAMILY_TABLE
@@ -96,8 +96,12 @@ class ModelSpec:
     carry the router's ``e_score_correction_bias``; vLLM creates it only for ``"noaux_tc"``
     (:attr:`vllm_router_bias`). Ignored by other families."""
 
+    _family: Family | None = field(default=None, init=False, repr=False, compare=False)
+    """The family's description, looked up once (read through :attr:`traits`)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", family_name(self.family))
+        object.__setattr__(self, "_family", get_family(self.family))
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_hidden_layers", "vocab_size"):
             _positive(name, getattr(self, name))
@@ -134,7 +138,7 @@ class ModelSpec:
     @property
     def traits(self) -> Family:
         """The family's description (:mod:`hybridmem.models`)."""
-        return get_family(self.family)
+        return self._family
 
     @property
     def is_moe(self) -> bool:
@@ -246,8 +250,12 @@ class ModelSpec:
         (gpt-oss). Cached per spec; do not modify."""
         return _checkpoint(self)[1]
 
-    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor by its canonical name (see [Note: canonical names]) and its shape, in HF's order."""
+    def canonical_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Every tensor by its canonical name (see [Note: canonical names]) and its shape, in HF's order.
+        Cached per spec; do not modify."""
+        return _canonical(self)
+
+    def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         h, shapes = self.hidden_size, {}
         shapes["model.embed_tokens.weight"] = (self.vocab_size, h)
         for i in range(self.num_hidden_layers):
@@ -291,6 +299,11 @@ class ModelSpec:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return spec._canonical_shapes()
 
 
 @functools.lru_cache(maxsize=64)
