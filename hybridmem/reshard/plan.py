@@ -230,19 +230,23 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
         overlap = any(_intersect(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
         if overlap or total != _numel(tuple((0, s) for s in shapes[hf])):
             raise RuntimeError(f"source layout does not partition {hf} {shapes[hf]} into disjoint boxes")
+    # The first holder of each box on each rank: a local copy needs no sender.
+    held_here = {hf: {box: {r: o for o in reversed(owners) for r in (o[0],)} for box, owners in boxes.items()}
+                 for hf, boxes in holders.items()}
     sent = [0] * world
     local: list[list[Transfer]] = [[] for _ in range(world)]
     remote: list[Transfer] = []
     for d in range(world):
         for dname, dlocal in dst.tensors(d).items():
             for dp in dlocal.pieces:
+                here = held_here[dp.hf_name]
                 for box, owners in holders[dp.hf_name].items():
                     cell = _intersect(dp.src, box)
                     if cell is None:
                         continue
-                    mine = [o for o in owners if o[0] == d]
-                    if mine:
-                        _, sname, sp = mine[0]
+                    mine = here[box].get(d)
+                    if mine is not None:
+                        _, sname, sp = mine
                         local[d].append(Transfer(d, d, dp.hf_name, cell, sname, sp, dname, dp))
                         continue
                     s, sname, sp = min(owners, key=lambda o: (sent[o[0]], abs(o[0] - d), o[0]))
