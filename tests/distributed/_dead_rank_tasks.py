@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from hybridmem import CollectiveTimeoutError, HybridConfig, ShardingManager
 from hybridmem.engines import ReferenceEngine
 from hybridmem.offload import optimizer_state_tensors
+from hybridmem.reshard import execute
 
 
 def _local(t):
@@ -46,13 +47,14 @@ def _misbehave(how: str, seconds: float):
 
 
 def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, call: int,
-                  direction: str, deadline_s: float, stall_s: float) -> dict:
+                  direction: str, deadline_s: float, stall_s: float, bucket_bytes: int = 512 * 2**20) -> dict:
     """Switch with rank ``bad_rank`` stalling ``stall_s`` s or dying (``how``) at its ``call``-th call of
-    ``where`` (``"resume"``: the engine taking its memory back, before the weight sync; ``"exchange"``: a
-    bucket's ``batch_isend_irecv``; ``"release"``: the engine giving its memory back) during ``direction``
+    ``where`` (``"resume"``: the engine taking its memory back, before the weight sync; ``"exchange"``: the
+    ``call``-th bucket of the resharding plan, before anything of it is posted; ``"release"``: the engine giving its memory back) during ``direction``
     (``"to_infer"`` or ``"to_train"``). ``bad_rank=-1``: every rank; ``how="raise"``: an exception before
     the call; ``how="none"``: no fault (the reference run). When the group is still usable after the
-    switch, one more round trip and one more training step follow; their loss is recorded."""
+    switch, one more round trip and one more training step follow; their loss is recorded, and so is the
+    number of exchanges the switch made (``exchanges``)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for layer in model.model.layers:
@@ -65,33 +67,34 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
     tp_group, _ = dist.new_subgroups(2)
     engine = ReferenceEngine(model.config, group=tp_group)
     manager = ShardingManager(model, engine, optimizer=opt,
-                              config=HybridConfig(infer_tensor_parallel_size=2, collective_deadline_s=deadline_s))
+                              config=HybridConfig(infer_tensor_parallel_size=2, collective_deadline_s=deadline_s,
+                                                  reshard_bucket_bytes=bucket_bytes))
     manager.pool.wait_prewarmed()
     before = _snapshot(model, opt)
     if direction == "to_train":
         manager.to_infer()
-    real = dist.batch_isend_irecv
-    if how != "none" and (ctx.rank == bad_rank or bad_rank == -1):
-        calls = {"n": 0}
-        act = _misbehave(how, stall_s)
-        if where == "exchange":
-            def exchange(ops):
-                calls["n"] += 1
-                if calls["n"] == call:
-                    act()
-                return real(ops)
+    real = execute._exchange
+    calls = {"n": 0}
+    faulty = how != "none" and (ctx.rank == bad_rank or bad_rank == -1)
+    act = _misbehave(how, stall_s)
+    if where == "exchange":  # every rank goes through every bucket of the plan, in order
+        def exchange(*args, **kwargs):
+            calls["n"] += 1
+            if faulty and calls["n"] == call:
+                act()
+            return real(*args, **kwargs)
 
-            dist.batch_isend_irecv = exchange
-        else:
-            real_method = getattr(engine, where)
+        execute._exchange = exchange
+    elif faulty:
+        real_method = getattr(engine, where)
 
-            def method(*args, **kwargs):
-                calls["n"] += 1
-                if calls["n"] == call:
-                    act()
-                return real_method(*args, **kwargs)
+        def method(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == call:
+                act()
+            return real_method(*args, **kwargs)
 
-            setattr(engine, where, method)
+        setattr(engine, where, method)
     record = {"rank": ctx.rank, "error": None}
     start = time.monotonic()
     try:
@@ -101,15 +104,16 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
                       collective=isinstance(exc, CollectiveTimeoutError),
                       peers=list(getattr(exc, "peers", ())), group_usable=getattr(exc, "group_usable", None))
     record["seconds"] = time.monotonic() - start
+    record["exchanges"] = calls["n"]
     record["phase"] = manager.phase.name
     if manager.phase.name == "INFER":
         manager.to_train()
     after = _snapshot(model, opt)
     record["state_intact"] = manager.phase.name == "TRAIN" and len(before) == len(after) and all(
         torch.equal(a, b) for a, b in zip(before, after))
-    if how in ("raise", "none"):  # the group is usable: the job goes on
+    if how == "none" or (how == "raise" and bad_rank == -1):  # the group is usable: the job goes on
         if where == "exchange":
-            dist.batch_isend_irecv = real
+            execute._exchange = real
         else:
             vars(engine).pop(where, None)
         manager.to_infer()

@@ -51,7 +51,7 @@ def _run(pool, model_dir, **kwargs) -> dict[int, dict]:
 CASES = [  # (how, where, call): where in TRAIN->INFER the bad rank misbehaves
     ("stall", "resume", 1),    # before the weight sync: the others wait for it in the first bucket
     ("kill", "resume", 1),
-    ("stall", "exchange", 1),  # at its first bucket's exchange: mid-sync
+    ("stall", "exchange", 1),  # at its first bucket of the plan: mid-sync
     ("kill", "exchange", 1),
 ]
 
@@ -88,6 +88,40 @@ def test_a_fault_on_every_rank_before_a_collective_keeps_the_group_and_the_run(p
         assert "weight sync" in f["message"] and f["phase"] == "TRAIN" and f["state_intact"], f
         assert c["error"] is None
         assert f["next_loss"] == c["next_loss"], (rank, f["next_loss"], c["next_loss"])
+
+
+SMALL_BUCKETS = 16 * 2**10
+"""Several buckets per sync (a rank receives about 1 MB), so a sync makes several exchanges."""
+
+
+def test_a_fault_on_every_rank_at_each_exchange_keeps_the_group_and_the_run(pool, model_dir):
+    """The fault harness's rule over the collectives of a multi-rank sync: a fault on every rank on the way
+    into its first, middle and last exchange of the switch; each rank rolls back with the state intact,
+    and the next switch and step give the loss of a run without faults."""
+    common = dict(bad_rank=-1, where="exchange", direction="to_infer", deadline_s=DEADLINE_S, stall_s=STALL_S,
+                  bucket_bytes=SMALL_BUCKETS)
+    clean = pool.run(tasks.bad_rank_task, model_dir, how="none", call=0, **common)
+    calls = clean[0]["exchanges"]  # buckets of one TRAIN->INFER sync, the same on every rank
+    assert calls >= 3 and all(r["exchanges"] == calls for r in clean), [r["exchanges"] for r in clean]
+    for call in sorted({1, (calls + 1) // 2, calls}):
+        faulted = pool.run(tasks.bad_rank_task, model_dir, how="raise", call=call, **common)
+        for rank, (f, c) in enumerate(zip(faulted, clean)):
+            assert f["error"] == "SwitchError" and "injected before the collective" in f["message"], (call, f)
+            assert f["phase"] == "TRAIN" and f["state_intact"], (call, f)
+            assert f["next_loss"] == c["next_loss"], (call, rank, f["next_loss"], c["next_loss"])
+
+
+@pytest.mark.parametrize("call", [1, 3])
+def test_a_fault_on_one_rank_at_an_exchange_fails_the_others_by_the_deadline(pool, model_dir, call):
+    """Rank 3 fails on its way into its ``call``-th exchange; it rolls back at once, the others wait for it
+    until the deadline and roll back; every rank keeps its training state."""
+    results = pool.run(tasks.bad_rank_task, model_dir, bad_rank=BAD, how="raise", where="exchange", call=call,
+                       direction="to_infer", deadline_s=DEADLINE_S, stall_s=STALL_S, bucket_bytes=SMALL_BUCKETS)
+    assert results[BAD]["error"] == "SwitchError" and "injected" in results[BAD]["message"], results[BAD]
+    for rank, r in enumerate(results):
+        assert r["phase"] == "TRAIN" and r["state_intact"], (rank, r)
+        if rank != BAD:
+            assert r["collective"] and BAD in r["peers"] and r["seconds"] < DEADLINE_S + 5.0, (rank, r)
 
 
 def test_a_rank_lost_in_infer_to_train_stops_nobody(pool, model_dir):
