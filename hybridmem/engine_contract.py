@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from hybridmem.declared import declared_capabilities
 from hybridmem.errors import ConfigError
 from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 
@@ -108,20 +109,17 @@ def capabilities_of(engine: Any) -> EngineCapabilities:
     Raises:
         TypeError: The engine declares a capability whose method it lacks (naming both).
     """
-    declared = getattr(engine, "capabilities", None)
-    if isinstance(declared, EngineCapabilities):
-        for capability, methods in _METHODS.items():
-            missing = [m for m in methods if getattr(declared, capability) and not callable(getattr(engine, m, None))]
-            if missing:
-                raise TypeError(f"{type(engine).__name__}.capabilities declares {capability}=True but the engine has "
-                                f"no callable {missing}")
-        return declared
+    declared = declared_capabilities(engine, EngineCapabilities, _METHODS, what="engine", has=_has_method)
     if declared is not None:
-        raise TypeError(f"{type(engine).__name__}.capabilities must be an EngineCapabilities, got {type(declared).__name__}")
-    has = {c: all(callable(getattr(engine, m, None)) for m in ms) for c, ms in _METHODS.items()}
+        return declared
+    has = {c: all(_has_method(engine, m) for m in ms) for c, ms in _METHODS.items()}
     frees = bool(getattr(engine, "frees_memory", True))
     return EngineCapabilities(frees_memory=frees, memory_note=str(getattr(engine, "memory_note", "") or ""),
                               loads_training_names=bool(getattr(engine, "loads_training_names", False)), **has)
+
+
+def _has_method(engine: Any, name: str) -> bool:
+    return callable(getattr(engine, name, None))
 
 
 _NO_ATTRIBUTE = object()

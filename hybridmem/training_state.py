@@ -23,6 +23,7 @@ import torch
 
 from hybridmem.accel import Accelerator
 from hybridmem.config import HybridConfig
+from hybridmem.declared import declared_capabilities
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.offload import GradOffloader, Offloader, OptimizerStateOffloader, ParamOffloader
@@ -70,7 +71,7 @@ _REQUIRES = {
     "lists_checkpoint_weights": ("checkpoint_weights",),
 }
 """The methods (or, for ``has_hf_config``, the attribute) each capability promises."""
-_ATTRIBUTES = {"hf_config"}
+_ATTRIBUTES = frozenset({"hf_config"})
 
 
 def _has(state: Any, name: str) -> bool:
@@ -86,17 +87,10 @@ def training_capabilities_of(state: Any) -> TrainingCapabilities:
         TypeError: The state declares a capability whose method or attribute it lacks (naming both), or
             its ``capabilities`` is not a ``TrainingCapabilities``.
     """
-    declared = getattr(state, "capabilities", None)
-    if isinstance(declared, TrainingCapabilities):
-        for capability, needs in _REQUIRES.items():
-            missing = [n for n in needs if getattr(declared, capability) and not _has(state, n)]
-            if missing:
-                raise TypeError(f"{type(state).__name__}.capabilities declares {capability}=True but the training "
-                                f"state has no {'attribute' if missing[0] in _ATTRIBUTES else 'callable'} {missing}")
-        return declared
+    declared = declared_capabilities(state, TrainingCapabilities, _REQUIRES, what="training state", has=_has,
+                                     attributes=_ATTRIBUTES)
     if declared is not None:
-        raise TypeError(f"{type(state).__name__}.capabilities must be a TrainingCapabilities, "
-                        f"got {type(declared).__name__}")
+        return declared
     found = {f.name: all(_has(state, n) for n in _REQUIRES[f.name]) for f in fields(TrainingCapabilities)}
     found["vocab_from_engine"] = found["family_from_engine"] = False  # flags, not methods: declared only
     return TrainingCapabilities(**found)

@@ -37,10 +37,7 @@ def post(start_ops: Callable[[], Any], peers: tuple[int, ...], bound: Bound | No
     try:
         return start_ops()
     except RuntimeError as exc:
-        raise CollectiveTimeoutError(what, peers=tuple(sorted(set(peers))),
-                                     deadline_s=(bound[1] - start) if bound else float("inf"),
-                                     elapsed_s=time.monotonic() - start,
-                                     cause=str(exc).splitlines()[0][:200]) from exc
+        raise _lost(what, peers, bound, start, exc) from exc
 
 
 def wait_all(works: Sequence[tuple[Any, tuple[int, ...]]], bound: Bound | None, what: str) -> None:
@@ -55,7 +52,11 @@ def wait_all(works: Sequence[tuple[Any, tuple[int, ...]]], bound: Bound | None, 
             else:
                 work.wait(datetime.timedelta(seconds=max(0.001, bound[1] - time.monotonic())))
         except RuntimeError as exc:
-            peers = tuple(sorted({peer for _, some in works[i:] for peer in some}))
-            raise CollectiveTimeoutError(what, peers=peers, deadline_s=(bound[1] - start) if bound else float("inf"),
-                                         elapsed_s=time.monotonic() - start,
-                                         cause=str(exc).splitlines()[0][:200]) from exc
+            raise _lost(what, [peer for _, some in works[i:] for peer in some], bound, start, exc) from exc
+
+
+def _lost(what: str, peers: Sequence[int], bound: Bound | None, start: float, exc: BaseException) -> CollectiveTimeoutError:
+    """The error for a collective that ``exc`` ended (a timeout, or a peer's closed connection)."""
+    return CollectiveTimeoutError(what, peers=tuple(sorted(set(peers))),
+                                  deadline_s=(bound[1] - start) if bound else float("inf"),
+                                  elapsed_s=time.monotonic() - start, cause=str(exc).splitlines()[0][:200])

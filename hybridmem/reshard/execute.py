@@ -108,19 +108,18 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
     return dtype, first.device
 
 
-def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: Mapping[str, torch.Tensor],
+def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.Tensor],
               group: Any, dtype: torch.dtype,
-              device: torch.device, deadline: Bound | None = None,
-              what: str = "") -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
-                                             dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
-    """Post and wait for one bucket's sends and receives; returns what arrived, per (peer, dtype).
+              device: torch.device, deadline: Bound | None) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
+                                                                    dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
+    """Post and wait for the sends and receives of bucket ``index``; returns what arrived, per (peer, dtype).
 
     Each peer gets one buffer per dtype on the wire (see [Note: wire dtype]), posted in the same order
     on both sides.
     """
     sends: dict[tuple[int, torch.dtype], list[Transfer]] = defaultdict(list)
     recvs: dict[tuple[int, torch.dtype], list[Transfer]] = defaultdict(list)
-    for t in bucket:
+    for t in plan.buckets[index]:
         wire = cell_dtype(plan, t.hf_name, dtype)
         if t.src_rank == rank:
             sends[t.dst_rank, wire].append(t)
@@ -142,7 +141,7 @@ def _exchange(plan: ReshardPlan, rank: int, bucket: tuple[Transfer, ...], src: M
         ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group))
         peers.append(peer)
     if ops:
-        what = what or f"rank {rank}: a bucket of the resharding plan"
+        what = f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the resharding plan"
         works = post(lambda: dist.batch_isend_irecv(ops), tuple(peers), deadline, what)
         pairs = (list(zip(works, ((p,) for p in peers))) if len(works) == len(peers)
                  else [(w, tuple(peers)) for w in works])  # one work for the whole batch (NCCL coalesces)
@@ -236,9 +235,8 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     _warm_group(plan, group, device, bound)
     with torch.no_grad(), accel.on_side_stream(side):
         _copy_local(plan, rank, src, dst, dtype, written)
-        for i, bucket in enumerate(plan.buckets):
-            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device, bound,
-                                          f"rank {rank}: bucket {i + 1} of {len(plan.buckets)} of the resharding plan")
+        for i in range(len(plan.buckets)):
+            recvs, bufs, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
             _unpack(recvs, bufs, dst, written)
             sent, received, peak = sent + s, received + r, max(peak, s + r)
             del bufs
@@ -311,9 +309,8 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
         for t in plan.local[rank]:
             remaining[t.dst_name] -= t.numel
         yield from done(touched)
-        for i, bucket in enumerate(plan.buckets):
-            recvs, bufs, s, r = _exchange(plan, rank, bucket, src, group, dtype, device, bound,
-                                          f"rank {rank}: bucket {i + 1} of {len(plan.buckets)} of the resharding plan")
+        for i in range(len(plan.buckets)):
+            recvs, bufs, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
             _unpack(recvs, bufs, dst)
             del bufs
             sent, received, peak = sent + s, received + r, max(peak, s + r)

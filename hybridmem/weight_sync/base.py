@@ -11,25 +11,16 @@ from typing import Any
 import torch
 
 from hybridmem.engine_contract import capabilities_of
+from hybridmem.reshard import TransferStats
 
 __all__ = ["SyncStats", "WeightSync", "engine_unwritten", "dominant_dtype", "dtype_note", "engine_dtypes"]
 
 
 @dataclass(frozen=True, slots=True)
-class SyncStats:
-    """What one weight sync did on this rank."""
+class SyncStats(TransferStats):
+    """What one weight sync did on this rank: what it moved (:class:`~hybridmem.reshard.TransferStats`; a
+    stream into ``load_weights`` counts every tensor as received), and what the engine ended up with."""
 
-    num_tensors: int = 0
-    """Tensors written into the engine."""
-    sent_nbytes: int = 0
-    """Bytes this rank sent to other ranks."""
-    received_nbytes: int = 0
-    """Bytes this rank received from other ranks (or copied locally, for a single-process sync)."""
-    min_received_nbytes: int = 0
-    """The fewest bytes this rank could have received (what it did not already hold)."""
-    temp_peak_nbytes: int = 0
-    """Peak temporary device bytes."""
-    seconds: float = 0.0
     unwritten: tuple[str, ...] = ()
     """Engine tensors of this rank not entirely written (see [Note: weight coverage] in hybridmem.weight_sync)."""
     coverage_checked: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -185,12 +186,7 @@ class ReshardSync(WeightSync):
         if checks is not None:
             checks.compare(self.group, device=next(iter(src.values())).device, bound=bound)
         return SyncStats(
-            num_tensors=stats.num_tensors,
-            sent_nbytes=stats.sent_nbytes,
-            received_nbytes=stats.received_nbytes,
-            min_received_nbytes=stats.min_received_nbytes,
-            temp_peak_nbytes=stats.temp_peak_nbytes,
-            seconds=time.perf_counter() - start,
+            **{**asdict(stats), "seconds": time.perf_counter() - start},
             unwritten=unwritten,
             coverage_checked=checked,
             dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src}, dst_dtypes,
