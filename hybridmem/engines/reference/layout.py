@@ -123,6 +123,11 @@ def _targets(shard: TPShard) -> dict[str, tuple[tuple[str, Piece], ...]]:
     return {hf: tuple(targets) for hf, targets in out.items()}
 
 
+@functools.lru_cache(maxsize=64)
+def _hf_shapes(shard: TPShard) -> dict[str, tuple[int, ...]]:
+    return layout_spec(shard.spec).full_shapes()
+
+
 def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> tuple[tuple[str, Piece], ...] | None:
     """Where the HF-full tensor ``name`` goes on this rank: ``(engine tensor, piece)`` pairs of the vLLM
     layout (copy ``full[src_index(piece.src)]`` into ``piece_view(engine tensor, piece)``), as vLLM's
@@ -140,7 +145,7 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> tuple[tupl
         return None
     if name == "lm_head.weight" and shard.spec.tie_word_embeddings:
         return None
-    shapes = layout_spec(shard.spec).full_shapes()
+    shapes = _hf_shapes(shard)
     if name not in shapes:
         raise KeyError(f"no engine weight for HF name {name!r} (model has {shard.spec.num_hidden_layers} layers, "
                        f"attention_bias={shard.spec.attention_bias})")
