@@ -144,7 +144,7 @@ def _task(ctx, spec, src, dst, dtype, bucket_nbytes, repeats):
     train = _train_shards(spec, src_layout, ctx.rank, dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     t0 = time.perf_counter()
-    plan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
+    plan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes, rank=ctx.rank)
     plan_s = time.perf_counter() - t0
     res = {"plan_s": plan_s, "min_nbytes": plan.min_recv_nbytes(ctx.rank), "dst_nbytes": plan.dst_nbytes(ctx.rank),
            "buckets": len(plan.buckets)}
@@ -204,7 +204,7 @@ def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
         del t
     itemsize = torch.empty((), dtype=dtype).element_size()
     t0 = time.perf_counter()
-    plan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
+    plan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes, rank=ctx.rank)
     res = {"plan_s": time.perf_counter() - t0, "min_nbytes": plan.min_recv_nbytes(ctx.rank),
            "dst_nbytes": plan.dst_nbytes(ctx.rank), "buckets": len(plan.buckets)}
     wants: dict[str, list] = {}

@@ -8,9 +8,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from hybridmem.errors import CollectiveTimeoutError
 
-__all__ = ["Bound", "deadline_bound", "wait_all", "post"]
+__all__ = ["Bound", "deadline_bound", "wait_all", "post", "exchange", "global_rank"]
 
 Bound = tuple[float, float]
 """``(start, deadline)`` on ``time.monotonic()``."""
@@ -60,3 +62,17 @@ def _lost(what: str, peers: Sequence[int], bound: Bound | None, start: float, ex
     return CollectiveTimeoutError(what, peers=tuple(sorted(set(peers))),
                                   deadline_s=(bound[1] - start) if bound else float("inf"),
                                   elapsed_s=time.monotonic() - start, cause=str(exc).splitlines()[0][:200])
+
+
+def exchange(ops: Sequence[Any], peers: Sequence[int], bound: Bound | None, what: str) -> None:
+    """Post point-to-point ``ops`` (one per entry of ``peers``) in one ``batch_isend_irecv`` and wait for
+    them within ``bound``, as :func:`post` and :func:`wait_all` do."""
+    works = post(lambda: dist.batch_isend_irecv(list(ops)), tuple(peers), bound, what)
+    pairs = (list(zip(works, ((p,) for p in peers))) if len(works) == len(peers)
+             else [(w, tuple(peers)) for w in works])  # one work for the whole batch (NCCL coalesces)
+    wait_all(pairs, bound, what)
+
+
+def global_rank(group: Any, rank: int) -> int:
+    """``rank`` of ``group`` as a rank of the default group (``group=None``: itself)."""
+    return rank if group is None else dist.get_global_rank(group, rank)

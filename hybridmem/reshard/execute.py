@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
-from hybridmem.reshard.deadline import Bound, deadline_bound, post, wait_all
+from hybridmem.reshard.deadline import Bound, deadline_bound, exchange, global_rank, wait_all
 from hybridmem.reshard.layouts import Side
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import piece_view
@@ -72,18 +72,14 @@ def _box_shape(t: Transfer) -> tuple[int, ...]:
     return tuple(b - a for a, b in t.box)
 
 
-def _global(group: Any, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
 def _warm_group(plan: ReshardPlan, group: Any, device: torch.device, deadline: Bound | None) -> None:
     """Initialise the communicator with one collective before the first p2p batch.
 
     NCCL requires every rank of a group to take part in ``batch_isend_irecv`` when it is the first
-    collective on that group; ranks with nothing to move in a bucket skip the call, so a tiny
-    all_reduce comes first (gloo has no such rule).
+    collective on that group; ranks with nothing to move in a step skip the call, so a tiny all_reduce
+    comes first, on every rank whatever its share of the plan holds (gloo has no such rule).
     """
-    if plan.buckets and plan.world_size > 1 and dist.get_backend(group) != "gloo":
+    if plan.world_size > 1 and dist.get_backend(group) != "gloo":
         work = dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
         wait_all([(work, tuple(range(plan.world_size)))], deadline, "the resharding group's first collective")
 
@@ -131,21 +127,17 @@ def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.
         peer, wire = key
         buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire) for t in sends[key]])
         send_bufs[key] = buf
-        ops.append(dist.P2POp(dist.isend, buf, _global(group, peer), group))
+        ops.append(dist.P2POp(dist.isend, buf, global_rank(group, peer), group))
         peers.append(peer)
     recv_bufs = {}
     for key in sorted(recvs, key=_order):
         peer, wire = key
         buf = torch.empty(sum(t.numel for t in recvs[key]), dtype=wire, device=device)
         recv_bufs[key] = buf
-        ops.append(dist.P2POp(dist.irecv, buf, _global(group, peer), group))
+        ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group))
         peers.append(peer)
     if ops:
-        what = f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the resharding plan"
-        works = post(lambda: dist.batch_isend_irecv(ops), tuple(peers), deadline, what)
-        pairs = (list(zip(works, ((p,) for p in peers))) if len(works) == len(peers)
-                 else [(w, tuple(peers)) for w in works])  # one work for the whole batch (NCCL coalesces)
-        wait_all(pairs, deadline, what)
+        exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the resharding plan")
     sent = sum(b.numel() * b.element_size() for b in send_bufs.values())
     received = sum(b.numel() * b.element_size() for b in recv_bufs.values())
     return recvs, recv_bufs, sent, received

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard.layouts import to_checkpoint_names
+from hybridmem.reshard.layouts import PartFamily, to_checkpoint_names
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import LocalTensor, Piece, concat, replicate, stack
 
@@ -158,6 +158,12 @@ class HFSourceLayout:
     def tensors(self, rank: int) -> dict[str, LocalTensor]:
         """``{HF module name: LocalTensor}`` of ``rank`` (cached)."""
         return _tensors(self, rank)
+
+    def part_families(self) -> tuple[PartFamily, ...]:
+        """One family: the ranks of each FSDP2 shard index hold the same tensors (see [Note: layout
+        parts] in :mod:`hybridmem.reshard.layouts`)."""
+        groups = {s: tuple(range(s, self.world_size, self.shard_size)) for s in range(self.shard_size)}
+        return (PartFamily(groups, functools.partial(_tensors, self)),)
 
     def __repr__(self) -> str:
         return (f"HFSourceLayout({self.side.value}, world={self.world_size}, shard_size={self.shard_size}, "

@@ -44,9 +44,10 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard.spec import ModelSpec, Placement
@@ -58,6 +59,9 @@ __all__ = [
     "VLLMConvention",
     "HFConvention",
     "RankCoords",
+    "Part",
+    "PartFamily",
+    "EXPERT_KINDS",
     "ShardLayout",
     "megatron_layout",
     "vllm_layout",
@@ -618,6 +622,89 @@ class ShardLayout:
         """``{name: LocalTensor}`` of every tensor ``rank`` holds, in model order (cached)."""
         return _tensors(self, rank)
 
+    def part_families(self) -> tuple[PartFamily, ...]:
+        """The dense part's rank groups and, for a MoE model outside an HF layout, the expert part's
+        (see [Note: layout parts]); cached."""
+        return _families(self)
+
+
+@functools.lru_cache(maxsize=16)
+def _families(layout: ShardLayout) -> tuple[PartFamily, ...]:
+    spec = layout.spec
+    dense: dict[RankCoords, list[int]] = {}
+    experts: dict[RankCoords, list[int]] = {}
+    with_experts = spec.num_experts > 0 and layout.side is not Side.HF
+    for rank in range(layout.world_size):
+        c = _coords.__wrapped__(layout, rank)  # not through the cache: one call per rank, once
+        dense.setdefault(replace(c, moe_tp_rank=0, moe_tp=1, ep_rank=0, ep=1), []).append(rank)
+        if with_experts:
+            experts.setdefault(replace(c, tp_rank=0, tp=1), []).append(rank)
+    families = [PartFamily({k: tuple(v) for k, v in dense.items()},
+                           functools.partial(_part_tensors, layout, part=Part.DENSE))]
+    if with_experts:
+        by_expert: dict[int, list[RankCoords]] = {}
+        for key in experts:
+            for e in range(*_expert_range(spec.num_experts, key.ep_rank, key.ep)):
+                by_expert.setdefault(e, []).append(key)
+        families.append(PartFamily({k: tuple(v) for k, v in experts.items()},
+                                   functools.partial(_part_tensors, layout, part=Part.EXPERTS),
+                                   functools.partial(_expert_keys, spec, by_expert)))
+    return tuple(families)
+
+
+_EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def _expert_keys(spec: ModelSpec, by_expert: Mapping[int, list[RankCoords]], hf_name: str) -> list[RankCoords]:
+    """The expert groups holding a piece of checkpoint tensor ``hf_name``: those of its experts' ep ranks
+    whose stage has its layer."""
+    keys: dict[RankCoords, None] = {}
+    for canonical in spec.canonical_names_of(hf_name):
+        m = _EXPERT_NAME.match(canonical)
+        if m is None:
+            continue
+        layer = int(m[1])
+        for key in by_expert.get(int(m[2]), ()):
+            if key.layers and key.layers[0] <= layer <= key.layers[-1]:
+                keys[key] = None
+    return list(keys)
+
+
+# [Note: layout parts]
+# A rank's tensors are two parts that depend on different coordinates: the dense part (embedding,
+# attention, dense MLP, norms, head) on the tp rank and the stage, the expert part (routed experts) on
+# the expert-parallel and expert-tp ranks and the stage. Ranks with equal coordinates for a part hold
+# the same tensors of it, so a plan can learn who holds a tensor from one build per group of such ranks
+# (:meth:`ShardLayout.part_families`) instead of one per rank: a few dense groups and, for a MoE model,
+# the expert groups of the experts it asks about. ``_tensors`` is the union of the two parts, built by
+# the same function (``_part_tensors``); tests/reshard/test_rank_plan.py checks they agree. An HF layout
+# has one part (each stage holds whole tensors). Layouts of other kinds (the HF source layouts of
+# FSDP2) give one family grouped their own way; a plan uses only ``part_families``.
+
+
+class Part(Enum):
+    """Which of a rank's tensors to build (see [Note: layout parts])."""
+
+    ALL = "all"
+    DENSE = "dense"
+    EXPERTS = "experts"
+
+
+EXPERT_KINDS = frozenset({"experts_gate_up", "experts_row", "experts_column", "experts_first_rank"})
+"""The :class:`LayerRule` kinds of routed experts: the expert part."""
+
+
+@dataclass(frozen=True, eq=False)
+class PartFamily:
+    """Ranks grouped by the coordinates one part of their tensors depends on (see [Note: layout parts])."""
+
+    groups: Mapping[Any, tuple[int, ...]]
+    """Group key -> its ranks, ascending; every rank is in exactly one group."""
+    build: Callable[[Any], dict[str, LocalTensor]]
+    """Group key -> the part's tensors, as each rank of the group holds them (cached by the caller)."""
+    locate: Callable[[str], Iterable[Any]] | None = None
+    """HF tensor name -> the keys of the groups that may hold a piece of it; ``None``: any group."""
+
 
 @functools.lru_cache(maxsize=4096)
 def _coords(layout: ShardLayout, rank: int) -> RankCoords:
@@ -642,7 +729,15 @@ def _coords(layout: ShardLayout, rank: int) -> RankCoords:
 
 @functools.lru_cache(maxsize=4096)
 def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
-    spec, side, c = layout.spec, layout.side, layout.coords(rank)
+    return _part_tensors(layout, layout.coords(rank), Part.ALL)
+
+
+def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, LocalTensor]:
+    """The tensors of a rank at ``c``, or only those of one :class:`Part` (see [Note: layout parts])."""
+    spec, side = layout.spec, layout.side
+    if part is Part.EXPERTS and side is Side.HF:
+        return {}  # an HF stage holds whole tensors: all of them are in its dense part
+    dense, experts = part is not Part.EXPERTS, part is not Part.DENSE
     shapes = spec.canonical_shapes()
     out: dict[str, LocalTensor] = {}
     embed = "model.embed_tokens.weight"
@@ -667,23 +762,24 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
         names = dict.fromkeys(where[n].name for n in out)
         return {n: replicate(n, full[n]) for n in names}
 
-    rows = _vocab_rows(side, spec, layout.convention, c)
-
     def vocab(name: str) -> LocalTensor:
+        rows = _vocab_rows(side, spec, layout.convention, c)
         return pad_rows(name, shapes[name], padded_rows=rows, rank=c.tp_rank, num=c.tp)
 
     # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions]).
     every_stage = side is Side.VLLM and spec.traits.vllm_every_stage
-    if side is Side.MEGATRON:
+    if not dense:
+        pass
+    elif side is Side.MEGATRON:
         if c.first_stage:
             out["embedding.word_embeddings.weight"] = vocab(embed)
     elif c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage:
         out[spec.traits.vllm_embedding] = vocab(embed)
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
-            if rule.when(spec, layer):
+            if (experts if rule.kind in EXPERT_KINDS else dense) and rule.when(spec, layer):
                 out.update(_build_rule(rule, layout, c, layer, local, shapes))
-    if c.last_stage or every_stage:
+    if dense and (c.last_stage or every_stage):
         if side is Side.MEGATRON:
             out["decoder.final_layernorm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
             # Tied: Megatron keeps a copy of the embedding as output_layer on the last stage when pp > 1.

@@ -7,22 +7,32 @@ computed once per job and reused on every TRAIN->INFER switch.
 For each HF tensor, the distinct source boxes (the pieces of one training replica) partition the full
 tensor; replicas hold identical boxes. Every destination piece D is cut by those boxes into cells
 ``D & B``. A cell the destination rank already holds in the source layout is a local copy (no traffic);
-any other cell is one :class:`Transfer` from a holder of ``B`` (the holder that has sent the fewest
-bytes so far, ties to the nearest rank). So each rank receives exactly what it lacks: planned received
-bytes equal the minimum. Transfers larger than a bucket are cut along their first axis, then packed
-first-fit into buckets such that no rank sends plus receives more than ``bucket_nbytes`` in one bucket
-(its temporary memory for that bucket), unless a single row is larger.
+any other cell is one :class:`Transfer` from a holder of ``B``: the ranks wanting a piece of ``B`` that do
+not hold it (its consumers), ascending, are split into equal contiguous runs, one per holder in
+ascending order, so every holder serves as many consumers (within one) and neighbours pair up. So each
+rank receives exactly what it lacks: planned received
+bytes equal the minimum. The transfers then run in steps both ends compute alone (see [Note: plan
+schedule] in :mod:`hybridmem.reshard.schedule`), in which no rank sends plus receives more than
+``bucket_nbytes`` (its temporary memory for that step), unless a single row is larger than half of it.
+
+Both rules depend only on who holds and who wants each box, so ``build_plan(src, dst, rank=r)``
+computes rank r's share alone, from the layouts' rank groups (:mod:`hybridmem.reshard.holders`), equal
+to rank r's part of the whole plan (tests/reshard/test_rank_plan.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from hybridmem.reshard.holders import holders_of, sender_of, served_by
 from hybridmem.reshard.layouts import ShardLayout
+from hybridmem.reshard.schedule import StepKey, _model_offsets, _order, schedule
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import Box, Piece
 
@@ -79,36 +89,47 @@ def _numel(box: Box) -> int:
 
 
 class ReshardPlan:
-    """The transfers of one resharding, grouped in buckets; build with :func:`build_plan`.
+    """The transfers of one resharding, grouped in steps; build with :func:`build_plan`.
+
+    The whole plan (``rank`` is ``None``) or one rank's share of it (the transfers that rank sends,
+    receives or copies; its figures only).
 
     Attributes:
         src: Source (training) layout.
         dst: Destination (inference or HF) layout.
         itemsize: Bytes per element.
-        bucket_nbytes: Largest send+receive bytes of one rank in one bucket.
-        local: Per rank, the cells it copies from its own source tensors.
-        buckets: Per bucket, the transfers between different ranks.
+        bucket_nbytes: Largest send+receive bytes of one rank in one step.
+        rank: The rank whose share this is, or ``None`` for the whole plan.
+        local: Per rank, the cells it copies from its own source tensors (a tuple over all ranks for
+            the whole plan; ``{rank: cells}`` for a share).
+        buckets: Per step, the transfers between different ranks (a share: those of its rank).
+        keys: Per step, its ``(window, shift, chunk)`` key ([Note: plan schedule]).
     """
 
     def __init__(self, src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int,
-                 local: tuple[tuple[Transfer, ...], ...], buckets: tuple[tuple[Transfer, ...], ...]):
+                 local: tuple[tuple[Transfer, ...], ...] | Mapping[int, tuple[Transfer, ...]],
+                 buckets: tuple[tuple[Transfer, ...], ...], *, keys: tuple[StepKey, ...] = (),
+                 rank: int | None = None):
         self.src, self.dst, self.itemsize, self.bucket_nbytes = src, dst, itemsize, bucket_nbytes
+        self.rank = rank
         self.local = local
         self.buckets = buckets
-        world = src.world_size
-        self._recv = [0] * world
-        self._send = [0] * world
-        self._peak = [0] * world
+        self.keys = keys
+        ranks = range(src.world_size) if rank is None else (rank,)
+        self._recv = dict.fromkeys(ranks, 0)
+        self._send = dict.fromkeys(ranks, 0)
+        self._peak = dict.fromkeys(ranks, 0)
         for bucket in buckets:
-            per = [0] * world
+            per: dict[int, int] = {}
             for t in bucket:
                 n = t.numel * self.cell_itemsize(t.hf_name)
-                self._recv[t.dst_rank] += n
-                self._send[t.src_rank] += n
-                per[t.dst_rank] += n
-                per[t.src_rank] += n
-            self._peak = [max(a, b) for a, b in zip(self._peak, per)]
-        self._min = [self._min_recv(r) for r in range(world)]
+                for r, mine in ((t.dst_rank, self._recv), (t.src_rank, self._send)):
+                    if r in mine:
+                        mine[r] += n
+                        per[r] = per.get(r, 0) + n
+            for r, n in per.items():
+                self._peak[r] = max(self._peak[r], n)
+        self._min = {r: self._min_recv(r) for r in ranks}
 
     @property
     def world_size(self) -> int:
@@ -118,6 +139,13 @@ class ReshardPlan:
         """Bytes per element of ``hf_name`` on the wire: ``itemsize``, or 4 for a tensor the spec keeps in
         fp32 when ``itemsize`` is smaller (see :func:`cell_dtype`)."""
         return _cell_itemsize(self.src.spec, hf_name, self.itemsize)
+
+    def _mine(self, rank: int) -> int:
+        if self.rank is not None and rank != self.rank:
+            raise ValueError(f"this plan is rank {self.rank}'s share; build_plan(..., rank={rank}) gives rank {rank}'s")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} outside world_size={self.world_size}")
+        return rank
 
     def _min_recv(self, rank: int) -> int:
         # Elements the destination needs minus those it already holds in the source layout; computed
@@ -136,127 +164,171 @@ class ReshardPlan:
 
     def min_recv_nbytes(self, rank: int) -> int:
         """The fewest bytes ``rank`` must receive: what its destination tensors need minus what it holds."""
-        return self._min[rank]
+        return self._min[self._mine(rank)]
 
     def recv_nbytes(self, rank: int) -> int:
         """Bytes the plan has ``rank`` receive."""
-        return self._recv[rank]
+        return self._recv[self._mine(rank)]
 
     def send_nbytes(self, rank: int) -> int:
         """Bytes the plan has ``rank`` send."""
-        return self._send[rank]
+        return self._send[self._mine(rank)]
 
     def peak_temp_nbytes(self, rank: int) -> int:
-        """Largest send+receive staging bytes of ``rank`` in one bucket."""
-        return self._peak[rank]
+        """Largest send+receive staging bytes of ``rank`` in one step."""
+        return self._peak[self._mine(rank)]
 
     def dst_nbytes(self, rank: int) -> int:
         """Bytes of ``rank``'s destination tensors (padding included)."""
         return sum(t.numel * (self.cell_itemsize(t.pieces[0].hf_name) if t.pieces else self.itemsize)
-                   for t in self.dst.tensors(rank).values())
+                   for t in self.dst.tensors(self._mine(rank)).values())
 
     def __repr__(self) -> str:
-        return (f"ReshardPlan({self.src.side.value} {self.src.parallel} -> {self.dst.side.value} "
-                f"{self.dst.parallel}, world={self.world_size}, buckets={len(self.buckets)}, "
-                f"recv={self._recv}, min={self._min})")
+        who = "" if self.rank is None else f"rank {self.rank}'s share, "
+        return (f"ReshardPlan({who}{self.src.side.value} {self.src.parallel} -> {self.dst.side.value} "
+                f"{self.dst.parallel}, world={self.world_size}, steps={len(self.buckets)}, "
+                f"recv={list(self._recv.values())}, min={list(self._min.values())})")
 
 
-def _split_rows(t: Transfer, max_numel: int, scale: int) -> list[Transfer]:
-    """Cut ``t`` along its first axis longer than 1 into transfers of at most ``max_numel`` wire elements
-    (``scale`` wire elements per element of ``t``), rows kept whole."""
-    if t.numel * scale <= max_numel:
-        return [t]
-    axis = next(i for i, (a, b) in enumerate(t.box) if b - a > 1)
-    row = t.numel // (t.box[axis][1] - t.box[axis][0]) * scale
-    step = max(1, max_numel // row)
-    out = []
-    lo, hi = t.box[axis]
-    for s in range(lo, hi, step):
-        box = list(t.box)
-        box[axis] = (s, min(hi, s + step))
-        out.append(Transfer(t.src_rank, t.dst_rank, t.hf_name, tuple(box), t.src_name, t.src_piece,
-                            t.dst_name, t.dst_piece))
-    return out
-
-
-def _pack(transfers: list[tuple[Transfer, int]], world: int, max_numel: int) -> tuple[tuple[Transfer, ...], ...]:
-    """First-fit ``(transfer, wire elements)`` into buckets of at most ``max_numel`` wire elements per rank."""
-    buckets: list[list[Transfer]] = []
-    load: list[list[int]] = []  # load[b][rank]: wire elements rank sends + receives in bucket b
-    first_open = [0] * world  # buckets before this are full enough for rank to skip (speed only)
-    for t, n in transfers:
-        b = max(first_open[t.src_rank], first_open[t.dst_rank])
-        while b < len(buckets) and (load[b][t.src_rank] + n > max_numel or load[b][t.dst_rank] + n > max_numel):
-            b += 1
-        if b == len(buckets):
-            buckets.append([])
-            load.append([0] * world)
-        buckets[b].append(t)
-        load[b][t.src_rank] += n
-        load[b][t.dst_rank] += n
-        for r in (t.src_rank, t.dst_rank):
-            while first_open[r] < len(buckets) and load[first_open[r]][r] >= max_numel:
-                first_open[r] += 1
-    return tuple(tuple(b) for b in buckets)
-
-
-@functools.lru_cache(maxsize=64)
-def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
-               bucket_nbytes: int = DEFAULT_BUCKET_NBYTES) -> ReshardPlan:
-    """Plan moving every tensor from ``src`` to ``dst`` (pure; cached on its arguments).
-
-    Raises:
-        ValueError: The layouts are of different models or world sizes, or ``bucket_nbytes`` < itemsize.
-        RuntimeError: The source layout does not cover an HF tensor exactly once per replica (a bug
-            in a layout table; the message names the tensor).
-    """
+def _check(src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int, rank: int | None) -> None:
     if src.spec != dst.spec:
         raise ValueError(f"source and destination specs differ: {src.spec} vs {dst.spec}")
     if src.world_size != dst.world_size:
         raise ValueError(f"source world_size={src.world_size} != destination world_size={dst.world_size}")
     if bucket_nbytes < itemsize:
         raise ValueError(f"bucket_nbytes={bucket_nbytes} is smaller than one element ({itemsize} bytes)")
+    if rank is not None and not 0 <= rank < src.world_size:
+        raise ValueError(f"rank={rank} outside world_size={src.world_size}")
+
+
+def _check_partition(hf: str, boxes: Iterable[Box], shape: tuple[int, ...]) -> None:
+    distinct = list(boxes)
+    total = sum(_numel(b) for b in distinct)
+    overlap = any(_intersect(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
+    if overlap or total != _numel(tuple((0, s) for s in shape)):
+        raise RuntimeError(f"source layout does not partition {hf} {shape} into disjoint boxes")
+
+
+def _sorted_local(cells: list[Transfer], spec: ModelSpec, itemsize: int) -> tuple[Transfer, ...]:
+    offsets = _model_offsets(spec, itemsize)
+    return tuple(sorted(cells, key=lambda t: _order(t, offsets)))
+
+
+@functools.lru_cache(maxsize=64)
+def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
+               bucket_nbytes: int = DEFAULT_BUCKET_NBYTES, rank: int | None = None) -> ReshardPlan:
+    """Plan moving every tensor from ``src`` to ``dst`` (pure; cached on its arguments).
+
+    Args:
+        src: The source layout (:func:`~hybridmem.reshard.layouts.megatron_layout`, an HF source layout).
+        dst: The destination layout (:func:`~hybridmem.reshard.layouts.vllm_layout`, ``hf_layout``).
+        itemsize: Bytes per element on the wire.
+        bucket_nbytes: Largest send+receive bytes of one rank in one step.
+        rank: Build only this rank's share (what it sends, receives and copies), without the rest of
+            the plan: what each rank of a job needs, at a cost that grows with what the rank moves
+            rather than with the cluster. ``None``: the whole plan (every rank's figures; costs the
+            whole cluster's transfers).
+
+    Raises:
+        ValueError: The layouts are of different models or world sizes, ``bucket_nbytes`` < itemsize,
+            or ``rank`` is outside the world.
+        RuntimeError: The source layout does not cover an HF tensor exactly once per replica (a bug
+            in a layout table; the message names the tensor).
+    """
+    _check(src, dst, itemsize, bucket_nbytes, rank)
+    if rank is None:
+        local, remote = _whole(src, dst)
+    else:
+        local, remote = _share(src, dst, rank)
+    keys, buckets = schedule(remote, src.spec, src.world_size, itemsize, bucket_nbytes)
+    if rank is None:
+        cells = tuple(_sorted_local(cs, src.spec, itemsize) for cs in local)
+    else:
+        cells = {rank: _sorted_local(local[0], src.spec, itemsize)}
+    return ReshardPlan(src, dst, itemsize, bucket_nbytes, cells, buckets, keys=keys, rank=rank)
+
+
+def _whole(src: ShardLayout, dst: ShardLayout) -> tuple[list[list[Transfer]], list[Transfer]]:
+    """Every rank's cells, from every rank's tensors (the reference the per-rank shares must equal)."""
     world = src.world_size
     shapes = src.spec.full_shapes()
-    # Distinct source boxes per HF tensor, each with its holders.
+    # Distinct source boxes per HF tensor, each with its holders in rank order.
     holders: dict[str, dict[Box, list[tuple[int, str, Piece]]]] = defaultdict(lambda: defaultdict(list))
     for r in range(world):
         for name, local in src.tensors(r).items():
             for p in local.pieces:
                 holders[p.hf_name][p.src].append((r, name, p))
     for hf, boxes in holders.items():
-        distinct = list(boxes)
-        total = sum(_numel(b) for b in distinct)
-        overlap = any(_intersect(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
-        if overlap or total != _numel(tuple((0, s) for s in shapes[hf])):
-            raise RuntimeError(f"source layout does not partition {hf} {shapes[hf]} into disjoint boxes")
-    # The first holder of each box on each rank: a local copy needs no sender.
-    held_here = {hf: {box: {r: o for o in reversed(owners) for r in (o[0],)} for box, owners in boxes.items()}
-                 for hf, boxes in holders.items()}
-    sent = [0] * world
+        _check_partition(hf, boxes, shapes[hf])
+    # The first holding of each box on each rank, the holders ascending, and the consumers: the ranks
+    # wanting a piece that meets the box, ascending, holders excluded.
+    first = {hf: {box: {r: (r, n, p) for r, n, p in reversed(owners)} for box, owners in boxes.items()}
+             for hf, boxes in holders.items()}
+    ranks = {hf: {box: tuple(sorted(by_rank)) for box, by_rank in boxes.items()} for hf, boxes in first.items()}
+    wanted: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+    for d in range(world):
+        for dlocal in dst.tensors(d).values():
+            for dp in dlocal.pieces:
+                wanted[dp.hf_name].append((d, dp.src))
+    consumers = {hf: {box: tuple(sorted({d for d, want in wanted[hf] if _intersect(want, box)} - set(by_rank)))
+                      for box, by_rank in boxes.items()} for hf, boxes in first.items()}
     local: list[list[Transfer]] = [[] for _ in range(world)]
     remote: list[Transfer] = []
     for d in range(world):
         for dname, dlocal in dst.tensors(d).items():
             for dp in dlocal.pieces:
-                here = held_here[dp.hf_name]
-                for box, owners in holders[dp.hf_name].items():
+                for box, by_rank in first[dp.hf_name].items():
                     cell = _intersect(dp.src, box)
                     if cell is None:
                         continue
-                    mine = here[box].get(d)
-                    if mine is not None:
-                        _, sname, sp = mine
+                    if d in by_rank:
+                        _, sname, sp = by_rank[d]
                         local[d].append(Transfer(d, d, dp.hf_name, cell, sname, sp, dname, dp))
                         continue
-                    s, sname, sp = min(owners, key=lambda o: (sent[o[0]], abs(o[0] - d), o[0]))
-                    sent[s] += _numel(cell)
+                    s = sender_of(ranks[dp.hf_name][box], consumers[dp.hf_name][box], d)
+                    _, sname, sp = by_rank[s]
                     remote.append(Transfer(s, d, dp.hf_name, cell, sname, sp, dname, dp))
-    max_numel = max(1, bucket_nbytes // itemsize)
+    return local, remote
 
-    def scale(t: Transfer) -> int:  # wire elements per element (2 for an fp32 tensor on a 2-byte wire)
-        return _cell_itemsize(src.spec, t.hf_name, itemsize) // itemsize
 
-    pieces = [(piece, piece.numel * scale(t)) for t in remote for piece in _split_rows(t, max_numel, scale(t))]
-    return ReshardPlan(src, dst, itemsize, bucket_nbytes, tuple(tuple(x) for x in local),
-                       _pack(pieces, world, max_numel))
+def _share(src: ShardLayout, dst: ShardLayout, rank: int) -> tuple[list[list[Transfer]], list[Transfer]]:
+    """Rank ``rank``'s cells only: its receives (from the holders of what it lacks), its local copies, and
+    the cells it sends (to the ranks between it and the next holder of each box it holds)."""
+    have, want = holders_of(src), holders_of(dst)
+    shapes = src.spec.full_shapes()
+    local: list[Transfer] = []
+    remote: list[Transfer] = []
+    checked: set[str] = set()
+    for dname, dlocal in dst.tensors(rank).items():
+        for dp in dlocal.pieces:
+            boxes = have.boxes(dp.hf_name)
+            if dp.hf_name not in checked:
+                _check_partition(dp.hf_name, boxes, shapes[dp.hf_name])
+                checked.add(dp.hf_name)
+            for box, holders in boxes.items():
+                cell = _intersect(dp.src, box)
+                if cell is None:
+                    continue
+                s = rank if rank in holders else sender_of(holders.ranks, want.wanting(dp.hf_name, box, holders.ranks),
+                                                             rank)
+                held = holders.held_by(s)
+                t = Transfer(s, rank, dp.hf_name, cell, held.name, held.piece, dname, dp)
+                (local if s == rank else remote).append(t)
+    for sname, slocal in src.tensors(rank).items():
+        for sp in slocal.pieces:
+            holders = have.boxes(sp.hf_name)[sp.src]
+            held = holders.held_by(rank)
+            if (held.name, held.piece) != (sname, sp):
+                continue  # a second copy on this rank: cells go from the first
+            mine = served_by(holders.ranks, want.wanting(sp.hf_name, sp.src, holders.ranks), rank)
+            if not mine:
+                continue
+            for there in want.holdings(sp.hf_name):
+                cell = _intersect(there.piece.src, sp.src)
+                if cell is None:
+                    continue
+                for d in mine:
+                    i = bisect.bisect_left(there.ranks, d)
+                    if i < len(there.ranks) and there.ranks[i] == d:
+                        remote.append(Transfer(rank, d, sp.hf_name, cell, sname, sp, there.name, there.piece))
+    return [local], remote

@@ -250,6 +250,14 @@ class ModelSpec:
         (gpt-oss). Cached per spec; do not modify."""
         return _checkpoint(self)[1]
 
+    def canonical_names_of(self, hf_name: str) -> tuple[str, ...]:
+        """The canonical names whose tensors make up checkpoint tensor ``hf_name`` (the inverse of
+        :meth:`checkpoint_names`; ``()`` for a name the checkpoint lacks). Cached per spec."""
+        family = self.traits
+        if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
+            return (hf_name,) if hf_name in _canonical(self) else ()
+        return _inverse_checkpoint(self).get(hf_name, ())
+
     def canonical_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """Every tensor by its canonical name (see [Note: canonical names]) and its shape, in HF's order.
         Cached per spec; do not modify."""
@@ -307,10 +315,20 @@ def _canonical(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 @functools.lru_cache(maxsize=64)
+def _inverse_checkpoint(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    for canonical, at in _checkpoint(spec)[1].items():
+        out.setdefault(at.name, []).append(canonical)
+    return {name: tuple(names) for name, names in out.items()}
+
+
+@functools.lru_cache(maxsize=64)
 def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, Placement]]:
     """``({checkpoint name: shape}, {canonical name: Placement})`` of ``spec``."""
     family = spec.traits
     canonical = spec.canonical_shapes()
+    if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
+        return dict(canonical), {name: Placement(name) for name in canonical}
     fused = {part: (whole, parts) for parts, whole in family.checkpoint_fused for part in parts}
     stacked = [(re.compile(pattern), whole, transposed) for pattern, whole, transposed in family.checkpoint_stacked]
     shapes: dict[str, tuple[int, ...]] = {}
@@ -324,8 +342,9 @@ def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, 
                 shapes[target] = (sum(canonical[prefix + q][0] for q in parts), *shape[1:])
             where[name] = Placement(target, sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
             continue
-        match = next(((m, whole, t) for pattern, whole, t in stacked if (m := pattern.fullmatch(suffix))), None)
-        if match is not None:
+        match = stacked and next(((m, whole, t) for pattern, whole, t in stacked if (m := pattern.fullmatch(suffix))),
+                                 None)
+        if match:
             m, whole, transposed = match
             target, expert = prefix + whole, int(m.group(1))
             inner = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape

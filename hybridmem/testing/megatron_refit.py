@@ -167,7 +167,7 @@ def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: Parallel
 
             itemsize = torch.empty((), dtype=dtype).element_size()
             t0 = time.perf_counter()
-            plan = build_plan(src_layout, dst_layout, itemsize=itemsize)
+            plan = build_plan(src_layout, dst_layout, itemsize=itemsize, rank=ctx.rank)
             plan_s = time.perf_counter() - t0
             source = {n: p.detach() for n, p in src_params.items()}
             ours_times, stats = [], None

@@ -124,7 +124,8 @@ class ReshardSync(WeightSync):
         dst_layout = (vllm_layout(spec, dst, world, convention=vllm) if self.in_place
                       else hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None))
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes)
+        self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes,
+                                           rank=self.rank)  # this rank's share only ([Note: plan schedule])
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s={deadline_s} must be > 0 or None")
         self.deadline_s = default_deadline_s(self.plan, self.rank) if deadline_s is None else float(deadline_s)

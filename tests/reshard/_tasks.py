@@ -18,7 +18,7 @@ def _train(spec, src, world, rank, dtype=torch.float32):
 def run_plan_task(ctx, spec, src, dst, bucket):
     _, train = _train(spec, src, ctx.world_size, ctx.rank)
     plan = build_plan(megatron_layout(spec, src, ctx.world_size), vllm_layout(spec, dst, ctx.world_size),
-                      itemsize=4, bucket_nbytes=bucket)
+                      itemsize=4, bucket_nbytes=bucket, rank=ctx.rank)
     out, stats = run_plan(plan, rank=ctx.rank, src=train, group=ctx.group)
     return out, stats
 
@@ -26,7 +26,7 @@ def run_plan_task(ctx, spec, src, dst, bucket):
 def stream_task(ctx, spec, src, dst, bucket):
     full, train = _train(spec, src, ctx.world_size, ctx.rank)
     plan = build_plan(megatron_layout(spec, src, ctx.world_size), hf_layout(spec, dst, ctx.world_size),
-                      itemsize=4, bucket_nbytes=bucket)
+                      itemsize=4, bucket_nbytes=bucket, rank=ctx.rank)
     stats = []
     names, ok = [], True
     for name, tensor in iter_full_tensors(plan, rank=ctx.rank, src=train, group=ctx.group, stats=stats):
@@ -112,11 +112,12 @@ def bf16_wire_with_fp32_bias_task(ctx, spec, src, dst, bucket):
             full[name] = full[name].to(torch.bfloat16)
     train = megatron_shard(full, spec, tp=src.tp, pp=src.pp, ep=src.ep, world=ctx.world_size, rank=ctx.rank)
     layout = vllm_layout(spec, dst, ctx.world_size)
-    plan = build_plan(megatron_layout(spec, src, ctx.world_size), layout, itemsize=2, bucket_nbytes=bucket)
+    plan = build_plan(megatron_layout(spec, src, ctx.world_size), layout, itemsize=2, bucket_nbytes=bucket,
+                      rank=ctx.rank)
     engine = {n: torch.zeros(t.shape, dtype=torch.float32 if spec.keeps_fp32(t.pieces[0].hf_name) else torch.bfloat16)
               for n, t in layout.tensors(ctx.rank).items()}
     out, stats = run_plan(plan, rank=ctx.rank, src=train, group=ctx.group, dst=engine, dtype=torch.bfloat16)
     hf = build_plan(megatron_layout(spec, src, ctx.world_size), hf_layout(spec, dst, ctx.world_size), itemsize=2,
-                    bucket_nbytes=bucket)
+                    bucket_nbytes=bucket, rank=ctx.rank)
     streamed = dict(iter_full_tensors(hf, rank=ctx.rank, src=train, group=ctx.group, dtype=torch.bfloat16))
     return full, out, stats, plan.min_recv_nbytes(ctx.rank), streamed

@@ -123,6 +123,6 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
     tensors.update({n: b for n, b in model.named_buffers() if n in bias})
     src = {n: t if n in bias else (list(t.chunk(world)) + [t[:0]] * world)[ctx.rank] for n, t in tensors.items()}
     plan = build_plan(hf_source_layout(spec, world, shard_size=world, replicated=bias),
-                      vllm_layout(spec, ParallelLayout(tp=tp), world), itemsize=4)
+                      vllm_layout(spec, ParallelLayout(tp=tp), world), itemsize=4, rank=ctx.rank)
     out, _ = run_plan(plan, rank=ctx.rank, src={n: t.contiguous() for n, t in src.items()})
     return out

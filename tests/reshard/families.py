@@ -1,0 +1,57 @@
+"""Tiny transformers configs of every family hybridmem describes, shared by the tests that go over all of
+them (``transformers.AutoConfig.for_model(family, **{**COMMON, **kw})`` for each ``MODELS`` entry)."""
+
+from __future__ import annotations
+
+COMMON = dict(hidden_size=128, num_hidden_layers=2, vocab_size=200, rms_norm_eps=1e-6, max_position_embeddings=128,
+               torch_dtype="float32")
+# head_dim = hidden_size / num_attention_heads = 32: the CPU attention backend's smallest head size, and
+# vLLM's Qwen2 derives head_dim from hidden_size whatever the config says.
+MODELS = {
+    "llama-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=96,
+                                 tie_word_embeddings=True)),
+    "qwen2-bias-kv2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                     tie_word_embeddings=False)),
+    "qwen2-moe": ("qwen2_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                    intermediate_size=96, tie_word_embeddings=False)),
+    "qwen3-moe-tied": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                                         tie_word_embeddings=True)),
+    "deepseek-v3": ("deepseek_v3", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32,
+                                        qk_rope_head_dim=32, v_head_dim=32, first_k_dense_replace=1, n_group=1,
+                                        topk_group=1, topk_method="noaux_tc", tie_word_embeddings=False)),
+    "deepseek-v3-no-q-lora": ("deepseek_v3", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                                                  n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32, q_lora_rank=None, kv_lora_rank=32,
+                                                  qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                                                  first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                  topk_method="greedy", tie_word_embeddings=False)),
+    # The families described since: Mistral (Llama's rules), Mixtral (block_sparse_moe, w1/w3/w2), Phi-3 (fused
+    # qkv_proj and gate_up_proj in the checkpoint), Gemma 3 (sandwich norms, q/k norms, tied), GLM-4.5 (q/k/v bias,
+    # first layer dense, shared experts, a router bias vLLM always builds).
+    "mistral-kv2": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                    tie_word_embeddings=False)),
+    "mixtral": ("mixtral", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
+                                num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    "phi3-kv2": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
+    "granite-tied": ("granite", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                     embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+                                     tie_word_embeddings=True)),
+    "gemma3-tied": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96)),
+    "glm4-moe-bias": ("glm4_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                       n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+                                       first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                       attention_bias=True, tie_word_embeddings=False,
+                                       # vLLM's GLM-4.5 refuses a pipeline stage without a MoE layer.
+                                       num_hidden_layers=3)),
+    # gpt-oss: q/k/v/o biases, attention sinks, router bias, experts stacked and transposed in the checkpoint
+    # with interleaved gate/up columns and biases (vLLM zeroes the down bias on TP ranks > 0). vLLM splits its
+    # kv heads without replicating them, so TP is at most num_key_value_heads.
+    "gpt-oss": ("gpt_oss", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=128,
+                                num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                                tie_word_embeddings=False)),
+}
