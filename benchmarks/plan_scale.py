@@ -1,19 +1,23 @@
-"""Plan scale: time and peak host memory of building the resharding plan, against the world size.
+"""Plan scale: time and host memory of building one rank's resharding plan, against the world size.
 
-Each case builds ``build_plan(megatron_layout(...), vllm_layout(...))`` for a DeepSeek-V3- or
-Qwen3-235B-A22B-shaped spec (bf16, the vLLM layout of the release the layouts default to) in a fresh
-subprocess, which reports its wall time and peak RSS (``ru_maxrss``); a case past ``--limit-s`` is
-stopped and shown as such. Today every rank builds the whole cluster's plan before its first switch, so
-these are per-rank figures of that first switch.
+Each case builds, in a fresh subprocess per rank, ``build_plan(megatron_layout(...), vllm_layout(...),
+rank=r)`` (what each rank of a job computes before its first switch: its own sends, receives and copies)
+for a DeepSeek-V3- or Qwen3-235B-A22B-shaped spec (bf16, vLLM 0.33's layout) and reports the wall time
+of the call and the growth of the process's peak RSS during it (``ru_maxrss`` after the call minus
+before; the interpreter with torch imported holds ~300 MiB before any plan), for the first, a middle and
+the last rank (the table shows the largest). Next to it, where ``--whole-max-world`` allows and
+``--limit-s`` is not exceeded, the whole plan (``rank=None``: every rank's transfers, what every rank
+computed before per-rank plans).
 
-    python benchmarks/plan_scale.py                      # every case up to world 256
-    python benchmarks/plan_scale.py --max-world 1024 --limit-s 900
+    python benchmarks/plan_scale.py                        # every case, whole plans up to world 256
+    python benchmarks/plan_scale.py --max-world 1024 --whole-max-world 1024 --limit-s 900
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -35,29 +39,37 @@ CASES = [  # (model, train tp/pp/ep, infer tp/pp/ep, world)
     ("DeepSeek-V3", (2, 1, 32), (8, 1, 64), 64),
     ("DeepSeek-V3", (2, 1, 128), (8, 1, 256), 256),
     ("DeepSeek-V3", (4, 1, 256), (8, 1, 256), 1024),
+    ("DeepSeek-V3", (8, 1, 256), (8, 1, 256), 4096),
     ("Qwen3-235B-A22B", (4, 1, 2), (4, 1, 8), 8),
     ("Qwen3-235B-A22B", (4, 2, 4), (4, 1, 32), 32),
+    ("Qwen3-235B-A22B", (4, 2, 32), (4, 1, 128), 256),
+    ("Qwen3-235B-A22B", (4, 2, 128), (4, 1, 128), 1024),
 ]
 
 _CHILD = """
 import json, resource, sys, time
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout
-config, train, infer, world = json.loads(sys.argv[1])
+config, train, infer, world, rank = json.loads(sys.argv[1])
 spec = ModelSpec.from_hf_config(config)
-start = time.perf_counter()
 layout = lambda tp, pp, ep: ParallelLayout(tp=tp, pp=pp, ep=ep)  # noqa: E731
-plan = build_plan(megatron_layout(spec, layout(*train), world), vllm_layout(spec, layout(*infer), world))
+src, dst = megatron_layout(spec, layout(*train), world), vllm_layout(spec, layout(*infer), world, vllm_version="0.33")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+plan = build_plan(src, dst, rank=rank)
 seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "buckets": len(plan.buckets), "max_recv_bytes": max(plan.recv_nbytes(r) for r in range(world))}))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ranks = range(world) if rank is None else (rank,)
+print(json.dumps({"seconds": seconds, "rss_growth_mib": (after - before) / 1024, "peak_rss_mib": after / 1024,
+                  "steps": len(plan.buckets), "send": max(plan.send_nbytes(r) for r in ranks),
+                  "recv": max(plan.recv_nbytes(r) for r in ranks)}))
 """
 
 
-def run_case(model: str, train: tuple[int, int, int], infer: tuple[int, int, int], world: int,
+def run_case(model: str, train: tuple[int, int, int], infer: tuple[int, int, int], world: int, rank: int | None,
              limit_s: float) -> dict:
-    """One case in a fresh interpreter; ``{"seconds", "peak_rss_mib", ...}`` or ``{"timeout": limit_s}``."""
-    arg = json.dumps([MODELS[model], list(train), list(infer), world])
+    """One plan in a fresh interpreter; ``{"seconds", "rss_growth_mib", ...}`` or ``{"timeout": limit_s}``."""
+    arg = json.dumps([MODELS[model], list(train), list(infer), world, rank])
     try:
         out = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True, text=True, timeout=limit_s,
                              check=True)
@@ -70,27 +82,36 @@ def run_case(model: str, train: tuple[int, int, int], infer: tuple[int, int, int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-world", type=int, default=256, help="skip cases of a larger world")
-    parser.add_argument("--limit-s", type=float, default=600.0, help="stop a case after this many seconds")
+    parser.add_argument("--max-world", type=int, default=4096, help="skip cases of a larger world")
+    parser.add_argument("--whole-max-world", type=int, default=256, help="build the whole plan up to this world")
+    parser.add_argument("--limit-s", type=float, default=600.0, help="stop a whole plan after this many seconds")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
-    console = Console(width=120)
-    console.print(f"machine: {platform.node()} {platform.machine()}, python {platform.python_version()}")
-    table = Table(title="resharding plan: build time and peak RSS of one rank (global plan)")
-    for col in ("model", "train tp/pp/ep", "infer tp/pp/ep", "world", "plan s", "peak RSS MiB", "buckets"):
+    console = Console(width=140)
+    console.print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}")
+    table = Table(title="resharding plan of one rank (largest of ranks 0, world/2+1, world-1) and the whole plan")
+    for col in ("model", "train tp/pp/ep", "infer tp/pp/ep", "world", "rank plan s", "RSS growth MiB", "steps",
+                "send GiB", "recv GiB", "whole plan s", "whole peak RSS MiB"):
         table.add_column(col, justify="left" if col == "model" else "right")
     figures = []
+    gib = 2**30
     for model, train, infer, world in CASES:
         if world > args.max_world:
             continue
-        fig = run_case(model, train, infer, world, args.limit_s)
-        figures.append({"model": model, "train": train, "infer": infer, "world": world, **fig})
+        shares = [run_case(model, train, infer, world, r, args.limit_s) for r in sorted({0, world // 2 + 1, world - 1})]
+        whole = (run_case(model, train, infer, world, None, args.limit_s) if world <= args.whole_max_world
+                 else {"skipped": True})
+        figures.append({"model": model, "train": train, "infer": infer, "world": world, "shares": shares,
+                        "whole": whole})
+        worst = max(shares, key=lambda f: f["seconds"])
+        whole_s = (f"> {args.limit_s:.0f}" if "timeout" in whole else "" if "skipped" in whole
+                   else f"{whole['seconds']:.1f}")
+        whole_rss = f"{whole['peak_rss_mib']:.0f}" if "seconds" in whole else ""
         fmt = "/".join
-        if "timeout" in fig:
-            table.add_row(model, fmt(map(str, train)), fmt(map(str, infer)), str(world), f"> {args.limit_s:.0f}", "", "")
-        else:
-            table.add_row(model, fmt(map(str, train)), fmt(map(str, infer)), str(world), f"{fig['seconds']:.1f}",
-                          f"{fig['peak_rss_mib']:.0f}", str(fig["buckets"]))
+        table.add_row(model, fmt(map(str, train)), fmt(map(str, infer)), str(world), f"{worst['seconds']:.2f}",
+                      f"{max(f['rss_growth_mib'] for f in shares):.0f}", str(max(f["steps"] for f in shares)),
+                      f"{max(f['send'] for f in shares) / gib:.1f}", f"{max(f['recv'] for f in shares) / gib:.1f}",
+                      whole_s, whole_rss)
     console.print(table)
     if args.json:
         with open(args.json, "w") as f:
