@@ -1,7 +1,8 @@
 """The ``hybridmem`` command.
 
 ``hybridmem demo`` runs the GRPO example on the embedded engine (CPU by default);
-``hybridmem switch-loop`` the torch-only switch loop; ``hybridmem --version`` prints the version.
+``hybridmem switch-loop`` the torch-only switch loop; ``hybridmem plan`` predicts a cluster's switches
+(:mod:`hybridmem.plan_command`); ``hybridmem --version`` prints the version.
 A mistake on the command line is reported in one line naming the option and what is allowed.
 """
 
@@ -31,10 +32,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = OneLineErrorParser(prog="hybridmem", description="hybridmem: train and infer on the same devices")
     parser.add_argument("--version", action="version", version=f"hybridmem {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,switch-loop}",
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,switch-loop,plan}",
                                 parser_class=OneLineErrorParser)
     sub.add_parser("demo", help="the GRPO demo (pass --help after 'demo' for its options)", add_help=False)
     sub.add_parser("switch-loop", help="the torch-only switch loop (pass --help for its options)", add_help=False)
+    sub.add_parser("plan", help="predict a cluster's switches from a config (pass --help for its options)",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from hybridmem.examples import grpo
@@ -44,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hybridmem.examples import switch_loop
 
         switch_loop.main(rest)
+    elif args.command == "plan":
+        from hybridmem import plan_command  # noqa: PLC0415
+
+        return plan_command.main(rest)
     return 0
 
 

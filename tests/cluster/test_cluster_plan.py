@@ -1,0 +1,123 @@
+"""``hybridmem plan`` predicts what a run does: at 4 and 8 gloo ranks (a ``from_pretrained`` model under
+FSDP2, the embedded engine at inference TP 2, a manager with defaults), every step of both switches on
+every rank, with the bytes it allocates, frees and needs transiently, equals the runtime's own memory plan
+(built from the real offloaders, engine and weight sync), and the bytes the command says each step moves
+over the host link and the network equal what the switch reports it moved. Bad options are named; a
+cluster that does not fit gets advice that, applied, fits.
+
+See [Note: cluster plan] in hybridmem.cluster_plan.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from hybridmem.testing.workers import WorkerPool
+from tests.cluster import _tasks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=250, tie_word_embeddings=False)).save_pretrained(path)
+    return str(path)
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridmem", "plan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 8])
+def test_the_plan_equals_a_gloo_run(model_dir, world):
+    with WorkerPool(world, timeout_s=120) as pool:
+        runs = pool.run(_tasks.switch_task, model_dir, infer_tp=2, kv_blocks=8)
+    out = _plan(model_dir, "--world", str(world), "--train", "fsdp2", "--infer", "2/1/1", "--param-dtype", "fp32",
+                "--infer-dtype", "fp32", "--kv-cache-bytes", str(runs[0]["kv_nbytes"]), "--ranks", "all", "--json", "-")
+    assert out.returncode == 0, out.stderr[-3000:]
+    predicted = json.loads(out.stdout)
+    assert predicted["fits"] and [p["rank"] for p in predicted["ranks"]] == list(range(world))
+    for rank, (ours, run) in enumerate(zip(predicted["ranks"], runs)):
+        for direction in ("to_infer", "to_train"):
+            mine = [(s["name"], s["alloc_nbytes"], s["free_nbytes"], s["transient_nbytes"]) for s in ours[direction]]
+            real = [(s["name"], s["alloc"], s["free"], s["transient"]) for s in run[direction]]
+            assert mine == real, (rank, direction, mine, real)
+            for step in ours[direction]:
+                moved = run["moved"][step["name"]]
+                if step["name"].startswith(("offload ", "onload ")):
+                    assert step["host_link_nbytes"] == moved["copied"], (rank, step, moved)
+                elif step["name"] == "weight sync":
+                    extra = moved["extra"]
+                    assert step["network_nbytes"] == extra["sent_nbytes"] + extra["received_nbytes"], (rank, extra)
+                else:
+                    assert step["host_link_nbytes"] == step["network_nbytes"] == 0
+        assert ours["sent_nbytes"] == run["moved"]["weight sync"]["extra"]["sent_nbytes"] > 0
+
+
+QWEN25_7B = ["--family", "qwen2", "--set", "hidden_size=3584", "--set", "intermediate_size=18944", "--set",
+             "num_hidden_layers=28", "--set", "num_attention_heads=28", "--set", "num_key_value_heads=4", "--set",
+             "vocab_size=152064", "--set", "tie_word_embeddings=false"]
+
+
+def test_a_cluster_that_does_not_fit_gets_advice_that_fits(tmp_path):
+    """Qwen2.5-7B on 8 devices of 40 GB, Megatron TP2: with nothing offloaded the switch does not fit (exit 1)
+    and the command names a change; applied as the options it gives, the plan fits (exit 0). With the
+    optimizer offloaded, a smaller KV cache alone is named, and fits."""
+    small = [*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "2/1/1", "--device-memory-gb", "40"]
+    for offload in ("none", "grad,optimizer"):
+        out = _plan(*small, "--offload", offload, "--json", str(tmp_path / "plan.json"))
+        assert out.returncode == 1 and "DOES NOT FIT" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+        advice = json.loads((tmp_path / "plan.json").read_text())["advice"]
+        assert advice and all(a["options"] for a in advice), advice
+        for a in advice:
+            options = a["options"] if "--offload" in a["options"] else [*a["options"], "--offload", offload]
+            fixed = _plan(*small, *options)
+            assert fixed.returncode == 0, (a, fixed.stdout[-1500:])
+    assert any(a["options"][0] == "--kv-cache-bytes" for a in advice), advice
+
+
+def test_a_training_state_larger_than_the_device_is_said_so():
+    """Megatron TP2, 4 data-parallel ranks: per rank half of every split tensor and every norm whole, bf16
+    weights, fp32 main grads, 12 bytes of Adam state per parameter divided over the 4 ranks."""
+    h, f, v, kv, layers = 3584, 18944, 152064, 512, 28
+    split = 2 * v * h + layers * (2 * h * h + h + 2 * (kv * h + kv) + 3 * h * f)
+    norms = (2 * layers + 1) * h
+    per_rank = split // 2 + norms
+    expected = per_rank * (2 + 4) + per_rank * 12 // 4
+    out = _plan(*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "2/1/1", "--device-memory-gb", "24")
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert f"the training state alone needs {expected / 1e9:.1f} GB of 24.0 GB" in out.stdout, (expected, out.stdout[-800:])
+
+
+def test_the_table_json_and_plot(tmp_path):
+    out = _plan(*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--json", str(tmp_path / "p.json"),
+                "--plot", str(tmp_path / "p.png"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    for words in ("TRAIN->INFER", "INFER->TRAIN", "weight sync", "offload optimizer", "fits"):
+        assert words in out.stdout, words
+    data = json.loads((tmp_path / "p.json").read_text())
+    worst = next(p for p in data["ranks"] if p["rank"] == data["worst_rank"])
+    # Megatron TP2 of Qwen2.5-7B in bf16: half the 7.6e9 parameters per rank, 2 bytes each.
+    assert 7.0e9 < worst["state_nbytes"]["param"] < 7.8e9, worst["state_nbytes"]
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--train", "3/1/1"], "world_size=8 is not divisible by tp*pp=3*1"),
+    (["--train", "8/1/1"], "training tp=8 must divide the query groups num_key_value_heads=4"),
+    (["--train", "2x1"], "--train='2x1': expected tp/pp/ep"),
+    (["--offload", "params"], "--offload 'params': unknown ['params']"),
+    (["--train", "fsdp2", "--train-stages", "14,14"], "--train-stages is for a Megatron training layout"),
+])
+def test_bad_options_are_named(args, message):
+    out = _plan(*QWEN25_7B, "--world", "8", *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
