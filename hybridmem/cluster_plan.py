@@ -23,9 +23,9 @@ largest staging buffer. What the stand-ins hold per rank:
   inference dtype (a tensor the model keeps in fp32 counted in fp32);
 - KV cache: given, or vLLM's rule: ``gpu_memory_utilization`` of the device minus the engine weights.
 
-Times are bytes over bandwidths: offload and onload over the host link; each resharding step's larger
-direction over the link to its peer (NVLink within a node, the network across), plus a fixed latency
-per step. tests/test_cluster_plan.py runs the switches on gloo at 4 and 8 ranks and checks the
+Times are bytes over bandwidths: offload and onload over the host link; the sync's local copies at the
+device's copy bandwidth, and each resharding step's larger direction over the link to its peer (NVLink
+within a node, the network across), plus a fixed latency per step. tests/test_cluster_plan.py runs the switches on gloo at 4 and 8 ranks and checks the
 predicted steps and bytes equal the runtime's.
 """
 
@@ -74,26 +74,29 @@ class AcceleratorFigures:
     inter_node_bps: float
     """Device <-> device bandwidth to a peer in another node, bytes/s, one direction."""
     devices_per_node: int
+    device_copy_bps: float
+    """Device-local copy bandwidth (half the memory bandwidth: a copy reads and writes), bytes/s."""
     step_latency_s: float = 50e-6
     """Fixed cost of one resharding step (posting, launching)."""
 
     def __post_init__(self) -> None:
-        for name in ("memory_nbytes", "host_link_bps", "intra_node_bps", "inter_node_bps", "devices_per_node"):
+        for name in ("memory_nbytes", "host_link_bps", "intra_node_bps", "inter_node_bps", "devices_per_node",
+                     "device_copy_bps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{self.name}: {name}={getattr(self, name)} must be > 0")
 
 
 ACCELERATORS: dict[str, AcceleratorFigures] = {
     # H100 SXM 80 GB: pinned host<->device measured at 52-54 GB/s on an H100 box (docs/benchmarks.md);
-    # NVLink 4: 450 GB/s each way; one 400 Gb/s NIC per GPU.
+    # NVLink 4: 450 GB/s each way; one 400 Gb/s NIC per GPU; HBM3 at 3.35 TB/s.
     "h100": AcceleratorFigures(name="h100", memory_nbytes=80 * GB, host_link_bps=53 * GB, intra_node_bps=450 * GB,
-                               inter_node_bps=50 * GB, devices_per_node=8),
-    # H200 141 GB: the H100's links.
+                               inter_node_bps=50 * GB, devices_per_node=8, device_copy_bps=1675 * GB),
+    # H200 141 GB: the H100's links, HBM3e at 4.8 TB/s.
     "h200": AcceleratorFigures(name="h200", memory_nbytes=141 * GB, host_link_bps=53 * GB, intra_node_bps=450 * GB,
-                               inter_node_bps=50 * GB, devices_per_node=8),
+                               inter_node_bps=50 * GB, devices_per_node=8, device_copy_bps=2400 * GB),
     # Ascend 910B (64 GB HBM): PCIe 4.0 x16 to the host, HCCS within the node, 200 Gb/s RoCE per NPU.
     "910b": AcceleratorFigures(name="910b", memory_nbytes=64 * 2**30, host_link_bps=25 * GB, intra_node_bps=196 * GB,
-                               inter_node_bps=25 * GB, devices_per_node=8),
+                               inter_node_bps=25 * GB, devices_per_node=8, device_copy_bps=800 * GB),
 }
 """Defaults per known accelerator (vendor figures where not measured here); every field can be overridden."""
 
@@ -357,11 +360,11 @@ def _walk(direction: Direction, start: int, offloaders, offload, engine, sync, p
 
 
 def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> float:
-    """Per step of the rank's share ([Note: plan schedule]: one peer to send to, one to receive from): the
-    slower of its two directions, each over the link to that peer (full-duplex links), plus the step
-    latency."""
+    """The rank's local copies at the device's copy bandwidth, then per step of its share ([Note: plan
+    schedule]: one peer to send to, one to receive from) the slower of its two directions, each over the
+    link to that peer (full-duplex links), plus the step latency."""
     node = rank // accel.devices_per_node
-    total = 0.0
+    total = sum(t.numel * plan.cell_itemsize(t.hf_name) for t in plan.local[rank]) / accel.device_copy_bps
     for bucket in plan.buckets:
         seconds = {}
         for t in bucket:

@@ -53,6 +53,7 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--intra-node-gbps", type=float, help="override device<->device bandwidth within a node (GB/s)")
     p.add_argument("--inter-node-gbps", type=float, help="override device<->device bandwidth across nodes (GB/s)")
     p.add_argument("--devices-per-node", type=int, help="override devices per node")
+    p.add_argument("--device-copy-gbps", type=float, help="override device-local copy bandwidth (GB/s)")
     p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--grad-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="default: fp32 for Megatron (main grads), the param dtype for fsdp2")
@@ -100,7 +101,8 @@ def plan_from_args(args) -> ClusterPlan:
                  "host_link_bps": args.host_link_gbps and args.host_link_gbps * GB,
                  "intra_node_bps": args.intra_node_gbps and args.intra_node_gbps * GB,
                  "inter_node_bps": args.inter_node_gbps and args.inter_node_gbps * GB,
-                 "devices_per_node": args.devices_per_node}
+                 "devices_per_node": args.devices_per_node,
+                 "device_copy_bps": args.device_copy_gbps and args.device_copy_gbps * GB}
     accel = replace(accel, **{k: v for k, v in overrides.items() if v is not None})
     param = DTYPE_BYTES[args.param_dtype]
     if args.train == "fsdp2":
