@@ -32,11 +32,11 @@ predicted steps and bytes equal the runtime's.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from hybridmem.config import ParallelLayout
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engines.protocol import WEIGHTS, EngineCapabilities
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import MemoryPlan, plan_switch
 from hybridmem.offload import OffloadState
