@@ -47,7 +47,8 @@ def _misbehave(how: str, seconds: float):
 
 
 def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, call: int,
-                  direction: str, deadline_s: float, stall_s: float, bucket_bytes: int = 512 * 2**20) -> dict:
+                  direction: str, deadline_s: float, stall_s: float, bucket_bytes: int = 512 * 2**20,
+                  at_key: tuple | None = None) -> dict:
     """Switch with rank ``bad_rank`` stalling ``stall_s`` s or dying (``how``) at its ``call``-th call of
     ``where`` (``"resume"``: the engine taking its memory back, before the weight sync; ``"exchange"``: the
     ``call``-th bucket of the resharding plan, before anything of it is posted; ``"release"``: the engine giving its memory back) during ``direction``
@@ -77,12 +78,18 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
     calls = {"n": 0}
     faulty = how != "none" and (ctx.rank == bad_rank or bad_rank == -1)
     act = _misbehave(how, stall_s)
-    if where == "exchange":  # every rank goes through every bucket of the plan, in order
-        def exchange(*args, **kwargs):
+    keys: list = []
+    if where == "exchange":  # each rank goes through the steps of its share of the plan, in order
+        def exchange(plan, rank, index, *args, **kwargs):
             calls["n"] += 1
-            if faulty and calls["n"] == call:
+            keys.append(plan.keys[index])
+            # at_key: the first step at or after that key of the plan (the same moment on every rank)
+            hit = calls["n"] == call if at_key is None else (tuple(plan.keys[index]) >= tuple(at_key)
+                                                              and not calls.get("hit"))
+            if faulty and hit:
+                calls["hit"] = True
                 act()
-            return real(*args, **kwargs)
+            return real(plan, rank, index, *args, **kwargs)
 
         execute._exchange = exchange
     elif faulty:
@@ -105,6 +112,7 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
                       peers=list(getattr(exc, "peers", ())), group_usable=getattr(exc, "group_usable", None))
     record["seconds"] = time.monotonic() - start
     record["exchanges"] = calls["n"]
+    record["keys"] = [list(k) for k in keys]
     record["phase"] = manager.phase.name
     if manager.phase.name == "INFER":
         manager.to_train()
