@@ -66,7 +66,9 @@ def _lost(what: str, peers: Sequence[int], bound: Bound | None, start: float, ex
 
 def exchange(ops: Sequence[Any], peers: Sequence[int], bound: Bound | None, what: str) -> None:
     """Post point-to-point ``ops`` (one per entry of ``peers``) in one ``batch_isend_irecv`` and wait for
-    them within ``bound``, as :func:`post` and :func:`wait_all` do."""
+    them within ``bound``, as :func:`post` and :func:`wait_all` do; nothing when ``ops`` is empty."""
+    if not ops:
+        return
     works = post(lambda: dist.batch_isend_irecv(list(ops)), tuple(peers), bound, what)
     pairs = (list(zip(works, ((p,) for p in peers))) if len(works) == len(peers)
              else [(w, tuple(peers)) for w in works])  # one work for the whole batch (NCCL coalesces)
