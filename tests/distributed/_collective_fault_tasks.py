@@ -328,6 +328,7 @@ def collective_fault_task(ctx: Any, model_dir: str, *, points: Sequence[Point], 
                 actor.recreate_group(f"file://{store_dir}/group-{i}", timeout_s=60.0)
                 record["state_problem"] = record["state_problem"] or _differs(before, _snapshot(actor.model, actor.opt))
             record["state_intact"] = actor.manager.phase.name == "TRAIN" and record["state_problem"] is None
+            dist.barrier()  # the round trip starts together too (a re-creation takes each rank its own time)
             actor.manager.to_infer()
             actor.manager.to_train()
             record["loss"] = actor.step(i + 1)
