@@ -33,19 +33,21 @@ def deadline_bound(deadline_s: float | None) -> Bound | None:
 
 
 def post(start_ops: Callable[[], Any], peers: tuple[int, ...], bound: Bound | None, what: str) -> Any:
-    """``start_ops()`` (posting sends and receives); a failure there (a peer's connection already closed)
-    raises ``CollectiveTimeoutError`` as :func:`wait_all` does."""
+    """``start_ops()`` (posting sends and receives); a failure there (a peer's connection already closed,
+    or any error once some operations may be posted) raises ``CollectiveTimeoutError`` as :func:`wait_all`
+    does."""
     start = bound[0] if bound is not None else time.monotonic()
     try:
         return start_ops()
-    except RuntimeError as exc:
+    except Exception as exc:
         raise _lost(what, peers, bound, start, exc) from exc
 
 
 def wait_all(works: Sequence[tuple[Any, tuple[int, ...]]], bound: Bound | None, what: str) -> None:
     """Wait for ``(work, peers)`` pairs in order, each with what is left of ``bound``; a wait that times out,
-    or fails because a peer's connection closed, raises ``CollectiveTimeoutError`` naming ``what`` and the
-    peers of the works not known to be done."""
+    or fails because a peer's connection closed, or any error while works are pending (they stay posted, so
+    the group is not usable either), raises ``CollectiveTimeoutError`` naming ``what`` and the peers of the
+    works not known to be done."""
     start = bound[0] if bound is not None else time.monotonic()
     for i, (work, _) in enumerate(works):
         try:
@@ -53,15 +55,17 @@ def wait_all(works: Sequence[tuple[Any, tuple[int, ...]]], bound: Bound | None, 
                 work.wait()
             else:
                 work.wait(datetime.timedelta(seconds=max(0.001, bound[1] - time.monotonic())))
-        except RuntimeError as exc:
+        except Exception as exc:
             raise _lost(what, [peer for _, some in works[i:] for peer in some], bound, start, exc) from exc
 
 
 def _lost(what: str, peers: Sequence[int], bound: Bound | None, start: float, exc: BaseException) -> CollectiveTimeoutError:
-    """The error for a collective that ``exc`` ended (a timeout, or a peer's closed connection)."""
+    """The error for a collective that ``exc`` ended (a timeout, a peer's closed connection, or an error of
+    this rank's while operations were posted)."""
     return CollectiveTimeoutError(what, peers=tuple(sorted(set(peers))),
                                   deadline_s=(bound[1] - start) if bound else float("inf"),
-                                  elapsed_s=time.monotonic() - start, cause=str(exc).splitlines()[0][:200])
+                                  elapsed_s=time.monotonic() - start,
+                                  cause=f"{type(exc).__name__}: {exc}".splitlines()[0][:200])
 
 
 def exchange(ops: Sequence[Any], peers: Sequence[int], bound: Bound | None, what: str) -> None:
