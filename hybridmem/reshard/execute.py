@@ -136,8 +136,7 @@ def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.
         recv_bufs[key] = buf
         ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group))
         peers.append(peer)
-    if ops:
-        exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the resharding plan")
+    exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the resharding plan")
     sent = sum(b.numel() * b.element_size() for b in send_bufs.values())
     received = sum(b.numel() * b.element_size() for b in recv_bufs.values())
     return recvs, recv_bufs, sent, received

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hybridmem.reshard.layouts import PartFamily
-from hybridmem.reshard.transforms import Box, LocalTensor, Piece
+from hybridmem.reshard.transforms import Box, LocalTensor, Piece, box_intersection
 
 __all__ = ["Holding", "BoxHolders", "Holders", "holders_of", "sender_of", "served_by"]
 
@@ -107,7 +107,8 @@ class Holders:
     def wanting(self, hf_name: str, box: Box, besides: tuple[int, ...]) -> tuple[int, ...]:
         """The ranks holding a piece of ``hf_name`` that meets ``box``, ascending, except ``besides``
         (ascending): in a destination layout, the consumers of a source box its holders lack."""
-        groups = {id(h.ranks): h.ranks for h in self.holdings(hf_name) if _meets(h.piece.src, box)}
+        groups = {id(h.ranks): h.ranks for h in self.holdings(hf_name)
+                  if box_intersection(h.piece.src, box) is not None}
         key = (tuple(sorted(groups)), besides)
         got = self._wanting.get(key)
         if got is None:
@@ -149,10 +150,6 @@ def _merge(groups: list[tuple[int, ...]]) -> tuple[int, ...]:
     if len(groups) == 1:
         return groups[0]
     return tuple(sorted(set().union(*groups)))
-
-
-def _meets(a: Box, b: Box) -> bool:
-    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b))
 
 
 @functools.lru_cache(maxsize=8)

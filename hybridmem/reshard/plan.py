@@ -34,7 +34,7 @@ from hybridmem.reshard.holders import holders_of, sender_of, served_by
 from hybridmem.reshard.layouts import ShardLayout
 from hybridmem.reshard.schedule import StepKey, _model_offsets, _order, schedule
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.reshard.transforms import Box, Piece
+from hybridmem.reshard.transforms import Box, Piece, box_intersection, box_numel
 
 __all__ = ["Transfer", "ReshardPlan", "build_plan", "cell_dtype", "DEFAULT_BUCKET_NBYTES"]
 
@@ -57,35 +57,13 @@ class Transfer:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for a, b in self.box:
-            n *= b - a
-        return n
-
-
-def _cell_itemsize(spec: ModelSpec, hf_name: str, itemsize: int) -> int:
-    """Bytes per element of ``hf_name`` on a wire of ``itemsize`` bytes: 4 (fp32) for a tensor the spec
-    keeps in fp32 when the wire is narrower, else ``itemsize`` (see [Note: wire dtype] in
-    :mod:`hybridmem.reshard.execute`)."""
-    return max(itemsize, 4) if spec.keeps_fp32(hf_name) else itemsize
+        return box_numel(self.box)
 
 
 def cell_dtype(plan: ReshardPlan, hf_name: str, wire_dtype: torch.dtype) -> torch.dtype:
     """The dtype a slice of ``hf_name`` travels in: ``wire_dtype`` (the plan's element size), or fp32
     where :meth:`ReshardPlan.cell_itemsize` widens it."""
     return torch.float32 if plan.cell_itemsize(hf_name) > wire_dtype.itemsize else wire_dtype
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return None if any(lo >= hi for lo, hi in out) else out
-
-
-def _numel(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
 
 
 class ReshardPlan:
@@ -138,7 +116,7 @@ class ReshardPlan:
     def cell_itemsize(self, hf_name: str) -> int:
         """Bytes per element of ``hf_name`` on the wire: ``itemsize``, or 4 for a tensor the spec keeps in
         fp32 when ``itemsize`` is smaller (see :func:`cell_dtype`)."""
-        return _cell_itemsize(self.src.spec, hf_name, self.itemsize)
+        return self.src.spec.wire_itemsize(hf_name, self.itemsize)
 
     def _mine(self, rank: int) -> int:
         if self.rank is not None and rank != self.rank:
@@ -157,8 +135,8 @@ class ReshardPlan:
                 held_by_name[p.hf_name].append(p.src)
         for local in self.dst.tensors(rank).values():
             for p in local.pieces:
-                held = sum(_numel(i) for b in held_by_name.get(p.hf_name, ())
-                           if (i := _intersect(p.src, b)) is not None)
+                held = sum(box_numel(i) for b in held_by_name.get(p.hf_name, ())
+                           if (i := box_intersection(p.src, b)) is not None)
                 need += (p.numel - held) * self.cell_itemsize(p.hf_name)
         return need
 
@@ -203,9 +181,9 @@ def _check(src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int
 
 def _check_partition(hf: str, boxes: Iterable[Box], shape: tuple[int, ...]) -> None:
     distinct = list(boxes)
-    total = sum(_numel(b) for b in distinct)
-    overlap = any(_intersect(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
-    if overlap or total != _numel(tuple((0, s) for s in shape)):
+    total = sum(box_numel(b) for b in distinct)
+    overlap = any(box_intersection(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
+    if overlap or total != box_numel(tuple((0, s) for s in shape)):
         raise RuntimeError(f"source layout does not partition {hf} {shape} into disjoint boxes")
 
 
@@ -270,7 +248,7 @@ def _whole(src: ShardLayout, dst: ShardLayout) -> tuple[list[list[Transfer]], li
         for dlocal in dst.tensors(d).values():
             for dp in dlocal.pieces:
                 wanted[dp.hf_name].append((d, dp.src))
-    consumers = {hf: {box: tuple(sorted({d for d, want in wanted[hf] if _intersect(want, box)} - set(by_rank)))
+    consumers = {hf: {box: tuple(sorted({d for d, want in wanted[hf] if box_intersection(want, box)} - set(by_rank)))
                       for box, by_rank in boxes.items()} for hf, boxes in first.items()}
     local: list[list[Transfer]] = [[] for _ in range(world)]
     remote: list[Transfer] = []
@@ -278,7 +256,7 @@ def _whole(src: ShardLayout, dst: ShardLayout) -> tuple[list[list[Transfer]], li
         for dname, dlocal in dst.tensors(d).items():
             for dp in dlocal.pieces:
                 for box, by_rank in first[dp.hf_name].items():
-                    cell = _intersect(dp.src, box)
+                    cell = box_intersection(dp.src, box)
                     if cell is None:
                         continue
                     if d in by_rank:
@@ -306,7 +284,7 @@ def _share(src: ShardLayout, dst: ShardLayout, rank: int) -> tuple[list[list[Tra
                 _check_partition(dp.hf_name, boxes, shapes[dp.hf_name])
                 checked.add(dp.hf_name)
             for box, holders in boxes.items():
-                cell = _intersect(dp.src, box)
+                cell = box_intersection(dp.src, box)
                 if cell is None:
                     continue
                 s = rank if rank in holders else sender_of(holders.ranks, want.wanting(dp.hf_name, box, holders.ranks),
@@ -324,7 +302,7 @@ def _share(src: ShardLayout, dst: ShardLayout, rank: int) -> tuple[list[list[Tra
             if not mine:
                 continue
             for there in want.holdings(sp.hf_name):
-                cell = _intersect(there.piece.src, sp.src)
+                cell = box_intersection(there.piece.src, sp.src)
                 if cell is None:
                     continue
                 for d in mine:

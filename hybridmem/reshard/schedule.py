@@ -27,19 +27,12 @@ import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
-from hybridmem.reshard.spec import ModelSpec, _checkpoint
-from hybridmem.reshard.transforms import Box
+from hybridmem.reshard.spec import ModelSpec
 
-__all__ = ["StepKey", "schedule", "wire_scale"]
+__all__ = ["StepKey", "schedule"]
 
 StepKey = tuple[int, int, int]
 """``(window, shift, chunk)``, see [Note: plan schedule]."""
-
-
-def wire_scale(spec: ModelSpec, hf_name: str, itemsize: int) -> int:
-    """Wire elements per element of ``hf_name``: 2 for a tensor the spec keeps in fp32 on a 2-byte wire
-    (see [Note: wire dtype] in :mod:`hybridmem.reshard.execute`), else 1."""
-    return max(itemsize, 4) // itemsize if spec.keeps_fp32(hf_name) else 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -47,20 +40,13 @@ def _model_offsets(spec: ModelSpec, itemsize: int) -> dict[str, tuple[int, int, 
     """``{checkpoint name: (index in HF order, first wire element, wire elements per axis-0 index)}``."""
     out, offset = {}, 0
     widened = spec.has_router_bias and itemsize < 4  # else no tensor is widened: skip asking per tensor
-    for i, (name, shape) in enumerate(_checkpoint(spec)[0].items()):
-        row = wire_scale(spec, name, itemsize) if widened and name.endswith("_bias") else 1
+    for i, (name, shape) in enumerate(spec.full_shapes().items()):
+        row = spec.wire_itemsize(name, itemsize) // itemsize if widened and name.endswith("_bias") else 1
         for s in shape[1:]:
             row *= s
         out[name] = (i, offset, row)
         offset += row * (shape[0] if shape else 1)
     return out
-
-
-def _numel(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
 
 
 def _cut(t, axis: int, lo: int, hi: int):
@@ -89,7 +75,7 @@ def _windows(t, offsets: dict[str, tuple[int, int, int]], window: int) -> Iterat
 def _rows(t, max_numel: int, scale: int) -> list:
     """``t`` cut along its first axis longer than 1 into parts of at most ``max_numel`` wire elements,
     rows kept whole."""
-    n = _numel(t.box) * scale
+    n = t.numel * scale
     axis = next((i for i, (a, b) in enumerate(t.box) if b - a > 1), None)
     if n <= max_numel or axis is None:
         return [t]
@@ -126,9 +112,9 @@ def schedule(remote: Iterable, spec: ModelSpec, world: int, itemsize: int,
         ts.sort(key=lambda t: _order(t, offsets))
         chunk, load = 0, 0
         for t in ts:
-            scale = wire_scale(spec, t.hf_name, itemsize)
+            scale = spec.wire_itemsize(t.hf_name, itemsize) // itemsize
             for part in _rows(t, half, scale):
-                n = _numel(part.box) * scale
+                n = part.numel * scale
                 if load and load + n > half:
                     chunk, load = chunk + 1, 0
                 steps.setdefault((w, (d - s) % world, chunk), []).append(part)

@@ -177,6 +177,12 @@ class ModelSpec:
         rounding would change which experts a token is routed to."""
         return self.has_router_bias and hf_name.endswith(".mlp.gate.e_score_correction_bias")
 
+    def wire_itemsize(self, hf_name: str, itemsize: int) -> int:
+        """Bytes per element of ``hf_name`` on a wire of ``itemsize`` bytes: 4 (fp32) for a tensor the spec
+        keeps in fp32 when the wire is narrower, else ``itemsize`` (see [Note: wire dtype] in
+        :mod:`hybridmem.reshard.execute`)."""
+        return max(itemsize, 4) if self.keeps_fp32(hf_name) else itemsize
+
     @property
     def shared_expert_name(self) -> str:
         """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek, GLM) or ``shared_expert`` (Qwen)."""

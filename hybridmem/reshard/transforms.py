@@ -26,6 +26,8 @@ import torch
 
 __all__ = [
     "Box",
+    "box_numel",
+    "box_intersection",
     "Piece",
     "LocalTensor",
     "replicate",
@@ -59,10 +61,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for a, b in self.src:
-            n *= b - a
-        return n
+        return box_numel(self.src)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +77,20 @@ class LocalTensor:
         for s in self.shape:
             n *= s
         return n
+
+
+def box_numel(box: Box) -> int:
+    """Elements of ``box``."""
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def box_intersection(a: Box, b: Box) -> Box | None:
+    """The box both ``a`` and ``b`` cover, or ``None`` when they do not meet."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
 
 
 def _full_box(shape: Sequence[int]) -> Box:
