@@ -52,7 +52,7 @@ from hybridmem.reshard import (
     vllm_layout,
 )
 from hybridmem.reshard.hf_source import hf_module_tensors
-from hybridmem.steps import OffloadStep, OnloadStep, SwitchStep, ToInferOrder, switch_steps
+from hybridmem.steps import OffloadStep, OnloadStep, SwitchStep, ToInferOrder, WeightSyncStep, switch_steps
 
 __all__ = ["AcceleratorFigures", "ACCELERATORS", "TrainingSetup", "RankPrediction", "ClusterPlan", "plan_cluster",
            "hf_buffer_nbytes"]
@@ -277,10 +277,6 @@ class ClusterPlan:
                 "ranks": [{**asdict(p), "seconds": p.seconds} for p in self.ranks]}
 
 
-def _elements(local) -> int:
-    return math.prod(local.shape)
-
-
 def _train_layout(spec: ModelSpec, setup: TrainingSetup, world: int):
     if setup.kind == "fsdp2":
         return hf_source_layout(spec, world, shard_size=world)
@@ -293,7 +289,7 @@ def _train_elements(layout, setup: TrainingSetup, rank: int) -> int:
     every tensor's ``fully_shard`` storage, padded to ``ceil(rows / shards)`` rows on every rank ([Note:
     FSDP2 shards])."""
     if setup.kind != "fsdp2":
-        return sum(_elements(t) for t in layout.tensors(rank).values())
+        return sum(t.numel for t in layout.tensors(rank).values())
     shards, total = layout.shard_size, 0
     for name, full in hf_module_tensors(layout.spec, layout.fused_experts).items():
         rows, per_row = full.shape[0], math.prod(full.shape[1:])
@@ -303,23 +299,21 @@ def _train_elements(layout, setup: TrainingSetup, rank: int) -> int:
 
 def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, rank: int, *,
                  accel: AcceleratorFigures, offload: Mapping[StateKind, bool], kv_nbytes: int | None,
-                 gpu_memory_utilization: float, infer_bytes: int, bucket_nbytes: int,
-                 plan: ReshardPlan | None = None) -> RankPrediction:
+                 gpu_memory_utilization: float, infer_bytes: int, bucket_nbytes: int) -> RankPrediction:
     """Both switches of ``rank`` (see [Note: cluster plan])."""
     src = _train_layout(spec, setup, world)
     dst = vllm_layout(spec, infer, world)
-    plan = plan or build_plan(src, dst, itemsize=infer_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
+    plan = build_plan(src, dst, itemsize=infer_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
     elements = _train_elements(src, setup, rank)
     params = elements * setup.param_bytes + setup.buffer_nbytes
     grads = elements * setup.grad_bytes
     if setup.kind == "fsdp2":  # AdamW's moments are shaped like the local shard, not its padded storage
-        local = sum(_elements(t) for t in src.tensors(rank).values())
-        optimizer = 2 * local * setup.param_bytes + 4 * len(src.tensors(rank))
+        local = src.tensors(rank).values()
+        optimizer = 2 * sum(t.numel for t in local) * setup.param_bytes + 4 * len(local)
     else:
         dp = world // (setup.parallel.tp * setup.parallel.pp)
         optimizer = elements * setup.optimizer_bytes_per_param // (dp if setup.distributed_optimizer else 1)
-    weights = sum(_elements(t) * (max(infer_bytes, 4) if t.pieces and spec.keeps_fp32(t.pieces[0].hf_name)
-                                  else infer_bytes) for t in dst.tensors(rank).values())
+    weights = plan.dst_nbytes(rank)
     kv = kv_nbytes if kv_nbytes is not None else max(0, int(gpu_memory_utilization * accel.memory_nbytes) - weights)
     state = {"param": params, "grad": grads, "optimizer": optimizer, "engine_weights": weights, "kv_cache": kv}
     offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params), StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
@@ -350,7 +344,7 @@ def _walk(direction: Direction, start: int, offloaders, offload, engine, sync, p
         if isinstance(step, (OffloadStep, OnloadStep)):
             host = step.offloader.live_nbytes()
             seconds = host / accel.host_link_bps
-        elif step.name == "weight sync":
+        elif isinstance(step, WeightSyncStep):
             net = plan.send_nbytes(rank) + plan.recv_nbytes(rank)
             seconds = _sync_seconds(plan, rank, accel)
         e = planned.estimate
@@ -380,7 +374,7 @@ def _elements_per_rank(layout) -> list[int]:
     out = [0] * layout.world_size
     for family in layout.part_families():
         for key, ranks in family.groups.items():
-            n = sum(_elements(t) for t in family.build(key).values())
+            n = sum(t.numel for t in family.build(key).values())
             for r in ranks:
                 out[r] += n
     return out
