@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM
 
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.engines import ReferenceEngine
+from tests.distributed.fsdp_job import build_fsdp_model, train_step
 
 
 def _steps(plan) -> list[dict]:
@@ -21,15 +19,8 @@ def switch_task(ctx, model_dir: str, *, infer_tp: int, kv_blocks: int) -> dict:
     embedded engine per tensor-parallel group, a manager with defaults but the inference tp; then one
     round trip. Returns the runtime's own memory plan of each switch (from its real offloaders, engine
     and weight sync) and what each switch moved."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(ctx.rank))
-    model(input_ids=x, labels=x).loss.backward()
-    opt.step()
+    model, opt = build_fsdp_model(model_dir)
+    train_step(model, opt, seed=ctx.rank)
     tp_group, _ = dist.new_subgroups(infer_tp)
     engine = ReferenceEngine(model.config, group=tp_group, num_kv_blocks=kv_blocks)
     manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(infer_tensor_parallel_size=infer_tp))

@@ -15,20 +15,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridmem.testing.workers import WorkerPool
 from tests.cluster import _tasks
+from tests.distributed.fsdp_job import save_tiny_qwen2
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=250, tie_word_embeddings=False)).save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"), vocab_size=250)  # uneven FSDP2 shards
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:

@@ -28,12 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
 from hybridmem import CollectiveTimeoutError, HybridConfig, ShardingManager
 from hybridmem.engines import ReferenceEngine
+from tests.distributed.fsdp_job import build_fsdp_model, train_step
 
 COLLECTIVES = (
     "batch_isend_irecv", "isend", "irecv", "send", "recv", "all_reduce", "all_reduce_coalesced", "reduce",
@@ -176,12 +175,7 @@ class _Actor:
             self.manager = self._new_manager()
 
     def _build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return build_fsdp_model(self.model_dir)
 
     def _new_manager(self) -> ShardingManager:
         tp_group, _ = dist.new_subgroups(2)
@@ -192,13 +186,7 @@ class _Actor:
 
     def step(self, index: int) -> float:
         """One training step on batch ``index`` of this rank; returns its loss."""
-        self.opt.zero_grad()
-        x = torch.randint(0, self.model.config.vocab_size, (2, 12),
-                          generator=torch.Generator().manual_seed(1000 * index + self.ctx.rank))
-        loss = self.model(input_ids=x, labels=x).loss
-        loss.backward()
-        self.opt.step()
-        return loss.item()
+        return train_step(self.model, self.opt, seed=1000 * index + self.ctx.rank)
 
     def recreate_group(self, init_method: str, timeout_s: float) -> None:
         """What the error advises: destroy the process group and initialise a new one. FSDP2 keeps the old

@@ -16,14 +16,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
 from hybridmem import CollectiveTimeoutError, HybridConfig, ShardingManager
 from hybridmem.engines import ReferenceEngine
 from hybridmem.offload import optimizer_state_tensors
 from hybridmem.reshard import execute
+from tests.distributed.fsdp_job import build_fsdp_model, train_step
 
 
 def _local(t):
@@ -56,15 +55,8 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
     the call; ``how="none"``: no fault (the reference run). When the group is still usable after the
     switch, one more round trip and one more training step follow; their loss is recorded, and so is the
     number of exchanges the switch made (``exchanges``)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(ctx.rank))
-    model(input_ids=x, labels=x).loss.backward()
-    opt.step()
+    model, opt = build_fsdp_model(model_dir)
+    train_step(model, opt, seed=ctx.rank)
     tp_group, _ = dist.new_subgroups(2)
     engine = ReferenceEngine(model.config, group=tp_group)
     manager = ShardingManager(model, engine, optimizer=opt,
@@ -126,10 +118,5 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
             vars(engine).pop(where, None)
         manager.to_infer()
         manager.to_train()
-        opt.zero_grad()
-        x = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(100 + ctx.rank))
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        record["next_loss"] = loss.item()
+        record["next_loss"] = train_step(model, opt, seed=100 + ctx.rank)
     return record

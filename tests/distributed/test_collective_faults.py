@@ -47,13 +47,12 @@ if __package__ in (None, ""):  # run as a script: ``tests.distributed`` is impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridmem.testing.workers import WorkerError, WorkerPool
 from tests._faults import FULL
 from tests.distributed import _collective_fault_tasks as tasks
 from tests.distributed._collective_fault_tasks import ALL_RANKS, WAIT, Point
+from tests.distributed.fsdp_job import save_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 
@@ -91,17 +90,9 @@ def one_rank_points(counts: list[dict[str, int]]) -> list[Point]:
     return points
 
 
-def _model_dir(path: Path) -> str:
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return _model_dir(tmp_path_factory.mktemp("qwen2"))
+    return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
 @pytest.fixture(scope="module")
@@ -209,19 +200,13 @@ def test_the_dry_run_enumerates_the_collective_calls_of_each_switch(reference):
             f"rank {rank}: INFER->TRAIN now makes collective calls {reference[rank]['to_train']}: inject there too")
 
 
-def test_a_fault_on_every_rank_at_each_sampled_call_loses_nothing(pool, model_dir, reference, tmp_path):
-    points = every_rank_points([r["to_infer"] for r in reference])
+@pytest.mark.parametrize("where,points_of", [("every rank", every_rank_points), ("one rank", one_rank_points)],
+                         ids=["every-rank", "one-rank"])
+def test_a_fault_at_each_sampled_call_loses_nothing(pool, model_dir, reference, tmp_path, where, points_of):
+    points = points_of([r["to_infer"] for r in reference])
     start = time.monotonic()
     problems = inject(pool, model_dir, tmp_path, points, reference)
-    print(f"{len(points)} points on every rank in {time.monotonic() - start:.1f} s")
-    assert not problems, "\n".join(problems)
-
-
-def test_a_fault_on_one_rank_at_each_sampled_call_loses_nothing(pool, model_dir, reference, tmp_path):
-    points = one_rank_points([r["to_infer"] for r in reference])
-    start = time.monotonic()
-    problems = inject(pool, model_dir, tmp_path, points, reference)
-    print(f"{len(points)} points on one rank in {time.monotonic() - start:.1f} s")
+    print(f"{len(points)} points on {where} in {time.monotonic() - start:.1f} s")
     assert not problems, "\n".join(problems)
 
 
@@ -241,7 +226,7 @@ if __name__ == "__main__":  # the dry run and the number of points; with --full,
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp, WorkerPool(WORLD, timeout_s=150.0) as main_pool:
-        directory = _model_dir(Path(tmp) / "qwen2")
+        directory = save_tiny_qwen2(Path(tmp) / "qwen2")
         ref = main_pool.run(tasks.reference_task, directory, steps=ROUNDS_PER_TASK, **COMMON)
         for rank_, r_ in enumerate(ref):
             print(f"rank {rank_}: TRAIN->INFER {dict(sorted(r_['to_infer'].items()))}; INFER->TRAIN {r_['to_train']}")

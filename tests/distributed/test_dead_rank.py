@@ -10,11 +10,10 @@ See [Note: collective deadlines] in hybridmem.reshard.execute.
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridmem.testing.workers import WorkerError, WorkerPool
 from tests.distributed import _dead_rank_tasks as tasks
+from tests.distributed.fsdp_job import save_tiny_qwen2
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +32,7 @@ def pool():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)).save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
 def _run(pool, model_dir, **kwargs) -> dict[int, dict]:
