@@ -21,7 +21,8 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 The parent never touches the device, so each part's ``mem_get_info`` sees only its own process.
 Targets (GPU only): steady-state switch >= 0.9 of the raw pinned link both ways, first switch within 2x
 of the steady state, >= 10x over naive, freed >= 0.99 of offloaded. Missed targets are reported, not
-fatal; the exit status is 1 when a part failed to run (error or time-out), else 0.
+fatal; the exit status is 1 when a part failed to run (error or time-out), else 0. ``--device cuda`` where
+this Python's torch sees no CUDA device is refused before any part runs (one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -194,6 +195,23 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def cuda_unavailable() -> str | None:
+    """Why ``--device cuda`` cannot run here, or ``None`` when this Python's torch sees a CUDA device.
+
+    Asked in a subprocess, so the parent still never touches the device (see the module docstring).
+    """
+    probe = ("import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, "
+             "torch.cuda.is_available()]))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return f"torch does not import in {sys.executable} ({proc.stderr.strip().splitlines()[-1:]})"
+    version, cuda, available = json.loads(proc.stdout.strip().splitlines()[-1])
+    if available:
+        return None
+    build = "a CPU-only build" if cuda is None else f"built for CUDA {cuda}, but no CUDA device is visible"
+    return f"torch.cuda.is_available() is False in {sys.executable} (torch {version}, {build})"
+
+
 def _gib(nbytes: float | None) -> str:
     from hybridmem.memplan import format_nbytes  # noqa: PLC0415 - the parent imports no torch before it must
 
@@ -332,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--parts: unknown part(s) {unknown}; choose from {list(PARTS)}")
 
+    if args.device == "cuda":
+        why = cuda_unavailable()
+        if why is not None:
+            print(f"gpu_suite.py: --device cuda needs a CUDA device, and {why}: run it on a GPU machine, or run "
+                  f"the CPU dry run with --device cpu --quick", file=sys.stderr)
+            return 2
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1",

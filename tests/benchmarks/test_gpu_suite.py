@@ -58,6 +58,21 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
     assert text in proc.stdout
 
 
+def test_cuda_without_a_cuda_device_is_refused_at_once_in_one_line(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the suite runs there")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SUITE), "--device", "cuda", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "--device cuda" in lines[-1] and "torch.cuda.is_available() is False" in lines[-1], lines[-1]
+    assert "--device cpu --quick" in lines[-1]  # the run that works here
+    assert not out.exists() and proc.stdout == ""  # refused before any part ran or any file was written
+
+
 def test_unknown_part_is_refused_by_name(tmp_path):
     proc = _suite(tmp_path, "--quick", "--parts", "switch,nope")
     assert proc.returncode == 2 and "nope" in proc.stderr and "tests" in proc.stderr
