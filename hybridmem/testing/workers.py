@@ -9,17 +9,34 @@ A task is a picklable (module-level) function ``fn(ctx, *args, **kwargs)``; it r
 ``0..world_size-1`` with ``ctx`` a :class:`WorkerContext`, and :meth:`WorkerPool.run` returns the list
 of per-rank results. If any rank raises, the pool is torn down (the other ranks may be stuck in a
 collective) and :class:`WorkerError` carries every rank's traceback; the next task starts a fresh pool.
+
+[Note: workers die with their parent]
+No worker outlives the process that started it, however that process ends. A normal exit or a
+``KeyboardInterrupt`` runs :meth:`WorkerPool.close` (the ``with`` block or the fixture's teardown), and
+a pool nobody closed is closed by a ``weakref.finalize`` (at garbage collection or interpreter exit).
+A parent that dies without running Python code (SIGTERM's and SIGKILL's default action, ``os._exit``,
+a crash; pytest-xdist ends its workers so) cannot close anything: each worker asks the kernel for
+SIGKILL when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``) and also watches its parent pid from
+a thread (other platforms, and a pool started from a thread other than the main one, whose end
+``PR_SET_PDEATHSIG`` would take for the parent's death). Workers ignore SIGINT: a Ctrl-C in a
+terminal reaches the whole process group, and the parent, not each worker, decides how the pool ends
+(its ``close`` stops them, killing a worker still busy after a few seconds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +81,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any, timeout_s: float):
+_PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal the kernel sends this process when its parent dies (linux/prctl.h)."""
+
+CLOSE_WAIT_S = 5.0
+"""How long :meth:`WorkerPool.close` lets the workers finish their current task before killing them."""
+
+PARENT_POLL_S = 0.5
+"""How often a worker's watch thread compares its parent pid with the one that started it."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)  # the parent is gone: nobody will read a result or close the pool
+
+
+def _die_with_parent(parent_pid: int, *, deathsig: bool) -> None:
+    """Exit when the process ``parent_pid`` ends (see [Note: workers die with their parent])."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if deathsig and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # it died before the request above was in place
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="watch-parent", daemon=True).start()
+
+
+def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any, timeout_s: float,
+                 parent_pid: int, deathsig: bool):
+    _die_with_parent(parent_pid, deathsig=deathsig)
     import torch
     import torch.distributed as dist
 
@@ -99,6 +146,17 @@ def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, res
         dist.destroy_process_group()
 
 
+def _kill(procs: list[Any]) -> None:
+    """SIGKILL every started worker still alive and reap it (a pool's finalizer: holds no pool reference)."""
+    for p in procs:
+        with contextlib.suppress(Exception):
+            if p.is_alive():
+                p.kill()
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(timeout=5)
+
+
 class WorkerPool:
     """``max_world_size`` processes in one process group, serving tasks until :meth:`close`.
 
@@ -118,20 +176,26 @@ class WorkerPool:
         self._task_queues: list[Any] = []
         self._results: Any = None
         self._next_id = 0
+        self._finalizer: weakref.finalize | None = None
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._results = ctx.Queue()
         self._task_queues = [ctx.Queue() for _ in range(self.max_world_size)]
+        # PR_SET_PDEATHSIG fires when the thread that started the child ends: only the main thread lives
+        # as long as the process (see [Note: workers die with their parent]).
+        deathsig = threading.current_thread() is threading.main_thread()
         self._procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(r, self.max_world_size, port, self.backend, self._task_queues[r], self._results, self.timeout_s),
+                args=(r, self.max_world_size, port, self.backend, self._task_queues[r], self._results, self.timeout_s,
+                      os.getpid(), deathsig),
                 daemon=True,
             )
             for r in range(self.max_world_size)
         ]
+        self._finalizer = weakref.finalize(self, _kill, list(self._procs))
         for p in self._procs:
             p.start()
         ready = 0
@@ -194,11 +258,12 @@ class WorkerPool:
         for q in self._task_queues:
             with contextlib.suppress(Exception):
                 q.put(None)
+        give_up = time.monotonic() + CLOSE_WAIT_S
         for p in self._procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            p.join(timeout=max(0.0, give_up - time.monotonic()))
+        if self._finalizer is not None:
+            self._finalizer()  # kills whichever worker is still busy
+            self._finalizer = None
         self._procs = []
         self._task_queues = []
 
