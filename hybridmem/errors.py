@@ -21,6 +21,7 @@ __all__ = [
     "SwitchError",
     "RollbackError",
     "MemoryPlanError",
+    "HostMemoryPlanError",
     "HostMemoryBudgetError",
     "WeightSyncError",
     "WeightCoverageError",
@@ -115,15 +116,31 @@ class RollbackError(SwitchError):
 
 
 class MemoryPlanError(HybridMemError, MemoryError):
-    """A switch was refused before it started because its predicted peak exceeds the device budget.
+    """A switch was refused before it started because its predicted peak exceeds the device budget, or
+    the host buffer pool's would exceed ``host_memory_budget_bytes``.
+
+    ``MemoryPlanError(plan)`` of a plan that fits the device and not the host is a
+    :class:`HostMemoryPlanError` (so every raise site gets the host class without knowing of it).
 
     Attributes:
         plan: The :class:`hybridmem.memplan.MemoryPlan` that did not fit; ``str(plan)`` is a table.
     """
 
+    def __new__(cls, plan: object, *args: object, **kwargs: object):
+        if cls is MemoryPlanError and getattr(plan, "device_fits", True) and not getattr(plan, "host_fits", True):
+            cls = HostMemoryPlanError
+        return HybridMemError.__new__(cls, plan, *args, **kwargs)
+
     def __init__(self, plan: object):
         self.plan = plan
-        super().__init__(f"switch refused, predicted peak exceeds the device budget:\n{plan}")
+        over = [what for what, fits in (("the device budget", getattr(plan, "device_fits", False)),
+                                        ("host_memory_budget_bytes", getattr(plan, "host_fits", True))) if not fits]
+        # Not super(): a HostMemoryPlanError's next base is HostMemoryBudgetError, whose arguments differ.
+        HybridMemError.__init__(self, f"switch refused, predicted peak exceeds "
+                                      f"{' and '.join(over)}:\n{plan}")
+
+    def __reduce__(self):
+        return MemoryPlanError, (self.plan,)  # rebuilt from the plan (the message is derived from it)
 
 
 class HostMemoryBudgetError(HybridMemError, MemoryError):
@@ -139,6 +156,33 @@ class HostMemoryBudgetError(HybridMemError, MemoryError):
             f"{held_nbytes} bytes are held by other arenas, and host_memory_budget_bytes="
             f"{budget_nbytes}; raise the budget or offload less"
         )
+
+
+class HostMemoryPlanError(MemoryPlanError, HostMemoryBudgetError):
+    """A switch was refused before it started because its offloads would grow the host buffer pool past
+    ``host_memory_budget_bytes`` (see [Note: host memory plan] in :mod:`hybridmem.memplan`); nothing was
+    moved. Catch it as either base: ``except HostMemoryBudgetError`` catches a host budget overflow
+    whether it is foreseen by the plan or met inside a switch.
+
+    Attributes:
+        plan: The plan (its host curve in ``str(plan)``).
+        key: The first step over the budget.
+        requested_nbytes: Host bytes that step adds.
+        held_nbytes: Host bytes the pool holds before that step.
+        budget_nbytes: ``host_memory_budget_bytes``.
+    """
+
+    def __init__(self, plan: object):
+        MemoryPlanError.__init__(self, plan)
+        held = plan.host_start_nbytes
+        for step in plan.steps:
+            if step.host_nbytes > plan.host_budget_nbytes:
+                self.key, self.requested_nbytes, self.held_nbytes = step.name, step.estimate.host_alloc_nbytes, held
+                break
+            held = step.host_nbytes
+        else:  # the pool starts over its budget (not reachable through the pool, which refuses that)
+            self.key, self.requested_nbytes, self.held_nbytes = "(start)", 0, held
+        self.budget_nbytes = plan.host_budget_nbytes
 
 
 class WeightSyncError(HybridMemError, RuntimeError):

@@ -191,6 +191,19 @@ class HostBufferPool:
                 t.untyped_storage().nbytes() for (o, _), t in self._arenas.items() if owner is None or o == owner
             )
 
+    def arena_nbytes(self, owner: str, dtype: torch.dtype) -> int:
+        """Bytes of the ``(owner, dtype)`` arena: the one held, or the one being prewarmed when larger
+        (what :meth:`arena` hands out without growing); 0 when there is none."""
+        with self._lock:
+            current = self._arenas.get((owner, dtype))
+            held = 0 if current is None else current.untyped_storage().nbytes()
+            return max(held, self._pending.get((owner, dtype), 0))
+
+    def reserved_nbytes(self) -> int:
+        """Bytes held by all arenas plus those being prewarmed (what the budget is checked against)."""
+        with self._lock:
+            return self.held_nbytes() + sum(self._pending.values())
+
     def report(self) -> list[ArenaInfo]:
         """Every arena with its size, pinning and growth count."""
         with self._lock:

@@ -14,6 +14,7 @@ from typing import Any
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.engines.protocol import capabilities_of
+from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS, StateKind
 from hybridmem.memplan import MemoryPlan, StepEstimate, plan_switch
 from hybridmem.offload import Offloader
@@ -105,7 +106,9 @@ class DeviceOwners:
 
     def plan(self, direction: Direction, estimates: list[tuple[str, StepEstimate]]) -> MemoryPlan:
         """The predicted memory curve of ``estimates`` from now, against the device budget: the config's,
-        else the CPU's capacity, else what is allocated plus what the device and its allocator have free."""
+        else the CPU's capacity, else what is allocated plus what the device and its allocator have free;
+        and the host buffer pool's curve against its budget (``host_memory_budget_bytes``, see [Note:
+        host memory plan] in :mod:`hybridmem.memplan`)."""
         figures = self.memory()
         if self.device_budget_nbytes is not None:
             budget, source = self.device_budget_nbytes, "device_memory_budget_bytes"
@@ -114,4 +117,17 @@ class DeviceOwners:
         else:
             budget = figures.allocated_nbytes + figures.free_nbytes + figures.cached_nbytes
             source = "allocated + device free + allocator cache"
-        return plan_switch(direction, figures.allocated_nbytes, estimates, budget_nbytes=budget, budget_source=source)
+        pool = self._pool()
+        return plan_switch(direction, figures.allocated_nbytes, estimates, budget_nbytes=budget, budget_source=source,
+                           host_start_nbytes=0 if pool is None else pool.reserved_nbytes(),
+                           host_budget_nbytes=None if pool is None else pool.budget_nbytes)
+
+    def _pool(self) -> HostBufferPool | None:
+        """The host buffer pool the offloaders share (the manager builds them all on its own); ``None``
+        without offloaders."""
+        pools = {id(off.pool): off.pool for off in self.offloaders.values()}
+        if len(pools) > 1:
+            raise RuntimeError(f"the offloaders {sorted(off.owner for off in self.offloaders.values())} use "
+                               f"{len(pools)} host buffer pools; a manager's offloaders share its one pool "
+                               f"(internal error: build_offloaders must use the pool it is given)")
+        return next(iter(pools.values()), None)

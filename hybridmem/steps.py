@@ -141,7 +141,8 @@ class OffloadStep(SwitchStep):
         self.kind = offloader.kind
 
     def estimate(self) -> StepEstimate:
-        return StepEstimate(free_nbytes=self.offloader.live_nbytes(), transient_nbytes=self.offloader.rehome_nbytes())
+        return StepEstimate(free_nbytes=self.offloader.live_nbytes(), transient_nbytes=self.offloader.rehome_nbytes(),
+                            host_alloc_nbytes=self.offloader.arena_growth_nbytes())
 
     def run(self) -> StepResult:
         s = self.offloader.offload()

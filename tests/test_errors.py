@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmem import HostMemoryBudgetError, HybridConfig, Phase, ShardingManager, SwitchError, WeightSyncError
+from hybridmem import (
+    HostMemoryBudgetError,
+    HostMemoryPlanError,
+    HybridConfig,
+    MemoryPlanError,
+    Phase,
+    ShardingManager,
+    SwitchError,
+    WeightSyncError,
+)
 from hybridmem.engines import TorchCopyEngine
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot, train_step
 
@@ -16,15 +25,43 @@ def _trained(tiny_setup):
     return model, opt
 
 
-def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_the_step(tiny_setup):
+def _over_the_host_budget(tiny_setup):
+    """A manager whose host budget holds the optimizer's arena and not the grads' as well."""
     model, opt = _trained(tiny_setup)
     numel = sum(p.numel() for p in model.parameters())
-    # Adam state: exp_avg + exp_avg_sq (4 bytes each) and a 4-byte step per tensor. The budget holds the
-    # optimizer's arena and not the grads' as well, so the second step fails and both are undone.
+    # Adam state: exp_avg + exp_avg_sq (4 bytes each) and a 4-byte step per tensor.
     opt_nbytes = 8 * numel + 4 * len(list(model.parameters()))
     config = HybridConfig(host_memory_budget_bytes=opt_nbytes + 1024, skip_zero_grads=False)
     before = snapshot(model, opt)
     manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt, config=config)
+    return model, opt, manager, before, numel, opt_nbytes
+
+
+def test_a_switch_over_the_host_budget_is_refused_before_its_first_step(tiny_setup):
+    """The memory plan foresees the grads' arena (fp32, one element per parameter) over the budget: the
+    switch is refused with the plan before anything moves, as a HostMemoryBudgetError too."""
+    model, opt, manager, before, numel, opt_nbytes = _over_the_host_budget(tiny_setup)
+    held = manager.pool.held_nbytes()
+    with pytest.raises(HostMemoryBudgetError) as info:
+        manager.to_infer()
+    err = info.value
+    assert isinstance(err, HostMemoryPlanError) and isinstance(err, MemoryPlanError)
+    assert not isinstance(err, SwitchError)
+    assert err.key == "offload grad" and err.requested_nbytes == 4 * numel and err.budget_nbytes == opt_nbytes + 1024
+    assert not err.plan.host_fits and err.plan.device_fits and "offload grad" in str(err)
+    assert "host_memory_budget_bytes" in str(err) and "DOES NOT FIT" in str(err)
+    assert manager.phase is Phase.TRAIN and manager.pool.held_nbytes() == held
+    assert not any(manager.pool.is_held(owner) for owner in ("optimizer", "grad", "param"))
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
+def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_the_step(tiny_setup, monkeypatch):
+    """When the plan misses the arenas' growth (here: forced to), the offload that overflows fails and the
+    done steps are undone."""
+    from hybridmem.offload import Offloader
+
+    model, opt, manager, before, numel, opt_nbytes = _over_the_host_budget(tiny_setup)
+    monkeypatch.setattr(Offloader, "arena_growth_nbytes", lambda self: 0)
     with pytest.raises(HostMemoryBudgetError) as info:
         manager.to_infer()
     err = info.value

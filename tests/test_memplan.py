@@ -41,3 +41,55 @@ def test_a_switch_that_only_frees_peaks_at_the_start():
 def test_negative_estimates_are_refused(field):
     with pytest.raises(ValueError, match=f"StepEstimate.{field}=-1"):
         StepEstimate(**{field: -1})
+
+
+HOST_STEPS = [
+    ("offload optimizer", StepEstimate(free_nbytes=60, host_alloc_nbytes=60)),
+    ("offload grad", StepEstimate(free_nbytes=30, host_alloc_nbytes=20)),
+    ("resume kv", StepEstimate(alloc_nbytes=10)),
+]
+
+
+def test_the_host_curve_adds_each_steps_arena_growth_to_the_pool():
+    plan = plan_switch(Direction.TO_INFER, 100, HOST_STEPS, budget_nbytes=1000, budget_source="test",
+                       host_start_nbytes=5, host_budget_nbytes=85)
+    # The pool holds 5; the optimizer's arena grows by 60 (65), the grads' by 20 (85); a resume adds none.
+    assert [s.host_nbytes for s in plan.steps] == [65, 85, 85]
+    assert (plan.host_peak_nbytes, plan.host_fits, plan.device_fits, plan.fits) == (85, True, True, True)
+    data = plan.to_dict()
+    assert (data["host_start_nbytes"], data["host_peak_nbytes"], data["steps"][1]["host_alloc_nbytes"]) == (5, 85, 20)
+
+
+def test_a_host_peak_over_the_host_budget_does_not_fit_though_the_device_does():
+    plan = plan_switch(Direction.TO_INFER, 100, HOST_STEPS, budget_nbytes=1000, budget_source="test",
+                       host_start_nbytes=5, host_budget_nbytes=84)
+    assert plan.device_fits and not plan.host_fits and not plan.fits
+    text = str(plan)
+    assert "host arenas: start 5 B, predicted peak 85 B, budget 84 B" in text and "DOES NOT FIT" in text
+    # Without a host budget the host curve never refuses, and a plan without host bytes prints as before.
+    assert plan_switch(Direction.TO_INFER, 100, HOST_STEPS, budget_nbytes=1000, budget_source="test").fits
+    assert "host" not in str(_plan(1000))
+
+
+@pytest.mark.parametrize("prewarm", [False, True])
+def test_the_managers_host_plan_equals_what_the_pool_then_holds(tiny_setup, prewarm):
+    """The host bytes a TRAIN->INFER switch's plan predicts equal what the pool holds after the switch,
+    read from the pool's own arenas; with prewarmed arenas the plan starts from them and grows none."""
+    from hybridmem import HybridConfig, ShardingManager
+    from hybridmem.engines import TorchCopyEngine
+    from hybridmem.testing.tiny import train_step
+
+    model, opt = tiny_setup("cpu", "adamw")
+    train_step(model, opt, 0)
+    manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt,
+                              config=HybridConfig(prewarm_host_buffers=prewarm, skip_zero_grads=False))
+    if prewarm:
+        manager.pool.wait_prewarmed()
+    plan = manager.plan("to_infer")
+    manager.to_infer()
+    held = sum(a.nbytes for a in manager.pool.report())
+    assert plan.host_peak_nbytes == held > 0 and plan.host_fits
+    growth = [s.estimate.host_alloc_nbytes for s in plan.steps if s.name.startswith("offload ")]
+    assert (plan.host_start_nbytes == held and not any(growth)) if prewarm else (plan.host_start_nbytes == 0)
+    assert manager.plan("to_train").host_peak_nbytes == held  # onloads take no arena
+    manager.to_train()

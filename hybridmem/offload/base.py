@@ -247,6 +247,16 @@ class Offloader(ABC):
             totals[dtype] = totals.get(dtype, 0) + storage.nbytes() // torch.empty((), dtype=dtype).element_size()
         return totals
 
+    def arena_growth_nbytes(self) -> int:
+        """Host bytes the pool's arenas would grow by for the next offload: per dtype, what it would copy
+        (:meth:`arena_needs`) beyond this owner's arena held or being prewarmed; 0 when the bytes are on
+        host already (see [Note: host memory plan] in :mod:`hybridmem.memplan`)."""
+        total = 0
+        for dtype, numel in self.arena_needs().items():
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            total += max(0, nbytes - self.pool.arena_nbytes(self.owner, dtype))
+        return total
+
     def rehome_nbytes(self) -> int:
         """Transient device bytes the next offload needs to re-home a foreign storage (the largest one;
         0 when there is none or the bytes are on host; see [Note: foreign storages])."""
