@@ -19,6 +19,7 @@ given. The learning check runs where the summary is written (global rank 0).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -31,7 +32,7 @@ from typing import Any
 
 from hybridmem.examples.parsing import OneLineErrorParser
 
-__all__ = ["main", "check_args", "have_matplotlib"]
+__all__ = ["main", "check_args", "demo_policy", "have_matplotlib", "widen_for_tp"]
 
 LEARN_WINDOW = 5
 """Iterations averaged at each end for the learning check, which runs when the two windows do not overlap."""
@@ -50,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="GRPO iterations (default 30; from 10 on, the run fails if the last 5 do not beat the first 5)")
     p.add_argument("--world-size", type=int, default=None,
                    help="processes (default 2; under torchrun: its WORLD_SIZE, which a given value must equal)")
-    p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel)")
+    p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel); the policy is widened where its 4 "
+                        "heads do not split over it")
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
     p.add_argument("--trainer", choices=("torch", "megatron", "fsdp"), default="torch",
                    help="fsdp: a transformers model with FSDP2 fully_shard over all ranks (sets --train-tp 1)")
@@ -72,19 +74,50 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_allowed(model: Any, world_size: int, *, infer: bool, megatron: bool) -> list[int]:
-    """TP sizes of one side that ``world_size`` processes and the demo model's head counts allow."""
+def _splits(model: Any, tp: int, *, infer: bool, megatron: bool) -> bool:
+    """Whether ``model``'s heads (and MLP, and for Megatron its vocabulary) split over ``tp`` ranks."""
     heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
-    out = []
-    for tp in _divisors(world_size):
-        splits = heads % tp == 0 and model.intermediate_size % tp == 0
-        if infer:  # vLLM's layout replicates KV heads when tp > kv_heads
-            splits = splits and (kv_heads % tp == 0 if tp <= kv_heads else tp % kv_heads == 0)
-        else:
-            splits = splits and kv_heads % tp == 0 and (not megatron or model.vocab_size % tp == 0)
-        if splits:
-            out.append(tp)
-    return out
+    splits = heads % tp == 0 and model.intermediate_size % tp == 0
+    if infer:  # vLLM's layout replicates KV heads when tp > kv_heads
+        return splits and (kv_heads % tp == 0 if tp <= kv_heads else tp % kv_heads == 0)
+    return splits and kv_heads % tp == 0 and (not megatron or model.vocab_size % tp == 0)
+
+
+def widen_for_tp(model: Any, train_tp: int, infer_tp: int, *, megatron: bool = False) -> Any:
+    """The demo's policy for these TP sizes: ``model`` itself where both split it, else ``model`` made
+    ``k`` times wider (attention and KV heads, hidden and MLP sizes; head_dim, depth and vocabulary kept)
+    for the smallest ``k`` that both split; ``model`` where no ``k`` does (a Megatron TP that does not
+    divide the task's vocabulary), which :func:`check_args` then refuses, naming the sizes allowed.
+
+    So ``--train-tp 8`` runs as asked (16 heads, 8 KV heads) while the default TP2 keeps the 4-head
+    policy, and every layout that ran before runs the same model.
+    """
+    for k in range(1, train_tp * infer_tp + 1):  # k = train_tp * infer_tp always splits both but the vocabulary
+        wide = model if k == 1 else dataclasses.replace(
+            model, hidden_size=k * model.hidden_size, num_attention_heads=k * model.num_attention_heads,
+            num_key_value_heads=k * model.num_key_value_heads, intermediate_size=k * model.intermediate_size)
+        if _splits(wide, train_tp, infer=False, megatron=megatron) and _splits(wide, infer_tp, infer=True,
+                                                                              megatron=megatron):
+            return wide
+    return model
+
+
+def _base_policy(engine: str) -> Any:
+    from hybridmem.examples.grpo.loop import DemoConfig  # noqa: PLC0415
+
+    return _vllm_model() if engine == "vllm" else DemoConfig.__dataclass_fields__["model"].default_factory()
+
+
+def demo_policy(args: argparse.Namespace) -> Any:
+    """The policy the command line trains (:func:`widen_for_tp` of the engine's default policy)."""
+    return widen_for_tp(_base_policy(args.engine), args.train_tp, args.infer_tp, megatron=args.trainer == "megatron")
+
+
+def _tp_allowed(base: Any, world_size: int, *, infer: bool, megatron: bool) -> list[int]:
+    """TP sizes of one side that ``world_size`` processes allow, the policy widened for each as needed."""
+    return [tp for tp in _divisors(world_size)
+            if _splits(widen_for_tp(base, 1 if infer else tp, tp if infer else 1, megatron=megatron), tp,
+                       infer=infer, megatron=megatron)]
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -94,8 +127,6 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     against the machine and ``--trainer`` against what is installed.
     """
     import torch
-
-    from hybridmem.examples.grpo.loop import DemoConfig
 
     if under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
@@ -111,14 +142,15 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             parser.error(f"{flag} {value} is not allowed: expected an integer >= {low}")
     if not args.lr > 0:
         parser.error(f"--lr {args.lr} is not allowed: expected a number > 0")
-    model = _vllm_model() if args.engine == "vllm" else DemoConfig.__dataclass_fields__["model"].default_factory()
+    base = _base_policy(args.engine)
+    megatron = args.trainer == "megatron"
     for flag, tp, infer in (("--train-tp", args.train_tp, False), ("--infer-tp", args.infer_tp, True)):
-        allowed = _tp_allowed(model, args.world_size, infer=infer, megatron=args.trainer == "megatron")
+        allowed = _tp_allowed(base, args.world_size, infer=infer, megatron=megatron)
         if tp not in allowed:
             parser.error(
                 f"{flag} {tp} is not allowed with --world-size {args.world_size}: expected one of {allowed} "
-                f"(divisors of --world-size that split the model's {model.num_attention_heads} attention and "
-                f"{model.num_key_value_heads} KV heads)"
+                f"(divisors of --world-size" + (f" that split the task's vocabulary of {base.vocab_size}"
+                                                if megatron else "") + ")"
             )
     if args.device == "cuda":
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -240,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         trainer=args.trainer,
         engine=args.engine,
-        **({"model": _vllm_model()} if args.engine == "vllm" else {}),
+        model=demo_policy(args),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if under_torchrun():  # [Note: demo under torchrun]
