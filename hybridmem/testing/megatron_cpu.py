@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["megatron_on_cpu", "CpuDeviceMode"]
+__all__ = ["megatron_on_cpu", "active", "CpuDeviceMode"]
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -200,6 +200,11 @@ def _transformer_engine_installed() -> bool:
 
 
 _MISSING = object()
+
+
+def active() -> bool:
+    """Whether a :func:`megatron_on_cpu` block is running (its stand-in CUDA streams are in place)."""
+    return torch.cuda.Stream is _Stream
 
 
 @contextlib.contextmanager

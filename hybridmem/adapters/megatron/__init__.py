@@ -4,6 +4,7 @@ Supports megatron-core 0.16.x (tested on CPU here) and 0.19.x (attributes checke
 untested here); see docs/megatron.md for the attributes relied on.
 """
 
+from hybridmem.adapters.megatron.device import MEGATRON_CPU_HARNESS, megatron_device
 from hybridmem.adapters.megatron.offload import (
     MegatronGradOffloader,
     MegatronOptimizerOffloader,
@@ -29,6 +30,8 @@ from hybridmem.adapters.megatron.state import (
 )
 
 __all__ = [
+    "megatron_device",
+    "MEGATRON_CPU_HARNESS",
     "MegatronTrainingState",
     "MegatronWorkspaces",
     "ReleaseWorkspacesStep",
