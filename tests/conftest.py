@@ -1,13 +1,50 @@
-"""Shared fixtures. Tests mirror the package; CUDA tests skip cleanly without a GPU."""
+"""Shared fixtures. Tests mirror the package; CUDA tests skip cleanly without a GPU.
+
+Every test passes alone and in any order (docs/testing.md): pytest-randomly shuffles the order and
+reseeds ``random`` and numpy before each test; torch's global generator is reseeded here the same way, so
+no test depends on what the tests before it drew, and a test that needs particular values seeds itself.
+"""
 
 from __future__ import annotations
 
+import os
+import zlib
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from hybridmem.testing.tiny import TinyNet
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Data generation and examples slow down several times on a loaded 2-core machine: no per-example deadline
+# and no health check on generation speed (a test's own @settings still overrides these).
+settings.register_profile("hybridmem", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("hybridmem")
+
+
+@pytest.fixture(autouse=True)
+def _environment():
+    """``os.environ`` after each test as it was before: code a test runs in this process may set variables
+    for the processes it starts (the demo's ``main`` sets ``OMP_NUM_THREADS``, ``vllm.LLM`` its own), and
+    the tests after it would inherit them."""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def _torch_seed(request) -> None:
+    """torch's global seed before each test: pytest-randomly's seed of the run (0 without it) plus a hash
+    of the test's id, as pytest-randomly seeds ``random`` and numpy; ``-p randomly --randomly-seed=N``
+    replays a run's values."""
+    base = request.config.getoption("randomly_seed", default=None)
+    torch.manual_seed(((base if isinstance(base, int) else 0) + zlib.crc32(request.node.nodeid.encode())) % 2**32)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])])
