@@ -14,7 +14,7 @@ training weights of that switch:
 - README.md: a ``from_pretrained`` Qwen2 and AdamW into the embedded engine, ``ShardingManager`` with
   defaults;
 - docs/vllm.md: the same into real vLLM (``VLLMEngine.create(model_dir, dtype="float32",
-  max_model_len=256)``) in one plain process, with no environment variable set;
+  max_model_len=256, skip_tokenizer_init=True)``) in one plain process, with no environment variable set;
 - docs/megatron.md: megatron-core ``GPTModel`` at TP2 under torchrun (2 processes, megatron-core's CPU
   harness here) with ``HybridConfig()``.
 """

@@ -43,6 +43,7 @@ def weights_nbytes(model: torch.nn.Module) -> int:
 def fake_vllm(monkeypatch):
     """A stand-in ``vllm`` module in sys.modules (for SamplingParams and LLM)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # "some/model" is a hub id: online, create lets it through
     accel = FakeDeviceAccelerator()
     module = make_fake_vllm_module(lambda **kw: FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES))
     monkeypatch.setitem(sys.modules, "vllm", module)

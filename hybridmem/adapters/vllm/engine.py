@@ -64,6 +64,7 @@ from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
 from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_default, launching, plan_launch
 from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes
+from hybridmem.adapters.vllm.source import check_model_source
 from hybridmem.adapters.vllm.outputs import (
     GREEDY,
     from_request_output,
@@ -315,8 +316,9 @@ class VLLMEngine:
         :mod:`hybridmem.adapters.vllm.launch`).
 
         Args:
-            model_path_or_config: A model directory (e.g. one written by ``save_pretrained``) or hub name,
-                or a transformers config (an object with ``save_pretrained``): the config is written to a
+            model_path_or_config: A model directory (e.g. one written by ``save_pretrained``; with
+                tokenizer files, or pass ``skip_tokenizer_init=True``) or a hub id ``owner/name``, or a
+                transformers config (an object with ``save_pretrained``): the config is written to a
                 temporary directory and the LLM is built with ``load_format="dummy"`` and no tokenizer,
                 its weights coming from the first weight sync.
             tensor_parallel_size: vLLM's inference TP size.
@@ -333,8 +335,10 @@ class VLLMEngine:
 
         Raises:
             ImportError: vLLM is not installed; the message names ``pip install hybridmem[vllm]``.
-            ValueError: An executor whose workers run elsewhere, a TP size the launch cannot run, or, on
-                NPUs, ``VLLM_ASCEND_ENABLE_NZ`` not ``0``; each names the value.
+            ValueError: An executor whose workers run elsewhere, a TP size the launch cannot run, on
+                NPUs ``VLLM_ASCEND_ENABLE_NZ`` not ``0``, a model that is no directory and will not be
+                found on the hub, or a directory without tokenizer files and no ``skip_tokenizer_init=True``
+                (see [Note: vllm model source] in :mod:`hybridmem.adapters.vllm.source`); each names the value.
         """
         vllm = import_vllm("vllm")
         launch = plan_launch(distributed_executor_backend, tensor_parallel_size)
@@ -348,6 +352,8 @@ class VLLMEngine:
                 f"{os.environ.get('VLLM_ASCEND_ENABLE_NZ', 'unset')!s})"
             )
         model = model_path_or_config
+        if not hasattr(model_path_or_config, "save_pretrained"):
+            check_model_source(str(model_path_or_config), llm_kwargs)  # [Note: vllm model source]
         if hasattr(model_path_or_config, "save_pretrained"):
             model = tempfile.mkdtemp(prefix="hybridmem-vllm-config-")
             model_path_or_config.save_pretrained(model)
