@@ -23,10 +23,17 @@ largest staging buffer. What the stand-ins hold per rank:
   inference dtype (a tensor the model keeps in fp32 counted in fp32);
 - KV cache: given, or vLLM's rule: ``gpu_memory_utilization`` of the device minus the engine weights.
 
+The optimizer state of Megatron's distributed optimizer is divided over the ranks holding the same
+parameters: the data-parallel ranks for the dense part, the expert-data-parallel ranks (``world / (pp *
+ep * expert tp)``) for the experts; both are the rank groups of the layout's part families ([Note:
+layout parts] in :mod:`hybridmem.reshard.layouts`).
+
 Times are bytes over bandwidths: offload and onload over the host link; the sync's local copies at the
 device's copy bandwidth, and each resharding step's larger direction over the link to its peer (NVLink
-within a node, the network across), plus a fixed latency per step. tests/test_cluster_plan.py runs the switches on gloo at 4 and 8 ranks and checks the
-predicted steps and bytes equal the runtime's.
+within the NVLink domain, the network across), plus a fixed latency per step; a level-1 engine sleep
+copies the weights over the host link at its first release and back at the weights' resume.
+tests/cluster/test_cluster_plan.py runs the switches on gloo at 4 and 8 ranks and checks the predicted
+steps and bytes equal the runtime's. Host memory per node: [Note: host plan] in :mod:`hybridmem.host_plan`.
 """
 
 from __future__ import annotations
@@ -36,11 +43,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from hybridmem.config import ParallelLayout
-from hybridmem.engines.protocol import WEIGHTS, EngineCapabilities
+from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.host_plan import SLEEP_LEVELS, NodeHost, node_hosts, rank_host_nbytes
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import MemoryPlan, plan_switch
 from hybridmem.offload import OffloadState
 from hybridmem.phase import Direction
+from hybridmem.plan_advice import Advice, advice_for
+from hybridmem.plan_presets import ACCELERATORS, GB, AcceleratorFigures
 from hybridmem.reshard import (
     DEFAULT_BUCKET_NBYTES,
     MegatronConvention,
@@ -52,53 +62,19 @@ from hybridmem.reshard import (
     vllm_layout,
 )
 from hybridmem.reshard.hf_source import hf_module_tensors
-from hybridmem.steps import OffloadStep, OnloadStep, SwitchStep, ToInferOrder, WeightSyncStep, switch_steps
+from hybridmem.steps import (
+    EngineReleaseStep,
+    EngineResumeStep,
+    OffloadStep,
+    OnloadStep,
+    SwitchStep,
+    ToInferOrder,
+    WeightSyncStep,
+    switch_steps,
+)
 
-__all__ = ["AcceleratorFigures", "ACCELERATORS", "TrainingSetup", "RankPrediction", "ClusterPlan", "plan_cluster",
-           "hf_buffer_nbytes"]
-
-GB = 10**9
-
-
-@dataclass(frozen=True, kw_only=True)
-class AcceleratorFigures:
-    """What a switch's time and fit depend on, per device."""
-
-    name: str
-    memory_nbytes: int
-    """Device memory a process may use (the budget of a switch's peak)."""
-    host_link_bps: float
-    """Host <-> device copy bandwidth from pinned memory, bytes/s."""
-    intra_node_bps: float
-    """Device <-> device bandwidth to a peer in the same node, bytes/s, one direction."""
-    inter_node_bps: float
-    """Device <-> device bandwidth to a peer in another node, bytes/s, one direction."""
-    devices_per_node: int
-    device_copy_bps: float
-    """Device-local copy bandwidth (half the memory bandwidth: a copy reads and writes), bytes/s."""
-    step_latency_s: float = 50e-6
-    """Fixed cost of one resharding step (posting, launching)."""
-
-    def __post_init__(self) -> None:
-        for name in ("memory_nbytes", "host_link_bps", "intra_node_bps", "inter_node_bps", "devices_per_node",
-                     "device_copy_bps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{self.name}: {name}={getattr(self, name)} must be > 0")
-
-
-ACCELERATORS: dict[str, AcceleratorFigures] = {
-    # H100 SXM 80 GB: pinned host<->device measured at 52-54 GB/s on an H100 box (docs/benchmarks.md);
-    # NVLink 4: 450 GB/s each way; one 400 Gb/s NIC per GPU; HBM3 at 3.35 TB/s.
-    "h100": AcceleratorFigures(name="h100", memory_nbytes=80 * GB, host_link_bps=53 * GB, intra_node_bps=450 * GB,
-                               inter_node_bps=50 * GB, devices_per_node=8, device_copy_bps=1675 * GB),
-    # H200 141 GB: the H100's links, HBM3e at 4.8 TB/s.
-    "h200": AcceleratorFigures(name="h200", memory_nbytes=141 * GB, host_link_bps=53 * GB, intra_node_bps=450 * GB,
-                               inter_node_bps=50 * GB, devices_per_node=8, device_copy_bps=2400 * GB),
-    # Ascend 910B (64 GB HBM): PCIe 4.0 x16 to the host, HCCS within the node, 200 Gb/s RoCE per NPU.
-    "910b": AcceleratorFigures(name="910b", memory_nbytes=64 * 2**30, host_link_bps=25 * GB, intra_node_bps=196 * GB,
-                               inter_node_bps=25 * GB, devices_per_node=8, device_copy_bps=800 * GB),
-}
-"""Defaults per known accelerator (vendor figures where not measured here); every field can be overridden."""
+__all__ = ["AcceleratorFigures", "ACCELERATORS", "GB", "TrainingSetup", "RankPrediction", "ClusterPlan", "Advice",
+           "plan_cluster", "hf_buffer_nbytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,11 +94,15 @@ class TrainingSetup:
     """Megatron's ``use_distributed_optimizer``: optimizer state divided over the data-parallel ranks."""
     buffer_nbytes: int = 0
     """Module buffers every rank holds whole and offloads with the parameters (transformers' rotary
-    ``inv_freq``; :func:`hf_buffer_nbytes` counts them)."""
+    ``inv_freq``, fp32; :func:`hf_buffer_nbytes` counts them)."""
+    host_buffer_nbytes: int = 0
+    """The training framework's own host buffers per rank ([Note: host plan]); 0: none known."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("megatron", "fsdp2"):
             raise ValueError(f"training kind={self.kind!r}; expected 'megatron' or 'fsdp2'")
+        if self.host_buffer_nbytes < 0:
+            raise ValueError(f"host_buffer_nbytes={self.host_buffer_nbytes} must be >= 0")
         for name in ("param_bytes", "grad_bytes"):
             if getattr(self, name) not in (1, 2, 4, 8):
                 raise ValueError(f"{name}={getattr(self, name)} must be 1, 2, 4 or 8")
@@ -146,6 +126,9 @@ class _Offloader:
 
     def rehome_nbytes(self) -> int:
         return 0
+
+    def arena_growth_nbytes(self) -> int:
+        return 0  # the manager prewarms the arenas before the first switch ([Note: host plan])
 
 
 @dataclass
@@ -244,6 +227,8 @@ class RankPrediction:
     received_nbytes: int
     state_nbytes: dict[str, int]
     """Bytes per kind: params, grads, optimizer, engine weights, KV cache."""
+    host_nbytes: dict[str, int]
+    """Host bytes at the rank's host peak, by source ([Note: host plan] in :mod:`hybridmem.host_plan`)."""
 
     @property
     def seconds(self) -> dict[str, float]:
@@ -252,13 +237,20 @@ class RankPrediction:
 
 @dataclass(frozen=True)
 class ClusterPlan:
-    """Every planned rank's prediction, the worst of them, and what would make a cluster that does not fit fit."""
+    """Every planned rank's prediction, the worst of them, every node's host memory, and what would make a
+    cluster that does not fit fit."""
 
     world_size: int
     accelerator: AcceleratorFigures
     budget_nbytes: int
+    """Device memory per rank."""
     ranks: tuple[RankPrediction, ...]
     advice: tuple[Advice, ...]
+    nodes: tuple[NodeHost, ...] = ()
+    """Every node's host bytes (all ranks, planned or not)."""
+    host_budget_nbytes: int | None = None
+    """Host memory per node; ``None``: not checked."""
+    sleep_level: int = 2
 
     @property
     def worst(self) -> RankPrediction:
@@ -266,14 +258,34 @@ class ClusterPlan:
         return max(self.ranks, key=lambda p: (p.peak_nbytes, sum(p.seconds.values())))
 
     @property
-    def fits(self) -> bool:
+    def worst_node(self) -> NodeHost | None:
+        """The node with the highest host peak (ties: the first)."""
+        return max(self.nodes, key=lambda n: (n.peak_nbytes, -n.node), default=None)
+
+    @property
+    def device_fits(self) -> bool:
         return self.worst.peak_nbytes <= self.budget_nbytes
+
+    @property
+    def host_fits(self) -> bool:
+        worst = self.worst_node
+        return self.host_budget_nbytes is None or worst is None or worst.peak_nbytes <= self.host_budget_nbytes
+
+    @property
+    def fits(self) -> bool:
+        return self.device_fits and self.host_fits
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
+        worst_node = self.worst_node
         return {"world_size": self.world_size, "accelerator": asdict(self.accelerator),
-                "budget_nbytes": self.budget_nbytes, "fits": self.fits, "worst_rank": self.worst.rank,
+                "budget_nbytes": self.budget_nbytes, "fits": self.fits, "device_fits": self.device_fits,
+                "worst_rank": self.worst.rank, "host_budget_nbytes": self.host_budget_nbytes,
+                "host_fits": self.host_fits, "sleep_level": self.sleep_level,
+                "worst_node": None if worst_node is None else worst_node.node,
+                "host_peak_nbytes": None if worst_node is None else worst_node.peak_nbytes,
                 "advice": [asdict(a) for a in self.advice],
+                "nodes": [{**asdict(n), "peak_nbytes": n.peak_nbytes} for n in self.nodes],
                 "ranks": [{**asdict(p), "seconds": p.seconds} for p in self.ranks]}
 
 
@@ -284,12 +296,9 @@ def _train_layout(spec: ModelSpec, setup: TrainingSetup, world: int):
     return megatron_layout(spec, setup.parallel, world, convention=conv)
 
 
-def _train_elements(layout, setup: TrainingSetup, rank: int) -> int:
-    """Elements of the rank's training parameters as the trainer stores them: its shards (Megatron), or
-    every tensor's ``fully_shard`` storage, padded to ``ceil(rows / shards)`` rows on every rank ([Note:
-    FSDP2 shards])."""
-    if setup.kind != "fsdp2":
-        return sum(t.numel for t in layout.tensors(rank).values())
+def _fsdp2_storage_elements(layout) -> int:
+    """Elements of every tensor's ``fully_shard`` storage on a rank, padded to ``ceil(rows / shards)`` rows
+    on every rank ([Note: FSDP2 shards])."""
     shards, total = layout.shard_size, 0
     for name, full in hf_module_tensors(layout.spec, layout.fused_experts).items():
         rows, per_row = full.shape[0], math.prod(full.shape[1:])
@@ -297,41 +306,95 @@ def _train_elements(layout, setup: TrainingSetup, rank: int) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class RankState:
+    """What one rank holds: bytes per kind and the host arenas its offloaders fill."""
+
+    nbytes: dict[str, int]
+    """``param``, ``grad``, ``optimizer``, ``engine_weights``."""
+    arenas: dict[StateKind, tuple[int, ...]]
+    """Per offloaded kind, the bytes of each of its arenas (one per dtype)."""
+
+
+def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, *,
+                infer_bytes: int) -> list[RankState]:
+    """Every rank's :class:`RankState`, from one build per rank group of each layout ([Note: layout parts])."""
+    src, dst = _train_layout(spec, setup, world), vllm_layout(spec, infer, world)
+    local, num_tensors, optimizer, weights = [0] * world, [0] * world, [0] * world, [0] * world
+    for family in src.part_families():
+        for key, ranks in family.groups.items():
+            tensors = family.build(key).values()
+            n = sum(t.numel for t in tensors)
+            # Megatron's distributed optimizer divides a part's state over the ranks holding it ([Note: cluster plan]).
+            share = n * setup.optimizer_bytes_per_param // (len(ranks) if setup.distributed_optimizer else 1)
+            for r in ranks:
+                local[r] += n
+                num_tensors[r] += len(tensors)
+                optimizer[r] += share
+    for family in dst.part_families():
+        for key, ranks in family.groups.items():
+            n = sum(t.numel * (spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces else infer_bytes)
+                    for t in family.build(key).values())
+            for r in ranks:
+                weights[r] += n
+    out = []
+    for r in range(world):
+        elements = _fsdp2_storage_elements(src) if setup.kind == "fsdp2" else local[r]
+        if setup.kind == "fsdp2":  # AdamW's moments, shaped like the local shard (not its padded storage), and steps
+            moments, steps = 2 * local[r] * setup.param_bytes, 4 * num_tensors[r]
+            opt_arenas = (moments + steps,) if setup.param_bytes == 4 else (moments, steps)
+        else:
+            opt_arenas = (optimizer[r],)
+        weight_bytes = elements * setup.param_bytes
+        param_arenas = (weight_bytes + setup.buffer_nbytes,) if setup.param_bytes == 4 else (weight_bytes,
+                                                                                            setup.buffer_nbytes)
+        nbytes = {"param": weight_bytes + setup.buffer_nbytes, "grad": elements * setup.grad_bytes,
+                  "optimizer": sum(opt_arenas), "engine_weights": weights[r]}
+        out.append(RankState(nbytes, {StateKind.PARAM: tuple(a for a in param_arenas if a),
+                                      StateKind.GRAD: (nbytes["grad"],), StateKind.OPTIMIZER: opt_arenas}))
+    return out
+
+
+def _rank_host(state: RankState, setup: TrainingSetup, accel: AcceleratorFigures, offload: Mapping[StateKind, bool],
+               sleep_level: int) -> dict[str, int]:
+    return rank_host_nbytes(state.arenas, offload=offload, weights_nbytes=state.nbytes["engine_weights"],
+                            sleep_level=sleep_level, framework_nbytes=setup.host_buffer_nbytes,
+                            rounds_up=accel.pinned_rounds_up)
+
+
 def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, rank: int, *,
                  accel: AcceleratorFigures, offload: Mapping[StateKind, bool], kv_nbytes: int | None,
-                 gpu_memory_utilization: float, infer_bytes: int, bucket_nbytes: int) -> RankPrediction:
-    """Both switches of ``rank`` (see [Note: cluster plan])."""
+                 gpu_memory_utilization: float, infer_bytes: int, bucket_nbytes: int, sleep_level: int = 2,
+                 state: RankState | None = None) -> RankPrediction:
+    """Both switches of ``rank`` (see [Note: cluster plan]); ``state``: the rank's entry of
+    :func:`rank_states` (computed when not given)."""
     src = _train_layout(spec, setup, world)
     dst = vllm_layout(spec, infer, world)
     plan = build_plan(src, dst, itemsize=infer_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
-    elements = _train_elements(src, setup, rank)
-    params = elements * setup.param_bytes + setup.buffer_nbytes
-    grads = elements * setup.grad_bytes
-    if setup.kind == "fsdp2":  # AdamW's moments are shaped like the local shard, not its padded storage
-        local = src.tensors(rank).values()
-        optimizer = 2 * sum(t.numel for t in local) * setup.param_bytes + 4 * len(local)
-    else:
-        dp = world // (setup.parallel.tp * setup.parallel.pp)
-        optimizer = elements * setup.optimizer_bytes_per_param // (dp if setup.distributed_optimizer else 1)
-    weights = plan.dst_nbytes(rank)
+    if state is None:
+        state = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)[rank]
+    params, grads, optimizer = (state.nbytes[k] for k in ("param", "grad", "optimizer"))
+    weights = state.nbytes["engine_weights"]
     kv = kv_nbytes if kv_nbytes is not None else max(0, int(gpu_memory_utilization * accel.memory_nbytes) - weights)
-    state = {"param": params, "grad": grads, "optimizer": optimizer, "engine_weights": weights, "kv_cache": kv}
+    figures = {**state.nbytes, "kv_cache": kv}
     offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params), StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
                   StateKind.OPTIMIZER: _Offloader(StateKind.OPTIMIZER, optimizer)}
     engine, sync = _Engine(weights, kv), _Sync(plan.peak_temp_nbytes(rank))
     start = params + grads + optimizer
-    to_infer = _walk(Direction.TO_INFER, start, offloaders, offload, engine, sync, plan, rank, accel, setup)
+    walk = dict(offloaders=offloaders, offload=offload, engine=engine, sync=sync, plan=plan, rank=rank, accel=accel,
+                setup=setup, sleep_level=sleep_level)
+    to_infer = _walk(Direction.TO_INFER, start, **walk)
     for o in offloaders.values():
         o.state = OffloadState.ON_HOST if offload.get(o.kind) else OffloadState.ON_DEVICE
-    to_train = _walk(Direction.TO_TRAIN, to_infer[-1].after_nbytes if to_infer else start, offloaders, offload,
-                     engine, sync, plan, rank, accel, setup)
+    to_train = _walk(Direction.TO_TRAIN, to_infer[-1].after_nbytes if to_infer else start, **walk)
     peak = max([start, *(s.peak_nbytes for s in (*to_infer, *to_train))])
     return RankPrediction(rank=rank, to_infer=to_infer, to_train=to_train, start_nbytes=start, peak_nbytes=peak,
-                          sent_nbytes=plan.send_nbytes(rank), received_nbytes=plan.recv_nbytes(rank), state_nbytes=state)
+                          sent_nbytes=plan.send_nbytes(rank), received_nbytes=plan.recv_nbytes(rank), state_nbytes=figures,
+                          host_nbytes=_rank_host(state, setup, accel, offload, sleep_level))
 
 
-def _walk(direction: Direction, start: int, offloaders, offload, engine, sync, plan: ReshardPlan, rank: int,
-          accel: AcceleratorFigures, setup: TrainingSetup) -> tuple[StepFigures, ...]:
+def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync, plan: ReshardPlan, rank: int,
+          accel: AcceleratorFigures, setup: TrainingSetup, sleep_level: int) -> tuple[StepFigures, ...]:
     steps: list[SwitchStep] = switch_steps(direction, offloaders=offloaders, enabled=offload, accel=_Accel(),
                                            engine=engine, weight_sync=sync,
                                            extra=_adapter_steps(setup) if direction is Direction.TO_INFER else ())
@@ -347,6 +410,12 @@ def _walk(direction: Direction, start: int, offloaders, offload, engine, sync, p
         elif isinstance(step, WeightSyncStep):
             net = plan.send_nbytes(rank) + plan.recv_nbytes(rank)
             seconds = _sync_seconds(plan, rank, accel)
+        elif sleep_level == 1 and (isinstance(step, EngineResumeStep) and step.tag == WEIGHTS
+                                   or isinstance(step, EngineReleaseStep) and step.tag == KV_CACHE):
+            # A level-1 sleep copies the weights out at the first release (the KV cache's) and back at the
+            # weights' resume ([Note: host plan] in hybridmem.host_plan).
+            host = engine.weights_nbytes
+            seconds = host / accel.host_link_bps
         e = planned.estimate
         out.append(StepFigures(step.name, e.alloc_nbytes, e.free_nbytes, e.transient_nbytes, planned.peak_nbytes,
                                planned.after_nbytes, host, net, seconds))
@@ -357,13 +426,13 @@ def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> fl
     """The rank's local copies at the device's copy bandwidth, then per step of its share ([Note: plan
     schedule]: one peer to send to, one to receive from) the slower of its two directions, each over the
     link to that peer (full-duplex links), plus the step latency."""
-    node = rank // accel.devices_per_node
+    domain = rank // accel.nvlink_domain
     total = sum(t.numel * plan.cell_itemsize(t.hf_name) for t in plan.local[rank]) / accel.device_copy_bps
     for bucket in plan.buckets:
         seconds = {}
         for t in bucket:
             peer, way = (t.dst_rank, "send") if t.src_rank == rank else (t.src_rank, "recv")
-            bps = accel.intra_node_bps if peer // accel.devices_per_node == node else accel.inter_node_bps
+            bps = accel.intra_node_bps if peer // accel.nvlink_domain == domain else accel.inter_node_bps
             seconds[way] = seconds.get(way, 0.0) + t.numel * plan.cell_itemsize(t.hf_name) / bps
         total += accel.step_latency_s + max(seconds.values(), default=0.0)
     return total
@@ -394,8 +463,14 @@ def _ranks_to_plan(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout,
 def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, *,
                  accel: AcceleratorFigures, offload: Mapping[StateKind, bool] | None = None,
                  kv_nbytes: int | None = None, gpu_memory_utilization: float = 0.9, infer_bytes: int = 2,
-                 bucket_nbytes: int = DEFAULT_BUCKET_NBYTES, ranks: int = 4, advise: bool = True) -> ClusterPlan:
-    """Predict both switches of the ``ranks`` ranks with the most bytes (all of them when ``ranks >= world``).
+                 bucket_nbytes: int = DEFAULT_BUCKET_NBYTES, sleep_level: int = 2, ranks: int = 4,
+                 advise: bool = True) -> ClusterPlan:
+    """Predict both switches of the ``ranks`` ranks with the most bytes (all of them when ``ranks >= world``),
+    and every node's host bytes ([Note: host plan] in :mod:`hybridmem.host_plan`).
+
+    Args:
+        sleep_level: The engine's sleep level: 2 (weights discarded; hybridmem's vLLM adapter's default)
+            or 1 (weights kept in host memory).
 
     Raises:
         ValueError: A layout that does not fit the model or the world (named by the layouts' checks),
@@ -405,73 +480,30 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
     if ranks < 1:
         raise ValueError(f"ranks={ranks} must be >= 1")
+    if sleep_level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep_level={sleep_level!r}; expected one of {SLEEP_LEVELS}")
     offload = dict(offload or {k: True for k in (StateKind.PARAM, StateKind.GRAD, StateKind.OPTIMIZER)})
     args = dict(accel=accel, offload=offload, kv_nbytes=kv_nbytes, gpu_memory_utilization=gpu_memory_utilization,
-                infer_bytes=infer_bytes, bucket_nbytes=bucket_nbytes)
+                infer_bytes=infer_bytes, bucket_nbytes=bucket_nbytes, sleep_level=sleep_level)
+    states = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)
     chosen = _ranks_to_plan(spec, setup, infer, world, ranks, infer_bytes)
-    predictions = tuple(predict_rank(spec, setup, infer, world, r, **args) for r in chosen)
-    result = ClusterPlan(world, accel, accel.memory_nbytes, predictions, ())
+    predictions = tuple(predict_rank(spec, setup, infer, world, r, state=states[r], **args) for r in chosen)
+    nodes = node_hosts([_rank_host(s, setup, accel, offload, sleep_level) for s in states], accel.devices_per_node)
+    result = ClusterPlan(world, accel, accel.memory_nbytes, predictions, (), nodes, accel.host_memory_nbytes,
+                         sleep_level)
     if advise and not result.fits:
-        result = replace(result, advice=tuple(_advice(spec, setup, infer, world, result, args)))
+        def predict(rank: int | None = None, **change) -> RankPrediction:
+            rank = result.worst.rank if rank is None else rank
+            return predict_rank(spec, setup, infer, world, rank, state=states[rank], **{**args, **change})
+
+        def host_peak(**change) -> int:
+            a = {**args, **change}
+            hosts = [_rank_host(s, setup, accel, a["offload"], a["sleep_level"]) for s in states]
+            return max(n.peak_nbytes for n in node_hosts(hosts, accel.devices_per_node))
+
+        def replan(**change) -> ClusterPlan:
+            return plan_cluster(spec, setup, infer, world, **{**args, **change}, ranks=ranks, advise=False)
+
+        result = replace(result, advice=tuple(advice_for(result, args, predict=predict, host_peak=host_peak,
+                                                         replan=replan)))
     return result
-
-
-@dataclass(frozen=True)
-class Advice:
-    """A change that makes the worst rank fit, checked by planning it again with the change."""
-
-    knob: str
-    """What to change, in the config's words."""
-    options: tuple[str, ...]
-    """The same change as ``hybridmem plan`` options."""
-    peak_nbytes: int
-    """The worst rank's peak with it."""
-
-
-def _advice(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, result: ClusterPlan,
-            args: dict) -> list[Advice]:
-    """Knobs that make the worst rank fit: each alone, else all of them together."""
-    worst, budget = result.worst, result.budget_nbytes
-    if worst.start_nbytes > budget:
-        return [Advice(f"none: the training state alone needs {worst.start_nbytes / GB:.1f} GB of "
-                       f"{budget / GB:.1f} GB on rank {worst.rank}; use more ranks or more training parallelism",
-                       (), worst.start_nbytes)]
-
-    def peak(**change) -> int:
-        return predict_rank(spec, setup, infer, world, worst.rank, **{**args, **change}).peak_nbytes
-
-    def kv_fitting(**change) -> int | None:
-        """The largest KV cache that fits with ``change`` (what the switch holds when the KV cache comes
-        last, subtracted from the budget), checked; None when not even an empty one fits."""
-        empty = predict_rank(spec, setup, infer, world, worst.rank, **{**args, **change, "kv_nbytes": 0})
-        kv = budget - empty.to_infer[-1].after_nbytes
-        return kv if empty.peak_nbytes <= budget and kv > 0 and peak(**change, kv_nbytes=kv) <= budget else None
-
-    off, out = args["offload"], []
-    names = {k: k.value for k in (StateKind.PARAM, StateKind.GRAD, StateKind.OPTIMIZER)}
-    for kind in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM):
-        if not off.get(kind):
-            more = {**off, kind: True}
-            if (p := peak(offload=more)) <= budget:
-                listed = ",".join(names[k] for k in names if more.get(k))
-                out.append(Advice(f"offload_train_{kind.value}: true", ("--offload", listed), p))
-    small = 64 * 2**20
-    if small < args["bucket_nbytes"] and (p := peak(bucket_nbytes=small)) <= budget:
-        out.append(Advice(f"reshard_bucket_bytes: {small}", ("--bucket-mib", "64"), p))
-    kv = kv_fitting()
-    if kv is not None and kv > 0:
-        out.append(Advice(f"a KV cache of at most {kv / GB:.2f} GB per rank", ("--kv-cache-bytes", str(kv)), budget))
-    if out:
-        return out
-    everything = {k: True for k in names}
-    kv = kv_fitting(offload=everything, bucket_nbytes=min(small, args["bucket_nbytes"]))
-    if kv is not None and kv > 0:
-        return [Advice(f"together: offload_train_param, offload_train_grad and offload_train_optimizer true, "
-                       f"reshard_bucket_bytes: {min(small, args['bucket_nbytes'])}, a KV cache of at most "
-                       f"{kv / GB:.2f} GB per rank",
-                       ("--offload", "param,grad,optimizer", "--bucket-mib",
-                        str(min(small, args["bucket_nbytes"]) // 2**20), "--kv-cache-bytes", str(kv)), budget)]
-    return [Advice(f"none of offloading, a smaller bucket or a smaller KV cache: rank {worst.rank} peaks at "
-                   f"{worst.peak_nbytes / GB:.1f} GB of {budget / GB:.1f} GB even with all of them; use more ranks "
-                   f"or a larger inference tp/ep", (), worst.peak_nbytes)]
-

@@ -5,9 +5,9 @@
         --infer 8/1/32 --accelerator h100 --json plan.json --plot plan.png
 
 Prints, for the rank with the highest predicted peak, every step of TRAIN->INFER and INFER->TRAIN (bytes
-allocated, freed, transient, moved over the host link and the network, peak, time), whether it fits the
-device, and, when it does not, which knob would make it fit. See [Note: cluster plan] in
-:mod:`hybridmem.cluster_plan`.
+allocated, freed, transient, moved over the host link and the network, peak, time), the host memory of
+the fullest node, whether both fit, and, when they do not, which knob would make them fit. See [Note:
+cluster plan] in :mod:`hybridmem.cluster_plan` and [Note: host plan] in :mod:`hybridmem.host_plan`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import replace
 from hybridmem.cluster_plan import ACCELERATORS, GB, ClusterPlan, TrainingSetup, hf_buffer_nbytes, plan_cluster
 from hybridmem.config import ParallelLayout
 from hybridmem.examples.parsing import OneLineErrorParser
+from hybridmem.host_plan import HOST_SOURCES, SLEEP_LEVELS
 from hybridmem.kinds import StateKind
 from hybridmem.reshard import ModelSpec
 
@@ -52,8 +53,13 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--host-link-gbps", type=float, help="override host<->device bandwidth (GB/s)")
     p.add_argument("--intra-node-gbps", type=float, help="override device<->device bandwidth within a node (GB/s)")
     p.add_argument("--inter-node-gbps", type=float, help="override device<->device bandwidth across nodes (GB/s)")
-    p.add_argument("--devices-per-node", type=int, help="override devices per node")
+    p.add_argument("--devices-per-node", type=int, help="override devices per node (sharing its host memory)")
+    p.add_argument("--devices-per-nvlink-domain", type=int,
+                   help="override devices reached over NVLink (default: the node's; 72 for gb200/gb300)")
     p.add_argument("--device-copy-gbps", type=float, help="override device-local copy bandwidth (GB/s)")
+    p.add_argument("--host-memory-gb", type=float, help="override host memory per node (10^9 bytes)")
+    p.add_argument("--no-pinned-rounding", action="store_true",
+                   help="pinned arenas take their size, not the next power of two (torch's pinned_max_round_threshold_mb)")
     p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--grad-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="default: fp32 for Megatron (main grads), the param dtype for fsdp2")
@@ -66,6 +72,10 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--kv-cache-bytes", type=int, help="KV cache per rank in bytes")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's rule for the KV cache")
     p.add_argument("--bucket-mib", type=float, default=512, help="resharding bucket (reshard_bucket_bytes)")
+    p.add_argument("--sleep-level", type=int, default=2, choices=SLEEP_LEVELS,
+                   help="the engine's sleep: 1 keeps its weights in host memory, 2 (default) discards them")
+    p.add_argument("--train-host-gb", type=float, default=0.0,
+                   help="the training framework's own host buffers per rank (default 0: none known)")
     p.add_argument("--ranks", default="4", help="how many ranks to plan (those with the most bytes), or 'all'")
     p.add_argument("--json", help="write every figure to this file ('-': standard output, no table)")
     p.add_argument("--plot", help="draw the worst rank's memory per step to this image file")
@@ -85,7 +95,26 @@ def _config(args) -> dict:
         raise ValueError("give a config.json (or its directory), or --family with --set KEY=VALUE")
     path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
     with open(path) as f:
-        return json.load(f)
+        text = f.read()
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}){_looks_like(path, text)}: hybridmem "
+                         f"plan reads a model's Hugging Face config.json (or its directory); give that, or "
+                         f"--family with --set KEY=VALUE, and the layouts as options (--world, --train, --infer)") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object: hybridmem plan reads a model's "
+                         f"Hugging Face config.json (or its directory)")
+    return config
+
+
+def _looks_like(path: str, text: str) -> str:
+    """``"; it looks like YAML (a job config?)"`` for a YAML file, else ``""``."""
+    first = next((line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")), "")
+    json_like = first.lstrip().startswith(("{", "["))
+    if path.endswith((".yaml", ".yml")) or not json_like and (first.rstrip().endswith(":") or ": " in first):
+        return "; it looks like YAML (a job config?)"
+    return ""
 
 
 def plan_from_args(args) -> ClusterPlan:
@@ -102,20 +131,28 @@ def plan_from_args(args) -> ClusterPlan:
                  "intra_node_bps": args.intra_node_gbps and args.intra_node_gbps * GB,
                  "inter_node_bps": args.inter_node_gbps and args.inter_node_gbps * GB,
                  "devices_per_node": args.devices_per_node,
-                 "device_copy_bps": args.device_copy_gbps and args.device_copy_gbps * GB}
+                 "devices_per_nvlink_domain": args.devices_per_nvlink_domain,
+                 "device_copy_bps": args.device_copy_gbps and args.device_copy_gbps * GB,
+                 "host_memory_nbytes": args.host_memory_gb and int(args.host_memory_gb * GB),
+                 "pinned_rounds_up": False if args.no_pinned_rounding else None}
+    if args.devices_per_node is not None and args.devices_per_nvlink_domain is None and accel.devices_per_nvlink_domain:
+        overrides["devices_per_nvlink_domain"] = max(accel.devices_per_nvlink_domain, args.devices_per_node)
     accel = replace(accel, **{k: v for k, v in overrides.items() if v is not None})
+    if args.train_host_gb < 0:
+        raise ValueError(f"--train-host-gb {args.train_host_gb} must be >= 0")
+    host_buffers = int(args.train_host_gb * GB)
     param = DTYPE_BYTES[args.param_dtype]
     if args.train == "fsdp2":
         if args.train_stages:
             raise ValueError("--train-stages is for a Megatron training layout, not fsdp2")
         setup = TrainingSetup(kind="fsdp2", param_bytes=param, grad_bytes=DTYPE_BYTES[args.grad_dtype or args.param_dtype],
-                              buffer_nbytes=hf_buffer_nbytes(config, param))
+                              buffer_nbytes=hf_buffer_nbytes(config, param), host_buffer_nbytes=host_buffers)
     else:
         stages = tuple(int(x) for x in args.train_stages.split(",")) if args.train_stages else None
         setup = TrainingSetup(kind="megatron", parallel=_layout(args.train, "--train"), stage_layers=stages,
                               param_bytes=param, grad_bytes=DTYPE_BYTES[args.grad_dtype or "fp32"],
                               optimizer_bytes_per_param=args.optimizer_bytes_per_param,
-                              distributed_optimizer=not args.no_distributed_optimizer)
+                              distributed_optimizer=not args.no_distributed_optimizer, host_buffer_nbytes=host_buffers)
     names = [] if args.offload == "none" else [n.strip() for n in args.offload.split(",") if n.strip()]
     unknown = [n for n in names if n not in KINDS]
     if unknown:
@@ -128,7 +165,7 @@ def plan_from_args(args) -> ClusterPlan:
     return plan_cluster(spec, setup, _layout(args.infer, "--infer"), args.world, accel=accel,
                         offload={k: k.value in names for k in KINDS.values()}, kv_nbytes=kv,
                         gpu_memory_utilization=args.gpu_memory_utilization, infer_bytes=DTYPE_BYTES[args.infer_dtype],
-                        bucket_nbytes=int(args.bucket_mib * 2**20), ranks=ranks)
+                        bucket_nbytes=int(args.bucket_mib * 2**20), sleep_level=args.sleep_level, ranks=ranks)
 
 
 def _print(plan: ClusterPlan, args) -> None:
@@ -140,8 +177,8 @@ def _print(plan: ClusterPlan, args) -> None:
     a = plan.accelerator
     console.print(f"{args.world} x {a.name} ({a.memory_nbytes / GB:.0f} GB, host link {a.host_link_bps / GB:.0f} GB/s, "
                   f"NVLink {a.intra_node_bps / GB:.0f} GB/s, network {a.inter_node_bps / GB:.0f} GB/s, "
-                  f"{a.devices_per_node}/node); train {args.train}, infer {args.infer}; planned ranks "
-                  f"{[p.rank for p in plan.ranks]}")
+                  f"{a.devices_per_node}/node with {a.host_memory_nbytes / GB:.0f} GB host memory); train {args.train}, "
+                  f"infer {args.infer}, engine sleep level {plan.sleep_level}; planned ranks {[p.rank for p in plan.ranks]}")
     state = ", ".join(f"{k} {v / GB:.2f}" for k, v in worst.state_nbytes.items())
     console.print(f"worst rank {worst.rank} (GB): {state}")
     for direction, steps in (("TRAIN->INFER", worst.to_infer), ("INFER->TRAIN", worst.to_train)):
@@ -159,10 +196,20 @@ def _print(plan: ClusterPlan, args) -> None:
     slowest = max(plan.ranks, key=lambda p: sum(p.seconds.values()))
     console.print(f"slowest planned rank {slowest.rank}: TRAIN->INFER {slowest.seconds['to_infer']:.2f} s, "
                   f"INFER->TRAIN {slowest.seconds['to_train']:.2f} s")
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
-    console.print(f"peak {worst.peak_nbytes / GB:.2f} GB of {plan.budget_nbytes / GB:.2f} GB: {verdict}")
+    node = plan.worst_node
+    sources = ", ".join(f"{k} {node.nbytes[k] / GB:.1f}" for k in HOST_SOURCES)
+    rounding = "each rounded up to a power of two" if a.pinned_rounds_up else "at their size"
+    console.print(f"host per node (GB), node {node.node} (ranks {node.ranks[0]}-{node.ranks[-1]}): {sources}")
+    console.print(f"  pinned arenas {rounding}; the training framework's own host buffers: "
+                  f"{'as given' if args.train_host_gb else 'none known (0)'}")
+    device = "fits" if plan.device_fits else "DOES NOT FIT"
+    host = "fits" if plan.host_fits else "DOES NOT FIT"
+    console.print(f"peak {worst.peak_nbytes / GB:.2f} GB of {plan.budget_nbytes / GB:.2f} GB per device: {device}; "
+                  f"host peak {node.peak_nbytes / GB:.1f} GB of {plan.host_budget_nbytes / GB:.1f} GB per node: {host}")
     for advice in plan.advice:
         how = f" ({' '.join(advice.options)}): peak {advice.peak_nbytes / GB:.2f} GB" if advice.options else ""
+        if advice.options and advice.host_peak_nbytes is not None:
+            how += f", host {advice.host_peak_nbytes / GB:.1f} GB per node"
         console.print(f"  would fit with: {advice.knob}{how}")
 
 

@@ -102,3 +102,28 @@ def test_inside_infer_held_arenas_refuse_to_grow_and_onload_restores_bitwise(tin
         assert torch.equal(arena.view(torch.uint8), kept.view(torch.uint8)), f"{owner}/{dtype} bytes changed"
     mgr.to_train()
     assert_bitwise_equal(before, snapshot(model, opt))
+
+
+def test_an_arena_being_prewarmed_counts_for_the_memory_plan():
+    """What a switch's host plan starts from: held arenas plus those being prewarmed; an owner's arena is
+    the larger of the two."""
+    import threading
+
+    from hybridmem.accel import CpuAccelerator
+
+    release = threading.Event()
+
+    class Slow(CpuAccelerator):
+        def alloc_host(self, numel, dtype, *, pin):
+            if threading.current_thread().name == "hybridmem-prewarm":
+                release.wait(5)
+            return super().alloc_host(numel, dtype, pin=pin)
+
+    pool = HostBufferPool(Slow())
+    pool.arena("grad", torch.float32, 10)  # 40 bytes held
+    pool.prewarm([("param", torch.float32, 100)])  # 400 bytes pending
+    assert (pool.arena_nbytes("param", torch.float32), pool.arena_nbytes("grad", torch.float32)) == (400, 40)
+    assert (pool.reserved_nbytes(), pool.held_nbytes(), pool.arena_nbytes("param", torch.bfloat16)) == (440, 40, 0)
+    release.set()
+    pool.wait_prewarmed(5)
+    assert pool.reserved_nbytes() == pool.held_nbytes() == 440

@@ -1,9 +1,11 @@
 """``hybridmem plan`` predicts what a run does: at 4 and 8 gloo ranks (a ``from_pretrained`` model under
 FSDP2, the embedded engine at inference TP 2, a manager with defaults), every step of both switches on
 every rank, with the bytes it allocates, frees and needs transiently, equals the runtime's own memory plan
-(built from the real offloaders, engine and weight sync), and the bytes the command says each step moves
-over the host link and the network equal what the switch reports it moved. Bad options are named; a
-cluster that does not fit gets advice that, applied, fits.
+(built from the real offloaders, engine and weight sync), the bytes the command says each step moves
+over the host link and the network equal what the switch reports it moved, and the host bytes it
+predicts per rank and per node (2 ranks a node) equal what the pools of those ranks hold. Bad options
+are named; a cluster that does not fit, the device or a node's host memory, gets advice that, applied,
+fits.
 
 See [Note: cluster plan] in hybridmem.cluster_plan.
 """
@@ -36,16 +38,28 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 def test_the_plan_equals_a_gloo_run(model_dir, world):
     with WorkerPool(world, timeout_s=120) as pool:
         runs = pool.run(_tasks.switch_task, model_dir, infer_tp=2, kv_blocks=8)
+    # The gloo run's host arenas are not pinned (CPU): no power-of-two rounding.
     out = _plan(model_dir, "--world", str(world), "--train", "fsdp2", "--infer", "2/1/1", "--param-dtype", "fp32",
-                "--infer-dtype", "fp32", "--kv-cache-bytes", str(runs[0]["kv_nbytes"]), "--ranks", "all", "--json", "-")
+                "--infer-dtype", "fp32", "--kv-cache-bytes", str(runs[0]["kv_nbytes"]), "--ranks", "all", "--json", "-",
+                "--devices-per-node", "2", "--no-pinned-rounding")
     assert out.returncode == 0, out.stderr[-3000:]
     predicted = json.loads(out.stdout)
     assert predicted["fits"] and [p["rank"] for p in predicted["ranks"]] == list(range(world))
+    # Host memory: per rank, each kind's arenas equal the pool's arenas of that owner; per node, the sum of
+    # what the pools of its two ranks hold.
+    for ours, run in zip(predicted["ranks"], runs):
+        arenas = {k.split()[0]: v for k, v in ours["host_nbytes"].items() if k.endswith("arenas")}
+        assert arenas == run["arenas"] and sum(ours["host_nbytes"].values()) == run["pool_nbytes"], (ours, run)
+    nodes = [n["peak_nbytes"] for n in predicted["nodes"]]
+    assert nodes == [runs[r]["pool_nbytes"] + runs[r + 1]["pool_nbytes"] for r in range(0, world, 2)], nodes
+    assert predicted["host_peak_nbytes"] == max(nodes) and predicted["host_fits"]
     for rank, (ours, run) in enumerate(zip(predicted["ranks"], runs)):
         for direction in ("to_infer", "to_train"):
             mine = [(s["name"], s["alloc_nbytes"], s["free_nbytes"], s["transient_nbytes"]) for s in ours[direction]]
             real = [(s["name"], s["alloc"], s["free"], s["transient"]) for s in run[direction]]
             assert mine == real, (rank, direction, mine, real)
+            # The runtime's own host plan: the arenas prewarmed before the switch, none grown by it.
+            assert not any(s["host_alloc"] for s in run[direction]), run[direction]
             for step in ours[direction]:
                 moved = run["moved"][step["name"]]
                 if step["name"].startswith(("offload ", "onload ")):
@@ -56,6 +70,7 @@ def test_the_plan_equals_a_gloo_run(model_dir, world):
                 else:
                     assert step["host_link_nbytes"] == step["network_nbytes"] == 0
         assert ours["sent_nbytes"] == run["moved"]["weight sync"]["extra"]["sent_nbytes"] > 0
+        assert run["host_start"] == run["pool_nbytes"], run
 
 
 QWEN25_7B = ["--family", "qwen2", "--set", "hidden_size=3584", "--set", "intermediate_size=18944", "--set",
@@ -116,3 +131,86 @@ def test_the_table_json_and_plot(tmp_path):
 def test_bad_options_are_named(args, message):
     out = _plan(*QWEN25_7B, "--world", "8", *args)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+def _pow2(nbytes: int) -> int:
+    """What torch's pinned host allocator takes for ``nbytes``: the next power of two."""
+    size = 1
+    while size < nbytes:
+        size *= 2
+    return size
+
+
+def test_a_node_whose_host_memory_cannot_hold_it_gets_advice_that_fits(tmp_path, capsys):
+    """Qwen2.5-7B on one node of 8 H100s with 400 GB of host memory, Megatron TP2 -> vLLM TP1, every kind
+    offloaded, the engine's sleep at level 1: the node's host peak (8 ranks' pinned arenas, each the next
+    power of two of a kind's bytes, and 8 copies of the engine's weights) does not fit (exit 1); each
+    change the command names, applied as its options, fits (exit 0)."""
+    from hybridmem.plan_command import main
+
+    h, f, v, kv, layers = 3584, 18944, 152064, 512, 28
+    split = 2 * v * h + layers * (2 * h * h + h + 2 * (kv * h + kv) + 3 * h * f)
+    norms = (2 * layers + 1) * h
+    per_rank = split // 2 + norms  # TP2: half of every split tensor, every norm whole
+    arenas = _pow2(per_rank * 2) + _pow2(per_rank * 4) + _pow2(per_rank * 12 // 4)  # bf16, fp32 grads, Adam / dp 4
+    sleep_copy = (split + norms) * 2  # TP1: the whole model in bf16 on every rank
+    small = [*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--kv-cache-gb", "20",
+             "--host-memory-gb", "400"]
+    out = _plan(*small, "--sleep-level", "1", "--json", str(tmp_path / "plan.json"))
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    expected = 8 * (arenas + sleep_copy)
+    assert f"host peak {expected / 1e9:.1f} GB of 400.0 GB per node: DOES NOT FIT" in out.stdout, (expected, out.stdout)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["device_fits"] and not data["host_fits"] and data["host_peak_nbytes"] == expected
+    advice = data["advice"]
+    assert any(a["options"] == ["--sleep-level", "2"] for a in advice), advice
+    assert any("--offload" in a["options"] for a in advice), advice
+    for a in advice:
+        options = a["options"] if "--sleep-level" in a["options"] else [*a["options"], "--sleep-level", "1"]
+        assert main([*small, *options]) == 0, (a, capsys.readouterr().out[-1500:])
+        assert "per node: fits" in capsys.readouterr().out
+
+
+def test_a_host_too_small_for_any_knob_is_said_so(capsys):
+    """50 GB of host memory for 8 ranks whose optimizer arenas alone take 137 GB, on 40 GB devices that cannot
+    keep the training state beside the engine's weights."""
+    from hybridmem.plan_command import main
+
+    assert main([*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--host-memory-gb", "50",
+                 "--device-memory-gb", "40"]) == 1
+    text = capsys.readouterr().out
+    assert "none of the engine's sleep level 2 or offloading fewer kinds" in text and "more host memory" in text, text
+
+
+def test_gb200_and_gb300_presets_are_compute_trays():
+    """4 GPUs and 2 Grace CPUs of 480 GB each per tray; the NVLink domain is the 72-GPU rack."""
+    from hybridmem.plan_presets import ACCELERATORS
+
+    for name, hbm in (("gb200", 186e9), ("gb300", 288e9)):
+        a = ACCELERATORS[name]
+        assert (a.devices_per_node, a.host_memory_nbytes, a.nvlink_domain, a.memory_nbytes) == (4, 2 * 480e9, 72, hbm)
+    assert all(a.host_memory_nbytes >= 960e9 for a in ACCELERATORS.values())
+
+
+def test_a_yaml_file_given_as_the_model_config_is_one_line_naming_it(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("actor_config:\n  tensor_model_parallel_size: 4\n")
+    out = _plan(str(job), "--world", "8")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    for words in (str(job), "is not JSON", "looks like YAML", "Hugging Face config.json", "--family"):
+        assert words in out.stderr, (words, out.stderr)
+
+
+def test_host_advice_that_keeps_state_on_the_device_names_a_kv_cache_that_fits(capsys):
+    """100 GB of host memory: only keeping grads and optimizer state on the device fits it, and then vLLM's
+    default KV cache does not fit beside them; the advice names the smaller one, and applied, it fits."""
+    from hybridmem.plan_command import main
+
+    small = [*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--host-memory-gb", "100"]
+    assert main([*small, "--json", "-"]) == 1
+    advice = json.loads(capsys.readouterr().out)["advice"]
+    assert advice and all("--kv-cache-bytes" in a["options"] and a["options"][:2] == ["--offload", "param"]
+                          for a in advice), advice
+    for a in advice:
+        assert main([*small, *a["options"]]) == 0, (a, capsys.readouterr().out[-1500:])
+        capsys.readouterr()
