@@ -16,6 +16,15 @@ once it is ready, under the pool's lock; :meth:`HostBufferPool.arena` asked for 
 prewarmed waits for that key alone, and takes it. Prewarming never raises into the caller: a request
 over the host budget, or for a held owner, is skipped (the switch then allocates, or raises, as it
 would have), and an allocation that fails is logged.
+
+[Note: prewarm thread at exit]
+The prewarming thread is not a daemon. A daemon thread still inside torch when the interpreter shuts
+down is torn off mid-call (CPython ends such a thread with ``pthread_exit``, whose unwinding through
+torch's C++ frames calls ``std::terminate``): a script whose last line was an optimizer step, which
+schedules a prewarm, then died with SIGABRT after its last line. So the interpreter joins the thread at
+exit, and the thread stops early instead of finishing its list: it checks that the main thread is alive
+(``threading`` marks it stopped when shutdown starts) before each arena and between the chunks in which
+it writes a pageable arena, so exit waits for at most one pinned allocation or one chunk.
 """
 
 from __future__ import annotations
@@ -49,6 +58,26 @@ class ArenaInfo:
     """Whether the arena is page-locked."""
     num_grows: int
     """How many times the arena was (re)allocated; 1 once it is stable."""
+
+
+_TOUCH_CHUNK_NBYTES = 64 * 2**20
+"""Bytes of a pageable arena written between two checks for the interpreter's exit."""
+
+
+def _exiting() -> bool:
+    """Whether the interpreter is shutting down (the main thread is marked stopped first)."""
+    return not threading.main_thread().is_alive()
+
+
+def _touch_pages(arena: torch.Tensor) -> bool:
+    """Write ``arena`` once, chunk by chunk, so the kernel maps its pages now; ``False`` when the
+    interpreter started exiting before it was done (see [Note: prewarm thread at exit])."""
+    flat = arena.view(torch.uint8) if arena.numel() else arena
+    for start in range(0, flat.numel(), _TOUCH_CHUNK_NBYTES):
+        if _exiting():
+            return False
+        flat[start:start + _TOUCH_CHUNK_NBYTES].zero_()
+    return True
 
 
 class HostBufferPool:
@@ -154,7 +183,8 @@ class HostBufferPool:
                 self._pending[key] = nbytes
                 todo.append((key, numel))
         if todo:
-            thread = threading.Thread(target=self._prewarm, args=(todo,), name="hybridmem-prewarm", daemon=True)
+            # Not a daemon: see [Note: prewarm thread at exit].
+            thread = threading.Thread(target=self._prewarm, args=(todo,), name="hybridmem-prewarm", daemon=False)
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
         return sum(n * torch.empty((), dtype=k[1]).element_size() for k, n in todo)
@@ -163,9 +193,11 @@ class HostBufferPool:
         for key, numel in todo:
             arena = None
             try:
+                if _exiting():  # [Note: prewarm thread at exit]
+                    continue
                 arena = self.accel.alloc_host(numel, key[1], pin=self.pin)
-                if not arena.is_pinned():
-                    arena.zero_()  # map the pages now, off the switch's path
+                if not arena.is_pinned() and not _touch_pages(arena):
+                    arena = None  # the interpreter is exiting: nobody will switch
             except BaseException:  # noqa: BLE001 - never into the caller: the switch allocates (and reports) it
                 log.warning("hybridmem: prewarming host arena %s/%s failed", *key, exc_info=True)
                 arena = None
