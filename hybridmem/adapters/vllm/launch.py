@@ -28,9 +28,15 @@ On vLLM's CPU backend ``gpu_memory_utilization`` is a share of the whole NUMA no
 ``kv_cache_memory_bytes`` (or ``VLLM_CPU_KVCACHE_SPACE``) vLLM gives the KV cache all of that share the
 model does not use: gigabytes of host RAM, which a co-located trainer and its offloaded state live in too.
 ``create`` therefore passes ``kv_cache_memory_bytes`` on the CPU backend unless the caller set one of
-those: what ``max_num_seqs`` sequences of ``max_model_len`` tokens need (2 x layers x KV heads x head dim
-x element size per token; MLA models their latent width), at most ``gpu_memory_utilization`` of the
-memory free now (:func:`cpu_kv_cache_nbytes`).
+those (:func:`cpu_kv_cache_nbytes`): room for ``max_num_seqs`` sequences of ``max_model_len`` tokens, but
+at most :data:`CPU_KV_TOKENS` tokens unless one ``max_model_len`` sequence needs more, in whole blocks,
+at 2 x layers x KV heads x head dim x element size per token (MLA models: their latent width), and at
+most ``gpu_memory_utilization`` of the memory free now. The token cap is what keeps the default in
+proportion to the model: vLLM's defaults (``max_num_seqs`` 256, ``max_model_len`` from the config, 32768
+for a Qwen2 config) would otherwise ask 8 GiB for a model of a few MiB. vLLM's scheduler admits a
+sequence while KV blocks are free and queues the rest, so a cache smaller than every sequence at full
+length still runs them all; vLLM needs room for one full-length sequence, which the cap always leaves.
+``create`` logs the size it chose.
 """
 
 from __future__ import annotations
@@ -47,10 +53,21 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AUTO", "Launch", "plan_launch", "launching", "cpu_kv_cache_nbytes", "cpu_kv_default", "DEFAULT_MAX_NUM_SEQS"]
+__all__ = ["AUTO", "Launch", "plan_launch", "launching", "cpu_kv_cache_nbytes", "cpu_kv_default", "DEFAULT_MAX_NUM_SEQS",
+           "CPU_KV_TOKENS"]
 
 DEFAULT_MAX_NUM_SEQS = 256
 """vLLM's default ``max_num_seqs`` for offline ``LLM`` use, assumed when the caller gives none."""
+
+CPU_KV_TOKENS = 65_536
+"""The most tokens the CPU default KV cache holds unless one ``max_model_len`` sequence needs more (see
+[Note: vllm cpu kv default]): 64 MiB for docs/vllm.md's two-layer float32 model, about 3.5 GiB for
+Qwen2.5-7B in bfloat16."""
+
+DEFAULT_CPU_BLOCK_SIZE = 128
+"""vLLM's KV block size on its CPU backend (0.32) when the caller gives no ``block_size``."""
+
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 AUTO = "auto"
 """``distributed_executor_backend`` value that lets :func:`plan_launch` choose (see [Note: vllm launch])."""
@@ -190,8 +207,8 @@ def cpu_kv_cache_nbytes(hf_config: Any, llm_kwargs: Mapping[str, Any], *, utiliz
 
     Args:
         hf_config: The model's transformers config.
-        llm_kwargs: The ``vllm.LLM`` arguments (``max_model_len``, ``max_num_seqs``, ``dtype``,
-            ``kv_cache_dtype``).
+        llm_kwargs: The ``vllm.LLM`` arguments (``max_model_len``, ``max_num_seqs``, ``block_size``,
+            ``dtype``, ``kv_cache_dtype``).
         utilization: ``gpu_memory_utilization``: the most of ``free_nbytes`` the cache may take.
         free_nbytes: Host memory free now.
     """
@@ -205,8 +222,11 @@ def cpu_kv_cache_nbytes(hf_config: Any, llm_kwargs: Mapping[str, Any], *, utiliz
         per_layer = 2 * int(get("num_key_value_heads", heads)) * head_dim
     kv_dtype = llm_kwargs.get("kv_cache_dtype", "auto")
     itemsize = _element_nbytes(llm_kwargs.get("dtype", "auto") if kv_dtype in (None, "auto") else kv_dtype)
-    tokens = int(llm_kwargs.get("max_model_len") or get("max_position_embeddings", 4096))
-    tokens *= int(llm_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+    seq_len = int(llm_kwargs.get("max_model_len") or next((get(k) for k in _CONTEXT_KEYS if get(k)), 4096))
+    num_seqs = int(llm_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+    tokens = min(seq_len * num_seqs, max(seq_len, CPU_KV_TOKENS))
+    block = int(llm_kwargs.get("block_size") or DEFAULT_CPU_BLOCK_SIZE)
+    tokens = -(-tokens // block) * block
     needed = tokens * int(get("num_hidden_layers", 1)) * per_layer * itemsize
     return max(1, min(needed, int(free_nbytes * utilization)))
 
@@ -236,4 +256,8 @@ def cpu_kv_default(model_path_or_config: Any, llm_kwargs: Mapping[str, Any], uti
     from hybridmem.accel import get_accelerator  # noqa: PLC0415
 
     free = get_accelerator("cpu").memory_figures().free_nbytes
-    return {"kv_cache_memory_bytes": cpu_kv_cache_nbytes(hf_config, llm_kwargs, utilization=utilization, free_nbytes=free)}
+    nbytes = cpu_kv_cache_nbytes(hf_config, llm_kwargs, utilization=utilization, free_nbytes=free)
+    log.info("hybridmem vLLM adapter: KV cache on vLLM's CPU backend: %.1f MiB (at most %d tokens, or one "
+             "max_model_len sequence; pass kv_cache_memory_bytes or set VLLM_CPU_KVCACHE_SPACE to choose)",
+             nbytes / 2**20, CPU_KV_TOKENS)
+    return {"kv_cache_memory_bytes": nbytes}
