@@ -63,6 +63,7 @@ import torch
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
 from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_default, launching, plan_launch
+from hybridmem.adapters.vllm.logs import quiet_buffer_only_reload
 from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes
 from hybridmem.adapters.vllm.source import check_model_source
 from hybridmem.adapters.vllm.outputs import (
@@ -537,7 +538,12 @@ class VLLMEngine:
                         nbytes += tensor.numel() * tensor.element_size()
                         yield name, tensor
 
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+                # [Note: vllm buffer-only reload warning]
+                with quiet_buffer_only_reload(self.worker_info.buffer_only_modules) as quiet:
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})
+                if quiet.dropped:
+                    log.debug("hybridmem vLLM adapter: dropped vLLM's 'Failed to load weights' for %s (buffers only, "
+                              "none in a checkpoint; kept as they were)", sorted(set(quiet.dropped)))
                 num_buckets = 1
             else:
                 for bucket in bucket_weights(weights, self.bucket_nbytes):

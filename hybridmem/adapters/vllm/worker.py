@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WorkerInfo", "probe_worker", "load_bucket", "identity", "reprocess_weights", "worker_model"]
+__all__ = ["WorkerInfo", "buffer_only_classes", "probe_worker", "load_bucket", "identity", "reprocess_weights", "worker_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,10 @@ class WorkerInfo:
     """``(name, shape)`` of every parameter of the worker's model, in model order."""
     device_type: str | None = None
     """The worker's device type (``"cpu"`` on vLLM's CPU backend)."""
+    buffer_only_modules: tuple[str, ...] = ()
+    """Classes every module of which holds buffers only, all non-persistent (a rotary embedding's
+    ``cos_sin_cache``): nothing a checkpoint or a weight sync holds (see [Note: vllm buffer-only reload
+    warning] in :mod:`hybridmem.adapters.vllm.logs`)."""
 
     @property
     def fused_experts(self) -> tuple[str, ...]:
@@ -49,6 +53,22 @@ def worker_model(worker: Any) -> torch.nn.Module:
     return getattr(model, "runnable", model)
 
 
+def buffer_only_classes(model: torch.nn.Module) -> tuple[str, ...]:
+    """Class names each module of which, in ``model``, has buffers and no parameters of its own, every
+    buffer non-persistent (so outside the state dict); modules with no tensors of their own count for
+    neither side."""
+    verdict: dict[str, bool] = {}
+    for module in model.modules():
+        has_params = any(p is not None for p in module._parameters.values())
+        buffers = [name for name, b in module._buffers.items() if b is not None]
+        if not has_params and not buffers:
+            continue
+        only = not has_params and all(name in module._non_persistent_buffers_set for name in buffers)
+        cls = type(module).__name__
+        verdict[cls] = verdict.get(cls, True) and only
+    return tuple(sorted(cls for cls, only in verdict.items() if only))
+
+
 def probe_worker(worker: Any) -> WorkerInfo:
     """Run in the worker through ``collective_rpc``: its rank, its reload method, its parameters."""
     model = worker_model(worker)
@@ -57,6 +77,7 @@ def probe_worker(worker: Any) -> WorkerInfo:
         has_reload_weights=callable(getattr(worker, "reload_weights", None)),
         params=tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
         device_type=getattr(getattr(worker, "device", None), "type", None),
+        buffer_only_modules=buffer_only_classes(model),
     )
 
 
