@@ -19,8 +19,13 @@ pytestmark = pytest.mark.slow
 
 WORLD = 4
 BAD = 3
-DEADLINE_S = 3.0
-STALL_S = 8.0
+DEADLINE_S = 6.0
+"""The sync's collective deadline: above the up to 2 s a fresh pool's first (fault-free) switch takes on a
+loaded 2-core machine, so that only the misbehaving rank makes the others reach it."""
+MARGIN_S = 10.0
+"""How long after the deadline a survivor may take to raise (its rollback, on a loaded machine)."""
+STALL_S = DEADLINE_S + MARGIN_S
+"""How long the stalled rank sleeps: past the last survivor's timeout, so every survivor sees it."""
 
 
 @pytest.fixture
@@ -63,7 +68,7 @@ def test_survivors_raise_within_the_deadline_with_nothing_lost(pool, model_dir, 
         assert r["error"] == "SwitchCollectiveTimeoutError" and r["collective"], (rank, r)
         assert "weight sync" in r["message"] and "process group is no longer usable" in r["message"], r["message"]
         assert r["peers"] and r["group_usable"] is False, (rank, r)
-        assert r["seconds"] < DEADLINE_S + 5.0, (rank, r["seconds"])
+        assert r["seconds"] < DEADLINE_S + MARGIN_S, (rank, r["seconds"])
         assert r["phase"] == "TRAIN" and r["state_intact"], (rank, r)
     # A rank names the peers it waited for: the bad rank, or a peer waiting for it in turn.
     assert any(BAD in results[r]["peers"] for r in survivors), [results[r]["peers"] for r in survivors]
@@ -123,7 +128,7 @@ def test_a_fault_on_one_rank_at_an_exchange_fails_the_others_by_the_deadline(poo
     for rank, r in enumerate(results):
         assert r["phase"] == "TRAIN" and r["state_intact"], (rank, r)
         if rank != BAD:  # each names the peer it waited for: rank 3, or one waiting for rank 3 in turn
-            assert r["collective"] and r["peers"] and r["seconds"] < DEADLINE_S + 5.0, (rank, r)
+            assert r["collective"] and r["peers"] and r["seconds"] < DEADLINE_S + MARGIN_S, (rank, r)
     assert any(BAD in r["peers"] for rank, r in enumerate(results) if rank != BAD), results
 
 
