@@ -31,7 +31,7 @@ STALL_S = DEADLINE_S + MARGIN_S
 @pytest.fixture
 def pool():
     """A fresh pool per case: each case leaves its process group closed, as the error says."""
-    with WorkerPool(WORLD, timeout_s=90.0) as p:
+    with WorkerPool(WORLD, timeout_s=300.0) as p:
         yield p
 
 

@@ -23,7 +23,7 @@ from hybridmem.testing.workers import WorkerPool
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(4, timeout_s=120.0) as p:
+    with WorkerPool(4, timeout_s=300.0) as p:
         yield p
 
 

@@ -21,7 +21,7 @@ WORLD = 4
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(WORLD, timeout_s=180.0) as p:
+    with WorkerPool(WORLD, timeout_s=300.0) as p:
         yield p
 
 

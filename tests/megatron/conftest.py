@@ -22,7 +22,7 @@ class _PoolBySize:
     def get(self, world_size: int) -> WorkerPool:
         if self.pool is None or self.pool.max_world_size != world_size:
             self.close()
-            self.pool = WorkerPool(world_size, timeout_s=150.0)
+            self.pool = WorkerPool(world_size, timeout_s=300.0)
         return self.pool
 
     def close(self) -> None:

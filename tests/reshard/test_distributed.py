@@ -19,7 +19,7 @@ MAX_WORLD = 4
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(MAX_WORLD, timeout_s=120) as p:
+    with WorkerPool(MAX_WORLD, timeout_s=300) as p:
         yield p
 
 

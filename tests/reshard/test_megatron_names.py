@@ -15,7 +15,7 @@ pytestmark = pytest.mark.megatron
 
 @pytest.fixture(scope="module")
 def pool():
-    with WorkerPool(2, timeout_s=180) as p:
+    with WorkerPool(2, timeout_s=300) as p:
         yield p
 
 
