@@ -498,8 +498,8 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
 
         def host_peak(**change) -> int:
             a = {**args, **change}
-            hosts = [_rank_host(s, setup, accel, a["offload"], a["sleep_level"]) for s in states]
-            return max(n.peak_nbytes for n in node_hosts(hosts, accel.devices_per_node))
+            hosts = [_rank_host(s, setup, a["accel"], a["offload"], a["sleep_level"]) for s in states]
+            return max(n.peak_nbytes for n in node_hosts(hosts, a["accel"].devices_per_node))
 
         def replan(**change) -> ClusterPlan:
             return plan_cluster(spec, setup, infer, world, **{**args, **change}, ranks=ranks, advise=False)

@@ -2,18 +2,20 @@
 again with it (``hybridmem plan`` prints them, and their command-line options).
 
 Device: offloading another kind of training state, a smaller resharding bucket, a smaller KV cache, or
-all of them together. Host (per node, [Note: host plan] in :mod:`hybridmem.host_plan`): the engine's sleep
-level 2 instead of 1, or offloading fewer kinds (each kept on the device instead, so its device peak is
-checked too). The resharding bucket is no host knob: the weight sync stages on the device, never on the
-host. How many ranks share a node is no knob either (the hardware decides); when nothing fits, the
-advice says so and what would (more memory, more ranks).
+all of them together. Host (per node, [Note: host plan] in :mod:`hybridmem.host_plan`): pinned arenas
+at their size rather than rounded up to a power of two (torch's ``pinned_max_round_threshold_mb``), the
+engine's sleep level 2 instead of 1, or offloading fewer kinds (each kept on the device instead, so its
+device peak is checked too, with a smaller KV cache when the default one no longer fits beside it). The
+resharding bucket is no host knob: the weight sync stages on the device, never on the host. How many
+ranks share a node is no knob either (the hardware decides); when nothing fits, the advice says so and
+what would (more memory, more ranks).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridmem.kinds import StateKind
@@ -24,6 +26,7 @@ __all__ = ["Advice", "advice_for"]
 KINDS = (StateKind.PARAM, StateKind.GRAD, StateKind.OPTIMIZER)
 SMALL_BUCKET_NBYTES = 64 * 2**20
 SLEEP_2 = "the engine's sleep level 2 (weights discarded: the vLLM adapter's default)"
+NO_ROUNDING = "PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:1 (pinned arenas at their size, not the next power of two)"
 
 
 @dataclass(frozen=True)
@@ -148,17 +151,26 @@ def _host_advice(result, args, predict, host_peak, replan) -> list[Advice]:
     budget, node = result.host_budget_nbytes, result.worst_node
     off = args["offload"]
     offloaded = [k for k in KINDS if off.get(k)]
-    sleep = [{"sleep_level": 2}] if args["sleep_level"] == 1 else []
+    # (change, knob, options) of each knob alone; a set of them is tried with the fewest first.
+    single = []
+    if args["accel"].pinned_rounds_up:
+        single.append(({"accel": replace(args["accel"], pinned_rounds_up=False)}, NO_ROUNDING, ("--no-pinned-rounding",)))
+    if args["sleep_level"] == 1:
+        single.append(({"sleep_level": 2}, SLEEP_2, ("--sleep-level", "2")))
     changes: list[tuple[int, dict, str, tuple[str, ...]]] = []
     for keep in range(len(offloaded) + 1):
         for kept in itertools.combinations(offloaded, keep):
             fewer = {**off, **{k: False for k in kept}}
-            for s in ([{}] + sleep) if kept else sleep:
-                change = {**({"offload": fewer} if kept else {}), **s}
-                knob = ", ".join([*(f"offload_train_{k.value}: false" for k in kept),
-                                  *([SLEEP_2] if s else [])])
-                options = (*(_offload_option(fewer) if kept else ()), *(("--sleep-level", "2") if s else ()))
-                changes.append((len(kept) + len(s), change, knob, options))
+            for num in range(len(single) + 1):
+                for others in itertools.combinations(single, num):
+                    if not kept and not others:
+                        continue
+                    change = {k: v for c, _, _ in others for k, v in c.items()}
+                    if kept:
+                        change["offload"] = fewer
+                    knob = ", ".join([*(f"offload_train_{k.value}: false" for k in kept), *(k for _, k, _ in others)])
+                    options = (*(_offload_option(fewer) if kept else ()), *(o for _, _, opts in others for o in opts))
+                    changes.append((len(kept) + num, change, knob, options))
     out: list[Advice] = []
     for size in sorted({c[0] for c in changes}):
         for _, change, knob, options in (c for c in changes if c[0] == size):
@@ -176,7 +188,8 @@ def _host_advice(result, args, predict, host_peak, replan) -> list[Advice]:
                 out.append(Advice(knob, options, plan.worst.peak_nbytes, plan.worst_node.peak_nbytes))
         if out:
             return out
-    return [Advice(f"none of the engine's sleep level 2 or offloading fewer kinds (with a smaller KV cache): node "
-                   f"{node.node} needs {node.peak_nbytes / GB:.1f} GB of {budget / GB:.1f} GB of host memory, and the "
+    return [Advice(f"none of unrounded pinned arenas, the engine's sleep level 2 or offloading fewer kinds (with a "
+                   f"smaller KV cache): node {node.node} needs {node.peak_nbytes / GB:.1f} GB of {budget / GB:.1f} GB "
+                   f"of host memory, and the "
                    f"devices cannot keep enough state to bring it under; use nodes with more host memory, or more "
                    f"ranks (less state per rank)", (), result.worst.peak_nbytes, node.peak_nbytes)]
