@@ -215,3 +215,31 @@ def test_host_advice_that_keeps_state_on_the_device_names_a_kv_cache_that_fits(c
     for a in advice:
         assert main([*small, *a["options"]]) == 0, (a, capsys.readouterr().out[-1500:])
         capsys.readouterr()
+
+
+def test_megatrons_expert_optimizer_state_is_divided_over_the_expert_data_parallel_ranks():
+    """A tiny GLM-4.5 MoE, Megatron TP1 EP2 on 4 ranks: the distributed optimizer divides the dense part's
+    Adam state (12 bytes per parameter) over the 4 data-parallel ranks and the experts' over the 2 ranks
+    holding each expert shard. The parameters are counted on transformers' model of the config (meta
+    device); Megatron keeps the routers' score-correction bias, a buffer there, as a parameter."""
+    import torch
+    import transformers
+
+    from hybridmem import ParallelLayout
+    from hybridmem.cluster_plan import TrainingSetup, rank_states
+    from hybridmem.reshard import ModelSpec
+
+    config = dict(model_type="glm4_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=96, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+                  first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True,
+                  tie_word_embeddings=False, num_hidden_layers=3, vocab_size=256)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    dense += sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    states = rank_states(ModelSpec.from_hf_config(config), TrainingSetup(parallel=ParallelLayout(tp=1, ep=2)),
+                         ParallelLayout(tp=1), 4, infer_bytes=2)
+    for state in states:
+        assert state.nbytes["param"] == (dense + experts // 2) * 2, state
+        assert state.nbytes["optimizer"] == dense * 12 // 4 + experts // 2 * 12 // 2, state
