@@ -52,7 +52,9 @@ def test_help_names_the_command_and_has_no_markup(capsys, command, prog):
     [
         (["demo", "--train-tp", "3"], ["--train-tp 3", "--world-size 2", "[1, 2]"]),
         (["demo", "--infer-tp", "4"], ["--infer-tp 4", "--world-size 2", "[1, 2]"]),
-        (["demo", "--world-size", "4", "--train-tp", "4"], ["--train-tp 4", "[1, 2]"]),
+        (["demo", "--world-size", "4", "--train-tp", "3"], ["--train-tp 3", "[1, 2, 4]"]),
+        (["demo", "--world-size", "3", "--train-tp", "3", "--trainer", "megatron"],
+         ["--train-tp 3", "[1]", "vocabulary of 16"]),
         (["demo", "--iters", "0"], ["--iters 0", ">= 1"]),
         (["demo", "--group-size", "1"], ["--group-size 1", ">= 2"]),
         (["demo", "--lr", "0"], ["--lr 0.0", "> 0"]),
