@@ -337,9 +337,10 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
                     for t in family.build(key).values())
             for r in ranks:
                 weights[r] += n
+    padded = _fsdp2_storage_elements(src) if setup.kind == "fsdp2" else 0  # the same on every rank
     out = []
     for r in range(world):
-        elements = _fsdp2_storage_elements(src) if setup.kind == "fsdp2" else local[r]
+        elements = padded if setup.kind == "fsdp2" else local[r]
         if setup.kind == "fsdp2":  # AdamW's moments, shaped like the local shard (not its padded storage), and steps
             moments, steps = 2 * local[r] * setup.param_bytes, 4 * num_tensors[r]
             opt_arenas = (moments + steps,) if setup.param_bytes == 4 else (moments, steps)
