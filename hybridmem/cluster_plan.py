@@ -42,6 +42,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
+from hybridmem.agreement import AgreeStep
 from hybridmem.config import ParallelLayout
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.host_plan import SLEEP_LEVELS, NodeHost, node_hosts, rank_host_nbytes
@@ -398,7 +399,8 @@ def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync
           accel: AcceleratorFigures, setup: TrainingSetup, sleep_level: int) -> tuple[StepFigures, ...]:
     steps: list[SwitchStep] = switch_steps(direction, offloaders=offloaders, enabled=offload, accel=_Accel(),
                                            engine=engine, weight_sync=sync,
-                                           extra=_adapter_steps(setup) if direction is Direction.TO_INFER else ())
+                                           extra=_adapter_steps(setup) if direction is Direction.TO_INFER else (),
+                                           agree=AgreeStep(_VOTE_STAND_IN) if plan.world_size > 1 else None)
     memory: MemoryPlan = plan_switch(direction, start, [(s.name, s.estimate()) for s in steps],
                                      budget_nbytes=accel.memory_nbytes, budget_source=accel.name)
     out = []
@@ -411,6 +413,8 @@ def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync
         elif isinstance(step, WeightSyncStep):
             net = plan.send_nbytes(rank) + plan.recv_nbytes(rank)
             seconds = _sync_seconds(plan, rank, accel)
+        elif isinstance(step, AgreeStep):  # one all_reduce of a 4-byte flag per rank: a latency, no volume
+            seconds = accel.step_latency_s
         elif sleep_level == 1 and (isinstance(step, EngineResumeStep) and step.tag == WEIGHTS
                                    or isinstance(step, EngineReleaseStep) and step.tag == KV_CACHE):
             # A level-1 sleep copies the weights out at the first release (the KV cache's) and back at the
@@ -421,6 +425,10 @@ def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync
         out.append(StepFigures(step.name, e.alloc_nbytes, e.free_nbytes, e.transient_nbytes, planned.peak_nbytes,
                                planned.after_nbytes, host, net, seconds))
     return tuple(out)
+
+
+_VOTE_STAND_IN = None
+"""The vote a plan's agreement step stands for (a plan never runs its steps)."""
 
 
 def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> float:

@@ -9,6 +9,8 @@ Keys keep MindSpeed-RL's names so a user's existing YAML file drives hybridmem u
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -237,11 +239,35 @@ class HybridConfig:
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
             problem = getattr(exc, "problem", None) or str(exc)
             raise ConfigError("<yaml>", where, f"valid YAML ({problem})", source=str(path)) from exc
-        if doc is None:
-            doc = {}
+        if doc is None:  # nothing but comments or blank lines: most likely the wrong file
+            raise ConfigError("<yaml>", str(path), "a MindSpeed-RL YAML file with sections such as actor_config: "
+                              "and generate_config:, not an empty one (for the defaults, use HybridConfig())",
+                              message=f"{path} is empty (no YAML settings in it): give the MindSpeed-RL YAML "
+                                      f"file with actor_config:/generate_config: sections, or use HybridConfig() "
+                                      f"for the defaults")
         if not isinstance(doc, Mapping):
             raise ConfigError("<yaml>", type(doc).__name__, "a mapping of sections at top level", source=str(path))
         return cls.from_dict(_merge_sections(doc, source=str(path)), source=str(path))
+
+
+def _keyword_checked(init: Any) -> Any:
+    """``HybridConfig.__init__`` refusing an unknown keyword with the closest known name (Python's own
+    ``TypeError`` names only the keyword)."""
+
+    @functools.wraps(init)
+    def checked(self: HybridConfig, *args: Any, **kwargs: Any) -> None:
+        known = [f.name for f in dataclasses.fields(HybridConfig)]
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no known key is close"
+            raise TypeError(f"HybridConfig got an unknown keyword {unknown[0]!r}: {hint} (keys: docs/configuration.md)")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+HybridConfig.__init__ = _keyword_checked(HybridConfig.__init__)  # type: ignore[method-assign]
 
 
 # [Note: YAML sections]
@@ -293,17 +319,18 @@ def _merge_sections(doc: Mapping[str, Any], *, source: str) -> dict[str, Any]:
         if section == _HYBRIDMEM_SECTION or accepted is not None:
             for key in body:
                 if key not in allowed:
-                    _raise_misplaced_or_unknown(key, section, allowed, hybrid_keys, source)
+                    _raise_misplaced_or_unknown(key, body[key], section, allowed, hybrid_keys, source)
         merged.update({k: v for k, v in body.items() if k in reads})
     return merged
 
 
-def _raise_misplaced_or_unknown(key: str, section: str, allowed: set[str], hybrid_keys: list[str], source: str) -> None:
+def _raise_misplaced_or_unknown(key: str, value: Any, section: str, allowed: set[str], hybrid_keys: list[str],
+                               source: str) -> None:
     if key in hybrid_keys:
         home = next((s for s, reads, _ in _SECTION_RULES if key in reads and s != "megatron_training"), None)
         places = f"{home} or {_HYBRIDMEM_SECTION}" if home else _HYBRIDMEM_SECTION
         raise ConfigError(
-            f"{section}.{key}", "<present>", f"{key} under {places}: MindSpeed-RL rejects it in {section}",
+            f"{section}.{key}", value, f"{key} under {places}: MindSpeed-RL rejects it in {section}",
             source=source,
         )
     raise ConfigError.unknown(key, sorted(allowed), where=section, source=source)

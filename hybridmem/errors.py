@@ -27,9 +27,11 @@ __all__ = [
     "WeightCoverageError",
     "KVStateError",
     "KVResumeError",
+    "PeerAbortError",
     "SwitchHostMemoryBudgetError",
     "SwitchWeightSyncError",
     "SwitchKVResumeError",
+    "SwitchPeerAbortError",
     "switch_error",
 ]
 
@@ -227,6 +229,23 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
         )
 
 
+class PeerAbortError(HybridMemError, RuntimeError):
+    """Other ranks of a multi-rank switch could not finish it and voted to roll back; this rank rolled back
+    too (see [Note: switch agreement] in hybridmem.agreement). The process group stays usable.
+
+    Attributes:
+        ranks: The ranks (of the weight sync's group) that voted no.
+    """
+
+    def __init__(self, ranks: tuple[int, ...], *, rank: int):
+        self.ranks = tuple(ranks)
+        self.group_usable = True
+        super().__init__(
+            f"rank(s) {list(self.ranks)} could not finish the switch and voted to roll back, so rank {rank} "
+            f"rolls back too (their errors name the cause); the process group is still usable"
+        )
+
+
 class KVStateError(HybridMemError, RuntimeError):
     """A KV-cache allocator was asked for an operation its state does not allow.
 
@@ -291,11 +310,16 @@ class SwitchCollectiveTimeoutError(_SwitchFailedWith, CollectiveTimeoutError):
     """A switch's weight sync waited past its deadline for a peer (stuck or dead); catch it as either base."""
 
 
+class SwitchPeerAbortError(_SwitchFailedWith, PeerAbortError):
+    """Other ranks could not finish a multi-rank switch, so this rank rolled back too; catch it as either base."""
+
+
 _SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...] = (
     (HostMemoryBudgetError, SwitchHostMemoryBudgetError),
     (WeightSyncError, SwitchWeightSyncError),
     (KVResumeError, SwitchKVResumeError),
     (CollectiveTimeoutError, SwitchCollectiveTimeoutError),
+    (PeerAbortError, SwitchPeerAbortError),
 )
 
 

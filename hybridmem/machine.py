@@ -11,6 +11,7 @@ Legal transitions (trigger: source -> destination)::
     abort_train:    TO_TRAIN     -> INFER          refused by the memory plan before any step ran
     fail:           TO_INFER | TO_TRAIN | ROLLING_BACK -> FAILED
     recover:        FAILED       -> TO_TRAIN       re-run the INFER->TRAIN steps (each idempotent)
+    close:          TRAIN        -> CLOSED         the manager let its model go (no way back)
 
 The machine only records the phase and refuses illegal transitions; the steps themselves run in
 :class:`hybridmem.manager.ShardingManager` between a ``begin_*`` and an ``end_*`` trigger. No callback
@@ -36,6 +37,7 @@ TRANSITIONS: tuple[tuple[str, tuple[Phase, ...], Phase], ...] = (
     ("abort_train", (Phase.TO_TRAIN,), Phase.INFER),
     ("fail", (Phase.TO_INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK), Phase.FAILED),
     ("recover", (Phase.FAILED,), Phase.TO_TRAIN),
+    ("close", (Phase.TRAIN,), Phase.CLOSED),
 )
 """(trigger, sources, destination) for every legal transition."""
 
@@ -72,4 +74,6 @@ class PhaseMachine:
             self.trigger(trigger)
         except MachineError:
             names = "/".join(p.name for p in allowed[0])
+            if self.state is Phase.CLOSED:
+                raise PhaseError(operation, self.state, "the manager was closed; build a new ShardingManager") from None
             raise PhaseError(operation, self.state, f"it needs phase {names}") from None

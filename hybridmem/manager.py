@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import time
+import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from hybridmem.accel import Accelerator, MemoryFigures, get_accelerator
+from hybridmem.agreement import AgreeStep, SwitchAgreement, is_collective_loss
 from hybridmem.architecture import check_architecture
+from hybridmem.claims import Claims
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
 from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of, check_kv_utilization
@@ -39,7 +45,7 @@ from hybridmem.phase import Direction, Phase
 from hybridmem.report import SwitchReport
 from hybridmem.residency import ResidencyReport
 from hybridmem.owners import DeviceOwners
-from hybridmem.steps import SwitchStep, switch_steps
+from hybridmem.steps import SwitchStep, WeightSyncStep, switch_steps
 from hybridmem.weight_sync import WeightSync, default_weight_sync
 from hybridmem.prewarm import ArenaPrewarmer
 from hybridmem.training_state import TrainingState, training_capabilities_of
@@ -48,6 +54,38 @@ from hybridmem.txn import HeldSignals, SwitchRun, roll_back, run_steps
 __all__ = ["ShardingManager"]
 
 log = logging.getLogger(__name__)
+
+def _weak_phase(manager: ShardingManager) -> Callable[[], Phase]:
+    """``manager.phase`` without keeping the manager alive: an engine outlives the managers built on it
+    ([Note: one manager per model] in hybridmem.claims); ``CLOSED`` once the manager is gone."""
+    ref = weakref.ref(manager)
+
+    def phase() -> Phase:
+        me = ref()
+        return Phase.CLOSED if me is None else me.phase
+
+    return phase
+
+
+def _release_frames(error: BaseException | None) -> None:
+    """Drop the locals of the finished frames ``error`` (and its causes) carry: a failed weight sync's posted
+    works and staging buffers would otherwise live until the cycle collector runs, and a process group
+    re-created after the error could meet them in its first exchange. The traceback's lines stay."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside hybridmem."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
 
 def _add_note(exc: BaseException, note: str) -> None:
     add = getattr(exc, "add_note", None)  # Python >= 3.11
@@ -108,6 +146,34 @@ class ShardingManager:
         if engine is not None and not isinstance(engine, InferenceEngine):
             missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
             raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
+        self._machine = PhaseMachine()
+        self.created_at = _caller()
+        """``file:line`` of the user's code that built this manager (named when another manager is refused)."""
+        self._claims: Claims | None = None
+        """What this manager holds alone ([Note: one manager per model] in hybridmem.claims)."""
+        try:
+            self._build(config, engine, weight_sync=weight_sync, model_spec=model_spec, group=group)
+        except BaseException:
+            if self._claims is not None:
+                self._claims.release()  # a manager that was never built holds nothing
+            raise
+
+    def _claimed(self, engine: Any) -> list[tuple[str, Any]]:
+        """The objects this manager moves or drives, each named for an error ([Note: one manager per model])."""
+        named: list[tuple[str, Any]] = [(f"training state {type(self.training).__name__}", self.training)]
+        if self.training_capabilities.guards_misuse:
+            modules, optimizers = self.training.guard_targets()
+            for i, module in enumerate(modules):
+                where = type(module).__name__ if len(modules) == 1 else f"{type(module).__name__} (chunk {i})"
+                named.append((f"model {where}", module))
+                named += [(f"parameter {name!r} of {where}", p) for name, p in module.named_parameters()]
+            named += [(f"optimizer {type(o).__name__}", o) for o in optimizers]
+        if engine is not None:
+            named.append((f"engine {type(engine).__name__}", engine))
+        return named
+
+    def _build(self, config: HybridConfig, engine: Any, *, weight_sync: WeightSync | None, model_spec: Any,
+               group: Any) -> None:
         self.config = resolve_layouts(config, self.training, engine)
         """The config, its layout keys resolved from the parts (see [Note: layouts from the parts])."""
         check_kv_utilization(engine, self.config)
@@ -127,13 +193,19 @@ class ShardingManager:
             check_architecture(self.training, engine, model_spec=model_spec)
             weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
+        collective = weight_sync.collective() if weight_sync is not None else None
+        self.agreement = (SwitchAgreement(collective[0], deadline_s=collective[1], device=self.accel.device)
+                          if collective is not None else None)
+        """The ranks' vote ending each multi-rank TRAIN->INFER switch ([Note: switch agreement])."""
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
-        self._machine = PhaseMachine()
+        # Everything above only checks and reads; from here on the parts are changed (hooks, the engine's
+        # memory), so they must be this manager's alone ([Note: one manager per model]).
+        self._claims = Claims(self, self._claimed(engine))
         modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
         self._guard = TrainingGuard(lambda: self.phase, modules, optimizers)
         """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
         if self.engine_capabilities is not None and self.engine_capabilities.binds_phase:
-            engine.bind_phase(lambda: self.phase)
+            engine.bind_phase(_weak_phase(self))
         self.coresidents: dict[str, CoResident] = {}
         """Co-resident models by name (see [Note: co-resident phases])."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
@@ -182,8 +254,10 @@ class ShardingManager:
     def steps(self, direction: Direction) -> list[SwitchStep]:
         """The steps a switch in ``direction`` runs now, in order (see [Note: step order])."""
         direction = Direction(direction)
+        agree = AgreeStep(self.agreement) if self.agreement is not None else None
         return switch_steps(direction, offloaders=self.offloaders, enabled=self._enabled, accel=self.accel,
-                            engine=self.engine, weight_sync=self.weight_sync, extra=self._extra_steps[direction])
+                            engine=self.engine, weight_sync=self.weight_sync, extra=self._extra_steps[direction],
+                            agree=agree)
 
     def memory(self) -> MemoryFigures:
         """Device memory figures now (on CPU, "allocated" is the sum over known owners)."""
@@ -287,6 +361,8 @@ class ShardingManager:
         before = self.memory()
         run = run_steps(Direction.TO_INFER, steps, before=before, held=held, accel=self.accel, memory=self.memory)
         if run.error is not None or run.interrupted:
+            self._vote_no(run)
+            _release_frames(run.error)
             roll_back(run, machine=self._machine, guard=self._guard)
             return None
         self._machine.fire("end_infer", operation="finish the switch to INFER")
@@ -384,16 +460,37 @@ class ShardingManager:
         self.to_train()
 
     def close(self) -> None:
-        """Drop the host arenas. Only in TRAIN; co-resident models are onloaded first so nothing is lost."""
+        """Let the model, optimizer and engine go: the phase becomes CLOSED, the host arenas are dropped,
+        hooks removed, and another manager may be built on them ([Note: one manager per model] in
+        :mod:`hybridmem.claims`). Only in TRAIN (CLOSED: a no-op); co-resident models are onloaded first
+        so nothing is lost."""
+        if self.phase is Phase.CLOSED:
+            return
         self._check_phase("close", Phase.TRAIN)
         for co in self.coresidents.values():
             co.onload()
         if self.prewarmer is not None:
             self.prewarmer.close()
         self.pool.free()
+        self._guard.disarm()
+        self._machine.fire("close", operation="close")
+        if self._claims is not None:
+            self._claims.release()
 
     # Internals ------------------------------------------------------------------------------------
+    def _vote_no(self, run: SwitchRun) -> None:
+        """Tell the peers this rank rolls back, where they wait for its vote: its weight sync completed and
+        its group is usable ([Note: switch agreement] in hybridmem.agreement)."""
+        if self.agreement is None or isinstance(run.failed_step, AgreeStep) or is_collective_loss(run.error):
+            return
+        synced = [s for s in run.entered if isinstance(s, WeightSyncStep) and s is not run.failed_step]
+        if synced:
+            failed = "a held signal" if run.failed_step is None else f"step {run.failed_step.name!r}"
+            self.agreement.vote_no(f"{failed} failed")
+
     def _check_phase(self, operation: str, *phases: Phase) -> None:
+        if self.phase is Phase.CLOSED and Phase.CLOSED not in phases:
+            raise PhaseError(operation, self.phase, "the manager was closed; build a new ShardingManager")
         if self.phase not in phases:
             raise PhaseError(operation, self.phase, f"it needs phase {'/'.join(p.name for p in phases)}")
 

@@ -23,6 +23,9 @@ class Phase(Enum):
     FAILED = "failed"
     """A switch could not finish or be undone. Training state is safe (on the device or in host arenas);
     ``recover()`` brings everything back to TRAIN."""
+    CLOSED = "closed"
+    """The manager was closed: training state on the device, host arenas dropped, hooks removed; it
+    switches no more, and another manager may take the model."""
 
 
 class Direction(str, Enum):

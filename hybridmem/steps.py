@@ -78,6 +78,8 @@ class ToInferOrder(IntEnum):
     PARAM = 50
     EMPTY_CACHE = 55
     KV_CACHE = 60
+    AGREE = 100
+    """The ranks' vote on the outcome, always last ([Note: switch agreement] in hybridmem.agreement)."""
 
 
 class ToTrainOrder(IntEnum):
@@ -114,6 +116,9 @@ class SwitchStep(ABC):
 
     name: str
     kind: StateKind | None
+    commits: bool = False
+    """Once this step ran, the switch is decided: a held signal no longer rolls it back (the ranks' vote,
+    [Note: switch agreement] in hybridmem.agreement)."""
 
     @abstractmethod
     def estimate(self) -> StepEstimate:
@@ -290,10 +295,12 @@ class EmptyCacheStep(SwitchStep):
 
 def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],
                  accel: Accelerator, engine: InferenceEngine | None, weight_sync: WeightSync | None,
-                 extra: Iterable[tuple[int, SwitchStep]] = ()) -> list[SwitchStep]:
+                 extra: Iterable[tuple[int, SwitchStep]] = (), agree: SwitchStep | None = None) -> list[SwitchStep]:
     """The steps of a switch in ``direction``, in order (see [Note: step order]): offloading (onloading)
-    the enabled kinds, emptying the allocator cache, the engine's tags and the weight sync, and the
-    ``(order, step)`` pairs registered by adapters, sorted by :class:`ToInferOrder` / :class:`ToTrainOrder`."""
+    the enabled kinds, emptying the allocator cache, the engine's tags and the weight sync, the
+    ``(order, step)`` pairs registered by adapters, sorted by :class:`ToInferOrder` / :class:`ToTrainOrder`,
+    and, last in TRAIN->INFER, ``agree``: the ranks' vote of a multi-rank switch ([Note: switch agreement]
+    in hybridmem.agreement)."""
     items: list[tuple[int, SwitchStep]] = []
     kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in offloaders and enabled.get(k)]
     if direction is Direction.TO_INFER:
@@ -304,6 +311,8 @@ def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offload
             if weight_sync is not None:
                 items.append((ToInferOrder.WEIGHT_SYNC, WeightSyncStep(weight_sync)))
             items.append((ToInferOrder.KV_CACHE, EngineResumeStep(engine, KV_CACHE)))
+        if agree is not None:
+            items.append((ToInferOrder.AGREE, agree))
     else:
         items += [(ToTrainOrder[k.name], OnloadStep(offloaders[k])) for k in kinds]
         if engine is not None:

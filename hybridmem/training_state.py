@@ -28,7 +28,8 @@ from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.offload import GradOffloader, Offloader, OptimizerStateOffloader, ParamOffloader
 
-__all__ = ["TrainingState", "TrainingCapabilities", "training_capabilities_of", "TorchTrainingState"]
+__all__ = ["TrainingState", "TrainingCapabilities", "training_capabilities_of", "TorchTrainingState",
+           "check_optimizer_owns"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +97,37 @@ def training_capabilities_of(state: Any) -> TrainingCapabilities:
     return TrainingCapabilities(**found)
 
 
+def check_optimizer_owns(modules: Iterable[torch.nn.Module], optimizer: Any, *,
+                         also: Iterable[torch.Tensor] = ()) -> None:
+    """Refuse an optimizer (or one of a list) holding parameters that are not the model's (its modules'
+    parameters, and ``also``: FSDP2's sharded ones while a module shows its unsharded ones).
+
+    Its state would be offloaded as the training optimizer's while the model's own optimizer state stayed
+    on the device, and the other model's steps would be refused outside TRAIN. An optimizer holding a part
+    of the model's parameters (frozen layers, LoRA adapters) is fine.
+
+    Raises:
+        ValueError: Names the optimizer, how many of its parameters are foreign, and the first one's shape.
+    """
+    modules = list(modules)
+    own = {id(p) for m in modules for p in m.parameters()} | {id(p) for p in also}
+    opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for i, opt in enumerate(opts):
+        groups = getattr(opt, "param_groups", None)
+        if not isinstance(opt, torch.optim.Optimizer) or not groups:
+            continue
+        held = [p for g in groups for p in g["params"]]
+        foreign = [p for p in held if id(p) not in own]
+        if foreign:
+            which = f"optimizer {type(opt).__name__}" + (f" (#{i} of the list)" if len(opts) > 1 else "")
+            model = "/".join(type(m).__name__ for m in modules)
+            raise ValueError(
+                f"{which} holds {len(foreign)} of its {len(held)} parameters outside the model {model} (the "
+                f"first: shape {tuple(foreign[0].shape)}, {foreign[0].dtype}); pass the optimizer built on this "
+                f"model's parameters (e.g. torch.optim.AdamW(model.parameters()))"
+            )
+
+
 @runtime_checkable
 class TrainingState(Protocol):
     """The training side of an actor, as the manager sees it."""
@@ -132,6 +164,7 @@ class TorchTrainingState:
         self.modules = [model] if isinstance(model, torch.nn.Module) else list(model)
         if not self.modules or not all(isinstance(m, torch.nn.Module) for m in self.modules):
             raise TypeError(f"model must be a torch.nn.Module or a list of them, got {type(model).__name__}")
+        check_optimizer_owns(self.modules, optimizer)
         self.optimizer = optimizer
 
     def build_offloaders(

@@ -131,8 +131,9 @@ def run_steps(direction: Direction, steps: list[SwitchStep], *, before: MemoryFi
     """
     accel.reset_peak()
     run = SwitchRun(entered=[], reports=[], tracked_peak_nbytes=before.allocated_nbytes)
+    committed = False  # a step that commits ran: a held signal waits for the end of the switch
     for step in [*steps, None]:
-        if held.pending and direction is Direction.TO_INFER:
+        if held.pending and direction is Direction.TO_INFER and not committed:
             run.interrupted, run.interrupted_before = True, step
             return run
         if step is None:
@@ -146,6 +147,7 @@ def run_steps(direction: Direction, steps: list[SwitchStep], *, before: MemoryFi
             run.failed_step, run.error = step, exc
             return run
         seconds = time.perf_counter() - start
+        committed = committed or step.commits
         after = memory()
         run.tracked_peak_nbytes = max(run.tracked_peak_nbytes, after.allocated_nbytes)
         run.reports.append(

@@ -10,16 +10,18 @@ from hybridmem.machine import TRANSITIONS, PhaseMachine
 # The legal transitions, written out by hand from the design (not read from hybridmem.machine), so a
 # wrong row in the machine's table is a test failure: phase -> {trigger: destination}.
 T, TI, I, TT, RB, F = Phase.TRAIN, Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK, Phase.FAILED
+C = Phase.CLOSED
 EXPECTED = {
-    T: {"begin_infer": TI},
+    T: {"begin_infer": TI, "close": C},
     TI: {"end_infer": I, "begin_rollback": RB, "fail": F},
     I: {"begin_train": TT},
     TT: {"end_train": T, "abort_train": I, "fail": F},
     RB: {"end_rollback": T, "fail": F},
     F: {"recover": TT},
+    C: {},
 }
-TRIGGERS = ["abort_train", "begin_infer", "begin_rollback", "begin_train", "end_infer", "end_rollback", "end_train",
-            "fail", "recover"]
+TRIGGERS = ["abort_train", "begin_infer", "begin_rollback", "begin_train", "close", "end_infer", "end_rollback",
+            "end_train", "fail", "recover"]
 
 
 def test_the_machine_knows_exactly_these_phases_and_triggers():

@@ -207,6 +207,7 @@ def test_step_order_is_declared(tiny_setup):
         "empty cache", "resume engine kv_cache"]
     assert [s.name for s in mgr.steps(Direction.TO_TRAIN)] == [
         "release engine kv_cache", "release engine weights", "onload param", "onload grad", "onload optimizer"]
+    mgr.close()  # one manager per model: let the model go before building another on it
     off = ShardingManager(model, optimizer=opt, config=HybridConfig(offload_train_param=False))
     assert [s.name for s in off.steps(Direction.TO_INFER)] == ["offload optimizer", "offload grad", "empty cache"]
 
@@ -404,6 +405,7 @@ def test_memory_plan_refuses_a_switch_that_cannot_fit(tiny_setup):
     assert mgr.phase is Phase.TRAIN and engine.resident_nbytes("kv_cache") == 0
     assert_bitwise_equal(before, snapshot(model, opt))
     # The configured budget overrides the device figure.
+    mgr.close()
     roomy = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=engine_kv), optimizer=opt,
                             config=HybridConfig(device_memory_budget_bytes=64 << 20))
     roomy.to_infer()

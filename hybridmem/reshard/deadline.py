@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 from hybridmem.errors import CollectiveTimeoutError
 
-__all__ = ["Bound", "deadline_bound", "wait_all", "post", "exchange", "global_rank"]
+__all__ = ["Bound", "deadline_bound", "wait_all", "wait_to_deadline", "post", "exchange", "global_rank"]
+
+RETRIES_AFTER_POST = 3
+"""How many times :func:`wait_to_deadline` waits again after an error of this rank's, within the deadline."""
 
 Bound = tuple[float, float]
 """``(start, deadline)`` on ``time.monotonic()``."""
@@ -57,6 +60,25 @@ def wait_all(works: Sequence[tuple[Any, tuple[int, ...]]], bound: Bound | None, 
                 work.wait(datetime.timedelta(seconds=max(0.001, bound[1] - time.monotonic())))
         except Exception as exc:
             raise _lost(what, [peer for _, some in works[i:] for peer in some], bound, start, exc) from exc
+
+
+def wait_to_deadline(work: Any, peers: tuple[int, ...], bound: Bound, what: str, *, after: str = "") -> None:
+    """Wait for ``work`` until ``bound``'s deadline even if a wait fails on this rank: a collective this rank
+    has posted may have completed on its peers, so its outcome must be learned, not guessed (see [Note:
+    switch agreement] in :mod:`hybridmem.agreement`). Up to :data:`RETRIES_AFTER_POST` more waits while
+    time is left; then ``CollectiveTimeoutError`` as :func:`wait_all` raises, with ``after`` appended to
+    its cause."""
+    start = bound[0]
+    for attempt in range(RETRIES_AFTER_POST + 1):
+        try:
+            work.wait(datetime.timedelta(seconds=max(0.001, bound[1] - time.monotonic())))
+            return
+        except Exception as exc:
+            if attempt == RETRIES_AFTER_POST or time.monotonic() >= bound[1]:
+                lost = _lost(what, peers, bound, start, exc)
+                if after:
+                    lost.add_note(after)
+                raise lost from exc
 
 
 def _lost(what: str, peers: Sequence[int], bound: Bound | None, start: float, exc: BaseException) -> CollectiveTimeoutError:

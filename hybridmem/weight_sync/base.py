@@ -70,6 +70,12 @@ class WeightSync(ABC):
     def sync(self) -> SyncStats:
         """Write the weights; the engine's weight storage is resumed before this is called."""
 
+    def collective(self) -> tuple[Any, float] | None:
+        """``(group, deadline_s)`` when a sync spans several ranks, which then vote on each switch's
+        outcome over ``group`` ([Note: switch agreement] in hybridmem.agreement); ``None`` (default): this
+        rank's sync involves no other rank."""
+        return None
+
 
 def engine_dtypes(engine: Any) -> set[torch.dtype]:
     """The element types the engine holds its weights in, where it says (``dtype``); else empty."""

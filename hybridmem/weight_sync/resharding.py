@@ -139,6 +139,10 @@ class ReshardSync(WeightSync):
         """This rank's peak staging bytes in one bucket (plan figure)."""
         return self.plan.peak_temp_nbytes(self.rank)
 
+    def collective(self) -> tuple[Any, float] | None:
+        """The group and deadline of a sync over several ranks ([Note: switch agreement])."""
+        return (self.group, self.deadline_s) if self.plan.world_size > 1 else None
+
     def _sources(self) -> dict[str, torch.Tensor]:
         return self._sources_of(self.source)
 

@@ -22,6 +22,7 @@ import functools
 import gc
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor
 
 from hybridmem import CollectiveTimeoutError, HybridConfig, ShardingManager
+from hybridmem.errors import PeerAbortError
 from hybridmem.engines import ReferenceEngine
 from tests.distributed.fsdp_job import build_fsdp_model, train_step
 
@@ -69,6 +71,8 @@ class CollectiveCounter:
         self.target: tuple[str, int] | None = None
         self.fired: tuple[str, int] | None = None
         self._origin: dict[int, tuple[str, Any]] = {}
+        self.buffers: list[weakref.ref] = []
+        """Weak references to the tensors of every point-to-point operation posted while active."""
 
     def _tick(self, kind: str) -> None:
         self.counts[kind] += 1
@@ -87,6 +91,8 @@ class CollectiveCounter:
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
             self._tick(kind)
+            if kind == "batch_isend_irecv":
+                self.buffers += [weakref.ref(op.tensor) for op in (args[0] if args else kwargs["p2p_op_list"])]
             return self._remember(kind, original(*args, **kwargs))
 
         return call
@@ -105,6 +111,7 @@ class CollectiveCounter:
         ``batch_isend_irecv`` checks its ops against ``isend``) with counting wrappers; with ``target``
         ``(kind, n)``, raise :class:`InjectedFault` before the n-th call of ``kind``."""
         self.counts, self.target, self.fired, self._origin = collections.Counter(), target, None, {}
+        self.buffers = []
         saved: list[tuple[Any, str, Any]] = []
         for name in COLLECTIVES:
             original = getattr(distributed_c10d, name, None)
@@ -194,14 +201,11 @@ class _Actor:
         the old model's params (copied into FSDP2's own storage), grads and AdamW state; the engine
         (its tp subgroup was in the old group) and the manager are new too.
 
-        The works the failed sync posted are still alive when the switch has returned: its error's
-        traceback holds the frames that hold them, in a reference cycle, until the garbage collector
-        runs. ``gc.collect()`` frees them first; a group destroyed under them (its connections left
-        open) now and then breaks a connection of the next one (its first exchange then fails with
-        "Connection closed by peer").
+        No garbage collection runs first: the failed switch dropped the works it posted and its staging
+        buffers before its error left it (a group destroyed under live works now and then broke a
+        connection of the next one, whose first exchange then failed with "Connection closed by peer").
         """
         self.manager.close()
-        gc.collect()
         dist.destroy_process_group()
         dist.init_process_group("gloo", init_method=init_method, rank=self.ctx.rank,
                                 world_size=self.ctx.world_size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -229,20 +233,27 @@ def _switch(actor: _Actor, direction: str, counter: CollectiveCounter,
     """Run ``direction`` with ``target`` armed; what this rank saw."""
     record: dict[str, Any] = {"error": None, "group_usable": True}
     start = time.monotonic()
+    gc.disable()  # what the switch leaves alive is what it keeps, not what a collection happened to miss
     with counter.active(target):
         try:
             getattr(actor.manager, direction)()
         except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
             chain = list(_cause_chain(exc))
             timeout = next((e for e in chain if isinstance(e, CollectiveTimeoutError)), None)
+            refused = next((e for e in chain if isinstance(e, PeerAbortError)), None)
             record.update(
                 error=type(exc).__name__, message=str(exc),
                 injected=any(isinstance(e, InjectedFault) for e in chain),
                 collective=timeout is not None,
-                peers=sorted(timeout.peers) if timeout is not None else [],
+                peers=(sorted(timeout.peers) if timeout is not None else sorted(refused.ranks) if refused is not None
+                       else []),
                 group_usable=getattr(exc, "group_usable", True),
             )
     record["seconds"] = time.monotonic() - start
+    record["buffers_alive"] = sum(ref() is not None for ref in counter.buffers)
+    gc.enable()
+    gc.collect()
+    record["buffers_alive_after_gc"] = sum(ref() is not None for ref in counter.buffers)
     record["counts"] = dict(counter.counts)
     record["fired"] = counter.fired
     record["phase"] = actor.manager.phase.name
@@ -324,3 +335,43 @@ def collective_fault_task(ctx: Any, model_dir: str, *, points: Sequence[Point], 
             record["next_error"] = traceback.format_exc()[-6000:]
             break
     return rounds
+
+
+class InjectedKVFault(RuntimeError):
+    """The fault of :func:`local_fault_task`: no room for the KV cache on one rank, after its weight sync."""
+
+
+def local_fault_task(ctx: Any, model_dir: str, *, rank: int, deadline_s: float, bucket_bytes: int,
+                     store_dir: str) -> dict[str, Any]:
+    """TRAIN->INFER with ``resume engine kv_cache`` failing on ``rank`` (after its weight sync completed);
+    then, without re-creating the group, a round trip and training step 1.
+
+    Returns:
+        This rank's record as :func:`collective_fault_task` gives one.
+    """
+    del store_dir
+    actor = _Actor(ctx, model_dir, _config(deadline_s, bucket_bytes))
+    counter = CollectiveCounter(ctx.rank)
+    if ctx.rank == rank:
+        resume = actor.engine.resume
+
+        def failing_resume(tags: Sequence[str]) -> None:
+            if "kv_cache" in tags:
+                raise InjectedKVFault(f"injected on rank {ctx.rank}: no room for the KV cache")
+            resume(tags)
+
+        actor.engine.resume = failing_resume
+    dist.barrier()
+    before = _snapshot(actor.model, actor.opt)
+    record = _switch(actor, "to_infer", counter, None)
+    if ctx.rank == rank:
+        del actor.engine.resume
+    if actor.manager.phase.name == "INFER":
+        actor.manager.to_train()
+    record["state_problem"] = _differs(before, _snapshot(actor.model, actor.opt))
+    record["state_intact"] = actor.manager.phase.name == "TRAIN" and record["state_problem"] is None
+    dist.barrier()
+    actor.manager.to_infer()
+    actor.manager.to_train()
+    record["loss"] = actor.step(1)
+    return record

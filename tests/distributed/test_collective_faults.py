@@ -10,11 +10,13 @@ its slices. INFER->TRAIN makes no collective call. An injection point is ``(rank
 n)``: an ``Exception`` raised before the n-th call of that kind on that rank (on every rank, at its own
 n-th call where it makes one). For each point the test checks, on every rank:
 
-- the switch raised where the fault was injected, with the fault among the error's causes;
-- a rank the fault did not reach raised ``CollectiveTimeoutError`` (as ``SwitchCollectiveTimeoutError``)
-  naming the peers it waited for, within the deadline plus a margin; in a one-rank case, some rank of
-  those raising names the faulted one. Only where the fault came at a wait (the operation was posted)
-  may such a rank have completed its switch instead (the known gap below);
+- every rank ends the switch in the same phase (the ranks' vote, [Note: switch agreement] in
+  hybridmem.agreement): all in TRAIN, rolled back, or all in INFER, committed. All commit only where the
+  fault came at the vote's own wait, which a rank that posted its vote waits out again;
+- where they rolled back: the faulted rank raised with the fault among the error's causes; a rank the
+  fault did not reach raised ``CollectiveTimeoutError`` (as ``SwitchCollectiveTimeoutError``) naming the
+  peers it waited for, within the deadline plus a margin (in a one-rank case, some rank of those raising
+  names the faulted one);
 - the phase is TRAIN (after INFER->TRAIN where the switch completed) and every param, grad and AdamW
   state tensor is bitwise what it was before;
 - where any rank's error says the process group is no longer usable, every rank follows its advice: it
@@ -22,9 +24,14 @@ n-th call where it makes one). For each point the test checks, on every rank:
   model (FSDP2 keeps the group it was built over) and manager, into which its intact shards of params,
   grads and AdamW state are carried; the state there is checked bitwise too. A rank that faulted while
   operations of its own were posted must say so as well: a group kept with them pending fails the next
-  sync, or aborts a process on gloo's message-size check;
+  sync, or aborts a process on gloo's message-size check. No garbage collection runs first: a failed
+  switch drops its works and staging buffers before its error leaves it (a garbage collection after the
+  switch frees none of them; gloo keeps those of operations it has posted until its pairs close);
 - the next round trip completes and the next training step gives exactly the loss of a run that never
   switched, group re-created or not.
+
+A failure after the weight sync on one rank (its KV cache cannot be resumed) makes it vote no: the others
+roll back at once with ``PeerAbortError`` naming it, and the group stays usable.
 
 CI injects at a deterministic sample: the first, middle and last call of each kind on every rank at
 once, and the same on one rank, the ranks taking turns from kind to kind. ``HYBRIDMEM_FAULTS_FULL=1``
@@ -32,9 +39,6 @@ injects at every point: every call of every kind on every rank, and every n on a
 ``python tests/distributed/test_collective_faults.py`` prints the dry run and the number of points;
 with ``--full`` it injects at all of them.
 
-A known gap is pinned by a strict xfail: a rank that fails after it has posted every operation of the
-sync (at the checksum's last wait) leaves its peers' switches complete, so the ranks end in different
-phases without any of the others hearing of it.
 """
 
 from __future__ import annotations
@@ -130,7 +134,8 @@ def inject(pool, model_dir: str, store_dir: Path, points: list[Point], reference
         for i, point in enumerate(chunk):
             records = [results[rank][i] if i < len(results[rank]) else None for rank in range(WORLD)]
             print(point, outcome(records))
-            problems += [f"{point}: {p}" for p in check_round(point, records, [r["losses"][i] for r in reference])]
+            problems += [f"{point}: {p}" for p in check_round(point, records, [r["losses"][i] for r in reference],
+                                                             [r["to_infer"] for r in reference])]
             if any(r is None or "next_error" in r for r in records):
                 pool.close()  # the group is gone: the next task starts a fresh pool
                 return problems
@@ -143,20 +148,36 @@ def outcome(records: list[dict | None]) -> str:
     def one(r: dict | None) -> str:
         if r is None:
             return "-"
-        what = "fault" if r["fired"] else f"timeout {r['peers']}" if r["error"] else "completed"
+        what = ("fault" if r["fired"] else f"peer abort {r['peers']}" if r["error"] == "SwitchPeerAbortError"
+                else f"timeout {r['peers']}" if r["error"] else "completed")
         return f"{what} {r['seconds']:.1f}s"
 
     recreated = any(r is not None and r["recreated"] for r in records)
     return " | ".join(one(r) for r in records) + ("; group re-created" if recreated else "")
 
 
-def check_round(point: Point, records: list[dict | None], losses: list[float]) -> list[str]:
-    """What went wrong in the round of ``point`` (per-rank ``records``), against the fault-free ``losses``."""
+def _is_vote_wait(kind: str, n: int, counts: dict[str, int]) -> bool:
+    """Whether call ``n`` of ``kind`` on a rank making ``counts`` calls is the wait of the ranks' vote: the
+    last ``all_reduce`` of TRAIN->INFER ([Note: switch agreement] in hybridmem.agreement)."""
+    return kind == "all_reduce" + WAIT and n == counts.get(kind)
+
+
+def check_round(point: Point, records: list[dict | None], losses: list[float],
+                counts: list[dict[str, int]]) -> list[str]:
+    """What went wrong in the round of ``point`` (per-rank ``records``), against the fault-free ``losses``
+    and the dry run's ``counts`` per rank."""
     target, kind, n = point
     problems = []
     fired = [rank for rank, r in enumerate(records) if r is not None and r["fired"] is not None]
     if target != ALL_RANKS and fired != [target] or target == ALL_RANKS and not fired:
         problems.append(f"the fault fired on ranks {fired}: the switch no longer makes call {n} of {kind} there")
+    phases = {rank: r["phase"] for rank, r in enumerate(records) if r is not None}
+    if len(set(phases.values())) > 1:
+        problems.append(f"the ranks disagree on the switch's outcome: phases {phases}")
+    committed = set(phases.values()) == {"INFER"}
+    if committed and not all(_is_vote_wait(kind, n, counts[rank]) for rank in fired):
+        problems.append(f"every rank committed though call {n} of {kind} failed on ranks {fired}, which is not "
+                        f"the wait of their vote")
     raised = [r for rank, r in enumerate(records) if r is not None and r["error"] and rank not in fired]
     if target != ALL_RANKS and raised and not any(target in r["peers"] for r in raised):
         problems.append(f"no rank names rank {target}, where the fault was: peers {[r['peers'] for r in raised]}")
@@ -164,22 +185,26 @@ def check_round(point: Point, records: list[dict | None], losses: list[float]) -
         if r is None:
             problems.append(f"rank {rank} returned no record of this round")
             continue
-        if rank in fired:
+        if committed:
+            if r["error"] is not None:
+                problems.append(f"rank {rank} raised {r['error']} though every rank committed: {r['message']}")
+        elif rank in fired:
             if not (r["error"] and r["injected"] and r["phase"] == "TRAIN"):
                 problems.append(f"rank {rank} (faulted): error {r['error']} (injected fault among its causes: "
                                 f"{r.get('injected')}), phase {r['phase']}: {r.get('message')}")
-        elif r["error"] is not None:
-            if not (r["collective"] and r["error"] == "SwitchCollectiveTimeoutError" and r["group_usable"] is False
-                    and r["peers"]):
-                problems.append(f"rank {rank}: raised {r['error']}, not a CollectiveTimeoutError naming its peers "
-                                f"(peers {r['peers']}, group_usable {r['group_usable']}): {r['message']}")
+        elif r["error"] is None:
+            problems.append(f"rank {rank}: the switch returned without an error in phase {r['phase']}")
+        else:
+            timeout = r["collective"] and r["error"] == "SwitchCollectiveTimeoutError" and r["group_usable"] is False
+            if not ((timeout or r["error"] == "SwitchPeerAbortError") and r["peers"]):
+                problems.append(f"rank {rank}: raised {r['error']}, not a CollectiveTimeoutError or PeerAbortError "
+                                f"naming its peers (peers {r['peers']}, group_usable {r['group_usable']}): "
+                                f"{r['message']}")
             if r["seconds"] > DEADLINE_S + MARGIN_S:
                 problems.append(f"rank {rank}: raised after {r['seconds']:.1f} s, deadline {DEADLINE_S} s")
-        elif r["phase"] != "INFER":
-            problems.append(f"rank {rank}: the switch returned without an error in phase {r['phase']}")
-        elif not kind.endswith(WAIT):  # after a wait's fault, the known gap of the xfail below
-            problems.append(f"rank {rank}: the switch completed though the faulted rank never posted call {n} "
-                            f"of {kind}")
+        if r["buffers_alive"] != r["buffers_alive_after_gc"]:  # those gloo still holds for a posted op stay
+            problems.append(f"rank {rank}: {r['buffers_alive'] - r['buffers_alive_after_gc']} staging buffers of "
+                            f"the switch were left to the garbage collector")
         if not r.get("state_intact"):
             problems.append(f"rank {rank}: training state not intact: {r.get('state_problem')}, phase {r['phase']}")
         if "next_error" in r:
@@ -214,16 +239,41 @@ def test_a_fault_at_each_sampled_call_loses_nothing(pool, model_dir, reference, 
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a switch's outcome is not agreed between ranks: "
-                   "a rank that fails after posting every operation of the sync rolls back alone, its peers reach INFER")
-def test_a_fault_on_one_rank_after_its_last_post_fails_every_rank(pool, model_dir, reference, tmp_path):
-    point = (1, "all_reduce" + WAIT, reference[1]["to_infer"]["all_reduce" + WAIT])
-    results = pool.run(tasks.collective_fault_task, model_dir, points=[point], store_dir=str(tmp_path), **COMMON)
-    records = [r[0] for r in results]
-    problems = check_round(point, records, [r["losses"][0] for r in reference])
-    if problems or not records[1]["injected"]:  # the harness itself (not the gap) fails the test
-        pytest.fail("\n".join(problems) or f"rank 1 did not fault: {records[1]}")
-    assert all(r["error"] is not None for r in records), [(r["error"], r["phase"]) for r in records]
+def test_a_fault_on_one_rank_after_its_last_post_of_the_sync_fails_every_rank(pool, model_dir, reference, tmp_path):
+    """The checksum comparison's wait is the sync's last call: the faulted rank has posted everything, its
+    peers complete the sync, then wait for its vote and roll back too."""
+    point = (1, "all_reduce" + WAIT, reference[1]["to_infer"]["all_reduce" + WAIT] - 1)
+    records = [r[0] for r in pool.run(tasks.collective_fault_task, model_dir, points=[point],
+                                      store_dir=str(tmp_path), **COMMON)]
+    print(point, outcome(records))
+    assert records[1]["injected"], f"rank 1 did not fault: {records[1]}"
+    assert not check_round(point, records, [r["losses"][0] for r in reference], [r["to_infer"] for r in reference])
+    assert [r["phase"] for r in records] == ["TRAIN"] * WORLD and all(r["error"] for r in records), records
+
+
+def test_a_fault_at_the_wait_of_a_ranks_vote_commits_every_rank(pool, model_dir, reference, tmp_path):
+    """A rank that posted its vote and fails to learn the result waits again: the switch commits everywhere."""
+    point = (2, "all_reduce" + WAIT, reference[2]["to_infer"]["all_reduce" + WAIT])
+    records = [r[0] for r in pool.run(tasks.collective_fault_task, model_dir, points=[point],
+                                      store_dir=str(tmp_path), **COMMON)]
+    print(point, outcome(records))
+    assert records[2]["fired"], f"rank 2 did not fault: {records[2]}"
+    assert not check_round(point, records, [r["losses"][0] for r in reference], [r["to_infer"] for r in reference])
+    assert [r["phase"] for r in records] == ["INFER"] * WORLD, records
+
+
+def test_a_failure_after_the_sync_on_one_rank_rolls_every_rank_back_at_once(pool, model_dir, reference, tmp_path):
+    """Rank 3 cannot resume its KV cache after a completed sync: it votes no, its peers roll back without
+    waiting for a deadline and name it, the group stays usable, and the next round trip needs no new group."""
+    results = pool.run(tasks.local_fault_task, model_dir, rank=3, store_dir=str(tmp_path), **COMMON)
+    for rank, r in enumerate(results):
+        assert r["phase"] == "TRAIN" and r["state_intact"], (rank, r)
+        if rank == 3:
+            assert r["error"] == "SwitchError" and "kv_cache" in r["message"], r
+        else:
+            assert r["error"] == "SwitchPeerAbortError" and r["peers"] == [3] and r["group_usable"], r
+            assert r["seconds"] < DEADLINE_S, f"rank {rank} waited {r['seconds']:.1f} s: it did not hear the no"
+        assert r["loss"] == reference[rank]["losses"][0], (rank, r["loss"])
 
 
 if __name__ == "__main__":  # the dry run and the number of points; with --full, the full injection

@@ -52,7 +52,7 @@ from hybridmem.phase import Direction, Phase
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_module_tensors, hf_source_layout
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.steps import StepResult, SwitchStep, ToInferOrder
-from hybridmem.training_state import TrainingCapabilities
+from hybridmem.training_state import TrainingCapabilities, check_optimizer_owns
 
 __all__ = ["FSDPTrainingState", "ReleaseFSDPBuffersStep", "is_fsdp_model", "UNSHARDED_OWNER"]
 
@@ -91,6 +91,12 @@ class _FSDPBuffers:
             if ctx is not None:
                 seen.setdefault(id(ctx), ctx)
         return list(seen.values())
+
+    def sharded_params(self) -> list[torch.nn.Parameter]:
+        """The sharded parameters FSDP2 registers between forward and backward (a module left unsharded
+        after a forward shows its unsharded ones instead); an optimizer holds these."""
+        return [fsdp_param.sharded_param for state in self._states()
+                for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params]
 
     def nbytes(self) -> int:
         """Bytes of unsharded parameters and kept communication buffers."""
@@ -182,8 +188,9 @@ class FSDPTrainingState:
         if not is_fsdp_model(self.modules):
             raise TypeError(f"model {type(model).__name__} has no fully_shard module; "
                             f"use it without FSDPTrainingState")
-        self.optimizer = optimizer
         self.buffers = _FSDPBuffers(self.modules)
+        check_optimizer_owns(self.modules, optimizer, also=self.buffers.sharded_params())
+        self.optimizer = optimizer
         self._attached: set[int] = set()
 
     def _named(self, with_buffers: bool) -> Iterator[tuple[str, Any]]:
