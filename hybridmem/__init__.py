@@ -16,6 +16,7 @@ from hybridmem.errors import (
     HostMemoryPlanError,
     HybridMemError,
     MemoryPlanError,
+    PeerAbortError,
     PhaseError,
     RollbackError,
     SwitchError,
@@ -49,6 +50,7 @@ __all__ = [
     "WeightCoverageError",
     "WeightSyncError",
     "CollectiveTimeoutError",
+    "PeerAbortError",
 ]
 
 __version__ = "0.1.0"

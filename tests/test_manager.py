@@ -468,3 +468,34 @@ def test_inference_raises_once_its_retries_are_spent(tiny_setup):
     with pytest.raises(ValueError, match="retries=-1"):
         with manager.inference(retries=-1):
             pass
+
+
+def test_a_failed_step_leaves_nothing_to_the_garbage_collector(tiny_setup):
+    """A failed sync's staging buffers (and, in a multi-rank sync, its posted works) live in the frames its
+    error carries; they are dropped before the error leaves the switch, not when the cycle collector runs."""
+    import weakref
+
+    from hybridmem.weight_sync import WeightSync
+
+    staged: list[weakref.ref] = []
+
+    class FailingSync(WeightSync):
+        def sync(self):
+            staging = torch.empty(1 << 16)
+            staged.append(weakref.ref(staging))
+            raise RuntimeError("the sync failed with its staging buffer allocated")
+
+    model, opt = tiny_setup()
+    train_step(model, opt, 0)
+    mgr = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=KV_NBYTES), optimizer=opt,
+                          weight_sync=FailingSync())
+    gc.disable()
+    try:
+        with pytest.raises(SwitchError, match="the sync failed") as info:
+            mgr.to_infer()
+        assert staged[0]() is None, "the staging buffer waits for the garbage collector"
+        lines = "".join(__import__("traceback").format_exception(info.value.__cause__))
+        assert 'raise RuntimeError("the sync failed' in lines and "in sync" in lines  # where it failed still shows
+    finally:
+        gc.enable()
+    assert mgr.phase is Phase.TRAIN
