@@ -42,7 +42,7 @@ from hybridmem.memplan import StepEstimate
 from hybridmem.reshard.deadline import deadline_bound, post, wait_to_deadline
 from hybridmem.steps import StepResult, SwitchStep
 
-__all__ = ["SwitchAgreement", "AgreeStep"]
+__all__ = ["AgreeStep", "SwitchAgreement"]
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
-__all__ = ["Claims", "holder_of"]
+__all__ = ["Claims"]
 
 _HOLDERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 """id(claimed object) -> (weak ref to the object, weak ref to the manager holding it)."""
@@ -39,16 +37,6 @@ def _live(entry: tuple[weakref.ref, weakref.ref] | None, obj: Any) -> Any:
     if obj_ref() is not obj:  # the id was reused by a new object
         return None
     return manager_ref()
-
-
-def holder_of(obj: Any) -> Any:
-    """The live manager that claimed ``obj`` (a parameter, module, optimizer or engine), or ``None``."""
-    if isinstance(obj, torch.nn.Module):
-        for p in obj.parameters():
-            holder = _live(_HOLDERS.get(id(p)), p)
-            if holder is not None:
-                return holder
-    return _live(_HOLDERS.get(id(obj)), obj)
 
 
 class Claims:

@@ -32,8 +32,8 @@ from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor
 
 from hybridmem import CollectiveTimeoutError, HybridConfig, ShardingManager
-from hybridmem.errors import PeerAbortError
 from hybridmem.engines import ReferenceEngine
+from hybridmem.errors import PeerAbortError
 from tests.distributed.fsdp_job import build_fsdp_model, train_step
 
 COLLECTIVES = (

@@ -37,7 +37,7 @@ def _env() -> dict[str, str]:
 def run(program: str, policy: str, cwd: Path, *args: str) -> tuple[int, str, str]:
     """``(return code, last line of stdout, last line of stderr)`` of ``programs/<program>.py``."""
     proc = subprocess.run([sys.executable, str(PROGRAMS / f"{program}.py"), policy, *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
 
     def last(text: str) -> str:
         lines = [line for line in text.splitlines() if line.strip()]
@@ -49,18 +49,18 @@ def run(program: str, policy: str, cwd: Path, *args: str) -> tuple[int, str, str
 # (program, exit code, pattern of the last line of stdout (exit 0) or stderr (exit 1)), written from what a
 # user must read: the value at fault and the fix.
 CASES = [
-    ("two_managers", 1, r"^ValueError: model Qwen2ForCausalLM is already managed by ShardingManager\(phase=TRAIN, "
-                        r".*\(built at .*two_managers\.py:14\): one manager per model\..* call its close\(\)$"),
-    ("close_then_new_manager", 0, r"^cannot switch to INFER: the manager is in phase CLOSED; .*build a new "
-                                  r"ShardingManager$"),
-    ("foreign_optimizer", 1, r"^ValueError: optimizer AdamW holds 27 of its 27 parameters outside the model "
+    ("two_managers", 1, (r"^ValueError: model Qwen2ForCausalLM is already managed by ShardingManager\(phase=TRAIN, "
+                        r".*\(built at .*two_managers\.py:14\): one manager per model\..* call its close\(\)$")),
+    ("close_then_new_manager", 0, (r"^cannot switch to INFER: the manager is in phase CLOSED; .*build a new "
+                                  r"ShardingManager$")),
+    ("foreign_optimizer", 1, (r"^ValueError: optimizer AdamW holds 27 of its 27 parameters outside the model "
                              r"Qwen2ForCausalLM \(the first: shape \(256, 64\), torch\.float32\); pass the optimizer "
-                             r"built on this model's parameters"),
-    ("config_typo", 1, r"^TypeError: HybridConfig got an unknown keyword 'offload_train_optimiser': did you mean "
-                       r"'offload_train_optimizer'"),
+                             r"built on this model's parameters")),
+    ("config_typo", 1, (r"^TypeError: HybridConfig got an unknown keyword 'offload_train_optimiser': did you mean "
+                       r"'offload_train_optimizer'")),
     ("empty_yaml", 1, r"^hybridmem\.errors\.ConfigError: job\.yaml is empty .*use HybridConfig\(\) for the defaults$"),
-    ("misplaced_yaml_key", 1, r"^hybridmem\.errors\.ConfigError: actor_config\.infer_tensor_parallel_size=4 in "
-                              r"job\.yaml is not allowed: expected infer_tensor_parallel_size under generate_config"),
+    ("misplaced_yaml_key", 1, (r"^hybridmem\.errors\.ConfigError: actor_config\.infer_tensor_parallel_size=4 in "
+                              r"job\.yaml is not allowed: expected infer_tensor_parallel_size under generate_config")),
 ]
 
 
