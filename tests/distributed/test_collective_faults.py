@@ -71,6 +71,9 @@ did not reach waits for the whole of it, so it sets the one-rank sample's time (
 MARGIN_S = 10.0
 """How long after the deadline a rank the fault did not reach may take to raise (its rollback, on a
 loaded machine)."""
+TASK_TIMEOUT_S = 900.0
+"""How long the pool waits for one task of up to ROUNDS_PER_TASK rounds: a one-rank round takes the
+deadline and a group re-creation, about 8-10 s each on a loaded 2-core machine; only a hang reaches it."""
 BUCKET_BYTES = 16 * 2**10
 """Several buckets per sync (a rank receives about 1 MB), so a sync makes tens of calls of each kind."""
 ROUNDS_PER_TASK = 24
@@ -108,8 +111,8 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def pool():
     """One pool for the module: a task that re-creates the process group leaves the new one to the next. A
-    task (at most :data:`ROUNDS_PER_TASK` rounds of a few seconds) that has not returned in 150 s is stuck."""
-    with WorkerPool(WORLD, timeout_s=150.0) as p:
+    task (at most :data:`ROUNDS_PER_TASK` rounds) that has not returned in :data:`TASK_TIMEOUT_S` is stuck."""
+    with WorkerPool(WORLD, timeout_s=TASK_TIMEOUT_S) as p:
         yield p
 
 
@@ -281,7 +284,7 @@ def test_a_failure_after_the_sync_on_one_rank_rolls_every_rank_back_at_once(pool
 if __name__ == "__main__":  # the dry run and the number of points; with --full, the full injection
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp, WorkerPool(WORLD, timeout_s=150.0) as main_pool:
+    with tempfile.TemporaryDirectory() as tmp, WorkerPool(WORLD, timeout_s=TASK_TIMEOUT_S) as main_pool:
         directory = save_tiny_qwen2(Path(tmp) / "qwen2")
         ref = main_pool.run(tasks.reference_task, directory, steps=ROUNDS_PER_TASK, **COMMON)
         for rank_, r_ in enumerate(ref):
