@@ -15,7 +15,7 @@ No worker outlives the process that started it, however that process ends. A nor
 ``KeyboardInterrupt`` runs :meth:`WorkerPool.close` (the ``with`` block or the fixture's teardown), and
 a pool nobody closed is closed by a ``weakref.finalize`` (at garbage collection or interpreter exit).
 A parent that dies without running Python code (SIGTERM's and SIGKILL's default action, ``os._exit``,
-a crash; pytest-xdist ends its workers so) cannot close anything: each worker asks the kernel for
+a crash; a SIGTERM to a pytest-xdist worker, for one) cannot close anything: each worker asks the kernel for
 SIGKILL when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``) and also watches its parent pid from
 a thread (other platforms, and a pool started from a thread other than the main one, whose end
 ``PR_SET_PDEATHSIG`` would take for the parent's death). Workers ignore SIGINT: a Ctrl-C in a
