@@ -77,6 +77,7 @@ _METHODS = {
     "reports_weight_coverage": ("unwritten_weights",),
     "reports_residency": ("resident_nbytes", "planned_nbytes"),
     "binds_phase": ("bind_phase",),
+    "stages_weights": ("commit_weights",),
 }
 """The methods each capability promises."""
 
@@ -101,6 +102,9 @@ class EngineCapabilities:
     """``load_weights`` takes the training model's own names and layout (a copy of the module)."""
     binds_phase: bool = False
     """``bind_phase(phase)`` takes the manager's phase, named when the engine refuses work."""
+    stages_weights: bool = False
+    """What a weight sync writes is staged, and ``commit_weights()`` hands it to the engine (an engine in its
+    own process); the weight-sync step calls it after the sync."""
 
 
 def capabilities_of(engine: Any) -> EngineCapabilities:

@@ -28,10 +28,12 @@ __all__ = [
     "KVStateError",
     "KVResumeError",
     "PeerAbortError",
+    "EngineProcessError",
     "SwitchHostMemoryBudgetError",
     "SwitchWeightSyncError",
     "SwitchKVResumeError",
     "SwitchPeerAbortError",
+    "SwitchEngineProcessError",
     "switch_error",
 ]
 
@@ -229,6 +231,26 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
         )
 
 
+class EngineProcessError(HybridMemError, RuntimeError):
+    """An inference engine in its own process did not answer a call in time, answered with an error, or is
+    gone (see [Note: vllm engine process] in hybridmem.adapters.vllm.remote).
+
+    Attributes:
+        call: The call (``"update_weights"``, ``"wake_up"``, ...).
+        where: Where the engine is (a URL, an AsyncLLM).
+        deadline_s: The call's deadline.
+    """
+
+    def __init__(self, call: str, *, where: str, deadline_s: float, elapsed_s: float, cause: str):
+        self.call = call
+        self.where = where
+        self.deadline_s = deadline_s
+        super().__init__(
+            f"the vLLM engine at {where} did not complete {call!r} (waited {elapsed_s:.1f} s of {deadline_s:.1f} s: "
+            f"{cause}); is its process alive? (its log says why it stopped)"
+        )
+
+
 class PeerAbortError(HybridMemError, RuntimeError):
     """Other ranks of a multi-rank switch could not finish it and voted to roll back; this rank rolled back
     too (see [Note: switch agreement] in hybridmem.agreement). The process group stays usable.
@@ -310,6 +332,10 @@ class SwitchCollectiveTimeoutError(_SwitchFailedWith, CollectiveTimeoutError):
     """A switch's weight sync waited past its deadline for a peer (stuck or dead); catch it as either base."""
 
 
+class SwitchEngineProcessError(_SwitchFailedWith, EngineProcessError):
+    """A switch's call into an engine in its own process failed or timed out; catch it as either base."""
+
+
 class SwitchPeerAbortError(_SwitchFailedWith, PeerAbortError):
     """Other ranks could not finish a multi-rank switch, so this rank rolled back too; catch it as either base."""
 
@@ -320,6 +346,7 @@ _SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...
     (KVResumeError, SwitchKVResumeError),
     (CollectiveTimeoutError, SwitchCollectiveTimeoutError),
     (PeerAbortError, SwitchPeerAbortError),
+    (EngineProcessError, SwitchEngineProcessError),
 )
 
 

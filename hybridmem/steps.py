@@ -245,8 +245,9 @@ class WeightSyncStep(SwitchStep):
     name = "weight sync"
     kind = StateKind.ENGINE_WEIGHTS
 
-    def __init__(self, sync: WeightSync):
+    def __init__(self, sync: WeightSync, engine: InferenceEngine | None = None):
         self.sync = sync
+        self.engine = engine
 
     def estimate(self) -> StepEstimate:
         return StepEstimate(transient_nbytes=self.sync.temp_nbytes())
@@ -255,6 +256,9 @@ class WeightSyncStep(SwitchStep):
         s = self.sync.sync()
         if s.unwritten:  # [Note: weight coverage]
             raise WeightCoverageError(list(s.unwritten))
+        committed: dict = {}
+        if self.engine is not None and capabilities_of(self.engine).stages_weights:
+            committed = dict(self.engine.commit_weights() or {})  # an engine in its own process takes the staged
         if s.dtype_note and self.sync not in _WARNED_CASTS:  # [Note: no silent dtype change]
             log.warning("hybridmem: %s; the engine's weights differ from the trainer's by that rounding (build the "
                         "engine in the trainer's dtype to get them bit for bit)", s.dtype_note)
@@ -271,6 +275,7 @@ class WeightSyncStep(SwitchStep):
                 "temp_peak_nbytes": s.temp_peak_nbytes,
                 "coverage_checked": s.coverage_checked,
                 **({"note": s.dtype_note} if s.dtype_note else {}),
+                **committed,
             },
         )
 
@@ -309,7 +314,7 @@ def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offload
         if engine is not None:
             items.append((ToInferOrder.ENGINE_WEIGHTS, EngineResumeStep(engine, WEIGHTS)))
             if weight_sync is not None:
-                items.append((ToInferOrder.WEIGHT_SYNC, WeightSyncStep(weight_sync)))
+                items.append((ToInferOrder.WEIGHT_SYNC, WeightSyncStep(weight_sync, engine)))
             items.append((ToInferOrder.KV_CACHE, EngineResumeStep(engine, KV_CACHE)))
         if agree is not None:
             items.append((ToInferOrder.AGREE, agree))

@@ -1,0 +1,25 @@
+"""vLLM plugin entry point: registers hybridmem's weight-transfer backend in every vLLM process.
+
+vLLM calls ``vllm.general_plugins`` entry points in each of its processes (API server, engine core, every
+worker; on its CPU build the workers are spawned, so a registration made in the trainer's process does
+not reach them). ``pyproject.toml`` declares ``hybridmem = "hybridmem.adapters.vllm.plugin:register"``.
+Importing this module imports neither vLLM nor torch; the backend module is imported by vLLM when a
+worker creates the engine (see [Note: vllm transfer backend] in :mod:`hybridmem.adapters.vllm.transfer`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    """Register ``"hybridmem"`` with vLLM's ``WeightTransferEngineFactory`` (a second call is a no-op)."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # noqa: PLC0415
+
+    if "hybridmem" in getattr(WeightTransferEngineFactory, "_registry", {}):
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(
+            "hybridmem", "hybridmem.adapters.vllm.transfer", "HybridmemWeightTransferEngine")
+    except ValueError:  # registered meanwhile (the factory refuses a second registration of a name)
+        pass

@@ -1,0 +1,347 @@
+"""Talking to a vLLM engine in its own process through vLLM's RL API: over HTTP (``vllm serve``) or AsyncLLM.
+
+[Note: vllm engine process]
+vLLM ships the control plane an RL trainer needs for an engine in another process: pause and resume of
+generation, sleep and wake-up by tag, and a weight update as a transaction (``init_weight_transfer_engine``
+once; then ``start_weight_update``, ``update_weights``, ``finish_weight_update`` with a version), on
+``AsyncLLM`` and as endpoints of its OpenAI server (mounted with ``VLLM_SERVER_DEV_MODE=1``). The two
+clients here speak it, one over HTTP and one through an ``AsyncLLM`` whose engine core is a separate
+process, behind one interface (:class:`VLLMClient`) that :class:`~hybridmem.adapters.vllm.server.
+VLLMServerEngine` drives. Every call is bounded by a deadline: an engine process that died, stalls or
+answers with an error is a :class:`~hybridmem.errors.EngineProcessError` naming the call, where the
+engine is and how long it was waited for, never a hang. The tensors themselves never cross these calls
+(see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.staging`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
+from hybridmem.engines.reference.sampling import GenerationOutput
+from hybridmem.errors import EngineProcessError
+
+__all__ = ["VLLMClient", "HTTPClient", "AsyncLLMClient", "PAUSE_MODES"]
+
+PAUSE_MODES = ("wait", "abort", "keep")
+"""vLLM's ways to pause generation: let running requests finish, abort them, or freeze them."""
+
+
+class VLLMClient(ABC):
+    """The RL control plane of one vLLM engine in another process (see [Note: vllm engine process]).
+
+    Attributes:
+        where: Where the engine is, for messages (a URL, or ``AsyncLLM pid=...``).
+        timeout_s: The deadline of each control call.
+    """
+
+    where: str
+    timeout_s: float
+
+    @abstractmethod
+    def _call(self, name: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Run control call ``name``; raise :class:`EngineProcessError` on a failure or past the deadline."""
+
+    def pause(self, mode: str = "wait") -> None:
+        """Stop scheduling new work; ``mode`` (:data:`PAUSE_MODES`) says what happens to running requests."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode={mode!r}; expected one of {PAUSE_MODES}")
+        self._call("pause", mode)
+
+    def resume_generation(self) -> None:
+        self._call("resume")
+
+    def sleep(self, level: int) -> None:
+        self._call("sleep", int(level))
+
+    def wake_up(self, tags: Sequence[str]) -> None:
+        self._call("wake_up", list(tags))
+
+    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: list[dict[str, Any]] | dict[str, Any]) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, version: str) -> None:
+        self._call("finish_weight_update", str(version))
+
+    def weight_version(self) -> str:
+        return str(self._call("weight_version"))
+
+    def reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
+    def world_size(self) -> int:
+        return int(self._call("world_size"))
+
+    @abstractmethod
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any) -> list[GenerationOutput]:
+        """Generate for every prompt (concurrently in the engine); outputs in prompt order."""
+
+    @abstractmethod
+    async def agenerate(self, prompt_ids: Sequence[int], params: Any, *, index: int = 0) -> GenerationOutput:
+        """One request, awaitable from any event loop; ``index`` offsets the seed as in a batch."""
+
+    def close(self) -> None:
+        """Drop the connection (the engine process is not stopped)."""
+
+
+def _output(prompt: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float] | None) -> GenerationOutput:
+    return GenerationOutput(prompt_ids=[int(t) for t in prompt], token_ids=[int(t) for t in token_ids],
+                            logprobs=None if logprobs is None else [float(x) for x in logprobs])
+
+
+class HTTPClient(VLLMClient):
+    """A ``vllm serve`` (OpenAI server) with its RL endpoints (``VLLM_SERVER_DEV_MODE=1``).
+
+    Generation goes through ``/inference/v1/generate`` (token ids in and out, log-probs, weight versions;
+    needs ``--enable-scale-out``) where the server has it, else ``/v1/completions`` with token-id prompts
+    (no log-probs without a tokenizer).
+
+    Args:
+        base_url: E.g. ``http://127.0.0.1:8000``.
+        timeout_s: Deadline of each control call.
+        generate_timeout_s: Deadline of one generation request.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 60.0, generate_timeout_s: float = 600.0):
+        import httpx  # noqa: PLC0415 - vLLM's own dependency
+
+        self.where = base_url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self.generate_timeout_s = float(generate_timeout_s)
+        self._httpx = httpx
+        self._http = httpx.Client(base_url=self.where, timeout=self.timeout_s)
+        self._model: str | None = None
+        self._token_endpoint: bool | None = None
+
+    _ROUTES = {
+        "pause": ("POST", "/pause", lambda mode: ({"mode": mode}, None)),
+        "resume": ("POST", "/resume", lambda: (None, None)),
+        "sleep": ("POST", "/sleep", lambda level: ({"level": level}, None)),
+        "wake_up": ("POST", "/wake_up", lambda tags: ([("tags", t) for t in tags], None)),
+        "init_weight_transfer_engine": ("POST", "/init_weight_transfer_engine", lambda info: (None, {"init_info": info})),
+        "start_weight_update": ("POST", "/start_weight_update", lambda: (None, {})),
+        "update_weights": ("POST", "/update_weights", lambda info: (None, {"update_info": info})),
+        "finish_weight_update": ("POST", "/finish_weight_update", lambda v: (None, {"weight_version": v})),
+        "weight_version": ("GET", "/weight_info", lambda: (None, None)),
+        "reset_prefix_cache": ("POST", "/reset_prefix_cache", lambda: (None, None)),
+        "world_size": ("GET", "/get_world_size", lambda: (None, None)),
+        "health": ("GET", "/health", lambda: (None, None)),
+        "models": ("GET", "/v1/models", lambda: (None, None)),
+    }
+
+    def _call(self, name: str, *args: Any, timeout_s: float | None = None) -> Any:
+        method, path, make = self._ROUTES[name]
+        params, body = make(*args)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        try:
+            response = self._http.request(method, path, params=params, json=body, timeout=timeout)
+        except self._httpx.HTTPError as exc:
+            raise EngineProcessError(name, where=self.where, deadline_s=timeout, elapsed_s=time.monotonic() - start,
+                                     cause=f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineProcessError(name, where=self.where, deadline_s=timeout, elapsed_s=time.monotonic() - start,
+                                     cause=f"HTTP {response.status_code}: {response.text[:300]}")
+        data = response.json() if response.content else {}
+        if name == "weight_version":
+            return data.get("weight_version")
+        if name == "world_size":
+            return data.get("world_size")
+        if name == "models":
+            return data
+        return data
+
+    def health(self, timeout_s: float = 5.0) -> None:
+        """Whether the server answers (raises :class:`EngineProcessError` otherwise)."""
+        self._call("health", timeout_s=timeout_s)
+
+    def _model_name(self) -> str:
+        if self._model is None:
+            self._model = str(self._call("models")["data"][0]["id"])
+        return self._model
+
+    def _request(self, prompt: Sequence[int], params: Any, index: int) -> tuple[str, dict[str, Any]]:
+        kwargs = to_vllm_sampling_kwargs(params, index)
+        logprobs = kwargs.pop("logprobs")
+        if self._token_endpoint is None:
+            self._token_endpoint = self._has_token_endpoint()
+        if self._token_endpoint:
+            sampling = {k: v for k, v in kwargs.items() if v is not None}
+            if logprobs is not None:
+                sampling["logprobs"] = 1
+            return "/inference/v1/generate", {"token_ids": [int(t) for t in prompt], "sampling_params": sampling,
+                                              "stream": False}
+        if logprobs is not None:
+            raise ValueError(f"log-probs without a tokenizer need the server's token endpoint: start {self.where} "
+                             f"with --enable-scale-out (or serve a model with a tokenizer)")
+        body = {"model": self._model_name(), "prompt": [int(t) for t in prompt], "return_token_ids": True,
+                **{k: v for k, v in kwargs.items() if v is not None}}
+        return "/v1/completions", body
+
+    def _has_token_endpoint(self) -> bool:
+        try:
+            response = self._http.post("/inference/v1/generate", json={}, timeout=self.timeout_s)
+        except self._httpx.HTTPError as exc:
+            raise EngineProcessError("generate", where=self.where, deadline_s=self.timeout_s, elapsed_s=0.0,
+                                     cause=f"{type(exc).__name__}: {exc}") from exc
+        return response.status_code not in (403, 404)
+
+    def _parse(self, path: str, prompt: Sequence[int], data: dict[str, Any], want_logprobs: bool) -> GenerationOutput:
+        choice = data["choices"][0]
+        tokens = choice.get("token_ids") or []
+        logprobs = None
+        if want_logprobs and path == "/inference/v1/generate":
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(c["logprob"]) for c in content]
+        return _output(prompt, tokens, logprobs)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any) -> list[GenerationOutput]:
+        async def everything() -> list[GenerationOutput]:
+            return list(await asyncio.gather(*(self.agenerate(p, params, index=i) for i, p in enumerate(prompt_ids))))
+
+        return asyncio.run(everything())
+
+    async def agenerate(self, prompt_ids: Sequence[int], params: Any, *, index: int = 0) -> GenerationOutput:
+        path, body = self._request(prompt_ids, params, index)
+        start = time.monotonic()
+        try:
+            async with self._httpx.AsyncClient(base_url=self.where, timeout=self.generate_timeout_s) as http:
+                response = await http.post(path, json=body)
+        except self._httpx.HTTPError as exc:
+            raise EngineProcessError("generate", where=self.where, deadline_s=self.generate_timeout_s,
+                                     elapsed_s=time.monotonic() - start, cause=f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineProcessError("generate", where=self.where, deadline_s=self.generate_timeout_s,
+                                     elapsed_s=time.monotonic() - start,
+                                     cause=f"HTTP {response.status_code}: {response.text[:300]}")
+        return self._parse(path, prompt_ids, response.json(), bool(params.logprobs))
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class AsyncLLMClient(VLLMClient):
+    """An ``AsyncLLM`` made in this process (its engine core and workers are other processes), run on an
+    event loop of its own in a background thread so that synchronous callers (the switch) and any
+    user's event loop can both use it.
+
+    Args:
+        engine_args: ``vllm.AsyncEngineArgs``.
+        timeout_s: Deadline of each control call.
+        generate_timeout_s: Deadline of one generation request.
+    """
+
+    def __init__(self, engine_args: Any, *, timeout_s: float = 60.0, generate_timeout_s: float = 600.0):
+        self.timeout_s = float(timeout_s)
+        self.generate_timeout_s = float(generate_timeout_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hybridmem-asyncllm", daemon=True)
+        self._thread.start()
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
+
+        async def build() -> Any:
+            return AsyncLLM.from_engine_args(engine_args)
+
+        self.llm = self._run(build(), "start AsyncLLM", timeout_s=None)
+        self.where = f"AsyncLLM of model {getattr(engine_args, 'model', '?')}"
+        self._next_id = 0
+
+    def _run(self, coro: Coroutine[Any, Any, Any], name: str, timeout_s: float | None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        start = time.monotonic()
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise EngineProcessError(name, where=getattr(self, "where", "AsyncLLM"), deadline_s=timeout_s or 0.0,
+                                     elapsed_s=time.monotonic() - start, cause="no answer") from exc
+        except Exception as exc:
+            raise EngineProcessError(name, where=getattr(self, "where", "AsyncLLM"),
+                                     deadline_s=timeout_s or float("inf"), elapsed_s=time.monotonic() - start,
+                                     cause=f"{type(exc).__name__}: {exc}".splitlines()[0][:300]) from exc
+
+    def _call(self, name: str, *args: Any, timeout_s: float | None = None) -> Any:
+        llm = self.llm
+        calls = {
+            "pause": lambda mode: llm.pause_generation(mode=mode),
+            "resume": lambda: llm.resume_generation(),
+            "sleep": lambda level: llm.sleep(level=level),
+            "wake_up": lambda tags: llm.wake_up(tags=tags),
+            "init_weight_transfer_engine": lambda info: llm.init_weight_transfer_engine(_init_request(info)),
+            "start_weight_update": lambda: llm.start_weight_update(),
+            "update_weights": lambda info: llm.update_weights(_update_request(info)),
+            "finish_weight_update": lambda v: llm.finish_weight_update(weight_version=v),
+            "weight_version": lambda: llm.get_weight_version(),
+            "reset_prefix_cache": lambda: llm.reset_prefix_cache(),
+            "world_size": lambda: _world_size(llm),
+        }
+        return self._run(calls[name](*args), name, self.timeout_s if timeout_s is None else timeout_s)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any) -> list[GenerationOutput]:
+        async def everything() -> list[GenerationOutput]:
+            return list(await asyncio.gather(*(self._generate(p, params, i) for i, p in enumerate(prompt_ids))))
+
+        return self._run(everything(), "generate", self.generate_timeout_s)
+
+    async def agenerate(self, prompt_ids: Sequence[int], params: Any, *, index: int = 0) -> GenerationOutput:
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, params, index), self._loop)
+        start = time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.generate_timeout_s)
+        except asyncio.TimeoutError as exc:
+            future.cancel()
+            raise EngineProcessError("generate", where=self.where, deadline_s=self.generate_timeout_s,
+                                     elapsed_s=time.monotonic() - start, cause="no answer") from exc
+
+    async def _generate(self, prompt_ids: Sequence[int], params: Any, index: int) -> GenerationOutput:
+        from vllm import SamplingParams  # noqa: PLC0415
+
+        from hybridmem.adapters.vllm.outputs import from_request_output  # noqa: PLC0415
+
+        self._next_id += 1
+        request_id = f"hybridmem-{self._next_id}"
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": [int(t) for t in prompt_ids]},
+                                           SamplingParams(**to_vllm_sampling_kwargs(params, index)), request_id):
+            final = out
+        if final is None:
+            raise RuntimeError(f"AsyncLLM returned nothing for request {request_id}")
+        return from_request_output(prompt_ids, final, want_logprobs=bool(params.logprobs))
+
+    def close(self) -> None:
+        """Shut the AsyncLLM (its engine core and workers) down and stop the loop."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            self._loop.call_soon_threadsafe(llm.shutdown)
+            self.llm = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+
+def _init_request(info: dict[str, Any]) -> Any:
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest  # noqa: PLC0415
+
+    return WeightTransferInitRequest(init_info=info)
+
+
+def _update_request(info: Any) -> Any:
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest  # noqa: PLC0415
+
+    return WeightTransferUpdateRequest(update_info=info)
+
+
+async def _world_size(llm: Any) -> int:
+    parallel = llm.vllm_config.parallel_config
+    return int(parallel.world_size)

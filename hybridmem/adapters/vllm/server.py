@@ -1,0 +1,409 @@
+"""VLLMServerEngine: a vLLM engine in its own process (``vllm serve``, or an AsyncLLM) as an InferenceEngine.
+
+[Note: vllm server switch]
+How a switch maps onto vLLM's RL API for an engine in another process (see [Note: vllm engine process]
+in :mod:`hybridmem.adapters.vllm.remote`):
+
+- TRAIN->INFER: ``resume(["weights"])`` wakes the weights (a no-op on vLLM's CPU build, which has no
+  sleep mode); the weight sync writes this rank's vLLM-layout shards in place into its staging file
+  (:meth:`VLLMServerEngine.named_parameters`, [Note: vllm staging]); ``commit_weights()`` hands them to
+  the workers in one update transaction, ``start_weight_update`` / ``update_weights`` (every worker rank's
+  file and figures) / ``finish_weight_update`` with the next version, then resets the prefix cache;
+  ``resume(["kv_cache"])`` wakes the KV cache and resumes generation.
+- INFER->TRAIN: ``release(["kv_cache"])`` pauses generation first, by the engine's policy for requests
+  still running (:class:`InFlight`: let them finish, or abort them and count them), then sleeps;
+  ``release(["weights"])`` sleeps the weights. Generation stays paused in TRAIN, so weights never change
+  under a running request.
+
+When several trainer ranks serve one engine (its tensor-parallel workers, one per device), each rank
+stages its own worker's shards; the engine's ranks agree over ``group`` that every file is written, and
+rank 0 alone makes the control calls, then tells the others how the update went. A failed update leaves
+the engine paused and its weights marked stale: it refuses to generate until a complete update succeeds,
+so it never serves half-written weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridmem.accel import Accelerator, get_accelerator
+from hybridmem.adapters.vllm.outputs import GREEDY
+from hybridmem.adapters.vllm.remote import VLLMClient
+from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
+from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engines.reference.sampling import GenerationOutput
+from hybridmem.engines.torch_copy import check_tags
+from hybridmem.errors import EngineProcessError, PhaseError
+from hybridmem.reshard.deadline import deadline_bound, wait_all
+
+__all__ = ["VLLMServerEngine", "InFlight"]
+
+log = logging.getLogger(__name__)
+
+
+class InFlight(Enum):
+    """What leaving INFER does to requests still running (see [Note: vllm server switch])."""
+
+    WAIT = "wait"
+    """Let them finish with the weights they started with; the switch waits for them."""
+    ABORT = "abort"
+    """Abort them (their outputs end with finish reason ``abort``); :attr:`VLLMServerEngine.last_aborted`
+    counts them."""
+
+
+class VLLMServerEngine:
+    """A vLLM engine in another process, driven through vLLM's RL API (see [Note: vllm server switch]).
+
+    Build it with :meth:`connect` (a running ``vllm serve``) or :meth:`start_async` (an AsyncLLM made here,
+    its engine core a separate process); either must have been started with hybridmem's weight-transfer
+    backend (``--weight-transfer-config '{"backend": "hybridmem"}'``).
+
+    Args:
+        client: The control plane (:class:`~hybridmem.adapters.vllm.remote.HTTPClient` or
+            :class:`~hybridmem.adapters.vllm.remote.AsyncLLMClient`).
+        hf_config: The served model's transformers config (its family, vocab, dtype).
+        group: The trainer ranks serving this engine, one per worker rank in order (``None``: this process
+            alone, for an engine with one worker).
+        in_flight: What leaving INFER does to running requests (:class:`InFlight`).
+        sleep_level: vLLM's sleep level on release (2: weights discarded, rewritten by every sync; 1: kept
+            in host memory). Ignored where vLLM has no sleep mode (its CPU build).
+        verify: Send the staged tensors' figures with each update; the workers refuse a tensor that reads
+            otherwise (see [Note: vllm staging]).
+        staging_dir: Where the staging files go (``/dev/shm``: RAM, shared with the engine's processes).
+        timeout_s: Deadline of the ranks' agreement around an update.
+        frees_memory: Whether sleeping frees device memory; ``None``: unless vLLM runs on its CPU build
+            (its sleep frees nothing).
+        accel: Measures what wake-ups take (co-located: the same device).
+        release_now: Release both tags at construction, as :class:`~hybridmem.ShardingManager` expects.
+
+    Raises:
+        EngineProcessError: The engine does not answer, or was not started with the hybridmem backend.
+        ValueError: ``group`` has another size than the engine's workers.
+    """
+
+    def __init__(self, client: VLLMClient, *, hf_config: Any, group: Any = None,
+                 in_flight: InFlight | str = InFlight.WAIT, sleep_level: int = 2, verify: bool = True,
+                 staging_dir: str = "/dev/shm", timeout_s: float = 120.0, frees_memory: bool | None = None,
+                 accel: Accelerator | str | None = None, release_now: bool = True):
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={sleep_level}; expected 1 or 2")
+        self.client = client
+        self.hf_config = hf_config
+        self.group = group
+        self.in_flight = InFlight(in_flight)
+        self.sleep_level = int(sleep_level)
+        self.verify = bool(verify)
+        self.timeout_s = float(timeout_s)
+        self.accel = get_accelerator("auto" if accel is None else accel)
+        self.rank, self.world_size = _rank_and_size(group)
+        workers = client.world_size()
+        if workers != self.world_size:
+            raise ValueError(f"the engine at {client.where} runs {workers} workers but group has {self.world_size} "
+                             f"ranks: one trainer rank per worker (pass the group of the ranks it serves)")
+        self.frees_memory = (self.accel.name != "cpu") if frees_memory is None else bool(frees_memory)
+        self.capabilities = EngineCapabilities(
+            frees_memory=self.frees_memory, memory_note=self.memory_note, writes_in_place=True,
+            reports_residency=True, stages_weights=True,
+        )
+        """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
+        self.directory = self._shared_directory(staging_dir)
+        self.layout = self._worker_layout()
+        entries, nbytes = layout_entries((n, shape, dtype) for n, (shape, dtype) in self.layout.items())
+        self.staging = StagingFile(os.path.join(self.directory, f"staging-rank{self.rank}.bin"), entries, nbytes)
+        self.version = 0
+        """Updates committed so far; the engine's weight version is ``f"hybridmem-{version}"``."""
+        self.last_aborted = 0
+        """Requests the last release aborted (policy :attr:`InFlight.ABORT`)."""
+        self._in_flight = 0
+        self._state = {t: True for t in ENGINE_TAGS}  # resident
+        self._current = True  # the served weights are the last committed ones
+        self._staged = False
+        self._nbytes = {t: 0 for t in ENGINE_TAGS}
+        if release_now:
+            self.release(list(ENGINE_TAGS))
+
+    # Construction -----------------------------------------------------------------------------------
+    @classmethod
+    def connect(cls, base_url: str, *, hf_config: Any = None, timeout_s: float = 60.0, **kwargs: Any) -> VLLMServerEngine:
+        """The engine of a running ``vllm serve`` at ``base_url`` (started with ``VLLM_SERVER_DEV_MODE=1`` and
+        ``--weight-transfer-config '{"backend": "hybridmem"}'``); ``hf_config``: the served model's config
+        (default: read from the model directory the server names)."""
+        from hybridmem.adapters.vllm.remote import HTTPClient  # noqa: PLC0415
+
+        client = HTTPClient(base_url, timeout_s=timeout_s)
+        client.health(timeout_s=timeout_s)
+        if hf_config is None:
+            hf_config = _config_of(client._model_name())  # noqa: SLF001 - the served model's id
+        return cls(client, hf_config=hf_config, timeout_s=max(timeout_s, 120.0), **kwargs)
+
+    @classmethod
+    def start_async(cls, model: str, *, timeout_s: float = 60.0, engine_kwargs: Mapping[str, Any] | None = None,
+                    **async_engine_args: Any) -> VLLMServerEngine:
+        """Start an ``AsyncLLM`` for ``model`` (a directory) here, its engine core in a process of its own,
+        with hybridmem's weight-transfer backend; ``async_engine_args``: more ``AsyncEngineArgs``."""
+        from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
+
+        from hybridmem.adapters.vllm.remote import AsyncLLMClient  # noqa: PLC0415
+
+        args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": "hybridmem"}, **async_engine_args)
+        client = AsyncLLMClient(args, timeout_s=timeout_s)
+        return cls(client, hf_config=_config_of(str(model)), **dict(engine_kwargs or {}))
+
+    def _shared_directory(self, staging_dir: str) -> str:
+        """One directory for the engine's ranks (rank 0 names it; the others learn it over ``group``)."""
+        name = [os.path.join(staging_dir, f"hybridmem-{uuid.uuid4().hex[:12]}")] if self.rank == 0 else [None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
+        if self.rank == 0:
+            os.makedirs(name[0], exist_ok=True)
+        return str(name[0])
+
+    def _worker_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """This rank's worker's parameters at their load-time shapes, as the worker reports them."""
+        if self.rank == 0:
+            self.client.init_weight_transfer({"layout_dir": self.directory})
+        self._barrier("the engine's layout")
+        path = os.path.join(self.directory, f"layout-rank{self.rank}.json")
+        with open(path) as f:
+            report = json.load(f)
+        return {name: (tuple(shape), dtype_of(dtype)) for name, shape, dtype in report["params"]}
+
+    # Capabilities -----------------------------------------------------------------------------------
+    @property
+    def memory_note(self) -> str:
+        if self.frees_memory:
+            return f"vLLM sleep mode (level {self.sleep_level}) in the engine's process"
+        return "vLLM CPU backend has no sleep mode: release and resume free and take no memory"
+
+    @property
+    def model_type(self) -> str | None:
+        value = getattr(self.hf_config, "model_type", None)
+        return value if isinstance(value, str) else None
+
+    @property
+    def vocab_size(self) -> int | None:
+        value = getattr(self.hf_config, "vocab_size", None)
+        return value if isinstance(value, int) else None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        dtypes = {dtype for _, dtype in self.layout.values()}
+        return max(dtypes, key=lambda d: sum(_numel(s) for s, t in self.layout.values() if t == d)) if dtypes else None
+
+    @property
+    def parallel_layout(self) -> dict[str, int]:
+        return {"tp": self.world_size, "pp": 1}
+
+    def check_weights(self, expected: Mapping[str, Any], *, what: str = "the weight sync's layout") -> None:
+        """Compare what a weight sync will write with this rank's worker's load-time layout.
+
+        Raises:
+            ValueError: A name on one side only, or a differing shape; names both sides.
+        """
+        want = {n: tuple(int(s) for s in getattr(v, "shape", v)) for n, v in expected.items()}
+        have = {n: shape for n, (shape, _) in self.layout.items()}
+        if want != have:
+            extra = sorted(set(want) - set(have))[:4]
+            missing = sorted(set(have) - set(want))[:4]
+            shapes = [f"{n}: worker {have[n]} vs {want[n]}" for n in want if n in have and have[n] != want[n]][:4]
+            raise ValueError(f"the vLLM worker of rank {self.rank} at {self.client.where} does not match {what}: "
+                             f"not in the worker {extra}, never written {missing}, shapes {shapes}")
+
+    # InferenceEngine --------------------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's worker's weights in the vLLM layout, as writable views of its staging file; what is
+        written there reaches the worker at :meth:`commit_weights`."""
+        self._staged = True
+        return iter(self.staging.tensors().items())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Not offered: the weights reach this engine through the resharding sync (:meth:`named_parameters`).
+
+        Raises:
+            TypeError: Always.
+        """
+        del weights
+        raise TypeError("VLLMServerEngine takes weights in the vLLM layout through the resharding weight sync "
+                        "(ShardingManager builds one when the model's config is known); pass model_spec= if it "
+                        "is not")
+
+    def commit_weights(self) -> dict[str, Any]:
+        """Hand the staged weights to every worker in one versioned update (see [Note: vllm server switch]).
+
+        Returns:
+            What the switch report shows: ``engine_update_nbytes`` (this rank's staged bytes, what its
+            worker reads), ``engine_update_s`` and ``weight_version``.
+
+        Raises:
+            EngineProcessError: The update failed in the engine (the engine then refuses to generate until a
+                complete update succeeds), or a rank of the engine did not stage its part in time.
+        """
+        if self._state[WEIGHTS] is not True:
+            raise PhaseError("commit weights to vLLM", "released", "resume(['weights']) first")
+        start = time.perf_counter()
+        info = self.staging.update_info(figures=self.verify, generation=self.version + 1)
+        with open(os.path.join(self.directory, f"update-rank{self.rank}.json"), "w") as f:
+            json.dump(info, f)
+        self._current = False
+        self._barrier("staging every rank's weights")
+        ok = 1.0
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                infos = []
+                for r in range(self.world_size):
+                    with open(os.path.join(self.directory, f"update-rank{r}.json")) as f:
+                        infos.append(json.load(f))
+                self.client.start_weight_update()
+                self.client.update_weights(infos if self.world_size > 1 else infos[0])
+                self.client.finish_weight_update(f"hybridmem-{self.version + 1}")
+                self.client.reset_prefix_cache()
+            except EngineProcessError as exc:
+                ok, error = 0.0, exc
+        ok = self._broadcast_flag(ok)
+        if error is not None:
+            raise error
+        if not ok:
+            raise EngineProcessError("update_weights", where=self.client.where, deadline_s=self.timeout_s,
+                                     elapsed_s=0.0, cause="rank 0 of the engine's ranks reported the update failed")
+        self.version += 1
+        self._current = True
+        self._staged = False
+        return {"engine_update_nbytes": sum(e.nbytes for e in self.staging.entries),
+                "engine_update_s": time.perf_counter() - start, "weight_version": f"hybridmem-{self.version}"}
+
+    def release(self, tags: Sequence[str]) -> None:
+        """Pause generation (by :attr:`in_flight`) when the KV cache goes, then sleep where vLLM can."""
+        wanted = [t for t in check_tags(tags) if self._state[t]]
+        if not wanted:
+            return
+        if self.rank == 0:
+            if KV_CACHE in wanted:
+                self.last_aborted = self._in_flight if self.in_flight is InFlight.ABORT else 0
+                self.client.pause(self.in_flight.value)
+            if self.frees_memory:
+                self.client.sleep(self.sleep_level)
+        for tag in wanted:
+            self._state[tag] = False
+        if WEIGHTS in wanted and self.sleep_level == 2 and self.frees_memory:
+            self._current = False
+
+    def resume(self, tags: Sequence[str]) -> None:
+        """Wake ``tags``, weights before KV cache; generation resumes with the KV cache."""
+        order = [t for t in ENGINE_TAGS if t in check_tags(tags) and not self._state[t]]
+        for tag in order:
+            if self.rank == 0 and self.frees_memory:
+                free_before = self.accel.memory_figures().free_nbytes
+                self.client.wake_up([tag])
+                self._nbytes[tag] = max(0, free_before - self.accel.memory_figures().free_nbytes)
+            self._state[tag] = True
+        if KV_CACHE in order and self._current and self.rank == 0:
+            self.client.resume_generation()
+
+    def resident_nbytes(self, tag: str) -> int:
+        tag = check_tags([tag])[0]
+        return self._nbytes[tag] if self._state[tag] else 0
+
+    def planned_nbytes(self, tag: str) -> int:
+        tag = check_tags([tag])[0]
+        return 0 if self._state[tag] else self._nbytes[tag]
+
+    # Inference --------------------------------------------------------------------------------------
+    def _check_serving(self, what: str) -> None:
+        for tag in ENGINE_TAGS:
+            if not self._state[tag]:
+                raise PhaseError(what, "released", f"{tag!r} is not resident; use the engine inside "
+                                 f"`with manager.inference()`")
+        if not self._current:
+            raise PhaseError(what, "stale", "the engine's weights were not updated since a failed or interrupted "
+                             "update; it refuses to serve until a complete update")
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any = None) -> list[GenerationOutput]:
+        """Generate from token-id prompts, all at once in the engine.
+
+        Raises:
+            PhaseError: Outside INFER, or after a failed update.
+        """
+        self._check_serving("generate with the vLLM engine")
+        params = GREEDY if params is None else params
+        self._in_flight += len(prompt_ids)
+        try:
+            return self.client.generate(prompt_ids, params)
+        finally:
+            self._in_flight -= len(prompt_ids)
+
+    async def agenerate(self, prompt_ids: Sequence[int], params: Any = None, *, index: int = 0) -> GenerationOutput:
+        """One request, awaitable: for agent loops running many trajectories at once inside
+        ``manager.inference()``."""
+        self._check_serving("generate with the vLLM engine")
+        params = GREEDY if params is None else params
+        self._in_flight += 1
+        try:
+            return await self.client.agenerate(prompt_ids, params, index=index)
+        finally:
+            self._in_flight -= 1
+
+    def weight_version(self) -> str:
+        """The version the engine serves now (it says so itself)."""
+        return self.client.weight_version()
+
+    # Internals --------------------------------------------------------------------------------------
+    def _barrier(self, what: str) -> None:
+        if self.world_size > 1:
+            self._broadcast_flag(1.0, what=what, reduce=True)
+
+    def _broadcast_flag(self, value: float, *, what: str = "the update's outcome", reduce: bool = False) -> float:
+        """Rank 0's ``value`` on every rank of the engine (``reduce``: the minimum over the ranks), within
+        the deadline."""
+        if self.world_size == 1:
+            return value
+        device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.accel.device
+        flag = torch.tensor([value], dtype=torch.float32, device=device)
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        work = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True) if reduce
+                else dist.broadcast(flag, src=src, group=self.group, async_op=True))
+        wait_all([(work, tuple(range(self.world_size)))], deadline_bound(self.timeout_s), f"rank {self.rank}: {what}")
+        return float(flag.item())
+
+    def close(self) -> None:
+        """Remove this rank's staging file and drop the connection (the engine process keeps running;
+        :meth:`start_async`'s AsyncLLM is shut down)."""
+        self.staging.close()
+        self.client.close()
+
+    def __repr__(self) -> str:
+        states = ", ".join(f"{t}={'resident' if s else 'released'}" for t, s in self._state.items())
+        return f"VLLMServerEngine({self.client.where}, rank {self.rank} of {self.world_size}, {states}, v{self.version})"
+
+
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _config_of(model: str) -> Any:
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    return AutoConfig.from_pretrained(model)
+
