@@ -34,6 +34,9 @@ def _over_the_host_budget(tiny_setup):
     config = HybridConfig(host_memory_budget_bytes=opt_nbytes + 1024, skip_zero_grads=False)
     before = snapshot(model, opt)
     manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt, config=config)
+    # The arenas are prewarmed in a background thread from construction on: on a loaded machine it may still
+    # be growing them when the test reads what the pool holds.
+    assert manager.pool.wait_prewarmed(timeout=120), "the host arenas were not prewarmed in 120 s"
     return model, opt, manager, before, numel, opt_nbytes
 
 
