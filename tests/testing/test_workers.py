@@ -53,6 +53,13 @@ def test_hold_the_pool_busy(pool):
 '''
 
 
+def _as_in_a_terminal() -> None:
+    """SIGINT's default action in the run, as in a terminal's foreground job: this test may itself run with
+    SIGINT ignored (a background job of a non-interactive shell), which the run would inherit, and Python
+    then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _group(pgid: int) -> dict[int, str]:
     """``{pid: state}`` of the live (not zombie) processes whose process group is ``pgid``."""
     found = {}
@@ -89,7 +96,7 @@ def test_no_worker_outlives_an_interrupted_run(tmp_path, how):
     xdist = ["-n", "1"] if how == "sigterm-xdist-worker" else []
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *xdist, "test_inner.py"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_in_a_terminal)
     try:
         _wait_for(pids_file, proc, START_S)
         workers = [tuple(map(int, w.split(":"))) for w in pids_file.read_text().split()]
