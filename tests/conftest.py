@@ -24,6 +24,25 @@ settings.register_profile("hybridmem", deadline=None, suppress_health_check=[Hea
 settings.load_profile("hybridmem")
 
 
+_ENVIRONMENT_AT_START = dict(os.environ)
+"""``os.environ`` before the test modules are imported."""
+
+
+def _restore_environment(saved: dict[str, str]) -> None:
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+def pytest_collection_finish(session) -> None:
+    """Collecting imports every test module and the libraries they import, and some set variables at import
+    (``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR``, which a vLLM started by a later test would inherit):
+    the tests start from the environment the run started with, whichever modules were collected."""
+    _restore_environment(_ENVIRONMENT_AT_START)
+
+
 @pytest.fixture(autouse=True)
 def _environment():
     """``os.environ`` after each test as it was before: code a test runs in this process may set variables
@@ -31,11 +50,7 @@ def _environment():
     the tests after it would inherit them."""
     before = dict(os.environ)
     yield
-    for key in set(os.environ) - set(before):
-        del os.environ[key]
-    for key, value in before.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
+    _restore_environment(before)
 
 
 @pytest.fixture(autouse=True)
