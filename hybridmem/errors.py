@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
+from enum import Enum
 
 __all__ = [
     "HybridMemError",
@@ -29,6 +30,7 @@ __all__ = [
     "KVResumeError",
     "PeerAbortError",
     "EngineProcessError",
+    "EngineFault",
     "SwitchHostMemoryBudgetError",
     "SwitchWeightSyncError",
     "SwitchKVResumeError",
@@ -231,6 +233,19 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
         )
 
 
+class EngineFault(Enum):
+    """How a call into an inference engine in its own process failed, and so where its memory is now (see
+    [Note: vllm engine failures] in hybridmem.adapters.vllm.server)."""
+
+    REFUSED = "refused"
+    """The engine answered with an error: its process is alive and holds its memory."""
+    STALLED = "stalled"
+    """No answer within the deadline, yet its process is still there, holding its memory: stopped, hung or
+    overloaded. It may answer later, and then still act on the call."""
+    DEAD = "dead"
+    """Its process is gone (killed, crashed, shut down), and its memory went with it."""
+
+
 class EngineProcessError(HybridMemError, RuntimeError):
     """An inference engine in its own process did not answer a call in time, answered with an error, or is
     gone (see [Note: vllm engine process] in hybridmem.adapters.vllm.remote).
@@ -239,16 +254,29 @@ class EngineProcessError(HybridMemError, RuntimeError):
         call: The call (``"update_weights"``, ``"wake_up"``, ...).
         where: Where the engine is (a URL, an AsyncLLM).
         deadline_s: The call's deadline.
+        fault: Which of :class:`EngineFault` it was.
     """
 
-    def __init__(self, call: str, *, where: str, deadline_s: float, elapsed_s: float, cause: str):
+    def __init__(self, call: str, *, where: str, deadline_s: float, elapsed_s: float, cause: str,
+                 fault: EngineFault = EngineFault.REFUSED):
         self.call = call
         self.where = where
         self.deadline_s = deadline_s
+        self.fault = EngineFault(fault)
+        advice = {
+            EngineFault.REFUSED: "the engine answered with this error",
+            EngineFault.STALLED: "its process is still there but does not answer: stopped, hung or overloaded",
+            EngineFault.DEAD: "its process is gone, and its memory with it (its log says why it stopped)",
+        }[self.fault]
         super().__init__(
             f"the vLLM engine at {where} did not complete {call!r} (waited {elapsed_s:.1f} s of {deadline_s:.1f} s: "
-            f"{cause}); is its process alive? (its log says why it stopped)"
+            f"{cause}); {self.fault.value}: {advice}"
         )
+
+    @property
+    def dead(self) -> bool:
+        """Whether the engine's process is gone."""
+        return self.fault is EngineFault.DEAD
 
 
 class PeerAbortError(HybridMemError, RuntimeError):

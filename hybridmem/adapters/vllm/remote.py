@@ -9,8 +9,16 @@ clients here speak it, one over HTTP and one through an ``AsyncLLM`` whose engin
 process, behind one interface (:class:`VLLMClient`) that :class:`~hybridmem.adapters.vllm.server.
 VLLMServerEngine` drives. Every call is bounded by a deadline: an engine process that died, stalls or
 answers with an error is a :class:`~hybridmem.errors.EngineProcessError` naming the call, where the
-engine is and how long it was waited for, never a hang. The tensors themselves never cross these calls
-(see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.staging`).
+engine is and how long it was waited for, never a hang. The error says which :class:`~hybridmem.errors.
+EngineFault` it was: the engine answered with an error (``REFUSED``), did not answer in time while its
+process is still there (``STALLED``), or its process is gone (``DEAD``); [Note: vllm engine failures] in
+:mod:`hybridmem.adapters.vllm.server` says what the switch does with each. A client tells them apart
+without being told the engine's process id: over HTTP by asking ``/health`` once a call failed (refused
+connection or 503: gone; no answer: stalled); an AsyncLLM by its own record of its engine core's death and
+the engine core's exit code, looked at every :data:`POLL_S` while a call waits, so a death is reported
+at once rather than at the deadline (vLLM never answers a call that was pending when its engine core
+died). The tensors themselves never cross these calls (see [Note: vllm staging] in
+:mod:`hybridmem.adapters.vllm.staging`).
 """
 
 from __future__ import annotations
@@ -25,12 +33,18 @@ from typing import Any
 
 from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
 from hybridmem.engines.reference.sampling import GenerationOutput
-from hybridmem.errors import EngineProcessError
+from hybridmem.errors import EngineFault, EngineProcessError
 
 __all__ = ["VLLMClient", "HTTPClient", "AsyncLLMClient", "PAUSE_MODES"]
 
 PAUSE_MODES = ("wait", "abort", "keep")
 """vLLM's ways to pause generation: let running requests finish, abort them, or freeze them."""
+
+POLL_S = 0.25
+"""How often a waiting AsyncLLM call looks whether the engine core died (see [Note: vllm engine process])."""
+
+PROBE_S = 5.0
+"""The deadline of the ``/health`` probe that tells a dead server from a stalled one."""
 
 
 class VLLMClient(ABC):
@@ -38,21 +52,35 @@ class VLLMClient(ABC):
 
     Attributes:
         where: Where the engine is, for messages (a URL, or ``AsyncLLM pid=...``).
-        timeout_s: The deadline of each control call.
+        timeout_s: The deadline of each control call (longer ones are passed per call, see [Note: vllm
+            engine deadlines] in :mod:`hybridmem.adapters.vllm.server`).
+        generate_timeout_s: The deadline of one generation request.
+        dead: The error that found the engine's process gone (``None`` while it is not known to be).
     """
 
     where: str
     timeout_s: float
+    generate_timeout_s: float
+    dead: EngineProcessError | None = None
+
+    def _failure(self, name: str, *, start: float, deadline_s: float, cause: str,
+                 fault: EngineFault) -> EngineProcessError:
+        """The error for call ``name``; remembers a dead engine (:attr:`dead`)."""
+        error = EngineProcessError(name, where=self.where, deadline_s=deadline_s, elapsed_s=time.monotonic() - start,
+                                   cause=cause, fault=fault)
+        if error.dead and self.dead is None:
+            self.dead = error
+        return error
 
     @abstractmethod
     def _call(self, name: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Run control call ``name``; raise :class:`EngineProcessError` on a failure or past the deadline."""
 
-    def pause(self, mode: str = "wait") -> None:
+    def pause(self, mode: str = "wait", *, timeout_s: float | None = None) -> None:
         """Stop scheduling new work; ``mode`` (:data:`PAUSE_MODES`) says what happens to running requests."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode={mode!r}; expected one of {PAUSE_MODES}")
-        self._call("pause", mode)
+        self._call("pause", mode, timeout_s=timeout_s)
 
     def resume_generation(self) -> None:
         self._call("resume")
@@ -69,11 +97,14 @@ class VLLMClient(ABC):
     def start_weight_update(self) -> None:
         self._call("start_weight_update")
 
-    def update_weights(self, update_info: list[dict[str, Any]] | dict[str, Any]) -> None:
-        self._call("update_weights", update_info)
+    def update_weights(self, update_info: list[dict[str, Any]] | dict[str, Any], *,
+                       timeout_s: float | None = None) -> None:
+        self._call("update_weights", update_info, timeout_s=timeout_s)
 
-    def finish_weight_update(self, version: str) -> None:
-        self._call("finish_weight_update", str(version))
+    def finish_weight_update(self, version: str | None) -> None:
+        """Close the update transaction; ``version``: the weight version the engine reports from now on
+        (``None``: keep the one it has)."""
+        self._call("finish_weight_update", None if version is None else str(version))
 
     def weight_version(self) -> str:
         return str(self._call("weight_version"))
@@ -149,11 +180,13 @@ class HTTPClient(VLLMClient):
         try:
             response = self._http.request(method, path, params=params, json=body, timeout=timeout)
         except self._httpx.HTTPError as exc:
-            raise EngineProcessError(name, where=self.where, deadline_s=timeout, elapsed_s=time.monotonic() - start,
-                                     cause=f"{type(exc).__name__}: {exc}") from exc
+            fault = EngineFault.DEAD if self._gone() else EngineFault.STALLED
+            raise self._failure(name, start=start, deadline_s=timeout, cause=f"{type(exc).__name__}: {exc}",
+                                fault=fault) from exc
         if response.status_code != 200:
-            raise EngineProcessError(name, where=self.where, deadline_s=timeout, elapsed_s=time.monotonic() - start,
-                                     cause=f"HTTP {response.status_code}: {response.text[:300]}")
+            gone = response.status_code == 503 or "EngineDeadError" in response.text or self._gone()
+            raise self._failure(name, start=start, deadline_s=timeout, cause=f"HTTP {response.status_code}: "
+                                f"{response.text[:300]}", fault=EngineFault.DEAD if gone else EngineFault.REFUSED)
         data = response.json() if response.content else {}
         if name == "weight_version":
             return data.get("weight_version")
@@ -166,6 +199,18 @@ class HTTPClient(VLLMClient):
     def health(self, timeout_s: float = 5.0) -> None:
         """Whether the server answers (raises :class:`EngineProcessError` otherwise)."""
         self._call("health", timeout_s=timeout_s)
+
+    def _gone(self) -> bool:
+        """Whether the server is gone, asked after a call failed: its port refuses or drops connections, or
+        ``/health`` says its engine is dead (503); a server that does not answer within :data:`PROBE_S`
+        is there but stalled (see [Note: vllm engine process])."""
+        try:
+            response = self._http.get("/health", timeout=PROBE_S)
+        except self._httpx.TimeoutException:
+            return False
+        except self._httpx.HTTPError:
+            return True
+        return response.status_code == 503
 
     def _model_name(self) -> str:
         if self._model is None:
@@ -259,18 +304,46 @@ class AsyncLLMClient(VLLMClient):
         self._next_id = 0
 
     def _run(self, coro: Coroutine[Any, Any, Any], name: str, timeout_s: float | None) -> Any:
+        """Run ``coro`` on the loop; past ``timeout_s``, or once the engine core is gone, raise (see [Note:
+        vllm engine process])."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         start = time.monotonic()
+        deadline = float("inf") if timeout_s is None else start + timeout_s
+        if not hasattr(self, "where"):  # starting: vLLM reports its own start-up failures
+            self.where = "AsyncLLM"
         try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError as exc:
+            while True:
+                try:
+                    return future.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+                except concurrent.futures.TimeoutError:
+                    if self._gone():
+                        raise self._failure(name, start=start, deadline_s=timeout_s or float("inf"),
+                                            cause="the engine core exited", fault=EngineFault.DEAD) from None
+                    if time.monotonic() >= deadline:
+                        raise self._failure(name, start=start, deadline_s=timeout_s or float("inf"),
+                                            cause="no answer", fault=EngineFault.STALLED) from None
+        except EngineProcessError:
             future.cancel()
-            raise EngineProcessError(name, where=getattr(self, "where", "AsyncLLM"), deadline_s=timeout_s or 0.0,
-                                     elapsed_s=time.monotonic() - start, cause="no answer") from exc
+            raise
         except Exception as exc:
-            raise EngineProcessError(name, where=getattr(self, "where", "AsyncLLM"),
-                                     deadline_s=timeout_s or float("inf"), elapsed_s=time.monotonic() - start,
-                                     cause=f"{type(exc).__name__}: {exc}".splitlines()[0][:300]) from exc
+            fault = EngineFault.DEAD if self._gone() else EngineFault.REFUSED
+            raise self._failure(name, start=start, deadline_s=timeout_s or float("inf"), fault=fault,
+                                cause=f"{type(exc).__name__}: {exc}".splitlines()[0][:300]) from exc
+
+    def _gone(self) -> bool:
+        """Whether the engine core is gone: the AsyncLLM says it errored, or its process has exited."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return False
+        if llm.errored:
+            return True
+        manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+        return any(p.exitcode is not None for p in getattr(manager, "processes", ()))
+
+    def engine_pids(self) -> list[int]:
+        """The engine core processes' ids (vLLM's workers are their children)."""
+        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
+        return [int(p.pid) for p in getattr(manager, "processes", ())]
 
     def _call(self, name: str, *args: Any, timeout_s: float | None = None) -> Any:
         llm = self.llm

@@ -20,6 +20,60 @@ stages its own worker's shards; the engine's ranks agree over ``group`` that eve
 rank 0 alone makes the control calls, then tells the others how the update went. A failed update leaves
 the engine paused and its weights marked stale: it refuses to generate until a complete update succeeds,
 so it never serves half-written weights.
+
+[Note: vllm engine failures]
+A call into the engine's process fails in one of three ways (:class:`~hybridmem.errors.EngineFault`, told
+apart by the client, see [Note: vllm engine process]): REFUSED, it answered with an error (alive, holding
+its memory); STALLED, no answer within the call's deadline while its process is still there (holding its
+memory, and it may still act on the call later: vLLM does not cancel a call its caller gave up on); DEAD,
+its process is gone and its memory with it. Each is an :class:`~hybridmem.errors.EngineProcessError`
+naming the call, the engine and the fault, raised inside a switch as ``SwitchEngineProcessError`` naming
+the step. No engine call touches the trainer's params, grads or optimizer state. Then:
+
+- TRAIN->INFER failing at any call (``wake_up``, ``start_weight_update``, ``update_weights``,
+  ``finish_weight_update``, ``reset_prefix_cache``, ``resume``): the rollback undoes what the switch
+  resumed (``release``: ``pause``, and ``sleep`` where vLLM can), each call under its deadline, and phase
+  is TRAIN. The weights are marked stale from the moment the first update call may be sent, so the engine
+  refuses to generate (:class:`~hybridmem.errors.PhaseError`) until a complete update succeeds; generation
+  was paused when the engine last left INFER and is resumed only after one does. Where the undo's call
+  fails too (a stalled engine does not answer the ``pause`` either), the rollback fails: FAILED, with a
+  ``RollbackError`` whose cause is the step's error; ``recover()`` succeeds once the engine answers
+  again or is killed. A dead engine's death found by the step is not raised again by the undo.
+- The next update first closes a transaction the failed one may have left open: vLLM refuses a start
+  while one is open and a finish without one, and a stalled start or update may open or complete one
+  after the trainer gave up. It sends ``finish_weight_update`` without a version and takes vLLM's refusal
+  (nothing open) as done; the worker allows finishing a transaction that wrote nothing ([Note: vllm
+  transfer backend]). Then a complete start / update / finish with the next version, and the prefix
+  cache reset, rewrite every weight, whatever a late or partial update left.
+- INFER->TRAIN: ``release`` pauses generation. A stalled engine fails it (phase FAILED): it still holds
+  its memory and may still be generating; ``recover()`` pauses again and succeeds once the engine answers,
+  or once it is killed. A dead engine's memory went with its process, so ``release`` counts its tags as
+  released. It raises the death the first time it meets it (no call of the engine failed since the last
+  one that succeeded): the switch fails into FAILED with ``fault`` DEAD, and ``recover()`` completes
+  without the engine. Where an earlier call already failed (the rollback of a switch that failed on the
+  engine, ``recover()`` after a stall, a ``generate`` that found it dead) it only logs a warning.
+
+What the user does: REFUSED, the message carries the engine's error (its log has the rest); the next
+switch tries again with a complete update. STALLED, resume the engine's process (``SIGCONT``) or kill it
+(the engine core, or the server's process group), then ``recover()`` where the phase is FAILED, or switch
+again from TRAIN. DEAD, ``recover()`` where the phase is FAILED; training goes on, and to generate again
+close the manager, start an engine (:meth:`VLLMServerEngine.start_async`, ``launch``, ``connect``) and
+build a manager on it. With several ranks, rank 0 makes every call: in ``commit_weights`` it sends the
+others its outcome and fault, so all raise alike and the switch's vote rolls them back together; a failed
+``release`` or ``resume`` call fails rank 0 alone (in INFER->TRAIN the others reach TRAIN: ``recover()``
+on rank 0).
+
+[Note: vllm engine deadlines]
+Every call has a deadline, sized by what the call waits for. A control call that moves no bulk data
+(pause without running requests, sleep, wake-up, start, finish, reset, resume) gets the client's
+``timeout_s`` (default 60 s; these take milliseconds on an idle 2-core machine with a small model, and the
+default leaves room for a loaded one). ``update_weights`` also reads every staged byte and repacks it:
+``timeout_s`` plus this rank's staged bytes at :data:`UPDATE_MIN_BPS` (the tensor-parallel workers read
+their shards at once, and shards are equal in size). ``pause`` that lets requests of this engine's
+callers finish (:attr:`InFlight.WAIT` with some in flight) adds their own deadline, the client's
+``generate_timeout_s``. The ranks' agreement in ``commit_weights``: the barrier before the calls waits
+``timeout_s`` of the engine (how far apart the ranks may finish staging), and the broadcast of rank 0's
+outcome that plus the sum of rank 0's call deadlines in between.
 """
 
 from __future__ import annotations
@@ -43,12 +97,20 @@ from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entrie
 from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.sampling import GenerationOutput
 from hybridmem.engines.torch_copy import check_tags
-from hybridmem.errors import EngineProcessError, PhaseError
+from hybridmem.errors import EngineFault, EngineProcessError, PhaseError
 from hybridmem.reshard.deadline import deadline_bound, wait_all
 
-__all__ = ["VLLMServerEngine", "InFlight"]
+__all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
 
 log = logging.getLogger(__name__)
+
+UPDATE_MIN_BPS = 50e6
+"""The slowest rate at which ``update_weights`` is expected to take staged bytes (see [Note: vllm engine
+deadlines]): a worker reads its shard from shared memory and its backend repacks it, several GB/s on a
+quiet machine; measured 0.2 GB/s for a 1.4 MB model on a 2-core one, where per-call costs dominate."""
+
+_OUTCOME = {None: 1.0, EngineFault.REFUSED: 0.0, EngineFault.STALLED: -1.0, EngineFault.DEAD: -2.0}
+"""Rank 0's outcome of an update as the number it broadcasts (any other error: -3)."""
 
 
 class InFlight(Enum):
@@ -128,6 +190,9 @@ class VLLMServerEngine:
         self._state = {t: True for t in ENGINE_TAGS}  # resident
         self._current = True  # the served weights are the last committed ones
         self._staged = False
+        self._trouble = False  # the last control call failed ([Note: vllm engine failures])
+        self._update_open = False  # a failed update may have left vLLM's update transaction open
+        self._paused = False  # a pause was sent and no resume since: requests would wait for the next resume
         self._nbytes = {t: 0 for t in ENGINE_TAGS}
         if release_now:
             self.release(list(ENGINE_TAGS))
@@ -158,6 +223,53 @@ class VLLMServerEngine:
         args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": "hybridmem"}, **async_engine_args)
         client = AsyncLLMClient(args, timeout_s=timeout_s)
         return cls(client, hf_config=_config_of(str(model)), **dict(engine_kwargs or {}))
+
+    server: Any = None
+    """The ``vllm serve`` process :meth:`launch` started (rank 0 of the engine's ranks; ``None`` elsewhere)."""
+
+    @classmethod
+    def launch(cls, model_dir: str, *, tensor_parallel_size: int = 1, group: Any = None, port: int | None = None,
+               server_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+               startup_timeout_s: float | None = None, **engine_kwargs: Any) -> VLLMServerEngine:
+        """Start ``vllm serve`` for ``model_dir`` and connect to it (see [Note: vllm server process] in
+        :mod:`hybridmem.adapters.vllm.serve`); :meth:`close` stops it, and it never outlives this process.
+
+        Call it on every rank of ``group`` (the trainer ranks serving the engine, one per tensor-parallel
+        worker; ``None``: this process alone): rank 0 starts the server and the others get its URL.
+
+        Args:
+            model_dir: The model's directory (``save_pretrained``); without tokenizer files the server
+                skips its tokenizer (generation takes token ids).
+            tensor_parallel_size: The server's TP size: ``group``'s size.
+            group: See above.
+            port: The server's port on 127.0.0.1 (default: a free one).
+            server_args: More ``vllm serve`` flags, e.g. ``["--dtype", "float32", "--max-model-len", "256"]``.
+            env: More environment variables for the server.
+            startup_timeout_s: How long rank 0 waits for the server to answer ``/health``.
+            engine_kwargs: :meth:`connect`'s and the constructor's options (``in_flight``, ``verify``, ...).
+
+        Raises:
+            ValueError: ``group``'s size is not ``tensor_parallel_size``, or ``server_args`` sets a flag
+                ``launch`` sets itself.
+            EngineProcessError: The server exited or did not answer in time (its log's last lines shown).
+        """
+        from hybridmem.adapters.vllm.serve import DEFAULT_STARTUP_TIMEOUT_S, launch_server  # noqa: PLC0415
+
+        _, size = _rank_and_size(group)
+        if size != tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with a group of {size} ranks: one trainer "
+                             f"rank per vLLM worker (pass the group of the {tensor_parallel_size} ranks it serves)")
+        url, server = launch_server(str(model_dir), tensor_parallel_size=tensor_parallel_size, group=group, port=port,
+                                    server_args=server_args, env=env,
+                                    startup_timeout_s=startup_timeout_s or DEFAULT_STARTUP_TIMEOUT_S)
+        try:
+            engine = cls.connect(url, group=group, **engine_kwargs)
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
+        engine.server = server
+        return engine
 
     def _shared_directory(self, staging_dir: str) -> str:
         """One directory for the engine's ranks (rank 0 names it; the others learn it over ``group``)."""
@@ -257,7 +369,6 @@ class VLLMServerEngine:
             json.dump(info, f)
         self._current = False
         self._barrier("staging every rank's weights")
-        ok = 1.0
         error: BaseException | None = None
         if self.rank == 0:
             try:
@@ -265,18 +376,29 @@ class VLLMServerEngine:
                 for r in range(self.world_size):
                     with open(os.path.join(self.directory, f"update-rank{r}.json")) as f:
                         infos.append(json.load(f))
-                self.client.start_weight_update()
-                self.client.update_weights(infos if self.world_size > 1 else infos[0])
-                self.client.finish_weight_update(f"hybridmem-{self.version + 1}")
-                self.client.reset_prefix_cache()
-            except EngineProcessError as exc:
-                ok, error = 0.0, exc
-        ok = self._broadcast_flag(ok)
+                if self._update_open:  # [Note: vllm engine failures]
+                    self._close_update()
+                self._update_open = True
+                self._control("start_weight_update")
+                self._control("update_weights", infos if self.world_size > 1 else infos[0],
+                              timeout_s=self._deadline_s("update_weights"))
+                self._control("finish_weight_update", f"hybridmem-{self.version + 1}")
+                self._update_open = False
+                self._control("reset_prefix_cache")
+            except BaseException as exc:  # noqa: BLE001 - the other ranks hear of it first, then it is raised
+                error = exc
+        code = 1.0 if error is None else _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
+        code = self._broadcast_flag(code, deadline_s=self.timeout_s + sum(
+            self._deadline_s(c) for c in ("finish_weight_update", "start_weight_update", "update_weights",
+                                          "finish_weight_update", "reset_prefix_cache")))
         if error is not None:
             raise error
-        if not ok:
+        if code != 1.0:
+            fault = next((f for f, c in _OUTCOME.items() if c == code and f is not None), EngineFault.REFUSED)
             raise EngineProcessError("update_weights", where=self.client.where, deadline_s=self.timeout_s,
-                                     elapsed_s=0.0, cause="rank 0 of the engine's ranks reported the update failed")
+                                     elapsed_s=time.perf_counter() - start, fault=fault,
+                                     cause="rank 0 of the engine's ranks reported the update failed (its error "
+                                     "names the call)")
         self.version += 1
         self._current = True
         self._staged = False
@@ -284,16 +406,39 @@ class VLLMServerEngine:
                 "engine_update_s": time.perf_counter() - start, "weight_version": f"hybridmem-{self.version}"}
 
     def release(self, tags: Sequence[str]) -> None:
-        """Pause generation (by :attr:`in_flight`) when the KV cache goes, then sleep where vLLM can."""
+        """Pause generation (by :attr:`in_flight`) when the KV cache goes, then sleep where vLLM can.
+
+        Raises:
+            EngineProcessError: A call failed; a dead engine's tags are released all the same (see [Note:
+                vllm engine failures]), and its death is raised only where no earlier call had failed.
+        """
         wanted = [t for t in check_tags(tags) if self._state[t]]
         if not wanted:
             return
+        if KV_CACHE in wanted:
+            self._paused = True
+            if self.world_size > 1:  # every rank may send requests: pause once all of them have left INFER
+                self._broadcast_flag(1.0, what="every rank's generation before the pause", reduce=True,
+                                     deadline_s=self.client.generate_timeout_s + self.timeout_s)
         if self.rank == 0:
-            if KV_CACHE in wanted:
-                self.last_aborted = self._in_flight if self.in_flight is InFlight.ABORT else 0
-                self.client.pause(self.in_flight.value)
-            if self.frees_memory:
-                self.client.sleep(self.sleep_level)
+            news = not self._trouble and self.client.dead is None
+            try:
+                if KV_CACHE in wanted:
+                    self.last_aborted = self._in_flight if self.in_flight is InFlight.ABORT else 0
+                    self._control("pause", self.in_flight.value, timeout_s=self._deadline_s("pause"))
+                if self.frees_memory:
+                    self._control("sleep", self.sleep_level)
+            except EngineProcessError as exc:
+                if not exc.dead:
+                    raise
+                for tag in wanted:  # the memory went with the process
+                    self._state[tag] = False
+                self._current = False
+                log.warning("hybridmem: the vLLM engine at %s is gone; its %s count as released", self.client.where,
+                            wanted)
+                if news:
+                    raise
+                return
         for tag in wanted:
             self._state[tag] = False
         if WEIGHTS in wanted and self.sleep_level == 2 and self.frees_memory:
@@ -305,11 +450,13 @@ class VLLMServerEngine:
         for tag in order:
             if self.rank == 0 and self.frees_memory:
                 free_before = self.accel.memory_figures().free_nbytes
-                self.client.wake_up([tag])
+                self._control("wake_up", [tag])
                 self._nbytes[tag] = max(0, free_before - self.accel.memory_figures().free_nbytes)
             self._state[tag] = True
-        if KV_CACHE in order and self._current and self.rank == 0:
-            self.client.resume_generation()
+        if KV_CACHE in order and self._current:
+            if self.rank == 0:
+                self._control("resume_generation")
+            self._paused = False
 
     def resident_nbytes(self, tag: str) -> int:
         tag = check_tags([tag])[0]
@@ -321,10 +468,16 @@ class VLLMServerEngine:
 
     # Inference --------------------------------------------------------------------------------------
     def _check_serving(self, what: str) -> None:
+        if self.client.dead is not None:
+            raise PhaseError(what, "dead", f"the engine's process is gone ({self.client.dead}); start another "
+                             f"engine and build a manager on it")
         for tag in ENGINE_TAGS:
             if not self._state[tag]:
                 raise PhaseError(what, "released", f"{tag!r} is not resident; use the engine inside "
                                  f"`with manager.inference()`")
+        if self._paused:
+            raise PhaseError(what, "paused", "generation was paused by a switch that did not finish; it resumes "
+                             "with the next switch to INFER")
         if not self._current:
             raise PhaseError(what, "stale", "the engine's weights were not updated since a failed or interrupted "
                              "update; it refuses to serve until a complete update")
@@ -359,13 +512,44 @@ class VLLMServerEngine:
         return self.client.weight_version()
 
     # Internals --------------------------------------------------------------------------------------
+    def _control(self, call: str, *args: Any, **kwargs: Any) -> Any:
+        """Control call ``call`` of the client; remembers whether it failed ([Note: vllm engine failures])."""
+        try:
+            result = getattr(self.client, call)(*args, **kwargs)
+        except BaseException:
+            self._trouble = True
+            raise
+        self._trouble = False
+        return result
+
+    def _deadline_s(self, call: str) -> float:
+        """The deadline of ``call`` (see [Note: vllm engine deadlines])."""
+        deadline = self.client.timeout_s
+        if call == "update_weights":
+            deadline += sum(e.nbytes for e in self.staging.entries) / UPDATE_MIN_BPS
+        if call == "pause" and self.in_flight is InFlight.WAIT and self._in_flight:
+            deadline += self.client.generate_timeout_s
+        return deadline
+
+    def _close_update(self) -> None:
+        """Close an update transaction a failed update may have left open in vLLM (see [Note: vllm engine
+        failures])."""
+        try:
+            self._control("finish_weight_update", None)
+        except EngineProcessError as exc:
+            if exc.fault is not EngineFault.REFUSED:
+                raise
+            log.debug("hybridmem: no update transaction was open in the vLLM engine (%s)", exc)
+        self._update_open = False
+
     def _barrier(self, what: str) -> None:
         if self.world_size > 1:
             self._broadcast_flag(1.0, what=what, reduce=True)
 
-    def _broadcast_flag(self, value: float, *, what: str = "the update's outcome", reduce: bool = False) -> float:
+    def _broadcast_flag(self, value: float, *, what: str = "the update's outcome", reduce: bool = False,
+                        deadline_s: float | None = None) -> float:
         """Rank 0's ``value`` on every rank of the engine (``reduce``: the minimum over the ranks), within
-        the deadline."""
+        ``deadline_s`` (default: the engine's ``timeout_s``)."""
         if self.world_size == 1:
             return value
         device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.accel.device
@@ -373,14 +557,17 @@ class VLLMServerEngine:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         work = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True) if reduce
                 else dist.broadcast(flag, src=src, group=self.group, async_op=True))
-        wait_all([(work, tuple(range(self.world_size)))], deadline_bound(self.timeout_s), f"rank {self.rank}: {what}")
+        deadline = deadline_bound(self.timeout_s if deadline_s is None else deadline_s)
+        wait_all([(work, tuple(range(self.world_size)))], deadline, f"rank {self.rank}: {what}")
         return float(flag.item())
 
     def close(self) -> None:
         """Remove this rank's staging file and drop the connection (the engine process keeps running;
-        :meth:`start_async`'s AsyncLLM is shut down)."""
+        :meth:`start_async`'s AsyncLLM is shut down, :meth:`launch`'s server stopped)."""
         self.staging.close()
         self.client.close()
+        if self.server is not None:
+            self.server.stop()
 
     def __repr__(self) -> str:
         states = ", ".join(f"{t}={'resident' if s else 'released'}" for t, s in self._state.items())

@@ -28,8 +28,9 @@ worker writes them module by module:
 The sequence uses reload helpers vLLM keeps private (``_copy_and_restore_kernel_tensors``); they are looked
 up when the module is imported, and a vLLM without them fails there naming this module and the version
 it was read from (:data:`VLLM_READ_FROM`). A failure while step 3 runs leaves the model partly updated:
-the worker then refuses every later update but a complete one and says so (``damaged``), and the trainer
-side keeps generation paused until one succeeds.
+the worker then refuses to finish any later update but a complete one and says so (``damaged``; a
+transaction that wrote nothing may always be finished, which is how the trainer closes an abandoned one),
+and the trainer side keeps generation paused until one succeeds.
 """
 
 from __future__ import annotations
@@ -215,7 +216,11 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
 
     def finish_weight_update(self) -> None:
         missing = [n for n in self.layout if n not in self._written]
-        if self.damaged and missing:
+        # A transaction that wrote nothing changed nothing: closing it is always allowed. The trainer
+        # closes so a transaction whose update never arrived (it failed on the trainer's side, or its
+        # answer was lost); refusing would leave vLLM's transaction open, and vLLM refuses every later
+        # start while one is open.
+        if self.damaged and missing and self._written:
             raise RuntimeError(
                 f"vLLM worker rank {_rank()}: a write failed halfway and this update did not rewrite {len(missing)} "
                 f"parameters (e.g. {missing[:3]}): the model is partly updated; send a complete update"

@@ -1,0 +1,280 @@
+"""Scenarios with vLLM's engine as ``vllm serve`` (HTTP), each run in a process of its own by
+test_vllm_serve.py: ``python _vllm_serve_tasks.py SCENARIO OUT.json [ARGS]`` writes its findings as JSON
+(``fsdp_tp2`` runs under ``torchrun --nproc-per-node 2``; rank 0 writes them). References are transformers'
+models on the trained weights; the server's own state is read over HTTP here, not through hybridmem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+
+from _vllm_server_tasks import MAX_TOKENS, PROMPTS, VLLM_ENV, hf_greedy, lm_step, save_policy
+
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0"]
+CORRUPTED = "model.layers.1.mlp.down_proj.weight"
+"""The staged tensor the corruption scenario damages after its figures were taken."""
+
+
+def http_get(url: str, path: str) -> dict:
+    with urllib.request.urlopen(url + path, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def hf_logprobs(model, prompts, outputs) -> list[list[float]]:
+    """transformers' log_softmax of the raw logits at each token the engine sampled (teacher forcing)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, outputs):
+            ids = torch.tensor([list(prompt) + list(tokens)])
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+            out.append([float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)])
+    return out
+
+
+def snapshot(model, opt) -> list:
+    """Every parameter and optimizer-state tensor, cloned."""
+    import torch
+
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for state in opt.state.values():
+        tensors += [v.detach().clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def corrupting_update_info(original):
+    """``StagingFile.update_info`` that takes the figures, then flips a bit of one exponent byte of the
+    first element of :data:`CORRUPTED` in the staging file: what the worker reads differs from what the
+    trainer staged."""
+
+    def update_info(self, *, figures, generation):
+        info = original(self, figures=figures, generation=generation)
+        entry = next(e for e in self.entries if e.name == CORRUPTED)
+        self._bytes[entry.offset + 3] ^= 0x40  # float32, little-endian: byte 3 holds the sign and exponent
+        return info
+
+    return update_info
+
+
+def http_tp1(out: str, steps: str = "3") -> dict:
+    """``VLLMServerEngine.launch`` (vllm serve, TP 1): the user's training loop with log-probs, then a
+    switch whose staging file is corrupted after its figures were taken, then one more good switch."""
+    import torch
+    import transformers
+
+    from hybridmem import Direction, Phase, ShardingManager
+    from hybridmem.adapters.vllm.server import VLLMServerEngine
+    from hybridmem.adapters.vllm.staging import StagingFile
+    from hybridmem.engines import SamplingParams
+    from hybridmem.errors import EngineProcessError, PhaseError
+
+    model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
+    start = time.monotonic()
+    engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS)
+    res: dict = {"launch_s": time.monotonic() - start, "url": engine.client.where, "server_pid": engine.server.pid,
+                 "argv": engine.server.argv, "steps": []}
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        manager = ShardingManager(model, engine, optimizer=opt)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
+        for step in range(int(steps)):
+            with manager.inference() as e:
+                outs = e.generate(PROMPTS, params)
+            sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
+            got = [o.token_ids for o in outs]
+            res["steps"].append({"got": got, "expected": hf_greedy(model), "logprobs": [o.logprobs for o in outs],
+                                 "hf_logprobs": hf_logprobs(model, PROMPTS, got),
+                                 "version": http_get(engine.client.where, "/weight_info")["weight_version"],
+                                 "sync": dict(sync.extra)})
+            lm_step(model, opt, step, model.config.vocab_size)
+
+        # A staging file damaged after the trainer took its figures: the worker refuses the update.
+        before = snapshot(model, opt)
+        original = StagingFile.update_info
+        StagingFile.update_info = corrupting_update_info(original)
+        try:
+            manager.to_infer()
+            res["corrupt"] = {"raised": None}
+        except EngineProcessError as exc:
+            res["corrupt"] = {"raised": type(exc).__name__, "message": str(exc)}
+        finally:
+            StagingFile.update_info = original
+        after = snapshot(model, opt)
+        corrupt = res["corrupt"]
+        corrupt["phase"] = manager.phase.name
+        corrupt["state_intact"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+        corrupt["version"] = http_get(engine.client.where, "/weight_info")["weight_version"]
+        try:
+            engine.generate(PROMPTS[:1], params)
+            corrupt["released_refused"] = None
+        except PhaseError as exc:
+            corrupt["released_refused"] = str(exc)
+        engine.resume(["weights", "kv_cache"])  # the engine itself, resident again, still refuses stale weights
+        try:
+            engine.generate(PROMPTS[:1], params)
+            corrupt["stale_refused"] = None
+        except PhaseError as exc:
+            corrupt["stale_refused"] = str(exc)
+        corrupt["server_paused"] = http_get(engine.client.where, "/is_paused")["is_paused"]
+        engine.release(["kv_cache", "weights"])
+        assert manager.phase is Phase.TRAIN
+
+        # The next complete update serves the trained weights again.
+        with manager.inference() as e:
+            got = [o.token_ids for o in e.generate(PROMPTS, params)]
+        res["recovered"] = {"got": got, "expected": hf_greedy(model),
+                            "version": http_get(engine.client.where, "/weight_info")["weight_version"]}
+        manager.close()
+    finally:
+        engine.close()
+    res["server_returncode"] = engine.server.returncode
+    return res
+
+
+def by_hand(out: str, url: str) -> dict:
+    """``VLLMServerEngine.connect`` to a ``vllm serve`` the test started with the documented command line."""
+    import torch
+    import transformers
+
+    from hybridmem import ShardingManager
+    from hybridmem.adapters.vllm.server import VLLMServerEngine
+    from hybridmem.engines import SamplingParams
+
+    engine = VLLMServerEngine.connect(url)
+    model_dir = http_get(url, "/v1/models")["data"][0]["id"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    manager = ShardingManager(model, engine, optimizer=opt)
+    res: dict = {"steps": []}
+    for step in range(2):
+        lm_step(model, opt, step, model.config.vocab_size)
+        with manager.inference() as e:
+            got = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+        res["steps"].append({"got": got, "expected": hf_greedy(model),
+                             "version": http_get(url, "/weight_info")["weight_version"]})
+    manager.close()
+    engine.close()
+    with urllib.request.urlopen(url + "/health", timeout=60) as response:
+        res["health_after_close"] = response.status  # close() of a connected engine leaves the server running
+    return res
+
+
+def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
+    """Two ranks under torchrun: FSDP2 Qwen2 (``from_pretrained``, ``fully_shard``), the server launched by
+    rank 0 at TP 2 for the group, 3 training steps."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from hybridmem import Direction, ShardingManager
+    from hybridmem.adapters.vllm.server import VLLMServerEngine
+    from hybridmem.engines import SamplingParams
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    box = [save_policy(tempfile.mkdtemp(prefix="policy-")) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    model_dir = box[0]
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    start = time.monotonic()
+    engine = VLLMServerEngine.launch(model_dir, tensor_parallel_size=2, group=dist.group.WORLD, server_args=SERVER_ARGS)
+    launch_s = time.monotonic() - start
+    manager = ShardingManager(model, engine, optimizer=opt)
+    steps_out = []
+    for step in range(int(steps)):
+        with manager.inference() as e:
+            got = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+        sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
+        full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # a collective
+        expected = None
+        if rank == 0:
+            ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            ref.load_state_dict(full)
+            expected = hf_greedy(ref)
+        steps_out.append({"got": got, "expected": expected, "sync": dict(sync.extra),
+                          "version": engine.weight_version()})
+        x = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1000 + step))
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    manager.close()
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {"rank": rank, "steps": steps_out})
+    server = engine.server
+    engine.close()
+    res = None
+    if rank == 0:
+        res = {"launch_s": launch_s, "ranks": per_rank, "argv": server.argv, "server_pid": server.pid,
+               "server_returncode": server.returncode}
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return None
+
+
+def launched(out: str, mode: str) -> dict | None:
+    """Launch a server, print its pid and URL, then end as ``mode`` says: ``exit`` (return without
+    ``close()``: the interpreter exits), ``kill`` (wait to be SIGKILLed), ``term`` (wait for SIGTERM, the
+    default action: no Python cleanup)."""
+    from hybridmem.adapters.vllm.server import VLLMServerEngine
+
+    model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
+    engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS)
+    print(json.dumps({"server_pid": engine.server.pid, "url": engine.client.where}), flush=True)
+    if mode == "exit":
+        return {"server_pid": engine.server.pid}
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    while True:
+        time.sleep(1)
+
+
+def bad_flag(out: str) -> dict:
+    """A server that cannot start: the error shows the end of its log; nothing is left running."""
+    from hybridmem.adapters.vllm.serve import ServerProcess
+    from hybridmem.adapters.vllm.server import VLLMServerEngine
+    from hybridmem.errors import EngineProcessError
+
+    started = []
+    original = ServerProcess.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        started.append(self.pid)
+
+    ServerProcess.__init__ = recording_init
+    model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
+    try:
+        VLLMServerEngine.launch(model_dir, server_args=["--max-model-len", "not-a-number"], startup_timeout_s=600)
+    except EngineProcessError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc), "server_pid": started[0]}
+    return {"raised": None, "server_pid": started[0]}
+
+
+SCENARIOS = {"http_tp1": http_tp1, "by_hand": by_hand, "fsdp_tp2": fsdp_tp2, "launched": launched,
+             "bad_flag": bad_flag}
+
+if __name__ == "__main__":
+    os.environ.update(VLLM_ENV)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE")  # launch sizes the KV cache to the model (the default under test)
+    name, out_path, *rest = sys.argv[1:]
+    result = SCENARIOS[name](out_path, *rest)
+    if result is not None:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
