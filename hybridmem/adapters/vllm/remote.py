@@ -184,6 +184,7 @@ class HTTPClient(VLLMClient):
             raise self._failure(name, start=start, deadline_s=timeout, cause=f"{type(exc).__name__}: {exc}",
                                 fault=fault) from exc
         if response.status_code != 200:
+            self._reconnect()  # the server may have closed this connection after the error (see _reconnect)
             gone = response.status_code == 503 or "EngineDeadError" in response.text or self._gone()
             raise self._failure(name, start=start, deadline_s=timeout, cause=f"HTTP {response.status_code}: "
                                 f"{response.text[:300]}", fault=EngineFault.DEAD if gone else EngineFault.REFUSED)
@@ -199,6 +200,13 @@ class HTTPClient(VLLMClient):
     def health(self, timeout_s: float = 5.0) -> None:
         """Whether the server answers (raises :class:`EngineProcessError` otherwise)."""
         self._call("health", timeout_s=timeout_s)
+
+    def _reconnect(self) -> None:
+        """New connections from here on: where a route raises after vLLM sent its error answer, uvicorn
+        closes the connection (``httptools_impl.run_asgi``, uvicorn 0.54), and the next request on it (the
+        ``/health`` probe, the next call) would fail with ``RemoteProtocolError`` and read as a dead server."""
+        self._http.close()
+        self._http = self._httpx.Client(base_url=self.where, timeout=self.timeout_s)
 
     def _gone(self) -> bool:
         """Whether the server is gone, asked after a call failed: its port refuses or drops connections, or

@@ -166,15 +166,20 @@ def server_env(*, tensor_parallel_size: int, env: Mapping[str, str] | None = Non
 def cpu_kv_args(model_dir: str, server_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """``--kv-cache-memory-bytes`` sized to the model on vLLM's CPU build ([Note: vllm cpu kv default] in
     :mod:`hybridmem.adapters.vllm.launch`), or nothing where the caller chose (that flag, or
-    ``VLLM_CPU_KVCACHE_SPACE`` in ``env``) or the model's config cannot be read."""
+    ``VLLM_CPU_KVCACHE_SPACE`` in ``env``), the model's config cannot be read, or a flag's value is not a
+    plain number (vLLM's parser reads it, and refuses a bad one in the server's log)."""
     if "VLLM_CPU_KVCACHE_SPACE" in env or _flag(server_args, "--kv-cache-memory-bytes") is not None:
         return []
     from hybridmem.adapters.vllm.launch import cpu_kv_default  # noqa: PLC0415
 
     keys = ("max_model_len", "max_num_seqs", "block_size", "dtype", "kv_cache_dtype")
     kwargs = {k: v for k in keys if (v := _flag(server_args, "--" + k.replace("_", "-")))}
-    utilization = float(_flag(server_args, "--gpu-memory-utilization") or 0.9)
-    nbytes = cpu_kv_default(model_dir, kwargs, utilization).get("kv_cache_memory_bytes")
+    try:
+        utilization = float(_flag(server_args, "--gpu-memory-utilization") or 0.9)
+        nbytes = cpu_kv_default(model_dir, kwargs, utilization).get("kv_cache_memory_bytes")
+    except (ValueError, TypeError) as exc:  # a value written as vLLM's parser takes it ("4k"), or a bad one:
+        log.debug("hybridmem: KV cache not sized for %s (%s); vLLM reads the flags itself", model_dir, exc)
+        return []  # the server judges its own flags, and a bad one ends in its log (launch shows it)
     return ["--kv-cache-memory-bytes", str(int(nbytes))] if nbytes else []
 
 
