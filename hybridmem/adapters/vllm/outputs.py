@@ -76,4 +76,6 @@ def from_request_output(prompt_ids: Sequence[int], output: Any, *, want_logprobs
             values.append(float(entry[token].logprob))
         logprobs = values
     prompt = [int(t) for t in prompt_ids]
-    return GenerationOutput(prompt_ids=prompt, token_ids=token_ids, logprobs=logprobs)
+    reason = getattr(completion, "finish_reason", None)
+    return GenerationOutput(prompt_ids=prompt, token_ids=token_ids, logprobs=logprobs,
+                            finish_reason=None if reason is None else str(reason))

@@ -11,7 +11,7 @@ chosen token: what vLLM returns by default (``logprobs_mode="raw_logprobs"``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,11 +56,15 @@ class GenerationOutput:
         token_ids: Generated tokens (a stop token included).
         logprobs: Log-prob of each generated token under the raw model distribution, or ``None`` when
             ``SamplingParams.logprobs`` is false.
+        finish_reason: Why the request ended, as the engine says (vLLM: ``"length"``, ``"stop"``, or
+            ``"abort"`` for a request a switch aborted); ``None`` where the engine does not say. Not
+            compared: two engines' outputs with the same tokens are equal.
     """
 
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float] | None
+    finish_reason: str | None = field(default=None, compare=False)
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
