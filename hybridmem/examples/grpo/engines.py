@@ -1,9 +1,15 @@
-"""The demo's rollout engines: the embedded ReferenceEngine, or a real vLLM (``--engine vllm``).
+"""The demo's rollout engines: the embedded ReferenceEngine, or a real vLLM (``--engine vllm``, or
+``--engine vllm-server`` for an engine in its own process).
 
-With vLLM every rank runs its own co-located engine core (see [Note: vllm co-location] in
+With ``vllm`` every rank runs its own co-located engine core (see [Note: vllm co-location] in
 :mod:`hybridmem.adapters.vllm.engine`): one in-process worker per rank when each rank is its own
 inference replica (``--infer-tp 1``), or ``distributed_executor_backend="external_launcher"`` with
 tensor parallelism across all ranks (``--infer-tp`` equal to the world size).
+
+With ``vllm-server`` every rank starts an ``AsyncLLM`` whose engine core and worker run in a process of
+their own on the rank's device, as verl's and OpenRLHF's rollout workers do, and drives it through
+vLLM's RL API (:class:`~hybridmem.adapters.vllm.server.VLLMServerEngine`): the weight sync writes the
+vLLM layout into the rank's staging file and hands it over in one versioned update (``--infer-tp 1``).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import torch
 
 from hybridmem.nn.config import DecoderConfig
 
-__all__ = ["ENGINES", "VLLM_ENV", "VLLM_MODEL", "build_engine", "vllm_env"]
+__all__ = ["ENGINES", "VLLM_ENGINES", "VLLM_ENV", "VLLM_MODEL", "build_engine", "vllm_env"]
 
-ENGINES = ("reference", "vllm")
+ENGINES = ("reference", "vllm", "vllm-server")
+VLLM_ENGINES = ("vllm", "vllm-server")
+"""The engines that are vLLM (its policy, :data:`VLLM_MODEL`, and its environment, :func:`vllm_env`)."""
 
 VLLM_MODEL = DecoderConfig(
     hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
@@ -37,14 +45,18 @@ VLLM_ENV = {
 """Environment the demo's worker processes run vLLM with (values already set are kept)."""
 
 
-def vllm_env(rank: int, world_size: int, infer_tp: int, port: int) -> dict[str, str]:
+def vllm_env(rank: int, world_size: int, infer_tp: int, port: int, *, own_process: bool = False) -> dict[str, str]:
     """:data:`VLLM_ENV` plus one core per vLLM worker (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's automatic
     binding fails on machines with fewer cores than it wants) and the torchrun variables
-    ``external_launcher`` reads."""
+    ``external_launcher`` reads; ``own_process``: the engine core in a process of its own (an AsyncLLM),
+    which needs vLLM's multiprocessing."""
     cores = os.cpu_count() or 1
     bind = "|".join(str(r % cores) for r in range(world_size)) if infer_tp > 1 else str(rank % cores)
-    return {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind, "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": bind, "RANK": str(rank), "LOCAL_RANK": str(rank),
+           "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    if own_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    return env
 
 
 def build_engine(kind: str, model: DecoderConfig, topo: Any, *, device: torch.device, dtype: torch.dtype,
@@ -62,8 +74,10 @@ def build_engine(kind: str, model: DecoderConfig, topo: Any, *, device: torch.de
                                  block_size=block_size, num_kv_blocks=max_seqs * -(-max_len // block_size))
         engine.release(list(ENGINE_TAGS))
         return engine
-    if kind != "vllm":
+    if kind not in VLLM_ENGINES:
         raise ValueError(f"engine={kind!r}; expected one of {ENGINES}")
+    if kind == "vllm-server":
+        return _server_engine(model, topo, dtype=dtype, max_len=max_len, max_seqs=max_seqs)
     if topo.infer.tp not in (1, topo.world_size):
         raise ValueError(
             f"--engine vllm runs --infer-tp 1 (a replica per rank) or --infer-tp {topo.world_size} (the world "
@@ -83,4 +97,35 @@ def build_engine(kind: str, model: DecoderConfig, topo: Any, *, device: torch.de
         max_model_len=max(128, max_len),
         max_num_seqs=max(max_seqs, 1),
         seed=0,
+    )
+
+
+def _server_engine(model: DecoderConfig, topo: Any, *, dtype: torch.dtype, max_len: int, max_seqs: int) -> Any:
+    """This rank's AsyncLLM, its engine core in a process of its own, built from the policy's config alone
+    (``load_format="dummy"``: the first weight sync writes every weight).
+
+    Raises:
+        ValueError: ``--infer-tp`` other than 1 (one engine per rank).
+    """
+    if topo.infer.tp != 1:
+        raise ValueError(f"--engine vllm-server runs one engine per process (--infer-tp 1); got --infer-tp {topo.infer.tp}")
+    import tempfile  # noqa: PLC0415
+
+    import transformers  # noqa: PLC0415
+
+    from hybridmem.adapters.vllm.server import VLLMServerEngine  # noqa: PLC0415
+
+    hf = transformers.Qwen2Config(**{**model.to_hf_dict(), "max_position_embeddings": max(128, max_len)})
+    model_dir = tempfile.mkdtemp(prefix=f"hybridmem-demo-rank{topo.rank}-")
+    hf.save_pretrained(model_dir)  # config.json: what vLLM builds the model from
+    return VLLMServerEngine.start_async(
+        model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
+        enforce_eager=True,
+        max_model_len=max(128, max_len),
+        max_num_seqs=max(max_seqs, 1),
+        seed=0,
+        disable_log_stats=True,
     )

@@ -53,7 +53,8 @@ class DemoConfig:
     """``torch`` (:class:`MegatronLayoutGPT`), ``megatron`` (megatron-core's GPTModel) or ``fsdp`` (a
     transformers model with ``fully_shard``, resharded by the manager's default weight sync)."""
     engine: str = "reference"
-    """Rollout engine: ``reference`` (the embedded ReferenceEngine) or ``vllm`` (a real vLLM)."""
+    """Rollout engine: ``reference`` (the embedded ReferenceEngine), ``vllm`` (a real vLLM in this process)
+    or ``vllm-server`` (a real vLLM whose engine runs in a process of its own)."""
 
     def __post_init__(self) -> None:
         if self.model.vocab_size != self.task.vocab_size:
