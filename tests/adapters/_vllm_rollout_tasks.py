@@ -8,7 +8,8 @@ writes its findings as JSON.
    plus a calculator tool's answer, inside one ``manager.inference()``, the policy trained a step; checked
    teacher-forced against transformers on the weights (all 64), and rerun whole with transformers'
    greedy ``generate`` (the first 8);
-2. long requests still running when the user leaves INFER with ``InFlight.WAIT``, then a training step;
+2. long requests still running when the user leaves INFER with ``InFlight.WAIT``, then a training step
+   and at once the next switch, whose update would reach any request still running;
 3. the same with ``InFlight.ABORT``, then a training step;
 4. greedy generation on the last weights.
 
@@ -179,47 +180,65 @@ def run_rollouts(manager: Any, model: Any, model_dir: str) -> dict:
     }
 
 
-def run_leave(manager: Any, engine: Any, model: Any, running: list[tuple[float, int]]) -> dict:
-    """Leave INFER while long requests run (the user's agent loop in a thread of its own): the switch
-    follows ``engine.in_flight``; the reference is transformers' greedy on the weights they started with."""
-    from hybridmem.engines import SamplingParams
+class LongRequests:
+    """The user's agent loop in a thread of its own: long greedy requests, each result with the time it
+    came back."""
 
-    results: list[Any] = []
-    greedy = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0)
+    def __init__(self, engine: Any):
+        from hybridmem.engines import SamplingParams
 
-    def requests() -> None:
-        async def one(p: list[int]) -> dict[str, Any]:
-            o = await engine.agenerate(p, greedy)
-            return {"tokens": o.token_ids, "finish_reason": o.finish_reason, "end": time.monotonic()}
+        self.engine, self.results = engine, []
+        self.params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0)
+        self.thread = threading.Thread(target=lambda: self.results.extend(asyncio.run(self._all())))
+        self.thread.start()
 
-        async def everything() -> list[Any]:
-            return list(await asyncio.gather(*(one(p) for p in LONG_PROMPTS), return_exceptions=True))
+    async def _one(self, prompt: list[int]) -> dict[str, Any]:
+        out = await self.engine.agenerate(prompt, self.params)
+        return {"tokens": out.token_ids, "finish_reason": out.finish_reason, "end": time.monotonic()}
 
-        results.extend(asyncio.run(everything()))
+    async def _all(self) -> list[Any]:
+        return list(await asyncio.gather(*(self._one(p) for p in LONG_PROMPTS), return_exceptions=True))
 
+    def join(self) -> list[dict[str, Any]]:
+        self.thread.join(timeout=600)
+        return [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}", "tokens": []} for r in self.results]
+
+
+def leave_running(manager: Any, engine: Any, running: list[tuple[float, int]]) -> tuple[LongRequests, dict]:
+    """Enter INFER, start the long requests, leave once vLLM runs them all and has stepped them a few times
+    (they are mid-request): the switch follows ``engine.in_flight``."""
     with manager.inference():
         seen = len(running)
-        thread = threading.Thread(target=requests)
-        thread.start()
+        requests = LongRequests(engine)
         deadline = time.monotonic() + 300
-        # Leave once vLLM runs all of them and has stepped them a few times: they are mid-request.
-        while sum(1 for _, n in running[seen:] if n == len(LONG_PROMPTS)) < 3 and time.monotonic() < deadline:
+        while sum(1 for _, n in running[seen:] if n >= len(LONG_PROMPTS)) < 3 and time.monotonic() < deadline:
             time.sleep(0.005)
         left = time.monotonic()
     switched = time.monotonic()
-    thread.join(timeout=600)
-    results = [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}", "tokens": []} for r in results]
-    expected, gaps = teacher_forced(model, LONG_PROMPTS, [[r["tokens"]] for r in results])
-    return {
-        "results": results, "expected": [e[0] for e in expected], "gaps": gaps,
-        "policy": engine.in_flight.value, "last_aborted": engine.last_aborted, "left": left, "switched": switched,
-        "max_vllm_running": max((n for _, n in running[seen:]), default=0),
-    }
+    return requests, {"policy": engine.in_flight.value, "last_aborted": engine.last_aborted, "left": left,
+                      "switched": switched, "max_vllm_running": max((n for _, n in running[seen:]), default=0)}
+
+
+def snapshot(model: Any, model_dir: str) -> Any:
+    """A transformers model holding ``model``'s weights now (the reference for requests started on them)."""
+    import torch
+    import transformers
+
+    copy = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    copy.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return copy
+
+
+def checked(requests: LongRequests, reference: Any, figures: dict) -> dict:
+    results = requests.join()
+    expected, gaps = teacher_forced(reference, LONG_PROMPTS, [[r["tokens"]] for r in results])
+    return {**figures, "results": results, "expected": [e[0] for e in expected], "gaps": gaps}
 
 
 def agent(out: str) -> dict:
-    """One engine, four switches: the rollouts; leaving with requests running under InFlight.WAIT, a
-    training step; the same under InFlight.ABORT, a step; greedy generation on the last weights."""
+    """One engine, four switches: the rollouts; leaving with requests running under InFlight.WAIT, then a
+    training step and at once the next switch (its update would reach any request still running); the same
+    under InFlight.ABORT; greedy generation on the last weights."""
     import torch
     import transformers
 
@@ -248,22 +267,25 @@ def agent(out: str) -> dict:
         res = {"rollouts": run_rollouts(manager, model, model_dir)}
         res["rollouts"]["max_vllm_running"] = max((n for _, n in running), default=0)
         phase("rollouts")
-        res["wait"] = run_leave(manager, engine, model, running)
+        waited, wait_figures = leave_running(manager, engine, running)
+        before_wait = snapshot(model, model_dir)
         lm_step(model, opt, 1, model.config.vocab_size)
-        phase("wait")
         engine.in_flight = InFlight.ABORT
-        res["abort"] = run_leave(manager, engine, model, running)
+        aborted, abort_figures = leave_running(manager, engine, running)  # its entry commits the step's weights
+        before_abort = snapshot(model, model_dir)
         lm_step(model, opt, 2, model.config.vocab_size)
-        phase("abort")
         greedy = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0)
         with manager.inference() as e:
             after = [o.token_ids for o in e.generate(LONG_PROMPTS, greedy)]
             version = e.weight_version()
+        manager.close()
+        phase("leave")
+        res["wait"] = checked(waited, before_wait, wait_figures)
+        res["abort"] = checked(aborted, before_abort, abort_figures)
         expected, gaps = teacher_forced(model, LONG_PROMPTS, [[t] for t in after])
         res["after"] = {"got": after, "expected": [e[0] for e in expected], "gaps": gaps, "version": version,
                         "generate_expected": hf_greedy(model, LONG_PROMPTS[0], LONG_TOKENS)}
-        manager.close()
-        phase("after")
+        phase("references")
         res["phases_s"] = phases
         return res
     finally:
