@@ -6,7 +6,7 @@ from typing import Any
 
 from hybridmem.models.family import ConfigGetter
 
-__all__ = ["require", "gqa_fields", "moe_fields"]
+__all__ = ["require", "gqa_fields", "llama_bias_fields", "moe_fields"]
 
 
 def require(get: ConfigGetter, *keys: str) -> None:
@@ -16,8 +16,10 @@ def require(get: ConfigGetter, *keys: str) -> None:
         raise ValueError(f"HF config lacks {missing}")
 
 
-def gqa_fields(get: ConfigGetter, *, qkv_bias: bool, qk_norm: bool = False) -> dict[str, Any]:
-    """ModelSpec fields of a grouped-query-attention decoder: sizes, biases, tied embeddings."""
+def gqa_fields(get: ConfigGetter, *, qkv_bias: bool, qk_norm: bool = False, o_bias: bool = False,
+               mlp_bias: bool = False) -> dict[str, Any]:
+    """ModelSpec fields of a grouped-query-attention decoder: sizes, biases (q/k/v, the output projection,
+    the dense MLP's projections), tied embeddings."""
     require(get, "hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
     heads = int(get("num_attention_heads"))
     return dict(
@@ -29,9 +31,19 @@ def gqa_fields(get: ConfigGetter, *, qkv_bias: bool, qk_norm: bool = False) -> d
         num_hidden_layers=int(get("num_hidden_layers")),
         vocab_size=int(get("vocab_size")),
         qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
         qk_norm=qk_norm,
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
     )
+
+
+def llama_bias_fields(get: ConfigGetter) -> dict[str, Any]:
+    """ModelSpec fields of a Llama-style decoder (Llama, Mistral, Granite): ``attention_bias`` gives q, k, v
+    and o a bias and ``mlp_bias`` gate, up and down, as transformers builds them and vLLM's Llama and
+    Granite read them."""
+    attention_bias = bool(get("attention_bias", False))
+    return gqa_fields(get, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(get("mlp_bias", False)))
 
 
 def moe_fields(get: ConfigGetter, *, experts_keys: tuple[str, ...], expert_width_key: str = "moe_intermediate_size",

@@ -6,8 +6,10 @@ interleaved (row ``2j`` gate, ``2j + 1`` up, as vLLM's ``swigluoai`` reads them)
 ``down_proj`` [H, I] with its bias. The checkpoint (and transformers' modules) stack each over experts
 and store the weights transposed: ``mlp.experts.gate_up_proj`` [E, H, 2I], ``gate_up_proj_bias`` [E, 2I],
 ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]. The router is ``mlp.router`` (weight and bias). vLLM
-keeps the interleaving and splits the 2I rows into contiguous row blocks per TP rank; its ``w2_bias`` is
-whole on TP rank 0 and zero elsewhere (a row-parallel bias is added once). The config's
+keeps the interleaving and splits the 2I rows into contiguous row blocks per TP rank; its loader (0.32 and
+0.33 alike) puts ``w2_bias`` whole on MoE-TP rank 0 of every pipeline stage and zeros on the other TP ranks (a
+row-parallel bias is added once); with expert parallelism MoE-TP is 1 and every rank holds its own experts'
+biases whole. The config's
 ``intermediate_size`` is one expert's width; the sliding window of alternate layers changes no tensor.
 """
 
@@ -21,10 +23,9 @@ from hybridmem.models.family import ConfigGetter, Family
 
 def read_config(get: ConfigGetter) -> dict[str, Any]:
     bias = bool(get("attention_bias", True))
-    fields = gqa_fields(get, qkv_bias=bias)
+    fields = gqa_fields(get, qkv_bias=bias, o_bias=bias)
     fields.update(moe_fields(get, experts_keys=("num_local_experts",), expert_width_key="intermediate_size"))
     fields["intermediate_size"] = 0  # no dense MLP
-    fields["o_bias"] = bias
     return fields
 
 

@@ -1,16 +1,17 @@
 """IBM Granite 3 (dense, ``granite``): Llama's tensors; its embedding, residual, attention and logits
-multipliers scale activations at run time and change no weight."""
+multipliers scale activations at run time and change no weight; ``attention_bias`` and ``mlp_bias`` give
+the same biases as Llama's."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hybridmem.models.common import gqa_fields
+from hybridmem.models.common import llama_bias_fields
 from hybridmem.models.family import ConfigGetter, Family
 
 
 def read_config(get: ConfigGetter) -> dict[str, Any]:
-    return gqa_fields(get, qkv_bias=bool(get("attention_bias", False)))
+    return llama_bias_fields(get)
 
 
 GRANITE = Family(name="granite", architectures=("GraniteForCausalLM",), read_config=read_config,

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridmem.models import ALIASES, get_family
+from hybridmem.models import ALIASES, get_family, getter
 from hybridmem.models import FAMILIES as _FAMILY_TABLE
 
 __all__ = ["DecoderConfig", "FAMILIES"]
@@ -70,12 +70,14 @@ class DecoderConfig:
 
         Raises:
             ValueError: ``model_type`` is not one of :data:`FAMILIES` (absent counts as ``llama``; a known
-                family the engine has no blocks for is named with the reason), the RoPE is scaled
+                family the engine has no blocks for is named with the reason), the config gives biases the
+                blocks have no place for (an output-projection or MLP bias, each named), the RoPE is scaled
                 (``rope_scaling`` / ``rope_parameters`` with a ``rope_type`` other than ``default``) or
                 partial, or attention is limited to a sliding window shorter than the context.
         """
         model_type = _get(cfg, "model_type") or "llama"
-        reason = get_family(model_type).embedded_engine
+        family = get_family(model_type)
+        reason = family.embedded_engine
         if reason is not None:
             raise ValueError(f"model_type={model_type!r} does not run in the embedded engine ({reason}); "
                              f"it runs {list(FAMILIES)}")
@@ -91,6 +93,16 @@ class DecoderConfig:
             raise ValueError(
                 f"sliding_window={window} (max_position_embeddings={context}) is not supported: the embedded engine "
                 f"attends to the whole context; use a model without a sliding window (sliding_window=None)")
+        # The blocks add q/k/v biases only; the family's own reader says which other biases the config gives.
+        fields = family.read_config(getter(cfg))
+        extra = []
+        if fields.get("o_bias"):
+            extra.append("attention_bias=True gives self_attn.o_proj.bias")
+        if fields.get("mlp_bias"):
+            extra.append("mlp_bias=True gives mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias")
+        if extra:
+            raise ValueError(f"model_type={model_type!r} with {'; '.join(extra)}: the embedded engine's blocks have "
+                             f"no place for these biases (they add q/k/v biases only); serve this model with vLLM")
         heads = int(_get(cfg, "num_attention_heads"))
         hidden = int(_get(cfg, "hidden_size"))
         bias = _get(cfg, "attention_bias")

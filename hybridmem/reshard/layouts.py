@@ -380,6 +380,10 @@ def _dense_mlp(spec: ModelSpec, i: int) -> bool:
     return not spec.is_moe_layer(i)
 
 
+def _dense_mlp_bias(spec: ModelSpec, i: int) -> bool:
+    return spec.mlp_bias and not spec.is_moe_layer(i)
+
+
 def _moe(spec: ModelSpec, i: int) -> bool:
     return spec.is_moe_layer(i)
 
@@ -455,7 +459,11 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     # Dense MLP (every layer of a dense family; DeepSeek-V3's first k layers).
     LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "mlp.gate_up_proj.weight",
               "gate_up", when=_dense_mlp),
+    LayerRule(("mlp.gate_proj.bias", "mlp.up_proj.bias"), "mlp.linear_fc1.bias", "mlp.gate_up_proj.bias", "gate_up",
+              when=_dense_mlp_bias),
     LayerRule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", "mlp.down_proj.weight", "row", when=_dense_mlp),
+    # A row-parallel bias is whole on every TP rank (vLLM adds it on TP rank 0 only).
+    LayerRule(("mlp.down_proj.bias",), "mlp.linear_fc2.bias", "mlp.down_proj.bias", "replicate", when=_dense_mlp_bias),
     # MoE: the TE spec keeps pre_mlp_layernorm unfused for MoE layers.
     LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=_moe),
     # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM, which has it only for noaux_tc routing.
@@ -469,7 +477,8 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "mlp.experts.local_experts.{j}.linear_fc1.weight", "<experts_w13>", "experts_gate_up",
               when=_split_experts),
     # gpt-oss: one interleaved gate/up tensor per expert, contiguous row blocks per TP rank; the down bias is
-    # whole on MoE-TP rank 0 and zero (no piece: padding) on the others.
+    # whole on MoE-TP rank 0 of every stage and zero (no piece: padding) on the others; with expert
+    # parallelism MoE-TP is 1, so every rank holds its experts' biases whole.
     LayerRule(("mlp.experts.{e}.gate_up_proj.weight",), None, "<experts_w13>", "experts_column",
               when=_interleaved_experts),
     LayerRule(("mlp.experts.{e}.gate_up_proj.bias",), None, "<experts_w13_bias>", "experts_column",

@@ -66,7 +66,11 @@ class ModelSpec:
     qkv_bias: bool = False
     """q/k/v projections carry a bias (Qwen2)."""
     o_bias: bool = False
-    """The attention output projection carries a bias [hidden_size] (gpt-oss), whole on every TP rank."""
+    """The attention output projection carries a bias [hidden_size] (gpt-oss; Llama and Granite with
+    ``attention_bias``), whole on every TP rank."""
+    mlp_bias: bool = False
+    """The dense MLP's gate, up and down projections carry biases (Llama and Granite with ``mlp_bias``):
+    gate/up split with their rows per TP rank, down whole on every TP rank."""
     qk_norm: bool = False
     """Per-head RMSNorm on q and k (Qwen3): ``q_norm.weight`` / ``k_norm.weight`` of shape [head_dim]."""
     tie_word_embeddings: bool = False
@@ -282,7 +286,11 @@ class ModelSpec:
             if not self.is_moe_layer(i):
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.{proj}_proj.weight"] = (self.intermediate_size, h)
+                    if self.mlp_bias:
+                        shapes[p + f"mlp.{proj}_proj.bias"] = (self.intermediate_size,)
                 shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+                if self.mlp_bias:
+                    shapes[p + "mlp.down_proj.bias"] = (h,)
                 continue
             shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
             if self.traits.router_linear_bias:

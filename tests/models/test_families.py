@@ -137,3 +137,61 @@ def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
         ReferenceEngine(glm)
     with pytest.raises(ValueError, match="model_type='gpt_oss' does not run in the embedded engine"):
         ReferenceEngine(_saved("gpt_oss", tmp_path / "gpt_oss")[0].to_dict())
+
+
+@pytest.mark.parametrize("biases", [dict(attention_bias=True), dict(mlp_bias=True),
+                                    dict(attention_bias=True, mlp_bias=True)], ids=["attention", "mlp", "both"])
+@pytest.mark.parametrize("model_type", ["llama", "granite"])
+def test_llama_and_granite_biases_are_what_transformers_saves(model_type, biases, tmp_path):
+    """``attention_bias`` gives q/k/v and o a bias, ``mlp_bias`` gate/up/down: every one is in the spec."""
+    cfg, saved = _saved(model_type, tmp_path, **biases)
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.full_shapes() == saved
+    assert ("model.layers.0.self_attn.o_proj.bias" in saved) is biases.get("attention_bias", False)
+    assert ("model.layers.0.mlp.down_proj.bias" in saved) is biases.get("mlp_bias", False)
+
+
+@pytest.mark.parametrize("biases,names", [
+    (dict(attention_bias=True), "self_attn.o_proj.bias"),
+    (dict(mlp_bias=True), "mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias"),
+], ids=["attention", "mlp"])
+def test_the_embedded_engine_refuses_biases_it_has_no_place_for(biases, names, tmp_path):
+    """The embedded engine's blocks add q/k/v biases only: a Llama whose o projection or MLP has biases
+    is refused with the config key and the tensors it would drop."""
+    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+
+    cfg, _ = _saved("llama", tmp_path, **biases)
+    key = next(iter(biases))
+    with pytest.raises(ValueError, match=rf"{key}=True .*{names}"):
+        ReferenceEngine(cfg.to_dict())
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 2), (4, 1, 4), (1, 2, 1), (2, 1, 1)])
+def test_gpt_oss_down_bias_is_where_vllms_loader_puts_it(tp, pp, ep):
+    """vLLM's gpt-oss loader (``_load_weights_other``, the same in 0.32 and 0.33) copies the checkpoint's
+    ``down_proj_bias`` into ``w2_bias``: with expert parallelism every rank gets its own experts' rows
+    whole; otherwise TP rank 0 of every pipeline stage gets them whole and the other TP ranks zeros (a
+    row-parallel bias is added once). tests/reshard/test_vllm_names.py checks the same against the loader
+    itself."""
+    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+
+    cfg = transformers.AutoConfig.for_model("gpt_oss", **{**_COMMON, **CONFIGS["gpt_oss"], "num_hidden_layers": 2,
+                                                          "num_key_value_heads": 4})
+    spec = ModelSpec.from_hf_config(cfg)
+    weights = {n: torch.arange(1, 1 + torch.Size(s).numel(), dtype=torch.float32).reshape(s)
+               for n, s in spec.full_shapes().items()}
+    layout = vllm_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), 4)
+    experts = spec.num_experts // ep
+    for rank in range(4):
+        tp_rank, stage = rank % tp, (rank // tp) % pp
+        biases = {n: t for n, t in shard(weights, layout, rank).items() if n.endswith(".w2_bias")}
+        layers = range(stage * 2 // pp, (stage + 1) * 2 // pp)
+        assert sorted(biases) == [f"model.layers.{i}.mlp.experts.routed_experts.w2_bias" for i in layers], rank
+        for i in layers:
+            full = weights[f"model.layers.{i}.mlp.experts.down_proj_bias"]
+            if ep > 1:
+                ep_rank = rank % ep
+                want = full[ep_rank * experts:(ep_rank + 1) * experts]
+            else:
+                want = full if tp_rank == 0 else torch.zeros_like(full)
+            assert torch.equal(biases[f"model.layers.{i}.mlp.experts.routed_experts.w2_bias"], want), (rank, i)

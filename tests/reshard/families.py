@@ -41,6 +41,12 @@ MODELS = {
     "granite-tied": ("granite", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                                      embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
                                      tie_word_embeddings=True)),
+    # Llama and Granite with every bias transformers builds: q/k/v and o (attention_bias), gate/up/down (mlp_bias).
+    "llama-bias": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                 attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    "granite-bias": ("granite", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                     embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+                                     attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
     "gemma3-tied": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96)),
     "glm4-moe-bias": ("glm4_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
                                        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,

@@ -1,7 +1,7 @@
 """Our vLLM layouts equal what vLLM's own model classes and weight loaders build from the same HF weights.
 
 For each model (Llama tied, Qwen2 with q/k/v bias and fewer kv heads than TP, Qwen2-MoE, Qwen3-MoE, Mistral,
-Mixtral, Phi-3, Gemma 3, GLM-4.5, gpt-oss,
+Mixtral, Phi-3, Gemma 3, GLM-4.5, gpt-oss, Llama and Granite with q/k/v/o and MLP biases,
 DeepSeek-V3 with and without ``q_lora_rank``) a tiny HF checkpoint is written by transformers
 (``save_pretrained``: HF's checkpoint names, per-expert tensors) with every value replaced by a distinct
 random number. Four worker processes then build the model with the installed vLLM's classes

@@ -340,6 +340,9 @@ def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict
         ("multi-latent attention (multi_latent_attention)", bool(getattr(config, "multi_latent_attention", False)),
          spec.is_mla),
         ("q/k/v bias (add_qkv_bias)", bool(getattr(config, "add_qkv_bias", False)), spec.qkv_bias),
+        # A Llama's attention_bias also gives its output projection a bias, which add_qkv_bias does not.
+        ("output-projection bias (add_bias_linear)", bool(getattr(config, "add_bias_linear", False)), spec.o_bias),
+        ("MLP biases (add_bias_linear)", bool(getattr(config, "add_bias_linear", False)), spec.mlp_bias),
         ("q/k norms (qk_layernorm)", bool(getattr(config, "qk_layernorm", False)) and not spec.is_mla, spec.qk_norm),
         ("routed experts (num_moe_experts)", experts, spec.num_experts),
         ("expert width (moe_ffn_hidden_size)", width, spec.moe_intermediate_size),
