@@ -8,6 +8,9 @@
   --nproc-per-node N`` (its first line says how readers start it); ``torchrun N megatron`` runs it under
   megatron-core's CPU harness (``hybridmem.testing.megatron_cpu``) when there is no GPU, the way the
   project's Megatron tests run;
+- a ```` ```python process ```` block: as a program of its own (``python prog.py``, its first line says
+  so), for a program that must not share the process of the file's other blocks (its own engine, or
+  switches the checker counts per process);
 - a ```` ```yaml title=NAME ```` block: written to NAME, as the text asks the reader to save it.
 
 ``<!-- skip: next if(condition, reason="...") -->`` (Sybil's skip directive) skips the next block where
@@ -67,6 +70,21 @@ class TorchrunBlockParser(_InfoParser):
         return None
 
 
+class ProcessBlockParser(_InfoParser):
+    pattern = re.compile(r"python\s+process")
+
+    def evaluate(self, example) -> str | None:
+        _, source = example.parsed
+        script = Path(tempfile.mkdtemp(prefix="hybridmem-docs-", dir=".")) / f"line{example.line}.py"
+        script.write_text(str(source))
+        proc = subprocess.run([sys.executable, str(HERE / "_docs_launch.py"), str(script)], capture_output=True,
+                              text=True, timeout=TORCHRUN_TIMEOUT_S)
+        sys.stdout.write(proc.stdout[-4000:])
+        if proc.returncode != 0:
+            return f"program at line {example.line} exited {proc.returncode}:\n{proc.stderr[-8000:]}"
+        return None
+
+
 class YamlFileParser(_InfoParser):
     pattern = re.compile(r"yaml\s+title=(?P<name>[\w.\-/]+)")
 
@@ -76,7 +94,7 @@ class YamlFileParser(_InfoParser):
 
 
 def sybil() -> Sybil:
-    return Sybil(parsers=[PythonCodeBlockParser(), TorchrunBlockParser(), YamlFileParser(), SkipParser()])
+    return Sybil(parsers=[PythonCodeBlockParser(), TorchrunBlockParser(), ProcessBlockParser(), YamlFileParser(), SkipParser()])
 
 
 def main(path: str, summary_path: str) -> int:

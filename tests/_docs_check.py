@@ -5,9 +5,9 @@ directory; the program itself is the reader's code, unchanged. For every switch 
 
 - whether the training state (every tensor of every offloader: parameters, buffers, grads, optimizer
   state) after INFER->TRAIN is byte for byte what it was before TRAIN->INFER;
-- for every greedy ``generate`` call of a ``ReferenceEngine`` or ``VLLMEngine`` inside INFER: the prompts,
-  the tokens the engine returned, and the training weights of that switch as a transformers checkpoint
-  names them (a transformers model's ``state_dict()``; for Megatron-core, the weights of every rank
+- for every greedy ``generate`` call of a ``ReferenceEngine``, ``VLLMEngine`` or ``VLLMServerEngine``
+  inside INFER: the prompts, the tokens the engine returned, and the training weights of that switch as
+  a transformers checkpoint names them (a transformers model's ``state_dict()``; for Megatron-core, the weights of every rank
   mapped to transformers' names by the independent sharder in tests/reshard/reference.py).
 
 At exit, transformers checks every recorded call on those weights: a forward over each prompt and the
@@ -182,7 +182,9 @@ def install() -> None:
     try:
         from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415 - never imports vLLM itself
 
-        engines.append(VLLMEngine)
+        from hybridmem.adapters.vllm.server import VLLMServerEngine  # noqa: PLC0415 - nor does this
+
+        engines += [VLLMEngine, VLLMServerEngine]
     except ImportError:
         pass
     for cls in engines:

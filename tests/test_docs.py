@@ -15,6 +15,8 @@ training weights of that switch:
   defaults;
 - docs/vllm.md: the same into real vLLM (``VLLMEngine.create(model_dir, dtype="float32",
   max_model_len=256, skip_tokenizer_init=True)``) in one plain process, with no environment variable set;
+  and an agent loop into an ``AsyncLLM`` in its own process (``VLLMServerEngine.start_async``), as a
+  program of its own;
 - docs/megatron.md: megatron-core ``GPTModel`` at TP2 under torchrun (2 processes, megatron-core's CPU
   harness here) with ``HybridConfig()``.
 """
