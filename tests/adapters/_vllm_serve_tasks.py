@@ -79,7 +79,7 @@ def http_tp1(out: str, steps: str = "3") -> dict:
     start = time.monotonic()
     engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS)
     res: dict = {"launch_s": time.monotonic() - start, "url": engine.client.where, "server_pid": engine.server.pid,
-                 "argv": engine.server.argv, "steps": []}
+                 "argv": engine.server.argv, "verify": engine.verify, "steps": []}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -230,8 +230,8 @@ def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
 
 
 def launched(out: str, mode: str) -> dict | None:
-    """Launch a server, print its pid and URL, then end as ``mode`` says: ``exit`` (return without
-    ``close()``: the interpreter exits), ``kill`` (wait to be SIGKILLed), ``term`` (wait for SIGTERM, the
+    """Launch a server, print its pid and URL, then end as ``mode`` says: ``exit`` (after a line on stdin,
+    return without ``close()``: the interpreter exits), ``kill`` (wait to be SIGKILLed), ``term`` (wait for SIGTERM, the
     default action: no Python cleanup)."""
     from hybridmem.adapters.vllm.server import VLLMServerEngine
 
@@ -239,6 +239,7 @@ def launched(out: str, mode: str) -> dict | None:
     engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS)
     print(json.dumps({"server_pid": engine.server.pid, "url": engine.client.where}), flush=True)
     if mode == "exit":
+        sys.stdin.readline()  # the test reads the server's processes, then lets this process end
         return {"server_pid": engine.server.pid}
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while True:
