@@ -37,7 +37,9 @@ CI injects at a deterministic sample: the first, middle and last call of each ki
 once, and the same on one rank, the ranks taking turns from kind to kind. ``HYBRIDMEM_FAULTS_FULL=1``
 injects at every point: every call of every kind on every rank, and every n on all ranks.
 ``python tests/distributed/test_collective_faults.py`` prints the dry run and the number of points;
-with ``--full`` it injects at all of them (``--full one-rank`` or ``--full every-rank``: one set).
+with ``--full`` it injects at all of them (``--full one-rank`` or ``--full every-rank``: one set), and
+with ``--shard K/N`` at every N-th of them from the K-th, so that N runs side by side cover the set (a
+point mostly waits for the deadline; docs/testing.md has the command and its timing).
 
 """
 
@@ -139,8 +141,11 @@ def inject(pool, model_dir: str, store_dir: Path, points: list[Point], reference
         for i, point in enumerate(chunk):
             records = [results[rank][i] if i < len(results[rank]) else None for rank in range(WORLD)]
             print(point, outcome(records))
-            problems += [f"{point}: {p}" for p in check_round(point, records, [r["losses"][i] for r in reference],
-                                                             [r["to_infer"] for r in reference])]
+            found = [f"{point}: {p}" for p in check_round(point, records, [r["losses"][i] for r in reference],
+                                                          [r["to_infer"] for r in reference])]
+            for line in found:
+                print("PROBLEM", line)
+            problems += found
             if any(r is None or "next_error" in r for r in records):
                 pool.close()  # the group is gone: the next task starts a fresh pool
                 return problems
@@ -295,11 +300,15 @@ if __name__ == "__main__":  # the dry run and the number of points; with --full,
         FULL = True
         full = (every_rank_points(counts_), one_rank_points(counts_))
         print(f"points: CI {ci[0]} on every rank + {ci[1]} on one rank; full {len(full[0])} + {len(full[1])}")
+        shard, shards = 0, 1  # --shard K/N: every N-th point from the K-th (0-based), for N runs side by side
+        if "--shard" in sys.argv:
+            shard, shards = map(int, sys.argv[sys.argv.index("--shard") + 1].split("/"))
         if "--full" in sys.argv:  # --full [every-rank|one-rank]: both sets, or one
-            which = sys.argv[sys.argv.index("--full") + 1:][:1]
+            which = [a for a in sys.argv[sys.argv.index("--full") + 1:][:1] if not a.startswith("--")]
             for name, pts in zip(("every rank", "one rank"), full):
                 if which and which[0].replace("-", " ") != name:
                     continue
+                pts = pts[shard::shards]
                 t0 = time.monotonic()
                 found = inject(main_pool, directory, Path(tempfile.mkdtemp(dir=tmp)), pts, ref)
                 print(f"{name}: {len(pts)} points in {time.monotonic() - t0:.0f} s, {len(found)} problems")
