@@ -40,8 +40,15 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
-from _faults import FULL, FaultInjector, Injected  # noqa: E402
-from _vllm_server_tasks import ENGINE_ARGS, PROMPTS, VLLM_ENV, hf_greedy, lm_step, save_policy  # noqa: E402
+from _faults import FULL, FaultInjector, Injected
+from _vllm_server_tasks import (
+    ENGINE_ARGS,
+    PROMPTS,
+    VLLM_ENV,
+    hf_greedy,
+    lm_step,
+    save_policy,
+)
 
 DEADLINE_S = float(os.environ.get("HYBRIDMEM_VLLM_FAULTS_DEADLINE_S", "12"))
 """The client's deadline for a control call. A fault-free call of this tiny model takes milliseconds on an
@@ -168,6 +175,8 @@ class Actor:
         self.manager = ShardingManager(model, engine, optimizer=opt)
         self.steps = 1
         self.injector = ClientFaults()
+        self.served: list[list[int]] | None = None
+        """transformers' greedy tokens on the weights the engine last committed (``None``: none yet)."""
 
     def generate(self) -> list[list[int]]:
         from hybridmem.engines import SamplingParams
@@ -190,6 +199,7 @@ class Actor:
         """One uninjected round trip: TRAIN->INFER, greedy tokens and version, INFER->TRAIN, a step."""
         expected = hf_greedy(self.model)
         self.manager.to_infer()
+        self.served = expected
         got, version = self.generate(), self.engine.weight_version()
         self.manager.to_train()
         self.train()
@@ -200,8 +210,8 @@ class Actor:
         client = self.engine.client
         try:
             if hasattr(client, "llm"):
-                return bool(client._run(client.llm.is_paused(), "is_paused", 10.0))  # noqa: SLF001
-            return bool(client._http.get("/is_paused", timeout=10.0).json()["is_paused"])  # noqa: SLF001
+                return bool(client._run(client.llm.is_paused(), "is_paused", 10.0))
+            return bool(client._http.get("/is_paused", timeout=10.0).json()["is_paused"])
         except Exception:  # noqa: BLE001
             return None
 
@@ -219,9 +229,8 @@ class Actor:
     def calls_with_fault(self, point: int, kind: str) -> int:
         """How many control calls a TRAIN->INFER switch failed at ``point`` makes, its rollback's included."""
         self.injector.fault = FAULTS[kind]
-        with self.injector.active(target=point) as inj:
-            with contextlib.suppress(Exception):
-                self.manager.to_infer()
+        with self.injector.active(target=point) as inj, contextlib.suppress(Exception):
+            self.manager.to_infer()
         if self.manager.phase.name == "FAILED":
             self.manager.recover()
         self.cycle()  # a complete update: the next switch makes the dry run's calls again
@@ -267,6 +276,7 @@ def run_point(actor: Actor, direction: str, fault: Callable[..., Any], targets: 
     committed_before = actor.engine.version
     if direction == "to_train":
         mgr.to_infer()
+        actor.served = expected
         rec["served_before"] = actor.generate() == expected
         version_before = actor.engine.weight_version()
         committed_before = actor.engine.version
@@ -281,12 +291,13 @@ def run_point(actor: Actor, direction: str, fault: Callable[..., Any], targets: 
             raised = exc
     rec["elapsed_s"] = time.monotonic() - start
     rec["fired"] = [inj.labels[i - 1] for i in inj.fired_at]
+    rec["fired_at"] = list(inj.fired_at)
     rec["labels"] = list(inj.labels)
     rec["error"] = error_record(raised)
     rec["phase"] = mgr.phase.name
     rec["generate_after"] = actor.answer()
     rec["version_before"] = version_before
-    rec["expected_before"] = expected if direction == "to_train" else None
+    rec["expected_before"] = actor.served  # what the weights committed before the switch give
     if after is not None:
         after(rec)
     rec["paused"] = actor.paused()
@@ -329,10 +340,13 @@ def next_round(actor: Actor, rec: dict) -> None:
     except Exception as exc:  # noqa: BLE001 - a dead engine: the test checks the error
         rec["next"] = {"error": error_record(exc), "phase": actor.manager.phase.name}
     else:
+        actor.served = expected
         got, version = actor.answer(), actor.engine.weight_version()
+        paused = actor.paused()
         actor.manager.to_train()
         rec["next"] = {"got": got, "expected": expected, "version": version,
-                       "committed": f"hybridmem-{actor.engine.version}", "phase": actor.manager.phase.name}
+                       "committed": f"hybridmem-{actor.engine.version}", "phase": actor.manager.phase.name,
+                       "paused_in_infer": paused}
     try:
         assert_bitwise_equal(before, snapshot(actor.model, actor.opt))
         rec["next"]["state_equal"] = True
@@ -353,7 +367,8 @@ def injections(out: str, transport: str = "async") -> dict:
     """Every control call of both switches, each fault kind, on one engine: with vLLM's CPU build's call
     sequence (no sleep mode), then with the sleep / wake-up calls a GPU build makes (``frees_memory=True``
     on the same engine: vLLM's CPU build accepts them and frees nothing), then pairs of faults: one in
-    TRAIN->INFER and one in the rollback's calls."""
+    TRAIN->INFER and one in the rollback's calls (CI: the sequence with sleep only, see
+    :data:`INJECTED_CONFIGS` and :data:`PAIRED_CI`)."""
     from hybridmem.adapters.vllm.server import VLLMServerEngine
 
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
@@ -365,29 +380,34 @@ def injections(out: str, transport: str = "async") -> dict:
         engine = VLLMServerEngine.connect(server.url, timeout_s=DEADLINE_S)
     res: dict[str, Any] = {"configs": {}, "records": [], "deadline_s": DEADLINE_S, "full": FULL}
     try:
-        act = Actor(engine, model_dir=model_dir)
-        res["warm"] = act.cycle()
+        first = Actor(engine, model_dir=model_dir)
+        res["warm"] = first.cycle()
         kinds = ["refused", "lost", "engine-refuses"] + (["exception", "keyboard-interrupt"] if FULL else [])
-        for config, act in configs_of(act, engine):
+        for config, act in configs_of(first, engine):
             labels = {d: act.dry_run(d) for d in ("to_infer", "to_train")}
             res["configs"][config] = labels
+            if config not in INJECTED_CONFIGS:
+                continue
             for direction, seq in labels.items():
                 for point, label in enumerate(seq, start=1):
                     for kind in kinds:
                         if kind == "engine-refuses" and label not in TRANSACTION:
                             continue
+                        if kind == "lost" and label in ("wake_up", "sleep") and not FULL:
+                            continue  # a late answer to a wake-up or sleep changes nothing a refusal does not
                         rec = run_point(act, direction, FAULTS[kind], point, kind=kind)
-                        rec.update(config=config, point=point, label=label)
+                        rec.update(config=config, point=point, label=label, dry_run=seq)
                         next_round(act, rec)
                         res["records"].append(rec)
             # Pairs: a TRAIN->INFER call fails, then a call of its rollback fails too.
             seq = labels["to_infer"]
-            for first in range(1, len(seq) + 1):
+            firsts = range(1, len(seq) + 1) if FULL else [seq.index(c) + 1 for c in PAIRED_CI]
+            for first in firsts:
                 total = act.calls_with_fault(first, "refused")
                 undo = list(range(first + 1, total + 1))
                 for second in undo if FULL else undo[:1]:
                     rec = run_point(act, "to_infer", _refused, (first, second), kind="refused-twice")
-                    rec.update(config=config, point=[first, second], label=rec["fired"])
+                    rec.update(config=config, point=[first, second], label=rec["fired"], dry_run=seq)
                     next_round(act, rec)
                     res["records"].append(rec)
             res["final"] = act.cycle()
@@ -396,6 +416,14 @@ def injections(out: str, transport: str = "async") -> dict:
         if server is not None:
             server.stop()
     return res
+
+
+INJECTED_CONFIGS = ("no-sleep", "sleep") if FULL else ("sleep",)
+"""The call sequences injected at every call: CI takes the one with sleep and wake-up, which makes every
+call the other makes and more (the other, vLLM's CPU build's own, is what the signal scenarios run)."""
+PAIRED_CI = ("update_weights", "resume_generation")
+"""The TRAIN->INFER calls whose failure CI pairs with a failure of the rollback's first call (all in full
+runs, with every call of the rollback)."""
 
 
 def configs_of(actor: Actor, engine: Any):
@@ -448,7 +476,7 @@ def stalls(out: str) -> dict:
         for direction, label, after in plan:
             point = labels[direction].index(label) + 1
             rec = run_point(actor, direction, stop, point, kind="stop", after=after)
-            rec.update(point=point, label=label, then=after.__name__)
+            rec.update(point=point, label=label, then=after.__name__, dry_run=labels[direction])
             next_round(actor, rec)
             res["records"].append(rec)
     finally:
@@ -461,11 +489,12 @@ def stalls(out: str) -> dict:
 def kills(out: str) -> dict:
     """SIGKILL of the AsyncLLM's engine core: while ``update_weights`` waits (TRAIN->INFER), and while
     ``pause`` waits (INFER->TRAIN), on an engine each; the engine core is stopped first so the call is
-    surely pending when it dies."""
+    surely pending when it dies. CI kills the first only (``http`` kills an engine core in INFER->TRAIN,
+    ``stalls`` a stopped one)."""
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     res: dict[str, Any] = {"records": [], "deadline_s": DEADLINE_S}
     model = opt = None
-    for direction, label in (("to_infer", "update_weights"), ("to_train", "pause")):
+    for direction, label in (("to_infer", "update_weights"), ("to_train", "pause"))[:None if FULL else 1]:
         engine = _start_async(model_dir)
         try:
             actor = Actor(engine, model=model, opt=opt, model_dir=model_dir)
@@ -476,7 +505,7 @@ def kills(out: str) -> dict:
             point = labels.index(label) + 1
             rec = run_point(actor, direction, signal_fault(lambda pid=pid: pid, signal.SIGSTOP, kill_after_s=2.0),
                             point, kind="kill")
-            rec.update(point=point, label=label, engine_exit=_wait_gone(engine))
+            rec.update(point=point, label=label, engine_exit=_wait_gone(engine), dry_run=labels)
             next_round(actor, rec)
             rec["generate_dead"] = actor.answer()
             res["records"].append(rec)
@@ -549,7 +578,7 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM the server's process group (vLLM stops its engine core and workers), SIGKILL what is left."""
-        for signum, wait_s in ((signal.SIGCONT, 0.0), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        for signum, wait_s in ((signal.SIGCONT, 0.0), (signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signum)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -583,21 +612,21 @@ def http(out: str) -> dict:
         for label in TRANSACTION:
             point = labels["to_infer"].index(label) + 1
             rec = run_point(actor, "to_infer", _engine_refuses, point, kind="engine-refuses")
-            rec.update(point=point, label=label)
+            rec.update(point=point, label=label, dry_run=labels["to_infer"])
             next_round(actor, rec)
             res["records"].append(rec)
         point = labels["to_infer"].index("update_weights") + 1
         rec = run_point(actor, "to_infer", signal_fault(lambda: server.proc.pid, signal.SIGSTOP), point,
                         kind="stop", after=lambda r: _signal(server.proc.pid, signal.SIGCONT))
-        rec.update(point=point, label="update_weights", then="cont")
+        rec.update(point=point, label="update_weights", then="cont", dry_run=labels["to_infer"])
         next_round(actor, rec)
         res["records"].append(rec)
         point = labels["to_train"].index("pause") + 1
         core = server.engine_core_pid()
         rec = run_point(actor, "to_train", signal_fault(lambda: core, signal.SIGKILL), point, kind="kill")
-        rec.update(point=point, label="pause")
+        rec.update(point=point, label="pause", dry_run=labels["to_train"])
         with contextlib.suppress(subprocess.TimeoutExpired):
-            server.proc.wait(timeout=60)
+            server.proc.wait(timeout=15)  # vLLM 0.32's server stays up, waiting on the call its engine core took
         rec["server_exit"] = server.proc.poll()
         next_round(actor, rec)
         rec["generate_dead"] = actor.answer()
