@@ -74,6 +74,13 @@ callers finish (:attr:`InFlight.WAIT` with some in flight) adds their own deadli
 ``generate_timeout_s``. The ranks' agreement in ``commit_weights``: the barrier before the calls waits
 ``timeout_s`` of the engine (how far apart the ranks may finish staging), and the broadcast of rank 0's
 outcome that plus the sum of rank 0's call deadlines in between.
+
+When the error comes: a refusal at once; a stall at the call's deadline (over HTTP plus the ``/health``
+probe's :data:`~hybridmem.adapters.vllm.remote.PROBE_S` that tells it from a death); an AsyncLLM's engine
+core that dies while a call waits within :data:`~hybridmem.adapters.vllm.remote.POLL_S`; a ``vllm serve``
+engine core that dies under a waiting call at that call's deadline (the server keeps the call open,
+``/health`` then names the death). A switch whose rollback calls a stalled engine again waits once more
+(``tests/adapters/test_vllm_server_faults.py`` measures each case).
 """
 
 from __future__ import annotations
