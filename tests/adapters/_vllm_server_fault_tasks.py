@@ -333,6 +333,9 @@ def next_round(actor: Actor, rec: dict) -> None:
     """The next uninjected round trip after a fault: what the engine serves, then a training step."""
     from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 
+    if actor.manager.phase.name != "TRAIN":  # FAILED: the training state is in host arenas, not to be read
+        rec["next"] = {"phase": actor.manager.phase.name, "state_equal": "not in TRAIN (recover() failed)"}
+        return
     before = snapshot(actor.model, actor.opt)
     expected = hf_greedy(actor.model)
     try:
