@@ -19,6 +19,7 @@ __all__ = [
     "HybridMemError",
     "ConfigError",
     "PhaseError",
+    "OffloadedTensorError",
     "SwitchError",
     "RollbackError",
     "MemoryPlanError",
@@ -95,6 +96,26 @@ class PhaseError(HybridMemError, RuntimeError):
         name = getattr(current, "name", current)
         msg = f"cannot {operation}: the manager is in phase {name}"
         super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+class OffloadedTensorError(PhaseError):
+    """A tensor whose bytes hybridmem moved to host memory was read or written (see [Note: offloaded
+    tensors refuse reads] in hybridmem.offload.guard).
+
+    Attributes:
+        kind: What the tensor is (``"params"``, ``"grads"``, ``"optimizer"``).
+    """
+
+    def __init__(self, operation: str, *, kind: str, shape: tuple[int, ...], dtype: object):
+        self.kind = kind
+        self.operation = operation
+        self.current = "offloaded"
+        HybridMemError.__init__(
+            self,
+            f"cannot {operation} a tensor of the training state ({kind}, shape {list(shape)}, {dtype}): hybridmem "
+            f"moved its bytes to host memory (the manager is in INFER, or FAILED after a switch failed); read it "
+            f"in TRAIN, after `with manager.inference()` ends or after manager.to_train() / manager.recover()",
+        )
 
 
 class SwitchError(HybridMemError, RuntimeError):

@@ -26,7 +26,8 @@ the only valid copy (``HostBufferPool.hold``), sets the state to ``ON_HOST``, an
 storages one by one. An exception (or a ``KeyboardInterrupt``) at any point before the record leaves
 the device untouched; at any point after it, the record says where every byte is, and :meth:`onload`
 restores all of it whatever subset was freed (re-growing a storage that was never freed is a no-op and
-the copy writes the same bytes back). Onload is just as re-runnable: it keeps the record until every copy
+the copy writes the same bytes back). Once every storage is freed, the tensors on them refuse to be read
+until the onload ([Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`). Onload is just as re-runnable: it keeps the record until every copy
 has completed, so an onload interrupted at any point is finished by calling it again. Nothing decides
 what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
 and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.txn`).
@@ -69,6 +70,7 @@ from torch.profiler import record_function
 from hybridmem.accel import Accelerator
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
+from hybridmem.offload.guard import guard, unguard
 
 __all__ = ["OffloadState", "TransferStats", "Offloader", "storage_view", "is_foreign"]
 
@@ -200,6 +202,7 @@ class Offloader(ABC):
         self.skip_zero = skip_zero
         self._state = OffloadState.ON_DEVICE
         self._slots: list[_Slot] = []
+        self._guarded: list[torch.Tensor] = []  # [Note: offloaded tensors refuse reads]
         self._copy_stream = None  # created lazily: no device work at construction
 
     @abstractmethod
@@ -296,6 +299,9 @@ class Offloader(ABC):
                     f"offload would overwrite them (internal error: state and pool disagree)"
                 )
             slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d, views=v) for s, d, v in self._storages()]
+            keys = {slot.storage._cdata for slot in slots}
+            freed = [t for t in self.tensors() if t is not None and t.device.type == self.accel.device.type
+                     and t.untyped_storage()._cdata in keys]
             if self.skip_zero and slots:
                 self._mark_zero(slots)
             arenas = self._reserve_arenas(slots)
@@ -317,6 +323,7 @@ class Offloader(ABC):
                     slot.storage.resize_(0)
                 else:
                     _rehome(slot)
+            self._guarded = guard(freed, self.kind.value)
         return self._stats("offload", slots, time.perf_counter() - start)
 
     def _mark_zero(self, slots: list[_Slot]) -> None:
@@ -350,6 +357,8 @@ class Offloader(ABC):
             return TransferStats(kind=self.kind, owner=self.owner, direction="onload")
         start = time.perf_counter()
         slots = self._slots
+        unguard(self._guarded)  # before any tensor is touched: every way back to the device lifts the guard
+        self._guarded = []
         with record_function(f"hybridmem.onload.{self.owner}"):
             self._allocate(slots)
             for slot in slots:  # [Note: foreign storages]: finish a re-homing that was interrupted

@@ -72,6 +72,22 @@ def test_a_users_mistake_ends_in_one_line_and_no_signal(policy, tmp_path, progra
     assert re.search(last_line, line), f"{program}'s last line: {line!r}"
 
 
+# What a read of the offloaded training state inside ``inference()`` did before the guard: SIGSEGV (139)
+# for the norm, the gradient and AdamW's moment; exit 0 for the checkpoint, whose bytes were freed memory.
+READS = [("param_norm", "norm", "param"), ("checkpoint", "detach", "param"), ("grad", "abs", "grad"),
+         ("optimizer", "sum", "optimizer"), ("print", "repr", "param")]
+
+
+@pytest.mark.parametrize("read, op, kind", READS, ids=[r[0] for r in READS])
+def test_reading_the_offloaded_training_state_is_one_error_naming_it(policy, tmp_path, read, op, kind):
+    rc, out, err = run("reads_offloaded_state", policy, tmp_path, read)
+    assert rc == 1, f"{read}: exit {rc} (a negative code is a signal):\n{err}"
+    assert out == "shape (256, 64)", out
+    assert re.search(rf"^hybridmem\.errors\.OffloadedTensorError: cannot {op} a tensor of the training state "
+                     rf"\({kind}, shape \[\d+(, \d+)*\], torch\.float32\): hybridmem moved its bytes to host memory .*"
+                     rf"manager\.to_train\(\) / manager\.recover\(\)$", err), err
+
+
 def _busy() -> subprocess.Popen:
     """A process keeping one core busy."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
