@@ -72,7 +72,7 @@ from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.offload.guard import guard, unguard
 
-__all__ = ["OffloadState", "TransferStats", "Offloader", "storage_view", "is_foreign"]
+__all__ = ["OffloadState", "Offloader", "TransferStats", "is_foreign", "storage_view"]
 
 
 class OffloadState(Enum):

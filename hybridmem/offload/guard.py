@@ -36,7 +36,7 @@ import torch
 
 from hybridmem.errors import OffloadedTensorError
 
-__all__ = ["guard", "unguard", "is_guarded"]
+__all__ = ["guard", "is_guarded", "unguard"]
 
 _T = torch.Tensor
 _ALLOWED: frozenset[Any] = frozenset(

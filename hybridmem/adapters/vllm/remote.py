@@ -127,9 +127,11 @@ class VLLMClient(ABC):
         """Drop the connection (the engine process is not stopped)."""
 
 
-def _output(prompt: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float] | None) -> GenerationOutput:
+def _output(prompt: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float] | None,
+            finish_reason: str | None = None) -> GenerationOutput:
     return GenerationOutput(prompt_ids=[int(t) for t in prompt], token_ids=[int(t) for t in token_ids],
-                            logprobs=None if logprobs is None else [float(x) for x in logprobs])
+                            logprobs=None if logprobs is None else [float(x) for x in logprobs],
+                            finish_reason=finish_reason)
 
 
 class HTTPClient(VLLMClient):
@@ -258,7 +260,7 @@ class HTTPClient(VLLMClient):
         if want_logprobs and path == "/inference/v1/generate":
             content = (choice.get("logprobs") or {}).get("content") or []
             logprobs = [float(c["logprob"]) for c in content]
-        return _output(prompt, tokens, logprobs)
+        return _output(prompt, tokens, logprobs, choice.get("finish_reason"))
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any) -> list[GenerationOutput]:
         async def everything() -> list[GenerationOutput]:
