@@ -284,6 +284,8 @@ def test_a_killed_engine_is_named_dead_at_once_in_both_directions(kills):
         assert rec["generate_dead"]["refused"] == "PhaseError" and "dead" in rec["generate_dead"]["message"], rec
 
 
+@pytest.mark.skipif(not FULL, reason="a fourth engine start (vllm serve, about 4 min on a 2-core machine): the same "
+                    "faults as the AsyncLLM scenarios over HTTP; HYBRIDMEM_FAULTS_FULL=1")
 def test_vllm_serve_refusals_a_stopped_server_and_a_killed_engine_core(http):
     records = http["records"]
     assert [(r["kind"], r["label"]) for r in records] == [
