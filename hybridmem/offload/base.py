@@ -27,9 +27,9 @@ storages one by one. An exception (or a ``KeyboardInterrupt``) at any point befo
 the device untouched; at any point after it, the record says where every byte is, and :meth:`onload`
 restores all of it whatever subset was freed (re-growing a storage that was never freed is a no-op and
 the copy writes the same bytes back). Once every storage is freed, the tensors on them refuse to be read
-until the onload ([Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`). Onload is just as re-runnable: it keeps the record until every copy
-has completed, so an onload interrupted at any point is finished by calling it again. Nothing decides
-what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
+until the onload ([Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`). Onload is
+just as re-runnable: it keeps the record until every copy has completed, so an onload interrupted at any
+point is finished by calling it again. Nothing decides what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
 and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.txn`).
 
 A held arena is never handed out for a new offload or dropped (``HostBufferPool`` refuses), so an
@@ -215,13 +215,17 @@ class Offloader(ABC):
         return self._state
 
     # Discovery ------------------------------------------------------------------------------------
-    def _storages(self) -> list[tuple[torch.UntypedStorage, torch.dtype, tuple[_View, ...] | None]]:
-        """Unique device storages of :meth:`tensors` that hold memory, in first-seen order, each with its
-        dtype and, for a foreign storage, every tensor on it (see [Note: foreign storages])."""
+    def _device_tensors(self) -> list[torch.Tensor]:
+        """:meth:`tensors` on this offloader's device."""
+        return [t for t in self.tensors() if t is not None and t.device.type == self.accel.device.type]
+
+    def _storages(self, tensors: Iterable[torch.Tensor] | None = None,
+                  ) -> list[tuple[torch.UntypedStorage, torch.dtype, tuple[_View, ...] | None]]:
+        """Unique storages of ``tensors`` (default: :meth:`_device_tensors`) that hold memory, in first-seen
+        order, each with its dtype and, for a foreign storage, every tensor on it (see [Note: foreign
+        storages])."""
         found: dict[int, tuple[torch.UntypedStorage, torch.dtype, list[_View] | None]] = {}
-        for t in self.tensors():
-            if t is None or t.device.type != self.accel.device.type:
-                continue
+        for t in self._device_tensors() if tensors is None else tensors:
             storage = t.untyped_storage()
             key = storage._cdata
             if key not in found:
@@ -298,10 +302,10 @@ class Offloader(ABC):
                     f"{self!r}: host arenas of owner {self.owner!r} hold the only copy of offloaded bytes; an "
                     f"offload would overwrite them (internal error: state and pool disagree)"
                 )
-            slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d, views=v) for s, d, v in self._storages()]
+            tensors = self._device_tensors()
+            slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d, views=v) for s, d, v in self._storages(tensors)]
             keys = {slot.storage._cdata for slot in slots}
-            freed = [t for t in self.tensors() if t is not None and t.device.type == self.accel.device.type
-                     and t.untyped_storage()._cdata in keys]
+            freed = [t for t in tensors if t.untyped_storage()._cdata in keys]
             if self.skip_zero and slots:
                 self._mark_zero(slots)
             arenas = self._reserve_arenas(slots)
