@@ -10,20 +10,29 @@ optimizer, the training state object and the engine. A claim held by another liv
 construction, naming the first manager, its phase and how to let go (:meth:`ShardingManager.close`).
 
 A claim is let go by ``close()`` or when its manager is garbage: the registry holds managers weakly. A
-manager sits in reference cycles (its guard's phase callback, an adapter it attached itself to), so a
-manager the user dropped may still wait for the cycle collector; before refusing, the registry runs it
-once and looks again. A manager left outside TRAIN stays reachable from its model through the misuse
-guards' hooks, so it is never garbage while it holds the only copy of the model's bytes.
+manager in TRAIN sits in no reference cycle of its own (its guard reads the phase through a weak
+reference), so a manager the user dropped is freed at once, by reference counting. The cycle collector
+cannot be relied on for it: on CPython 3.11 ``gc.collect()`` does nothing while another thread's
+collection runs finalizers (the eval loop hands the GIL over mid-collection; a data loader's, a logger's
+or an engine's output thread is enough). A manager left outside TRAIN is held by its misuse guard
+(``TrainingGuard(owner=...)``), which the model's hooks hold while armed, so it is never garbage while it
+holds the only copy of the model's bytes. Parts that do make cycles (an adapter the manager attached
+itself to) are waited for: before refusing, the registry collects, yielding between tries, for up to
+:data:`_COLLECT_PATIENCE_S` seconds.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["Claims"]
+
+_COLLECT_PATIENCE_S = 1.0
+"""How long a construction that finds a claim keeps collecting garbage before it refuses."""
 
 _HOLDERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 """id(claimed object) -> (weak ref to the object, weak ref to the manager holding it)."""
@@ -55,9 +64,14 @@ class Claims:
     def __init__(self, manager: Any, named: Iterable[tuple[str, Any]]):
         named = [(what, obj) for what, obj in named if obj is not None]
         conflict = self._conflict(named, manager)
-        if conflict is not None:
-            gc.collect()  # a dropped manager may only wait for the cycle collector
+        deadline, pause = time.monotonic() + _COLLECT_PATIENCE_S, 0.001
+        while conflict is not None and time.monotonic() < deadline:
+            del conflict  # [Note: one manager per model]: a dropped manager may wait for the cycle collector
+            gc.collect()
             conflict = self._conflict(named, manager)
+            if conflict is not None:
+                time.sleep(pause)  # another thread may be collecting: let it finish
+                pause = min(pause * 2, 0.1)
         if conflict is not None:
             what, holder = conflict
             where = getattr(holder, "created_at", None)

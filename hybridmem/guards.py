@@ -113,10 +113,16 @@ class TrainingGuard:
         phase: Returns the manager's phase now (named in the error).
         modules: The training model's modules (chunks); every submodule gets a forward pre-hook.
         optimizers: The training optimizers.
+        owner: The manager, held weakly; while the guard is armed it is held strongly, so a manager outside
+            TRAIN, the holder of the only copy of the model's bytes, is never garbage (see
+            [Note: one manager per model] in :mod:`hybridmem.claims`).
     """
 
-    def __init__(self, phase: Callable[[], Any], modules: Iterable[torch.nn.Module], optimizers: Iterable[Any]):
+    def __init__(self, phase: Callable[[], Any], modules: Iterable[torch.nn.Module], optimizers: Iterable[Any],
+                 owner: Any = None):
         self._phase = phase
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._kept: Any = None
         self.modules = list(modules)
         self.optimizers = [o for o in optimizers if o is not None]
         self.params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
@@ -164,6 +170,7 @@ class TrainingGuard:
         if not _ORIGINAL:  # not installed yet (or taken away once no guard was left)
             _install_autograd_check()
         _ARMED.add(self)
+        self._kept = self._owner() if self._owner is not None else None
         self.armed = True
 
     def disarm(self) -> None:
@@ -182,6 +189,7 @@ class TrainingGuard:
         _ARMED.discard(self)
         if not _ARMED:
             _remove_autograd_check()
+        self._kept = None
         self.armed = False
 
 

@@ -202,7 +202,7 @@ class ShardingManager:
         # memory), so they must be this manager's alone ([Note: one manager per model]).
         self._claims = Claims(self, self._claimed(engine))
         modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
-        self._guard = TrainingGuard(lambda: self.phase, modules, optimizers)
+        self._guard = TrainingGuard(_weak_phase(self), modules, optimizers, owner=self)
         """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
         if self.engine_capabilities is not None and self.engine_capabilities.binds_phase:
             engine.bind_phase(_weak_phase(self))

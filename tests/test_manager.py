@@ -212,6 +212,39 @@ def test_step_order_is_declared(tiny_setup):
     assert [s.name for s in off.steps(Direction.TO_INFER)] == ["offload optimizer", "offload grad", "empty cache"]
 
 
+def test_a_dropped_manager_in_train_lets_its_model_go_without_the_cycle_collector(tiny_setup):
+    """The claim must not wait for gc: another thread's collection makes the main thread's gc.collect() a
+    no-op on CPython 3.11 (tests/users/programs/rebuilds_a_dropped_manager.py shows it in a program)."""
+    import weakref
+
+    model, opt = tiny_setup()
+    train_step(model, opt, 0)
+    before = snapshot(model, opt)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        first, _ = _manager(model, opt)
+        with first.inference():
+            pass
+        dropped = weakref.ref(first)
+        del first
+        assert dropped() is None, "a manager in TRAIN sits in a reference cycle"
+        second, engine = _manager(model, opt)
+        second.to_infer()
+        kept = weakref.ref(second)
+        del second
+        gc.collect()
+        # Outside TRAIN the manager holds the only copy of the model's bytes: the model keeps it.
+        assert kept() is not None and kept().phase is Phase.INFER
+        with pytest.raises(ValueError, match=r"already managed by ShardingManager\(phase=INFER"):
+            ShardingManager(model, engine, optimizer=opt)
+        kept().to_train()
+    finally:
+        if enabled:
+            gc.enable()
+    assert_bitwise_equal(before, snapshot(model, opt))
+
+
 # Illegal use ---------------------------------------------------------------------------------------
 def test_nested_and_out_of_order_use_names_the_phase(tiny_setup):
     model, opt = tiny_setup()

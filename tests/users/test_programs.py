@@ -53,6 +53,7 @@ CASES = [
                         r".*\(built at .*two_managers\.py:14\): one manager per model\..* call its close\(\)$")),
     ("close_then_new_manager", 0, (r"^cannot switch to INFER: the manager is in phase CLOSED; .*build a new "
                                   r"ShardingManager$")),
+    ("rebuilds_a_dropped_manager", 0, r"^two managers, one after another$"),
     ("foreign_optimizer", 1, (r"^ValueError: optimizer AdamW holds 27 of its 27 parameters outside the model "
                              r"Qwen2ForCausalLM \(the first: shape \(256, 64\), torch\.float32\); pass the optimizer "
                              r"built on this model's parameters")),
