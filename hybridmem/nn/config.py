@@ -65,8 +65,8 @@ class DecoderConfig:
     def from_hf_config(cls, cfg: Any) -> DecoderConfig:
         """From a transformers ``LlamaConfig``/``Qwen2Config`` or a dict with the same keys.
 
-        ``attention_bias`` defaults to ``True`` for ``model_type == "qwen2"`` (Qwen2 always has q/k/v
-        biases), else to the config's ``attention_bias`` (Llama's default ``False``).
+        ``attention_bias`` is the config's; absent, the family's default (its description's ``qkv_bias``:
+        Qwen2 always has q/k/v biases, Llama none).
 
         Raises:
             ValueError: ``model_type`` is not one of :data:`FAMILIES` (absent counts as ``llama``; a known
@@ -106,8 +106,8 @@ class DecoderConfig:
         heads = int(_get(cfg, "num_attention_heads"))
         hidden = int(_get(cfg, "hidden_size"))
         bias = _get(cfg, "attention_bias")
-        if bias is None:
-            bias = _get(cfg, "model_type") == "qwen2"
+        if bias is None:  # the family's default: Qwen2 always builds q/k/v biases, Llama none
+            bias = fields["qkv_bias"]
         theta = _get(cfg, "rope_theta")
         if theta is None:  # transformers 5 keeps it in rope_parameters
             theta = rope.get("rope_theta", 10000.0)
