@@ -82,6 +82,10 @@ class Family:
     attention_sinks: bool = False
     """Every attention layer has a learned per-head sink logit, ``self_attn.sinks`` [num_attention_heads]
     (gpt-oss), split by heads under TP."""
+    qk_norm_all_heads: bool = False
+    """With ``qk_norm``, one RMSNorm over all heads of q and one over all of k (MiniMax-M2):
+    ``self_attn.q_norm.weight`` [num_attention_heads * head_dim] and ``k_norm.weight`` [num_key_value_heads *
+    head_dim], split under TP by heads as q_proj's and k_proj's rows are (k's replicated with its kv heads)."""
     router_linear_bias: bool = False
     """The router is a linear layer with a bias, ``mlp.gate.bias`` [num_experts] canonically (gpt-oss)."""
     experts_interleaved: bool = False
@@ -102,6 +106,10 @@ class Family:
     module_names: str = "canonical"
     """``"canonical"``: transformers' modules hold the canonical tensors (experts fused); ``"checkpoint"``:
     they hold the checkpoint's tensors as stored."""
+    module_renames: tuple[tuple[str, str], ...] = ()
+    """With canonical ``module_names``: ``(pattern, replacement)`` regex substitutions, canonical layer suffix ->
+    transformers' module suffix where its modules name a canonical tensor otherwise (MiniMax-M2's router bias is
+    ``mlp.e_score_correction_bias``, a buffer of the MoE block)."""
     vllm_renames: tuple[tuple[str, str], ...] = ()
     """``(pattern, replacement)`` regex substitutions, canonical vLLM layer suffix -> the family's."""
     vllm_embedding: str = "model.embed_tokens.weight"
@@ -116,12 +124,18 @@ class Family:
     def __post_init__(self) -> None:
         if self.module_names not in ("canonical", "checkpoint"):
             raise ValueError(f"module_names={self.module_names!r}; expected 'canonical' or 'checkpoint'")
-        for pattern, _ in (*self.checkpoint_renames, *self.vllm_renames):
+        for pattern, _ in (*self.checkpoint_renames, *self.vllm_renames, *self.module_renames):
             re.compile(pattern)
 
     def checkpoint_suffix(self, suffix: str) -> str:
         """The checkpoint's layer suffix of a canonical one (before fusing, see :attr:`checkpoint_fused`)."""
         for pattern, replacement in self.checkpoint_renames:
+            suffix = re.sub(pattern, replacement, suffix)
+        return suffix
+
+    def module_suffix(self, suffix: str) -> str:
+        """transformers' module suffix of a canonical layer suffix (see :attr:`module_renames`)."""
+        for pattern, replacement in self.module_renames:
             suffix = re.sub(pattern, replacement, suffix)
         return suffix
 

@@ -95,8 +95,8 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
 
     With ``fused_experts`` (transformers >= 5), each MoE layer's routed experts are the two fused
     tensors of [Note: transformers experts]; otherwise the per-expert checkpoint names. Module names are
-    the family's (``Family.module_names``): the canonical names, or the checkpoint's as stored (Phi-3's
-    fused ``qkv_proj``); pieces always name checkpoint tensors (see [Note: canonical names] in
+    the family's (``Family.module_names``): the canonical names (renamed where ``Family.module_renames``
+    says, MiniMax-M2's router bias), or the checkpoint's as stored (Phi-3's fused ``qkv_proj``); pieces always name checkpoint tensors (see [Note: canonical names] in
     :mod:`hybridmem.models.family`).
     """
     if spec.traits.module_names == "checkpoint":
@@ -125,7 +125,16 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
         out[prefix + "down_proj"] = stack([replicate(by_expert[e]["down"], shapes[by_expert[e]["down"]])
                                            for e in order])
     where = spec.checkpoint_names()
-    return {name: to_checkpoint_names(where, local) for name, local in out.items()}
+    return {_module_name(spec, name): to_checkpoint_names(where, local) for name, local in out.items()}
+
+
+def _module_name(spec: ModelSpec, name: str) -> str:
+    """transformers' module name of canonical tensor ``name`` (``Family.module_renames``)."""
+    family = spec.traits
+    if not family.module_renames or not name.startswith("model.layers."):
+        return name
+    layer, _, suffix = name[len("model.layers."):].partition(".")
+    return f"model.layers.{layer}.{family.module_suffix(suffix)}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

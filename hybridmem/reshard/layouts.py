@@ -376,6 +376,14 @@ def _gqa(spec: ModelSpec, i: int) -> bool:
     return not spec.is_mla
 
 
+def _per_head_qk_norm(spec: ModelSpec, i: int) -> bool:
+    return spec.qk_norm and not spec.traits.qk_norm_all_heads
+
+
+def _all_heads_qk_norm(spec: ModelSpec, i: int) -> bool:
+    return spec.qk_norm and spec.traits.qk_norm_all_heads
+
+
 def _dense_mlp(spec: ModelSpec, i: int) -> bool:
     return not spec.is_moe_layer(i)
 
@@ -424,9 +432,12 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
               "self_attention.linear_qkv.bias", "self_attn.qkv_proj.bias", "qkv", when=lambda s, i: s.qkv_bias),
     LayerRule(("self_attn.q_norm.weight",), "self_attention.q_layernorm.weight", "self_attn.q_norm.weight",
-              "replicate", when=lambda s, i: s.qk_norm),
+              "replicate", when=_per_head_qk_norm),
     LayerRule(("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight", "self_attn.k_norm.weight",
-              "replicate", when=lambda s, i: s.qk_norm),
+              "replicate", when=_per_head_qk_norm),
+    # MiniMax-M2: one norm over all heads, split by heads as q_proj's and k_proj's rows (no Megatron form).
+    LayerRule(("self_attn.q_norm.weight",), None, "self_attn.q_norm.weight", "column", when=_all_heads_qk_norm),
+    LayerRule(("self_attn.k_norm.weight",), None, "self_attn.k_norm.weight", "kv_rows", when=_all_heads_qk_norm),
     # DeepSeek MLA. Megatron's local spec makes both down-projections column-parallel; vLLM keeps them
     # whole on every rank, q_a and kv_a fused into one tensor ([q_a; kv_a_with_mqa]).
     LayerRule(("self_attn.q_a_proj.weight",), "self_attention.linear_q_down_proj.weight", None, "column",
@@ -528,6 +539,20 @@ def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: Ra
                    block(v, shapes[v], kv_lo * hd, kv_hi * hd)])
 
 
+def _kv_rows(spec: ModelSpec, name: str, shapes: Shapes, c: RankCoords) -> LocalTensor:
+    """Rows of a [num_key_value_heads * head_dim] tensor split by kv heads as vLLM splits k_proj's: a run of
+    heads per TP rank, or, with more ranks than kv heads, the one head ``tp // num_key_value_heads``
+    consecutive ranks share (MiniMax-M2's k_norm)."""
+    hd, nkv, tp = spec.head_dim, spec.num_key_value_heads, c.tp
+    if tp >= nkv:
+        if tp % nkv:
+            raise ValueError(f"inference tp={tp} is not a multiple of num_key_value_heads={nkv}")
+        lo = c.tp_rank // (tp // nkv)
+        return block(name, shapes[name], lo * hd, (lo + 1) * hd)
+    lo, hi = chunk(nkv, c.tp_rank, tp, what="num_key_value_heads")
+    return block(name, shapes[name], lo * hd, hi * hd)
+
+
 def _gate_up(hf: tuple[str, ...], shapes: Shapes, rank: int, num: int) -> LocalTensor:
     return concat([split(name, shapes[name], axis=0, rank=rank, num=num) for name in hf])
 
@@ -582,6 +607,8 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
         return {prefix + name: split(hf[0], shapes[hf[0]], axis=0, rank=c.tp_rank, num=c.tp)}
     if rule.kind == "qkv":
         return {prefix + name: _qkv(side, spec, hf, shapes, c)}
+    if rule.kind == "kv_rows":
+        return {prefix + name: _kv_rows(spec, hf[0], shapes, c)}
     if rule.kind == "row":
         return {prefix + name: split(hf[0], shapes[hf[0]], axis=1, rank=c.tp_rank, num=c.tp)}
     if rule.kind == "gate_up":

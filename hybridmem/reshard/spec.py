@@ -176,10 +176,12 @@ class ModelSpec:
         return bias is RouterBias.ALWAYS or (bias is RouterBias.NOAUX_TC and self.topk_method == "noaux_tc")
 
     def keeps_fp32(self, hf_name: str) -> bool:
-        """Whether ``hf_name`` travels in fp32 even on a narrower wire (see [Note: wire dtype] in
-        :mod:`hybridmem.reshard.execute`): a routing-score correction bias (DeepSeek-V3, GLM-4.5), whose bf16
+        """Whether checkpoint tensor ``hf_name`` travels in fp32 even on a narrower wire (see [Note: wire dtype]
+        in :mod:`hybridmem.reshard.execute`): a routing-score correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2's
+        ``block_sparse_moe.e_score_correction_bias``), whose bf16
         rounding would change which experts a token is routed to."""
-        return self.has_router_bias and hf_name.endswith(".mlp.gate.e_score_correction_bias")
+        return self.has_router_bias and any(name.endswith(".mlp.gate.e_score_correction_bias")
+                                            for name in self.canonical_names_of(hf_name))
 
     def wire_itemsize(self, hf_name: str, itemsize: int) -> int:
         """Bytes per element of ``hf_name`` on a wire of ``itemsize`` bytes: 4 (fp32) for a tensor the spec
@@ -230,8 +232,9 @@ class ModelSpec:
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{proj}_proj.bias"] = (rows,)
             if self.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
-                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+                every_head = self.traits.qk_norm_all_heads  # one norm over all heads (MiniMax-M2)
+                shapes[p + "self_attn.q_norm.weight"] = (self.q_size,) if every_head else (self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.kv_size,) if every_head else (self.head_dim,)
             shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)

@@ -43,7 +43,12 @@ CONFIGS = {
                      num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True),
     "gpt_oss": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "minimax_m2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+                       num_local_experts=4, num_experts_per_tok=2, rotary_dim=8, scoring_func="sigmoid",
+                       use_routing_bias=True),
 }
+UNTIED_ONLY = {"minimax_m2"}
+"""Families whose vLLM model never ties the head to the embedding: a tied config is refused."""
 
 
 def _saved(model_type: str, tmp_path, **overrides):
@@ -64,6 +69,10 @@ def test_every_family_and_alias_is_covered_here():
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_checkpoint_shapes_are_what_transformers_saves(model_type, tied, tmp_path):
     cfg, saved = _saved(model_type, tmp_path, tie_word_embeddings=tied)
+    if tied and model_type in UNTIED_ONLY:
+        with pytest.raises(ValueError, match=f"tie_word_embeddings=True is not supported for {model_type}"):
+            ModelSpec.from_hf_config(cfg)
+        return
     spec = ModelSpec.from_hf_config(cfg)
     assert spec.family == get_family(model_type).name
     assert spec.full_shapes() == saved
@@ -94,6 +103,21 @@ def test_a_family_megatron_cannot_express_is_refused_by_name(tmp_path):
     cfg, _ = _saved("gpt_oss", tmp_path / "gpt_oss")
     with pytest.raises(ValueError, match="family='gpt_oss' has no Megatron-core layout: .*attention sinks"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+    cfg, _ = _saved("minimax_m2", tmp_path / "minimax_m2")
+    with pytest.raises(ValueError, match="family='minimax_m2' has no Megatron-core layout: .*all heads together"):
+        megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+
+
+def test_minimax_m2_router_bias_and_configs_it_refuses(tmp_path):
+    """The checkpoint's ``block_sparse_moe.e_score_correction_bias`` travels in fp32 like DeepSeek-V3's; a config
+    without ``use_routing_bias`` (vLLM then builds no bias for the one transformers writes) is refused by name."""
+    cfg, saved = _saved("minimax_m2", tmp_path)
+    spec = ModelSpec.from_hf_config(cfg)
+    bias = "model.layers.0.block_sparse_moe.e_score_correction_bias"
+    assert bias in saved and spec.keeps_fp32(bias)
+    assert not spec.keeps_fp32("model.layers.0.block_sparse_moe.gate.weight")
+    with pytest.raises(ValueError, match="use_routing_bias=False is not supported for minimax_m2"):
+        ModelSpec.from_hf_config({**cfg.to_dict(), "use_routing_bias": False})
 
 
 def test_gpt_oss_experts_are_the_checkpoints_transposed_slices(tmp_path):
@@ -137,6 +161,8 @@ def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
         ReferenceEngine(glm)
     with pytest.raises(ValueError, match="model_type='gpt_oss' does not run in the embedded engine"):
         ReferenceEngine(_saved("gpt_oss", tmp_path / "gpt_oss")[0].to_dict())
+    with pytest.raises(ValueError, match=r"model_type='minimax_m2' does not run in the embedded engine \(MiniMax-M2"):
+        ReferenceEngine(_saved("minimax_m2", tmp_path / "minimax_m2")[0].to_dict())
 
 
 @pytest.mark.parametrize("biases", [dict(attention_bias=True), dict(mlp_bias=True),

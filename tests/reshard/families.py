@@ -60,4 +60,9 @@ MODELS = {
     "gpt-oss": ("gpt_oss", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=128,
                                 num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
                                 tie_word_embeddings=False)),
+    # MiniMax-M2: block_sparse_moe with experts w1/w3/w2, a router correction bias (use_routing_bias), q/k norms
+    # over all heads that vLLM splits by heads (k's replicated with its kv heads at TP 4), partial RoPE.
+    "minimax-m2": ("minimax_m2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
+                                      num_local_experts=4, num_experts_per_tok=2, rotary_dim=16,
+                                      scoring_func="sigmoid", use_routing_bias=True, tie_word_embeddings=False)),
 }

@@ -187,7 +187,7 @@ def test_fsdp2_plan_receives_exactly_what_vllm_lacks(pool, checkpoints, model_id
         held = set()
         for name, t in module.items():
             mine = t if name in bias else (list(t.chunk(WORLD)) + [t[:0]] * WORLD)[rank]
-            if name in bias and name not in weights:
+            if name in bias and any(p.hf_name not in weights for p in local[name].pieces):
                 continue  # DeepSeek-V3 without noaux_tc: the fixture's checkpoint drops the bias vLLM lacks
             assert torch.equal(build_local(local[name], weights, dtype=torch.float32), mine), (rank, name)
             held.update(mine.flatten().tolist())
