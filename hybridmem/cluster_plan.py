@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from hybridmem.agreement import AgreeStep
 from hybridmem.config import ParallelLayout
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engine_contract import KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.host_plan import SLEEP_LEVELS, NodeHost, node_hosts, rank_host_nbytes
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import MemoryPlan, plan_switch

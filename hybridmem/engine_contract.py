@@ -1,4 +1,4 @@
-"""The contract between hybridmem and an inference engine (re-exported by :mod:`hybridmem.engines.protocol`).
+"""The contract between hybridmem and an inference engine.
 
 An engine is any object with the three methods of :class:`InferenceEngine`; hybridmem wraps third-party
 engines (vLLM) in adapters that implement it, and ships engines of its own

@@ -1,5 +1,5 @@
 """What a byte of device memory is for: the categories reports and plans count bytes by, and the tags an
-inference engine's memory is split by (see [Note: engine memory tags] in :mod:`hybridmem.engines.protocol`).
+inference engine's memory is split by (see [Note: engine memory tags] in :mod:`hybridmem.engine_contract`).
 
 A bottom module (no hybridmem imports), so the KV allocators and the engines both take the tags from here.
 """

@@ -20,24 +20,42 @@ does fallible work after a state change, because ``transitions`` has no rollback
 
 from __future__ import annotations
 
+from enum import Enum
+
 from transitions import Machine, MachineError
 
 from hybridmem.errors import PhaseError
 from hybridmem.phase import Phase
 
-__all__ = ["PhaseMachine", "TRANSITIONS"]
+__all__ = ["PhaseMachine", "TRANSITIONS", "Trigger"]
 
-TRANSITIONS: tuple[tuple[str, tuple[Phase, ...], Phase], ...] = (
-    ("begin_infer", (Phase.TRAIN,), Phase.TO_INFER),
-    ("end_infer", (Phase.TO_INFER,), Phase.INFER),
-    ("begin_rollback", (Phase.TO_INFER,), Phase.ROLLING_BACK),
-    ("end_rollback", (Phase.ROLLING_BACK,), Phase.TRAIN),
-    ("begin_train", (Phase.INFER,), Phase.TO_TRAIN),
-    ("end_train", (Phase.TO_TRAIN,), Phase.TRAIN),
-    ("abort_train", (Phase.TO_TRAIN,), Phase.INFER),
-    ("fail", (Phase.TO_INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK), Phase.FAILED),
-    ("recover", (Phase.FAILED,), Phase.TO_TRAIN),
-    ("close", (Phase.TRAIN,), Phase.CLOSED),
+
+class Trigger(str, Enum):
+    """The machine's triggers; the value is the name ``transitions`` knows it by."""
+
+    BEGIN_INFER = "begin_infer"
+    END_INFER = "end_infer"
+    BEGIN_ROLLBACK = "begin_rollback"
+    END_ROLLBACK = "end_rollback"
+    BEGIN_TRAIN = "begin_train"
+    END_TRAIN = "end_train"
+    ABORT_TRAIN = "abort_train"
+    FAIL = "fail"
+    RECOVER = "recover"
+    CLOSE = "close"
+
+
+TRANSITIONS: tuple[tuple[Trigger, tuple[Phase, ...], Phase], ...] = (
+    (Trigger.BEGIN_INFER, (Phase.TRAIN,), Phase.TO_INFER),
+    (Trigger.END_INFER, (Phase.TO_INFER,), Phase.INFER),
+    (Trigger.BEGIN_ROLLBACK, (Phase.TO_INFER,), Phase.ROLLING_BACK),
+    (Trigger.END_ROLLBACK, (Phase.ROLLING_BACK,), Phase.TRAIN),
+    (Trigger.BEGIN_TRAIN, (Phase.INFER,), Phase.TO_TRAIN),
+    (Trigger.END_TRAIN, (Phase.TO_TRAIN,), Phase.TRAIN),
+    (Trigger.ABORT_TRAIN, (Phase.TO_TRAIN,), Phase.INFER),
+    (Trigger.FAIL, (Phase.TO_INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK), Phase.FAILED),
+    (Trigger.RECOVER, (Phase.FAILED,), Phase.TO_TRAIN),
+    (Trigger.CLOSE, (Phase.TRAIN,), Phase.CLOSED),
 )
 """(trigger, sources, destination) for every legal transition."""
 
@@ -53,7 +71,7 @@ class PhaseMachine:
             initial=initial,
             auto_transitions=False,
             ignore_invalid_triggers=False,
-            transitions=[{"trigger": t, "source": list(src), "dest": dst} for t, src, dst in TRANSITIONS],
+            transitions=[{"trigger": t.value, "source": list(src), "dest": dst} for t, src, dst in TRANSITIONS],
         )
 
     @property
@@ -61,17 +79,18 @@ class PhaseMachine:
         """The current phase."""
         return self.state
 
-    def fire(self, trigger: str, *, operation: str) -> None:
+    def fire(self, trigger: Trigger, *, operation: str) -> None:
         """Take the transition ``trigger``.
 
         Raises:
+            TypeError: ``trigger`` is not a :class:`Trigger`.
             PhaseError: ``trigger`` is not allowed from the current phase; names the phase and ``operation``.
         """
-        allowed = [src for t, src, _ in TRANSITIONS if t == trigger]
-        if not allowed:
-            raise ValueError(f"unknown trigger {trigger!r}; known: {[t for t, _, _ in TRANSITIONS]}")
+        if not isinstance(trigger, Trigger):
+            raise TypeError(f"trigger={trigger!r} is not a Trigger; known: {[t.name for t in Trigger]}")
+        allowed = [src for t, src, _ in TRANSITIONS if t is trigger]
         try:
-            self.trigger(trigger)
+            self.trigger(trigger.value)
         except MachineError:
             names = "/".join(p.name for p in allowed[0])
             if self.state is Phase.CLOSED:

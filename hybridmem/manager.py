@@ -32,12 +32,12 @@ from hybridmem.architecture import check_architecture
 from hybridmem.claims import Claims
 from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of, check_kv_utilization
+from hybridmem.engine_contract import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of, check_kv_utilization
 from hybridmem.errors import MemoryPlanError, PhaseError, SwitchError, switch_error
 from hybridmem.guards import TrainingGuard
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
-from hybridmem.machine import PhaseMachine
+from hybridmem.machine import PhaseMachine, Trigger
 from hybridmem.memplan import MemoryPlan, StepEstimate
 from hybridmem.offload import Offloader, OffloadState
 from hybridmem.parts import resolve_layouts, training_state_of
@@ -101,7 +101,7 @@ class ShardingManager:
             model gets :class:`~hybridmem.adapters.fsdp.FSDPTrainingState`), a list of module chunks, or
             an object implementing :class:`~hybridmem.training_state.TrainingState` (e.g. the Megatron
             adapter).
-        engine: The inference engine (see :class:`~hybridmem.engines.protocol.InferenceEngine`), or
+        engine: The inference engine (see :class:`~hybridmem.engine_contract.InferenceEngine`), or
             ``None`` to only offload training state.
         optimizer: The optimizer(s) whose state to offload (plain PyTorch models only; adapters carry
             their own).
@@ -347,15 +347,15 @@ class ShardingManager:
         return report
 
     def _to_infer(self, held: HeldSignals) -> SwitchReport | None:
-        self._machine.fire("begin_infer", operation="switch to INFER")
+        self._machine.fire(Trigger.BEGIN_INFER, operation="switch to INFER")
         steps = self.steps(Direction.TO_INFER)
         try:
             plan = self.plan(Direction.TO_INFER, steps)
             if not plan.fits:
                 raise MemoryPlanError(plan)
         except BaseException:
-            self._machine.fire("begin_rollback", operation="refuse the switch")
-            self._machine.fire("end_rollback", operation="refuse the switch")
+            self._machine.fire(Trigger.BEGIN_ROLLBACK, operation="refuse the switch")
+            self._machine.fire(Trigger.END_ROLLBACK, operation="refuse the switch")
             raise
         start = time.perf_counter()
         before = self.memory()
@@ -365,7 +365,7 @@ class ShardingManager:
             _release_frames(run.error)
             roll_back(run, machine=self._machine, guard=self._guard)
             return None
-        self._machine.fire("end_infer", operation="finish the switch to INFER")
+        self._machine.fire(Trigger.END_INFER, operation="finish the switch to INFER")
         self._guard.arm()
         report = self._report(Direction.TO_INFER, run, before, start, plan, residency=self.residency())
         if report.residency is not None and report.residency.leftovers:
@@ -384,16 +384,16 @@ class ShardingManager:
         """
         self._check_coresidents_offloaded("switch to TRAIN")
         with HeldSignals() as held:
-            self._machine.fire("begin_train", operation="switch to TRAIN")
-            return self._finish_to_train(held, abort_trigger="abort_train")
+            self._machine.fire(Trigger.BEGIN_TRAIN, operation="switch to TRAIN")
+            return self._finish_to_train(held, abort_trigger=Trigger.ABORT_TRAIN)
 
     def recover(self) -> SwitchReport:
         """From FAILED, bring every part back to TRAIN (each step is a no-op where already done)."""
         with HeldSignals() as held:
-            self._machine.fire("recover", operation="recover")
-            return self._finish_to_train(held, abort_trigger="fail")
+            self._machine.fire(Trigger.RECOVER, operation="recover")
+            return self._finish_to_train(held, abort_trigger=Trigger.FAIL)
 
-    def _finish_to_train(self, held: HeldSignals, *, abort_trigger: str) -> SwitchReport:
+    def _finish_to_train(self, held: HeldSignals, *, abort_trigger: Trigger) -> SwitchReport:
         steps = self.steps(Direction.TO_TRAIN)
         try:
             plan = self.plan(Direction.TO_TRAIN, steps)
@@ -406,7 +406,7 @@ class ShardingManager:
         before = self.memory()
         run = run_steps(Direction.TO_TRAIN, steps, before=before, held=held, accel=self.accel, memory=self.memory)
         if run.error is not None:
-            self._machine.fire("fail", operation="record a failed switch")
+            self._machine.fire(Trigger.FAIL, operation="record a failed switch")
             self._guard.arm()
             assert run.failed_step is not None
             msg = (
@@ -417,7 +417,7 @@ class ShardingManager:
             if not isinstance(run.error, Exception):
                 raise run.error
             raise switch_error(msg, direction="to_train", step=run.failed_step.name, phase_after=self.phase, cause=run.error) from run.error
-        self._machine.fire("end_train", operation="finish the switch to TRAIN")
+        self._machine.fire(Trigger.END_TRAIN, operation="finish the switch to TRAIN")
         self._guard.disarm()
         return self._report(Direction.TO_TRAIN, run, before, start, plan)
 
@@ -473,7 +473,7 @@ class ShardingManager:
             self.prewarmer.close()
         self.pool.free()
         self._guard.disarm()
-        self._machine.fire("close", operation="close")
+        self._machine.fire(Trigger.CLOSE, operation="close")
         if self._claims is not None:
             self._claims.release()
 

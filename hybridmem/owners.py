@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures
 from hybridmem.colocate import CoResident, CoResidentState
-from hybridmem.engines.protocol import capabilities_of
+from hybridmem.engine_contract import capabilities_of
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS, StateKind
 from hybridmem.memplan import MemoryPlan, StepEstimate, plan_switch

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridmem.config import HybridConfig, ParallelLayout
-from hybridmem.engines.protocol import capabilities_of
+from hybridmem.engine_contract import capabilities_of
 from hybridmem.errors import ConfigError
 from hybridmem.training_state import TorchTrainingState, TrainingState
 

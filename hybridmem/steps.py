@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from hybridmem.accel import Accelerator
-from hybridmem.engines.protocol import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of
+from hybridmem.engine_contract import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of
 from hybridmem.errors import WeightCoverageError
 from hybridmem.kinds import StateKind
 from hybridmem.memplan import StepEstimate
-from hybridmem.offload import Offloader
+from hybridmem.offload import Offloader, OffloadState
 from hybridmem.phase import Direction
 from hybridmem.weight_sync import WeightSync
 
@@ -127,7 +127,7 @@ class SwitchStep(ABC):
     @abstractmethod
     def run(self) -> StepResult:
         """Do the step, recording each irreversible act before doing it (see [Note: switch
-        transactions] in hybridmem.manager)."""
+        transactions] in hybridmem.txn)."""
 
     def undo(self) -> None:
         """Reverse :meth:`run` (rollback of TRAIN->INFER), whether it completed or was stopped at any
@@ -166,7 +166,7 @@ class OnloadStep(SwitchStep):
         self.kind = offloader.kind
 
     def estimate(self) -> StepEstimate:
-        on_host = self.offloader.state.name == "ON_HOST"
+        on_host = self.offloader.state is OffloadState.ON_HOST
         return StepEstimate(alloc_nbytes=self.offloader.live_nbytes() if on_host else 0)
 
     def run(self) -> StepResult:

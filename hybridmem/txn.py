@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from hybridmem.accel import Accelerator, MemoryFigures
 from hybridmem.errors import RollbackError, switch_error
 from hybridmem.guards import TrainingGuard
-from hybridmem.machine import PhaseMachine
+from hybridmem.machine import PhaseMachine, Trigger
 from hybridmem.phase import Direction
 from hybridmem.report import StepReport
 from hybridmem.steps import SwitchStep
@@ -42,12 +42,12 @@ __all__ = ["HeldSignals", "HELD_SIGNALS", "SwitchRun", "run_steps", "roll_back"]
 
 # [Note: switch transactions]
 # A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
-# journal (``_Run.entered``); the step then records its own irreversible acts before doing them (an
+# journal (``SwitchRun.entered``); the step then records its own irreversible acts before doing them (an
 # offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
 # journal] in hybridmem.offload.base; an engine's release frees every storage of a tag whatever state it
 # believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
-# KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] in
-# hybridmem.txn), every entered step is undone in reverse, the failed one included, and each undo works
+# KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] above),
+# every entered step is undone in reverse, the failed one included, and each undo works
 # from whatever part of its step was done: nothing is undone from what a step was *supposed* to have
 # done. INFER->TRAIN steps are re-runnable from any partial state, so a failure there leaves FAILED and
 # ``recover()`` runs them all again. The whole switch runs with SIGINT/SIGTERM held, so no undo is itself
@@ -181,12 +181,12 @@ def roll_back(run: SwitchRun, *, machine: PhaseMachine, guard: TrainingGuard) ->
         f"{'after its last step' if run.interrupted_before is None else f'before step {run.interrupted_before.name!r}'}"
     )
     failed_name = run.failed_step.name if run.failed_step is not None else "(between steps)"
-    machine.fire("begin_rollback", operation="roll back")
+    machine.fire(Trigger.BEGIN_ROLLBACK, operation="roll back")
     for step in reversed(run.entered):
         try:
             step.undo()
         except BaseException as undo_exc:  # noqa: BLE001
-            machine.fire("fail", operation="record a failed rollback")
+            machine.fire(Trigger.FAIL, operation="record a failed rollback")
             guard.arm()
             raise RollbackError(
                 f"{what} and undoing {step.name!r} failed too ({undo_exc!r}). Phase is FAILED; no training "
@@ -195,7 +195,7 @@ def roll_back(run: SwitchRun, *, machine: PhaseMachine, guard: TrainingGuard) ->
                 step=failed_name,
                 phase_after=machine.phase,
             ) from (cause if cause is not None else undo_exc)
-    machine.fire("end_rollback", operation="finish the rollback")
+    machine.fire(Trigger.END_ROLLBACK, operation="finish the rollback")
     if cause is None:
         return
     if not isinstance(cause, Exception):

@@ -1,6 +1,6 @@
 """TorchCopyEngine: an inference "engine" that is a same-layout copy of a torch module.
 
-It is the simplest engine that honours the :class:`~hybridmem.engines.protocol.InferenceEngine`
+It is the simplest engine that honours the :class:`~hybridmem.engine_contract.InferenceEngine`
 contract for real: its weights are storage that is released and resumed, ``load_weights`` writes the
 training weights into it by name, and an optional KV-cache pool is released and re-taken on every
 switch. It runs the copied module's ``forward`` for inference. Use it for models whose inference layout
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.errors import PhaseError
 
 __all__ = ["TorchCopyEngine", "EngineMemoryState"]

@@ -8,7 +8,7 @@ import torch
 
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.engines import TorchCopyEngine
-from hybridmem.engines.protocol import EngineCapabilities, capabilities_of
+from hybridmem.engine_contract import EngineCapabilities, capabilities_of
 
 
 class _Minimal:

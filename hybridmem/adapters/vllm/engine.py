@@ -72,7 +72,7 @@ from hybridmem.adapters.vllm.outputs import (
     to_vllm_sampling_kwargs,
 )
 from hybridmem.adapters.vllm.worker import identity, load_bucket, probe_worker, reprocess_weights
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.sampling import GenerationOutput
 from hybridmem.engines.torch_copy import check_tags
 from hybridmem.errors import PhaseError
@@ -169,7 +169,7 @@ def _attr_path(obj: Any, path: str) -> Any:
 
 
 class VLLMEngine:
-    """A ``vllm.LLM`` as a hybridmem :class:`~hybridmem.engines.protocol.InferenceEngine`.
+    """A ``vllm.LLM`` as a hybridmem :class:`~hybridmem.engine_contract.InferenceEngine`.
 
     Args:
         llm: A ``vllm.LLM`` whose engine core runs in this process (see [Note: vllm co-location]),

@@ -101,7 +101,7 @@ from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.outputs import GREEDY
 from hybridmem.adapters.vllm.remote import VLLMClient
 from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.sampling import GenerationOutput
 from hybridmem.engines.torch_copy import check_tags
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError

@@ -1,6 +1,6 @@
 """ReferenceEngine: a small tensor-parallel inference engine for Llama/Qwen2 that hybridmem can switch.
 
-It implements :class:`hybridmem.engines.protocol.InferenceEngine` for real: weights in vLLM's per-rank
+It implements :class:`hybridmem.engine_contract.InferenceEngine` for real: weights in vLLM's per-rank
 layout ([Note: vLLM per-rank layout]) released by storage resize and rewritten by the weight sync, a
 paged KV cache whose pool comes from a :mod:`hybridmem.kv` allocator, batched prefill + decode, greedy
 and temperature/top-p sampling with a seed, and per-token log-probs.
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
-from hybridmem.engines.protocol import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError, blocks_needed
 from hybridmem.engines.reference.layout import place_hf_weight, rank_tensors, split_fused_hf
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
