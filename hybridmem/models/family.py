@@ -41,7 +41,17 @@ def getter(cfg: Any) -> ConfigGetter:
     """``get(key, default=None)`` reading a ``transformers`` config object or a plain mapping."""
     if isinstance(cfg, Mapping):
         return lambda k, d=None: cfg.get(k, d)
-    return lambda k, d=None: getattr(cfg, k, d)
+    return lambda k, d=None: _attribute(cfg, k, d)
+
+
+def _attribute(cfg: Any, key: str, default: Any) -> Any:
+    """``getattr(cfg, key, default)``; for a key a heterogeneous transformers config (>= 5.19, Gemma 4) keeps per
+    layer, which it refuses to read globally (a ``RuntimeError``), the config's own global value: the family's
+    reader takes the layers' values from ``per_layer_config``."""
+    try:
+        return getattr(cfg, key, default)
+    except RuntimeError:
+        return vars(cfg).get(key, default)
 
 
 class RouterBias(Enum):
@@ -95,6 +105,10 @@ class Family:
     extra_norms: tuple[str, ...] = ()
     """Per-layer norm weights beyond ``input_layernorm`` and ``post_attention_layernorm`` (Gemma 3's
     sandwich norms), each a [hidden_size] tensor replicated on every rank."""
+    layer_scalar: bool = False
+    """Every layer has a ``layer_scalar`` [1] (Gemma 4), replicated on every rank. transformers and vLLM
+    hold it as a persistent buffer, not a parameter: the checkpoint has it and vLLM's loader fills it, so
+    a weight sync writes it like a parameter."""
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     """``(pattern, replacement)`` regex substitutions, canonical layer suffix -> checkpoint layer suffix."""
     checkpoint_fused: tuple[tuple[tuple[str, ...], str], ...] = ()

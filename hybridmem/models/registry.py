@@ -5,6 +5,7 @@ from __future__ import annotations
 from hybridmem.models.deepseek_v3 import DEEPSEEK_V3
 from hybridmem.models.family import Family
 from hybridmem.models.gemma3 import GEMMA3
+from hybridmem.models.gemma4 import GEMMA4
 from hybridmem.models.glm4_moe import GLM4_MOE
 from hybridmem.models.gpt_oss import GPT_OSS
 from hybridmem.models.granite import GRANITE
@@ -21,7 +22,7 @@ __all__ = ["FAMILIES", "ALIASES", "get_family", "family_name"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, PHI3, GEMMA3, GLM4_MOE, GRANITE, GPT_OSS,
-    MINIMAX_M2,
+    MINIMAX_M2, GEMMA4,
 )}
 """Every family by its own ``model_type``."""
 

@@ -467,6 +467,8 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     # Gemma 3's sandwich norms (no Megatron equivalent: such a family is refused by megatron_layout).
     *(LayerRule((norm,), None, norm, "replicate", when=_extra_norm(norm))
       for norm in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")),
+    # Gemma 4's per-layer scalar: a buffer in transformers and vLLM that the loaders fill.
+    LayerRule(("layer_scalar",), None, "layer_scalar", "replicate", when=lambda s, i: s.traits.layer_scalar),
     # Dense MLP (every layer of a dense family; DeepSeek-V3's first k layers).
     LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "mlp.gate_up_proj.weight",
               "gate_up", when=_dense_mlp),
@@ -514,9 +516,11 @@ LAYER_RULES: tuple[LayerRule, ...] = (
 Shapes = dict[str, tuple[int, ...]]
 
 
-def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: RankCoords) -> LocalTensor:
+def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: RankCoords, layer: int) -> LocalTensor:
     q, k, v = hf
-    hd, nq, nkv, tp = spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads, c.tp
+    if spec.values_from_keys(layer):
+        v = k  # no v_proj: the value rows are the key projection's (Gemma 4's attention_k_eq_v)
+    (hd, nkv), nq, tp = spec.attention_dims(layer), spec.num_attention_heads, c.tp
     if side is Side.MEGATRON:
         # Rows per query group g: [q heads of g; k_g; v_g]; TP splits whole groups.
         lo, hi = chunk(nkv, c.tp_rank, tp, what="query groups (num_key_value_heads)")
@@ -606,7 +610,7 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
     if rule.kind == "column":
         return {prefix + name: split(hf[0], shapes[hf[0]], axis=0, rank=c.tp_rank, num=c.tp)}
     if rule.kind == "qkv":
-        return {prefix + name: _qkv(side, spec, hf, shapes, c)}
+        return {prefix + name: _qkv(side, spec, hf, shapes, c, layer)}
     if rule.kind == "kv_rows":
         return {prefix + name: _kv_rows(spec, hf[0], shapes, c)}
     if rule.kind == "row":
@@ -948,11 +952,12 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     conv = dataclasses.replace(conv, version=resolve_vllm_version(vllm_version or conv.version))
     dp = _check_world(parallel, world_size, "inference layout")
     tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
-    nq, nkv = spec.num_attention_heads, spec.num_key_value_heads
+    nq = spec.num_attention_heads
     if nq % tp:
         raise ValueError(f"inference tp={tp} does not divide num_attention_heads={nq}")
-    if (tp >= nkv and tp % nkv) or (tp < nkv and nkv % tp):
-        raise ValueError(f"inference tp={tp} and num_key_value_heads={nkv}: one must divide the other")
+    for nkv in spec.kv_head_counts:
+        if (tp >= nkv and tp % nkv) or (tp < nkv and nkv % tp):
+            raise ValueError(f"inference tp={tp} and num_key_value_heads={nkv}: one must divide the other")
     if pp > spec.num_hidden_layers:
         raise ValueError(f"inference pp={pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
     # [Note: uneven stages]: the split is fixed here, so a later change of the environment cannot move it.
@@ -981,7 +986,7 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
 def _vllm_loaded_hf_names(spec: ModelSpec, layer: int) -> list[str]:
     """The HF names of layer ``layer``'s tensors that vLLM loads (rows of :data:`LAYER_RULES` with a vLLM
     name that apply to the layer), experts expanded."""
-    names = []
+    names, shapes = [], spec.canonical_shapes()
     for rule in LAYER_RULES:
         if rule.vllm is None or not rule.when(spec, layer):
             continue
@@ -989,7 +994,8 @@ def _vllm_loaded_hf_names(spec: ModelSpec, layer: int) -> list[str]:
             suffix = suffix.replace("{shared}", spec.shared_expert_name)
             experts = range(spec.num_experts) if "{e}" in suffix else (None,)
             names += [f"model.layers.{layer}." + suffix.format(e=e) for e in experts]
-    return names
+    # A tensor of a row the layer lacks (Gemma 4's v_proj where values are the keys) is not sent.
+    return [name for name in names if name in shapes]
 
 
 def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,

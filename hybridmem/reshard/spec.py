@@ -100,6 +100,19 @@ class ModelSpec:
     carry the router's ``e_score_correction_bias``; vLLM creates it only for ``"noaux_tc"``
     (:attr:`vllm_router_bias`). Ignored by other families."""
 
+    full_attention_layers: tuple[int, ...] = ()
+    """Layers whose attention has a geometry of its own (Gemma 4's full-attention layers, between sliding
+    ones): :attr:`full_attention_head_dim` per head, :attr:`full_attention_kv_heads` kv heads, and with
+    :attr:`full_attention_k_eq_v` no value projection. Empty: every layer has ``head_dim`` and
+    ``num_key_value_heads``."""
+    full_attention_head_dim: int = 0
+    """Head width of the :attr:`full_attention_layers`."""
+    full_attention_kv_heads: int = 0
+    """Key/value heads of the :attr:`full_attention_layers`."""
+    full_attention_k_eq_v: bool = False
+    """The :attr:`full_attention_layers` have no ``v_proj``: values are the key projection's output
+    (Gemma 4's ``attention_k_eq_v``; vLLM loads ``k_proj`` into both the K and V rows of ``qkv_proj``)."""
+
     _family: Family | None = field(default=None, init=False, repr=False, compare=False)
     """The family's description, looked up once (read through :attr:`traits`)."""
 
@@ -114,6 +127,10 @@ class ModelSpec:
                 f"num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.full_attention_layers:
+            self._check_full_attention()
+        elif self.full_attention_k_eq_v:
+            raise ValueError("full_attention_k_eq_v=True given without full_attention_layers")
         if self.is_mla:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 _positive(name, getattr(self, name))
@@ -138,6 +155,35 @@ class ModelSpec:
         if self.shared_expert_intermediate_size and self.traits.shared_expert is None:
             raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given for "
                              f"family={self.family!r}, which has no shared expert")
+
+    def _check_full_attention(self) -> None:
+        layers = self.full_attention_layers
+        if list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < self.num_hidden_layers:
+            raise ValueError(f"full_attention_layers={layers} must be distinct ascending layers in "
+                             f"[0, num_hidden_layers={self.num_hidden_layers})")
+        _positive("full_attention_head_dim", self.full_attention_head_dim)
+        _positive("full_attention_kv_heads", self.full_attention_kv_heads)
+        if self.num_attention_heads % self.full_attention_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                             f"full_attention_kv_heads={self.full_attention_kv_heads}")
+        if self.is_mla:
+            raise ValueError(f"full_attention_layers given for family={self.family!r}, which has MLA")
+
+    def attention_dims(self, layer: int) -> tuple[int, int]:
+        """``(head_dim, num_key_value_heads)`` of decoder layer ``layer`` (see
+        :attr:`full_attention_layers`)."""
+        if layer in self.full_attention_layers:
+            return self.full_attention_head_dim, self.full_attention_kv_heads
+        return self.head_dim, self.num_key_value_heads
+
+    def values_from_keys(self, layer: int) -> bool:
+        """Whether layer ``layer`` has no ``v_proj``, its values being its keys (:attr:`full_attention_k_eq_v`)."""
+        return self.full_attention_k_eq_v and layer in self.full_attention_layers
+
+    @property
+    def kv_head_counts(self) -> tuple[int, ...]:
+        """The distinct key/value head counts of the layers, ascending."""
+        return tuple(sorted({self.attention_dims(i)[1] for i in range(self.num_hidden_layers)}))
 
     @property
     def traits(self) -> Family:
@@ -222,20 +268,23 @@ class ModelSpec:
         family = get_family(get("model_type", "llama") or "llama")
         return cls(family=family.name, **family.read_config(get))
 
-    def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]], layer: int) -> None:
         h = self.hidden_size
         if not self.is_mla:
             if self.traits.attention_sinks:
                 shapes[p + "self_attn.sinks"] = (self.num_attention_heads,)
-            for proj, rows in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
+            hd, nkv = self.attention_dims(layer)
+            q_rows, kv_rows = self.num_attention_heads * hd, nkv * hd
+            projections = (("q", q_rows), ("k", kv_rows)) + (() if self.values_from_keys(layer) else (("v", kv_rows),))
+            for proj, rows in projections:
                 shapes[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{proj}_proj.bias"] = (rows,)
             if self.qk_norm:
                 every_head = self.traits.qk_norm_all_heads  # one norm over all heads (MiniMax-M2)
-                shapes[p + "self_attn.q_norm.weight"] = (self.q_size,) if every_head else (self.head_dim,)
-                shapes[p + "self_attn.k_norm.weight"] = (self.kv_size,) if every_head else (self.head_dim,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, self.q_size)
+                shapes[p + "self_attn.q_norm.weight"] = (q_rows,) if every_head else (hd,)
+                shapes[p + "self_attn.k_norm.weight"] = (kv_rows,) if every_head else (hd,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
             return
@@ -282,10 +331,12 @@ class ModelSpec:
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
-            self._attention_shapes(p, shapes)
+            self._attention_shapes(p, shapes, i)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
             for norm in self.traits.extra_norms:
                 shapes[p + norm] = (h,)
+            if self.traits.layer_scalar:
+                shapes[p + "layer_scalar"] = (1,)
             if not self.is_moe_layer(i):
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.{proj}_proj.weight"] = (self.intermediate_size, h)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from enum import Enum
 from typing import Any
-
 
 from hybridmem.engine_contract import InferenceEngine, capabilities_of
 from hybridmem.reshard import ModelSpec
@@ -15,7 +15,7 @@ from hybridmem.weight_sync.base import WeightSync
 from hybridmem.weight_sync.resharding import ReshardSync
 from hybridmem.weight_sync.streamed import LoadWeightsSync
 
-__all__ = ["default_weight_sync", "model_spec_of"]
+__all__ = ["SyncRoute", "default_weight_sync", "model_spec_of"]
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +66,28 @@ def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
         return None
 
 
+class SyncRoute(Enum):
+    """How the default weight sync moves the training weights into the engine."""
+
+    TRAINING_NAMES = "the training model's own names, streamed (LoadWeightsSync of named_weights())"
+    """The engine loads the training model's own names (``loads_training_names``: ``TorchCopyEngine``)."""
+    RESHARD = "resharded from the training layout to the engine's vLLM layout (ReshardSync)"
+    """A model spec is known (given, or derived by :func:`model_spec_of`)."""
+    CHECKPOINT_NAMES = "a checkpoint's names, streamed (LoadWeightsSync of checkpoint_weights())"
+    """The model's family is not one the resharding engine knows: what a checkpoint of the model holds
+    (parameters and persistent buffers, never non-persistent ones such as RoPE's ``inv_freq``)."""
+
+
 def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, model_spec: Any = None,
                         group: Any = None) -> WeightSync:
-    """The weight sync ShardingManager uses when none is given.
+    """The weight sync ShardingManager uses when none is given: the first :class:`SyncRoute` that applies.
 
-    - An engine that loads the training model's own names (``loads_training_names``, e.g.
-      ``TorchCopyEngine``) gets :class:`LoadWeightsSync` of the training state's ``named_weights()``; the
-      two layouts must then be equal.
-    - With a model spec (``model_spec``, else derived from the model by :func:`model_spec_of`: a
-      transformers model's ``config``, the Megatron or FSDP2 adapter's ``model_spec_dict()``), a
-      :class:`~hybridmem.weight_sync.ReshardSync` from the training weights' layout to ``config.infer_layout``
-      (the engine's vLLM layout), whatever the two layouts are, so the engine's own parameter names are
-      checked against what the sync writes when the manager is built. The source layout is the training
-      state's own ``hf_source_layout(spec, world_size, group=group)`` when it has one (the FSDP2 adapter);
-      else, for weights with transformers' names (a plain HF model, one process or DDP), every rank
-      holding them whole (:func:`~hybridmem.reshard.hf_source.hf_source_layout`; ``config.train_layout``
-      must then be tp = pp = ep = 1); else ``config.train_layout`` in Megatron-core's names and layout,
-      with the naming and vocab padding of the training state's ``megatron_convention()``. It runs over
-      ``group`` with ``config.reshard_bucket_bytes`` and ``config.verify_weight_sync``, and its wire dtype
-      is the training weights' own (see [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`).
-    - Otherwise (a model of a family the resharding engine does not know), a :class:`LoadWeightsSync` of
-      what a checkpoint of the model holds (``checkpoint_weights()``: parameters and persistent buffers,
-      never non-persistent ones such as RoPE's ``inv_freq``); the layouts must then be equal.
+    The two streamed routes need equal training and inference layouts, and neither takes FSDP2-sharded
+    weights. :attr:`SyncRoute.RESHARD` reads its source layout from the training state
+    (``hf_source_layout``, FSDP2), else from transformers' names held whole on every rank (train layout
+    tp = pp = ep = 1), else ``config.train_layout`` in Megatron-core's names; its bucket size,
+    verification, deadline and wire dtype come from the config and the weights (see [Note: no silent
+    dtype change] in :mod:`hybridmem.weight_sync.base`).
 
     Args:
         training: The training state (``named_weights()``, and what its capabilities declare, see
@@ -99,20 +99,18 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         group: The process group spanning both layouts (``None``: the default group).
 
     Raises:
-        ValueError: The layouts differ (or the weights are FSDP2-sharded) and there is no model spec, the
-            training state reports a layout (``source_layout()``) other than ``config.train_layout``, or
-            HF-named weights come with a ``config.train_layout`` other than tp = pp = ep = 1.
+        ValueError: A streamed route with different layouts or sharded weights; a training state that
+            reports a layout (``source_layout()``) other than ``config.train_layout``; HF-named weights with
+            a ``config.train_layout`` other than tp = pp = ep = 1.
     """
-    # A sharded HF-named source (FSDP2) cannot be streamed as is, even into an equal layout.
     capabilities = training_capabilities_of(training)
-    sharded = capabilities.shards_weights
-    if model_spec is None and capabilities_of(engine).loads_training_names and not sharded:
+    route, model_spec = _route(training, engine, model_spec)
+    log.debug("hybridmem: weight sync: %s", route.value)
+    if route is SyncRoute.TRAINING_NAMES:
         _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
         return LoadWeightsSync(training.named_weights, engine)
-    if model_spec is None:
-        model_spec = model_spec_of(training, engine)
-    if model_spec is None:
-        if sharded:
+    if route is SyncRoute.CHECKPOINT_NAMES:
+        if capabilities.shards_weights:
             raise ValueError(
                 f"{type(training).__name__} holds sharded weights, which must be resharded into the engine: pass "
                 f"model_spec= (a hybridmem.reshard.ModelSpec or the model's HF config) or weight_sync="
@@ -121,15 +119,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         return LoadWeightsSync(
             training.checkpoint_weights if capabilities.lists_checkpoint_weights else training.named_weights, engine)
     if capabilities.reports_source_layout:
-        actual = training.source_layout()
-        got = tuple(getattr(actual, k) for k in ("tp", "pp", "ep"))
-        want = (config.train_layout.tp, config.train_layout.pp, config.train_layout.ep)
-        if got != want:
-            raise ValueError(
-                f"the training state runs at (tp, pp, ep)={got} but config.train_layout is {config.train_layout}; "
-                f"set tensor_model_parallel_size / pipeline_model_parallel_size / expert_model_parallel_size to match"
-            )
-
+        _require_reported_layout(training.source_layout(), config)
     spec = model_spec if isinstance(model_spec, ModelSpec) else ModelSpec.from_hf_config(
         dict(model_spec) if isinstance(model_spec, Mapping) else model_spec
     )
@@ -141,6 +131,27 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         deadline_s=config.collective_deadline_s,
         megatron=training.megatron_convention() if capabilities.megatron_names else None,
     )
+
+
+def _route(training: Any, engine: Any, model_spec: Any) -> tuple[SyncRoute, Any]:
+    """The route, and the model spec it uses (derived from the model when not given)."""
+    # A sharded HF-named source (FSDP2) cannot be streamed as is, even into an equal layout.
+    if (model_spec is None and capabilities_of(engine).loads_training_names
+            and not training_capabilities_of(training).shards_weights):
+        return SyncRoute.TRAINING_NAMES, None
+    if model_spec is None:
+        model_spec = model_spec_of(training, engine)
+    return (SyncRoute.CHECKPOINT_NAMES if model_spec is None else SyncRoute.RESHARD), model_spec
+
+
+def _require_reported_layout(actual: Any, config: Any) -> None:
+    got = tuple(getattr(actual, k) for k in ("tp", "pp", "ep"))
+    want = (config.train_layout.tp, config.train_layout.pp, config.train_layout.ep)
+    if got != want:
+        raise ValueError(
+            f"the training state runs at (tp, pp, ep)={got} but config.train_layout is {config.train_layout}; "
+            f"set tensor_model_parallel_size / pipeline_model_parallel_size / expert_model_parallel_size to match"
+        )
 
 
 def _require_equal_layouts(config: Any, why: str) -> None:

@@ -46,6 +46,11 @@ CONFIGS = {
     "minimax_m2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
                        num_local_experts=4, num_experts_per_tok=2, rotary_dim=8, scoring_func="sigmoid",
                        use_routing_bias=True),
+    # Gemma 4: the full-attention layers with their own head width and kv heads, values = keys (no v_proj).
+    "gemma4_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
+                        hidden_size_per_layer_input=0,
+                        layer_types=["sliding_attention", "full_attention", "full_attention"]),
 }
 UNTIED_ONLY = {"minimax_m2"}
 """Families whose vLLM model never ties the head to the embedding: a tied config is refused."""
@@ -163,6 +168,44 @@ def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
         ReferenceEngine(_saved("gpt_oss", tmp_path / "gpt_oss")[0].to_dict())
     with pytest.raises(ValueError, match=r"model_type='minimax_m2' does not run in the embedded engine \(MiniMax-M2"):
         ReferenceEngine(_saved("minimax_m2", tmp_path / "minimax_m2")[0].to_dict())
+
+
+def test_gemma4_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
+    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+
+    cfg, _ = _saved("gemma4_text", tmp_path)
+    with pytest.raises(ValueError, match=r"model_type='gemma4_text' does not run in the embedded engine \(Gemma 4's"):
+        ReferenceEngine(cfg.to_dict())
+    with pytest.raises(ValueError, match="family='gemma4_text' has no Megatron-core layout: .*one head width"):
+        megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("hidden_size_per_layer_input", 256, "per-layer input embeddings"),
+    ("num_kv_shared_layers", 1, "layers without their own keys and values"),
+    ("attention_bias", True, "Gemma 4 has none"),
+])
+def test_gemma4_features_without_layout_rows_are_refused_by_name(key, value, named):
+    config = dict(_COMMON, model_type="gemma4_text", **{**CONFIGS["gemma4_text"], key: value})
+    with pytest.raises(ValueError, match=f"{key}={value} is not supported for gemma4_text \\(.*{named}"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_path):
+    """Read from transformers' config object, its config.json (``per_layer_config``) and the Hub's form
+    (``global_head_dim``, ``num_global_key_value_heads``) alike; the widths are those transformers builds."""
+    import json  # noqa: PLC0415
+
+    cfg, saved = _saved("gemma4_text", tmp_path)
+    hub = dict(_COMMON, model_type="gemma4_text", **CONFIGS["gemma4_text"])
+    saved_json = json.loads((tmp_path / "config.json").read_text())
+    assert "global_head_dim" not in saved_json and "per_layer_config" in saved_json
+    spec = ModelSpec.from_hf_config(cfg)
+    assert ModelSpec.from_hf_config(hub) == ModelSpec.from_hf_config(saved_json) == spec
+    assert spec.full_attention_layers == (1, 2) and spec.full_attention_k_eq_v
+    assert saved["model.layers.1.self_attn.k_proj.weight"] == (1 * 32, 64) and spec.attention_dims(1) == (32, 1)
+    assert "model.layers.1.self_attn.v_proj.weight" not in saved
+    assert saved["model.layers.0.self_attn.v_proj.weight"] == (2 * 16, 64)
 
 
 @pytest.mark.parametrize("biases", [dict(attention_bias=True), dict(mlp_bias=True),

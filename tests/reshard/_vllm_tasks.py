@@ -68,7 +68,9 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
     Every rank of the pool builds the model: ranks beyond ``tp * pp`` are further replicas (vLLM's
     "external data parallel" ranks), so the result per rank covers the replica order too. With
     ``hf_stream`` only this rank's tensors of hybridmem's ``hf_layout`` are loaded (what a streaming weight
-    sync sends each stage), instead of the whole checkpoint.
+    sync sends each stage), instead of the whole checkpoint. The tensors are the model's parameters and the
+    buffers its loader says it filled (``load_weights`` returns the names it loaded: Gemma 4's
+    ``layer_scalar``, a persistent buffer), not vLLM's own buffers (an attention layer's scales).
     """
     _environment()
     import safetensors.torch
@@ -117,11 +119,13 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
             # The model's own loader, straight from HF names. Read the parameters right away: the CPU
             # backend's post-load step (process_weights_after_loading, which a model loader runs after
             # this) repacks linear weights into its own format, which is not a vLLM parameter layout.
-            model.load_weights(iter(sorted(weights.items())))
+            loaded = set(model.load_weights(iter(sorted(weights.items()))) or ())
             # vLLM caches each model's pipeline-missing layers by id(model); keep every model alive so a
             # later model cannot reuse an id and inherit an earlier model's entry.
             _BUILT.append(model)
-            return {name: p.detach().clone() for name, p in model.named_parameters()}
+            out = {name: p.detach().clone() for name, p in model.named_parameters()}
+            out.update((name, b.detach().clone()) for name, b in model.named_buffers() if name in loaded)
+            return out
         finally:
             parallel_state.destroy_model_parallel()
 
@@ -147,7 +151,7 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     spec = ModelSpec.from_hf_config(model.config)
     world = ctx.world_size
-    bias = {n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    bias = set(model.state_dict()) & {n for n, _ in model.named_buffers()}  # persistent buffers
     tensors = {n: p.detach() for n, p in model.named_parameters()}
     tensors.update({n: b for n, b in model.named_buffers() if n in bias})
     src = {n: t if n in bias else (list(t.chunk(world)) + [t[:0]] * world)[ctx.rank] for n, t in tensors.items()}

@@ -60,6 +60,13 @@ MODELS = {
     "gpt-oss": ("gpt_oss", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=128,
                                 num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
                                 tie_word_embeddings=False)),
+    # Gemma 4 (dense, tied): a sliding layer and a full-attention layer of twice the head width and one kv head
+    # (replicated at TP 2 and 4) whose values are its keys (no v_proj; vLLM loads k_proj into K and V), and a
+    # layer_scalar per layer (a persistent buffer in vLLM, filled by its loader).
+    "gemma4": ("gemma4_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+                                   num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=96,
+                                   hidden_size_per_layer_input=0, sliding_window=16,
+                                   layer_types=["sliding_attention", "full_attention"])),
     # MiniMax-M2: block_sparse_moe with experts w1/w3/w2, a router correction bias (use_routing_bias), q/k norms
     # over all heads that vLLM splits by heads (k's replicated with its kv heads at TP 4), partial RoPE.
     "minimax-m2": ("minimax_m2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,

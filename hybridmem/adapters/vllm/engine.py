@@ -47,6 +47,7 @@ resumes weights, syncs, then resumes the KV cache. The adapter maps this onto vL
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -596,7 +597,22 @@ class VLLMEngine:
         if len(models) != 1:
             raise RuntimeError(f"expected one in-process vLLM worker per rank, got {len(models)}")
         self.weights = WeightsContent.UPDATED
-        return iter(models[0].named_parameters())
+        model = models[0]
+        buffers = [(name, model.get_buffer(name)) for name in self._weight_buffers()]
+        return itertools.chain(model.named_parameters(), buffers)
+
+    def _weight_buffers(self) -> tuple[str, ...]:
+        """The persistent buffers of the model that its vLLM layout names: weights the loader fills
+        (Gemma 4's ``layer_scalar``), written in place like parameters (see [Note: vllm name check])."""
+        if not self.worker_info.buffers:
+            return ()
+        hf_config = _attr_path(self.llm, "llm_engine.vllm_config.model_config.hf_config")
+        parallel = _attr_path(self.llm, "llm_engine.vllm_config.parallel_config")
+        try:
+            expected, _ = engine_layout_shapes(hf_config, parallel, self.worker_info.rank)
+        except (ValueError, TypeError):
+            return ()
+        return tuple(name for name, _ in self.worker_info.buffers if name in expected)
 
     def resident_nbytes(self, tag: str) -> int:
         """Device bytes held under ``tag`` now: the bytes its last wake-up took (free-memory figure),

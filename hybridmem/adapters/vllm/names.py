@@ -10,6 +10,10 @@ the worker's own ``named_parameters()`` (names and shapes) and compares them wit
 worker's rank; :class:`~hybridmem.reshard.ReshardSync` repeats the check with the layout it will
 really write (its ``infer_layout``). A mismatch raises before any tensor moves, naming both sides.
 
+A persistent buffer of the model that the layout names is a weight vLLM's loader fills (Gemma 4's
+``layer_scalar``) and is checked like a parameter; the other buffers are vLLM's own (an attention
+layer's quantization scales) and no part of the check.
+
 Shapes are compared where the backend keeps them: the vLLM CPU backend repacks linear weights into
 its kernels' format after loading and leaves those parameters with shape ``[0]``; for them only the
 name is checked (and their values can only be updated through ``reload_weights``).
@@ -41,8 +45,9 @@ def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: s
         ValueError: A name on one side only, or a shape that differs (repacked ``[0]`` parameters are
             compared by name only); the message names both sides.
     """
-    engine = dict(info.params)
     want = {name: _shape(v) for name, v in expected.items()}
+    engine = dict(info.params)
+    engine.update((name, shape) for name, shape in info.buffers if name in want)
     only_engine = [n for n in engine if n not in want]
     only_layout = [n for n in want if n not in engine]
     repacked = set(info.repacked)

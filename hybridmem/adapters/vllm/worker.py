@@ -6,12 +6,13 @@ They are module-level so that they pickle; the adapter only calls them on worker
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["WorkerInfo", "buffer_only_classes", "probe_worker", "load_bucket", "identity", "reprocess_weights", "worker_model"]
+__all__ = ["WorkerInfo", "persistent_buffers", "buffer_only_classes", "probe_worker", "load_bucket", "identity", "reprocess_weights", "worker_model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,10 @@ class WorkerInfo:
     """``(name, shape)`` of every parameter of the worker's model, in model order."""
     device_type: str | None = None
     """The worker's device type (``"cpu"`` on vLLM's CPU backend)."""
+    buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """``(name, shape)`` of every persistent buffer of the worker's model (in its state dict), in model order:
+    those a layout names are weights its loader fills (Gemma 4's ``layer_scalar``); the others are vLLM's own
+    (an attention layer's quantization scales)."""
     buffer_only_modules: tuple[str, ...] = ()
     """Classes every module of which holds buffers only, all non-persistent (a rotary embedding's
     ``cos_sin_cache``): nothing a checkpoint or a weight sync holds (see [Note: vllm buffer-only reload
@@ -53,6 +58,14 @@ def worker_model(worker: Any) -> torch.nn.Module:
     return getattr(model, "runnable", model)
 
 
+def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of the persistent buffers of ``model`` (those its state dict holds), each once."""
+    for name, buffer in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:  # noqa: SLF001
+            yield name, buffer
+
+
 def buffer_only_classes(model: torch.nn.Module) -> tuple[str, ...]:
     """Class names each module of which, in ``model``, has buffers and no parameters of its own, every
     buffer non-persistent (so outside the state dict); modules with no tensors of their own count for
@@ -76,6 +89,7 @@ def probe_worker(worker: Any) -> WorkerInfo:
         rank=int(getattr(worker, "rank", 0) or 0),
         has_reload_weights=callable(getattr(worker, "reload_weights", None)),
         params=tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
+        buffers=tuple((n, tuple(b.shape)) for n, b in persistent_buffers(model)),
         device_type=getattr(getattr(worker, "device", None), "type", None),
         buffer_only_modules=buffer_only_classes(model),
     )

@@ -1,0 +1,106 @@
+"""Gemma 4 (text, ``gemma4_text``): Gemma 3's sandwich norms and q/k norms, full-attention layers with a head
+width and kv heads of their own between sliding ones (``global_head_dim``, ``num_global_key_value_heads``),
+where ``attention_k_eq_v`` the full layers' values are their keys (no ``v_proj``), and a ``layer_scalar`` per
+layer. Tied embeddings by default.
+
+Not read: per-layer input embeddings (``hidden_size_per_layer_input``, the E2B/E4B models), layers sharing
+another layer's keys and values (``num_kv_shared_layers``), attention biases; each is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hybridmem.models.common import gqa_fields, require
+from hybridmem.models.family import ConfigGetter, Family
+
+_FULL = "full_attention"
+
+
+def layer_types(get: ConfigGetter) -> list[str]:
+    """The config's ``layer_types``; without them transformers' default: every sixth layer and the last one
+    full attention, the others sliding."""
+    n = int(get("num_hidden_layers"))
+    types = get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 6 else _FULL for i in range(n)]
+        types[-1] = _FULL
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries; expected num_hidden_layers={n}")
+    return list(types)
+
+
+def _layer_override(get: ConfigGetter, layer: int, key: str) -> Any:
+    """``key`` of ``per_layer_config[layer]`` as transformers >= 5.19 keeps it (an object per layer, or in a
+    ``config.json`` a dict keyed by the layer as a string); ``None`` where the config has none."""
+    per_layer = get("per_layer_config")
+    if per_layer is None:
+        return None
+    if isinstance(per_layer, Mapping):
+        return (per_layer.get(str(layer)) or per_layer.get(layer) or {}).get(key)
+    return getattr(per_layer[layer], key, None)
+
+
+def attention_fields(get: ConfigGetter, head_dim: int, kv_heads: int) -> dict[str, Any]:
+    """ModelSpec fields of the full-attention layers: which they are, their head width and kv heads (from
+    ``per_layer_config``, else ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``,
+    as transformers reads them), and whether their values are their keys."""
+    types = layer_types(get)
+    full = tuple(i for i, t in enumerate(types) if t == _FULL)
+    k_eq_v = bool(get("attention_k_eq_v", False))
+    global_kv = get("num_global_key_value_heads") if k_eq_v else None
+    default = (int(get("global_head_dim") or 512), int(global_kv or kv_heads))
+    dims = set()
+    for i in range(len(types)):
+        hd, nkv = _layer_override(get, i, "head_dim"), _layer_override(get, i, "num_key_value_heads")
+        if get("per_layer_config") is None and i in full:
+            hd, nkv = default
+        got = (int(hd or head_dim), int(nkv or kv_heads))
+        if i in full:
+            dims.add(got)
+        elif got != (head_dim, kv_heads):
+            raise ValueError(f"sliding layer {i} has head_dim, num_key_value_heads = {got}; expected the "
+                             f"config's ({head_dim}, {kv_heads})")
+    if len(dims) > 1:
+        raise ValueError(f"the full-attention layers {full} differ in (head_dim, num_key_value_heads): {sorted(dims)}")
+    full_hd, full_kv = dims.pop() if dims else (0, 0)
+    return dict(full_attention_layers=full, full_attention_head_dim=full_hd, full_attention_kv_heads=full_kv,
+                full_attention_k_eq_v=k_eq_v and bool(full))
+
+
+def refuse_unsupported(get: ConfigGetter, family: str) -> None:
+    """Raise ``ValueError`` naming a Gemma 4 feature whose tensors the layout tables do not express."""
+    if get("hidden_size_per_layer_input", 256):
+        raise ValueError(f"hidden_size_per_layer_input={get('hidden_size_per_layer_input', 256)} is not supported "
+                         f"for {family} (per-layer input embeddings); expected 0")
+    if get("num_kv_shared_layers", 0):
+        raise ValueError(f"num_kv_shared_layers={get('num_kv_shared_layers')} is not supported for {family} "
+                         f"(layers without their own keys and values); expected 0")
+    if get("attention_bias", False):
+        raise ValueError(f"attention_bias=True is not supported for {family} (Gemma 4 has none)")
+
+
+def read_config(get: ConfigGetter) -> dict[str, Any]:
+    require(get, "head_dim", "intermediate_size")
+    refuse_unsupported(get, "gemma4_text")
+    if get("enable_moe_block", False):
+        raise ValueError("enable_moe_block=True is not supported for gemma4_text yet; expected False")
+    fields = gqa_fields(get, qkv_bias=False, qk_norm=True)
+    fields["tie_word_embeddings"] = bool(get("tie_word_embeddings", True))
+    fields.update(attention_fields(get, fields["head_dim"], fields["num_key_value_heads"]))
+    return fields
+
+
+GEMMA4 = Family(
+    name="gemma4_text",
+    architectures=("Gemma4ForCausalLM",),
+    read_config=read_config,
+    extra_norms=("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
+    layer_scalar=True,
+    vllm_every_stage=True,
+    embedded_engine="Gemma 4's sandwich norms, sliding and full-attention layers of different head widths and "
+                    "layer scalars are no blocks of the embedded engine",
+    megatron="megatron-core 0.16.1's TransformerLayer has no norm after attention and after the MLP (Gemma 4's "
+             "post_attention_layernorm and post_feedforward_layernorm) and one head width for every layer",
+)
