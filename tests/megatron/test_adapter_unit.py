@@ -153,6 +153,8 @@ def test_model_spec_dict_names_what_differs_from_the_engines_family():
                                  vocab_size=100, model_type="glm4_moe")
     with pytest.raises(ValueError, match="model_type='gemma3_text' cannot be trained in Megatron-core"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="gemma3_text")
+    with pytest.raises(ValueError, match="model_type='qwen3_5_text' cannot be trained in Megatron-core: .*gated delta-net"):
+        megatron_model_spec_dict(_config(), vocab_size=100, model_type="qwen3_5_text")
     with pytest.raises(ValueError, match="model_type='gemma4_text' cannot be trained in Megatron-core: .*head width"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="gemma4_text")
     # A Llama's attention_bias biases o_proj as well; Megatron's add_qkv_bias does not.
