@@ -51,6 +51,9 @@ CONFIGS = {
                         num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
                         hidden_size_per_layer_input=0,
                         layer_types=["sliding_attention", "full_attention", "full_attention"]),
+    "qwen3_5_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=6, linear_conv_kernel_dim=4, full_attention_interval=2),
 }
 UNTIED_ONLY = {"minimax_m2"}
 """Families whose vLLM model never ties the head to the embedding: a tied config is refused."""
@@ -206,6 +209,55 @@ def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_pat
     assert saved["model.layers.1.self_attn.k_proj.weight"] == (1 * 32, 64) and spec.attention_dims(1) == (32, 1)
     assert "model.layers.1.self_attn.v_proj.weight" not in saved
     assert saved["model.layers.0.self_attn.v_proj.weight"] == (2 * 16, 64)
+
+
+def test_qwen3_5_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
+    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+
+    cfg, _ = _saved("qwen3_5_text", tmp_path)
+    with pytest.raises(ValueError, match=r"model_type='qwen3_5_text' does not run in the embedded engine \(gated "
+                                         r"delta-net"):
+        ReferenceEngine(cfg.to_dict())
+    with pytest.raises(ValueError, match="family='qwen3_5_text' has no Megatron-core layout: .*gated delta-net"):
+        megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+
+
+def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
+    """At TP 2, vLLM's fused gated delta-net projections hold each rank's half of q, k, v (rows of the
+    checkpoint's in_proj_qkv and conv1d) and z, and of b and a; A_log and dt_bias by value heads; the
+    full-attention q_proj ([q_h; gate_h] per head) by heads. Slices of transformers' own tensors, cut as
+    vLLM's loaders (``MergedColumnParallelLinear``, ``mamba_v2_sharded_weight_loader``) cut them."""
+    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+
+    cfg = transformers.AutoConfig.for_model("qwen3_5_text", **{**_COMMON, **CONFIGS["qwen3_5_text"]})
+    torch.manual_seed(0)
+    weights = {n: p.detach() for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()}
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.linear_attention_layers == (0, 2)
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    layout = vllm_layout(spec, ParallelLayout(tp=2), 2)
+    for rank in range(2):
+        local = shard(weights, layout, rank)
+
+        def half(t, r=rank):
+            return t.chunk(2)[r]
+
+        la, at = "model.layers.0.linear_attn.", "model.layers.1.self_attn."
+        for fused, parts in (("in_proj_qkv.weight", "in_proj_z.weight"), ("conv1d.weight", None)):
+            q, k, v = weights[la + fused].split([key, key, value])
+            want = [half(q), half(k), half(v)] + ([half(weights[la + parts])] if parts else [])
+            name = la + ("in_proj_qkvz.weight" if parts else "conv1d.weight")
+            assert torch.equal(local[name], torch.cat(want)), (rank, name)
+        b, a = weights[la + "in_proj_b.weight"], weights[la + "in_proj_a.weight"]
+        assert torch.equal(local[la + "in_proj_ba.weight"], torch.cat([half(b), half(a)]))
+        for name in ("A_log", "dt_bias"):
+            assert torch.equal(local[la + name], half(weights[la + name]))
+        assert torch.equal(local[la + "out_proj.weight"], weights[la + "out_proj.weight"].chunk(2, dim=1)[rank])
+        qkv = local[at + "qkv_proj.weight"]
+        q_rows = weights[at + "q_proj.weight"].shape[0] // 2  # this rank's heads, each [q_h; gate_h]
+        assert torch.equal(qkv[:q_rows], half(weights[at + "q_proj.weight"]))
+        assert "model.layers.0.self_attn.qkv_proj.weight" not in local and la + "A_log" in local
 
 
 @pytest.mark.parametrize("biases", [dict(attention_bias=True), dict(mlp_bias=True),

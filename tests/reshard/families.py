@@ -72,4 +72,11 @@ MODELS = {
     "minimax-m2": ("minimax_m2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
                                       num_local_experts=4, num_experts_per_tok=2, rotary_dim=16,
                                       scoring_func="sigmoid", use_routing_bias=True, tie_word_embeddings=False)),
+    # Qwen3.5 (dense): a gated delta-net layer (in_proj_qkv/z/b/a, conv1d, A_log, dt_bias, a gated norm; more
+    # value heads than key heads, value and key heads of different widths) and a full-attention layer (output
+    # gate in q_proj, q/k norms, fewer kv heads than TP 4).
+    "qwen3.5": ("qwen3_5_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                                     linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                                     layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False)),
 }
