@@ -125,3 +125,39 @@ def test_sharded_state_without_spec_is_refused_even_with_equal_layouts():
                             capabilities=TrainingCapabilities(shards_weights=True))
     with pytest.raises(ValueError, match=r"holds sharded weights.*model_spec="):
         default_weight_sync(state, TorchCopyEngine(torch.nn.Linear(2, 2)), HybridConfig(device="cpu"))
+
+
+class _WritingLoader:
+    """An engine whose loader writes into what it is handed, as vLLM's gpt-oss loader zeroes the expert
+    down-projection bias it is given on tensor-parallel ranks past the first (``weight.zero_()``)."""
+
+    def __init__(self):
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            if name.endswith("bias"):
+                tensor.zero_()
+            self.loaded[name] = tensor.clone()
+
+    def release(self, tags):
+        pass
+
+    def resume(self, tags):
+        pass
+
+
+def test_a_loader_that_writes_into_its_input_leaves_the_training_weights_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = _WritingLoader()
+    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"))
+    assert isinstance(manager.weight_sync, LoadWeightsSync) and manager.weight_sync.copies
+    with manager.inference():
+        pass
+    assert set(engine.loaded) == set(before)
+    assert not engine.loaded["0.bias"].any()  # the loader did write into what it was handed
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), f"the engine's loader changed the training weight {name}"
+    manager.close()
