@@ -12,6 +12,8 @@ MODELS = {
                                  tie_word_embeddings=True)),
     "qwen2-bias-kv2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                                      tie_word_embeddings=False)),
+    "qwen3-kv2": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                tie_word_embeddings=False)),
     "qwen2-moe": ("qwen2_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                                     num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                     intermediate_size=96, tie_word_embeddings=False)),
