@@ -1,5 +1,7 @@
-"""Qwen3.5 (dense, ``qwen3_5_text``): a hybrid of gated delta-net (linear attention) layers and full
-attention layers, every layer with a dense MLP.
+"""Qwen3.5: a hybrid of gated delta-net (linear attention) layers and full attention layers; dense
+(``qwen3_5_text``, every layer a dense MLP) or MoE (``qwen3_5_moe_text``, every layer routed experts and a
+sigmoid-gated shared expert, as Qwen2-MoE's; transformers' modules fuse the experts, the checkpoint holds
+them one by one).
 
 ``layer_types`` says which layer is which (by default every fourth layer is full attention). A full
 attention layer is Qwen3's (q/k norms over one head) with an output gate: ``self_attn.q_proj`` holds
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridmem.models.common import gqa_fields, require
+from hybridmem.models.common import gqa_fields, moe_fields, require
 from hybridmem.models.family import ConfigGetter, Family
 
 _LAYER_TYPES = ("linear_attention", "full_attention")
@@ -76,6 +78,29 @@ QWEN3_5 = Family(
     attention_output_gate=True,
     checkpoint_fused=_CHECKPOINT_FUSED,
     module_names="checkpoint",
+    vllm_embedding_every_stage=True,
+    megatron=_MEGATRON,
+    embedded_engine=_EMBEDDED,
+)
+
+
+def read_moe_config(get: ConfigGetter) -> dict[str, Any]:
+    fields = read_config(get)
+    fields.update(moe_fields(get, experts_keys=("num_experts", "num_local_experts"),
+                             shared_width=get("shared_expert_intermediate_size", 0) or 0))
+    fields["intermediate_size"] = 0  # every layer MoE
+    return fields
+
+
+QWEN3_5_MOE = Family(
+    name="qwen3_5_moe_text",
+    architectures=("Qwen3_5MoeForCausalLM",),
+    read_config=read_moe_config,
+    moe=True,
+    shared_expert="shared_expert",
+    shared_expert_gate=True,
+    attention_output_gate=True,
+    checkpoint_fused=_CHECKPOINT_FUSED,
     vllm_embedding_every_stage=True,
     megatron=_MEGATRON,
     embedded_engine=_EMBEDDED,

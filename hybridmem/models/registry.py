@@ -16,14 +16,14 @@ from hybridmem.models.phi3 import PHI3
 from hybridmem.models.qwen2 import QWEN2
 from hybridmem.models.qwen2_moe import QWEN2_MOE
 from hybridmem.models.qwen3 import QWEN3
-from hybridmem.models.qwen3_5 import QWEN3_5
+from hybridmem.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from hybridmem.models.qwen3_moe import QWEN3_MOE
 
 __all__ = ["FAMILIES", "ALIASES", "get_family", "family_name"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, PHI3, GEMMA3, GLM4_MOE, GRANITE, GPT_OSS,
-    MINIMAX_M2, GEMMA4, QWEN3_5,
+    MINIMAX_M2, GEMMA4, QWEN3_5, QWEN3_5_MOE,
 )}
 """Every family by its own ``model_type``."""
 

@@ -104,9 +104,17 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
     shapes = spec.canonical_shapes()
     out: dict[str, LocalTensor] = {}
     experts: dict[str, dict[int, dict[str, str]]] = {}
+    # A checkpoint tensor fused of canonical ones is one module tensor too (Qwen3.5-MoE's in_proj_qkv).
+    fused_suffixes = {part for parts, _ in spec.traits.checkpoint_fused for part in parts}
+    fused: dict[str, list[str]] = {}
     for name, shape in shapes.items():
         m = _EXPERT.match(name) if fused_experts else None
         if m is None:
+            if fused_suffixes and name.startswith("model.layers.") and name.split(".", 3)[3] in fused_suffixes:
+                whole = spec.checkpoint_names()[name].name
+                out.setdefault(whole, None)  # placeholder keeps HF order
+                fused.setdefault(whole, []).append(name)
+                continue
             out[name] = replicate(name, shape)
             continue
         prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
@@ -115,6 +123,8 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
             out[prefix + "gate_up_proj"] = None  # placeholder keeps HF order
             out[prefix + "down_proj"] = None
         experts[prefix].setdefault(e, {})[proj] = name
+    for whole, parts in fused.items():
+        out[whole] = concat([replicate(part, shapes[part]) for part in parts])
     for prefix, by_expert in experts.items():
         order = sorted(by_expert)
         if order != list(range(len(order))):

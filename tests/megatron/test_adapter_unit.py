@@ -155,6 +155,9 @@ def test_model_spec_dict_names_what_differs_from_the_engines_family():
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="gemma3_text")
     with pytest.raises(ValueError, match="model_type='qwen3_5_text' cannot be trained in Megatron-core: .*gated delta-net"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="qwen3_5_text")
+    with pytest.raises(ValueError, match="model_type='qwen3_5_moe_text' cannot be trained in Megatron-core: .*gated"):
+        megatron_model_spec_dict(_config(num_moe_experts=4, moe_router_topk=2), vocab_size=100,
+                                 model_type="qwen3_5_moe_text")
     with pytest.raises(ValueError, match="model_type='gemma4_text' cannot be trained in Megatron-core: .*head width"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="gemma4_text")
     # A Llama's attention_bias biases o_proj as well; Megatron's add_qkv_bias does not.

@@ -54,6 +54,10 @@ CONFIGS = {
     "qwen3_5_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                          linear_value_head_dim=6, linear_conv_kernel_dim=4, full_attention_interval=2),
+    "qwen3_5_moe_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                             linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=8, shared_expert_intermediate_size=12),
 }
 UNTIED_ONLY = {"minimax_m2"}
 """Families whose vLLM model never ties the head to the embedding: a tied config is refused."""
@@ -221,15 +225,38 @@ def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_pat
     assert saved["model.layers.0.self_attn.v_proj.weight"] == (2 * 16, 64)
 
 
-def test_qwen3_5_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_qwen3_5_is_refused_by_the_embedded_engine_and_megatron(model_type, tmp_path):
     from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
 
-    cfg, _ = _saved("qwen3_5_text", tmp_path)
-    with pytest.raises(ValueError, match=r"model_type='qwen3_5_text' does not run in the embedded engine \(gated "
+    cfg, _ = _saved(model_type, tmp_path)
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}' does not run in the embedded engine \(gated "
                                          r"delta-net"):
         ReferenceEngine(cfg.to_dict())
-    with pytest.raises(ValueError, match="family='qwen3_5_text' has no Megatron-core layout: .*gated delta-net"):
+    with pytest.raises(ValueError, match=f"family='{model_type}' has no Megatron-core layout: .*gated delta-net"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_qwen3_5_module_tensors_are_transformers_parameters(model_type, tmp_path):
+    """The FSDP2 source layout's tensors (``hf_module_tensors``) are transformers' own parameters: the same
+    names (in_proj_qkv and conv1d fused as the checkpoint holds them; Qwen3.5-MoE's experts fused as
+    transformers fuses them) and, built from the saved checkpoint, the same values."""
+    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
+    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+
+    cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path)
+    weights = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        weights.update(safetensors_torch.load_file(f))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ours = hf_module_tensors(ModelSpec.from_hf_config(cfg))
+    assert sorted(ours) == sorted(params)
+    for name, local in ours.items():
+        assert torch.equal(build_local(local, weights, dtype=params[name].dtype), params[name]), name
 
 
 def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):

@@ -81,4 +81,12 @@ MODELS = {
                                      linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
                                      linear_value_head_dim=12, linear_conv_kernel_dim=4,
                                      layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False)),
+    # Qwen3.5-MoE: the same two layers, each with routed experts and a gated shared expert; tied.
+    "qwen3.5-moe": ("qwen3_5_moe_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
+                                             linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=64,
+                                             layer_types=["linear_attention", "full_attention"],
+                                             tie_word_embeddings=True)),
 }

