@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridmem.nn.config import DecoderConfig
+from hybridmem.engine_contract import capabilities_of
 from hybridmem.training_state import TorchTrainingState, training_capabilities_of
 
 __all__ = ["ARCHITECTURE_FIELDS", "check_architecture"]
@@ -69,7 +70,7 @@ def check_architecture(training: Any, engine: Any, *, model_spec: Any = None) ->
     Raises:
         ValueError: Naming both sides and every differing field.
     """
-    engine_spec = getattr(engine, "spec", None)
+    engine_spec = engine.spec if capabilities_of(engine).describes_decoder else None
     if not isinstance(engine_spec, DecoderConfig):
         return
     side = _training_side(training, model_spec)

@@ -39,19 +39,10 @@ __all__ = ["InferenceEngine", "EngineCapabilities", "capabilities_of", "WEIGHTS"
 class InferenceEngine(Protocol):
     """What ShardingManager needs from an inference engine.
 
-    Optional methods, used when present:
-
-    - ``resident_nbytes(tag) -> int``: device bytes held now under ``tag`` (residency report).
-    - ``planned_nbytes(tag) -> int``: device bytes ``resume([tag])`` will allocate (memory plan).
-    - ``named_parameters() -> Iterable[tuple[str, Tensor]]``: the engine's own weight tensors, so the
-      resharding engine can write shards into them in place instead of calling ``load_weights``.
-    - ``gpu_memory_utilization``: the share of device memory its KV pool was sized for (``None`` when
-      it was sized by a block count); checked against the config (:func:`check_kv_utilization`).
-    - ``unwritten_weights() -> list[str]``: weights ``load_weights`` has not entirely written since the
-      weights were last resumed ([Note: weight coverage] in hybridmem.weight_sync).
-    - ``bind_phase(phase: Callable[[], Phase])``: the manager's phase, named when the engine refuses work.
-    - ``spec``: a :class:`~hybridmem.nn.config.DecoderConfig`, checked against the training model's
-      config when the manager is built (:mod:`hybridmem.architecture`).
+    Everything else an engine offers (its residency, in-place weights, weight coverage, the model it
+    serves, its layout, how its KV pool was sized, ...) is declared by an :class:`EngineCapabilities` on
+    its ``capabilities`` attribute, each flag naming the members it promises (see [Note: engine
+    capabilities]).
     """
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -78,8 +69,15 @@ _METHODS = {
     "reports_residency": ("resident_nbytes", "planned_nbytes"),
     "binds_phase": ("bind_phase",),
     "stages_weights": ("commit_weights",),
+    "checks_weights": ("check_weights",),
+    "describes_decoder": ("spec",),
+    "describes_weights": ("vocab_size", "dtype"),
+    "reports_model_type": ("model_type",),
+    "reports_layout": ("parallel_layout",),
+    "sizes_kv_by_share": ("gpu_memory_utilization",),
 }
-"""The methods each capability promises."""
+"""The members each capability promises (methods, or the attributes in :data:`_ATTRIBUTES`)."""
+_ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "parallel_layout", "gpu_memory_utilization"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +103,22 @@ class EngineCapabilities:
     stages_weights: bool = False
     """What a weight sync writes is staged, and ``commit_weights()`` hands it to the engine (an engine in its
     own process); the weight-sync step calls it after the sync."""
+    checks_weights: bool = False
+    """``check_weights(expected, what=)`` refuses, before any move, a layout its own weights do not match (the
+    resharding sync hands it the tensors it will write)."""
+    describes_decoder: bool = False
+    """``spec``: the :class:`~hybridmem.nn.config.DecoderConfig` it serves, checked against the training
+    model's config when the manager is built (:mod:`hybridmem.architecture`)."""
+    describes_weights: bool = False
+    """``vocab_size`` and ``dtype``: its vocabulary (a padded training vocab is cut to it) and weight dtype
+    (named when the wire dtype differs)."""
+    reports_model_type: bool = False
+    """``model_type``: the HF family it serves (a training state that takes the engine's family reads it)."""
+    reports_layout: bool = False
+    """``parallel_layout``: the TP/PP/EP it runs at (unset layout keys of the config are read from it)."""
+    sizes_kv_by_share: bool = False
+    """``gpu_memory_utilization``: the share of device memory its KV pool was sized for (``None``: sized by a
+    block count), checked against the config's (:func:`check_kv_utilization`)."""
 
 
 def capabilities_of(engine: Any) -> EngineCapabilities:
@@ -113,20 +127,20 @@ def capabilities_of(engine: Any) -> EngineCapabilities:
     Raises:
         TypeError: The engine declares a capability whose method it lacks (naming both).
     """
-    declared = declared_capabilities(engine, EngineCapabilities, _METHODS, what="engine", has=_has_method)
+    declared = declared_capabilities(engine, EngineCapabilities, _METHODS, what="engine", has=_has_member,
+                                     attributes=_ATTRIBUTES)
     if declared is not None:
         return declared
-    has = {c: all(_has_method(engine, m) for m in ms) for c, ms in _METHODS.items()}
+    has = {c: all(_has_member(engine, m) for m in ms) for c, ms in _METHODS.items()}
     frees = bool(getattr(engine, "frees_memory", True))
     return EngineCapabilities(frees_memory=frees, memory_note=str(getattr(engine, "memory_note", "") or ""),
                               loads_training_names=bool(getattr(engine, "loads_training_names", False)), **has)
 
 
-def _has_method(engine: Any, name: str) -> bool:
+def _has_member(engine: Any, name: str) -> bool:
+    if name in _ATTRIBUTES:
+        return hasattr(engine, name)
     return callable(getattr(engine, name, None))
-
-
-_NO_ATTRIBUTE = object()
 
 
 def check_kv_utilization(engine: Any, config: Any) -> None:
@@ -135,15 +149,15 @@ def check_kv_utilization(engine: Any, config: Any) -> None:
     The KV pool is sized where the engine is built (vLLM measures free memory then; the
     ``ReferenceEngine`` with ``kv_utilization=``), so the config's value takes effect there and this
     check makes sure both agree. Nothing is checked when the key is ``None`` or the engine does not say
-    how its pool was sized (no ``gpu_memory_utilization`` attribute, e.g. ``TorchCopyEngine``).
+    how its pool was sized (``sizes_kv_by_share`` not declared, e.g. ``TorchCopyEngine``).
 
     Raises:
         ConfigError: The engine's pool was sized for another share, or by a block count.
     """
     want = getattr(config, "gpu_memory_utilization", None)
-    have = getattr(engine, "gpu_memory_utilization", _NO_ATTRIBUTE)
-    if want is None or engine is None or have is _NO_ATTRIBUTE:
+    if want is None or engine is None or not capabilities_of(engine).sizes_kv_by_share:
         return
+    have = engine.gpu_memory_utilization
     if have is None:
         raise ConfigError(
             "gpu_memory_utilization", want,

@@ -4,7 +4,8 @@ config whose layouts agree with the training state and the engine.
 [Note: layouts from the parts]
 The training and inference layouts are facts about the parts, not choices: a Megatron model runs at the
 TP/PP/EP its ``parallel_state`` was initialised with, a vLLM engine at the ``tensor_parallel_size`` it was
-built with. A part that knows its layout says so through a ``parallel_layout`` attribute: a
+built with. A part that knows its layout declares ``reports_layout`` in its capabilities and says so
+through a ``parallel_layout`` attribute: a
 :class:`~hybridmem.config.ParallelLayout`, a mapping of the fields it knows (``{"tp": 2, "pp": 1}``), or
 ``None`` when it cannot tell. An unset layout key of the
 config (``None``, the default) takes the value the part reports, or 1 when it reports nothing; a key the
@@ -21,7 +22,7 @@ from typing import Any
 from hybridmem.config import HybridConfig, ParallelLayout
 from hybridmem.engine_contract import capabilities_of
 from hybridmem.errors import ConfigError
-from hybridmem.training_state import TorchTrainingState, TrainingState
+from hybridmem.training_state import TorchTrainingState, TrainingState, training_capabilities_of
 
 __all__ = ["training_state_of", "resolve_layouts", "TRAIN_LAYOUT_KEYS", "INFER_LAYOUT_KEYS"]
 
@@ -52,8 +53,9 @@ def training_state_of(model: Any, optimizer: Any) -> TrainingState:
     return TorchTrainingState(model, optimizer)
 
 
-def _reported(part: Any) -> dict[str, int]:
-    layout = getattr(part, "parallel_layout", None) if part is not None else None
+def _reported(part: Any, reports: bool) -> dict[str, int]:
+    """The layout ``part`` runs at, when its capabilities say it reports one (``reports_layout``)."""
+    layout = part.parallel_layout if reports else None
     if isinstance(layout, ParallelLayout):
         return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
     return {k: int(v) for k, v in layout.items() if k in TRAIN_LAYOUT_KEYS} if isinstance(layout, Mapping) else {}
@@ -70,7 +72,13 @@ def resolve_layouts(config: HybridConfig, training: TrainingState, engine: Any) 
     changes: dict[str, int] = {}
     sides = ((training, TRAIN_LAYOUT_KEYS, "the training state"), (engine, INFER_LAYOUT_KEYS, "the engine"))
     for part, keys, what in sides:
-        reported = _reported(part)
+        if part is None:
+            reports = False
+        elif part is engine:
+            reports = capabilities_of(engine).reports_layout
+        else:
+            reports = training_capabilities_of(part).reports_layout
+        reported = _reported(part, reports)
         if part is engine and not reported and capabilities_of(engine).loads_training_names:
             # A copy of the training module (TorchCopyEngine) is laid out as training is.
             reported = {f: getattr(config, TRAIN_LAYOUT_KEYS[f]) or changes.get(TRAIN_LAYOUT_KEYS[f], 1)

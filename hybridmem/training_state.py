@@ -57,6 +57,9 @@ class TrainingCapabilities:
     """``megatron_convention()`` gives the naming and vocab padding of its Megatron-named weights."""
     lists_checkpoint_weights: bool = False
     """``checkpoint_weights()`` gives what a checkpoint holds: no non-persistent buffers, a tied tensor once."""
+    reports_layout: bool = False
+    """``parallel_layout``: the TP/PP/EP its weights are laid out in (unset layout keys of the config are read
+    from it)."""
 
 
 _REQUIRES = {
@@ -70,9 +73,10 @@ _REQUIRES = {
     "reports_source_layout": ("source_layout",),
     "megatron_names": ("megatron_convention",),
     "lists_checkpoint_weights": ("checkpoint_weights",),
+    "reports_layout": ("parallel_layout",),
 }
-"""The methods (or, for ``has_hf_config``, the attribute) each capability promises."""
-_ATTRIBUTES = frozenset({"hf_config"})
+"""The methods (or the attributes in :data:`_ATTRIBUTES`) each capability promises."""
+_ATTRIBUTES = frozenset({"hf_config", "parallel_layout"})
 
 
 def _has(state: Any, name: str) -> bool:
@@ -157,8 +161,10 @@ class TorchTrainingState:
         optimizer: A ``torch.optim.Optimizer`` (or anything with ``.state``), a list of them, or ``None``.
     """
 
-    capabilities = TrainingCapabilities(guards_misuse=True, has_hf_config=True, lists_checkpoint_weights=True)
-    """Misuse guards, the transformers config when there is one, checkpoint weights."""
+    capabilities = TrainingCapabilities(guards_misuse=True, has_hf_config=True, lists_checkpoint_weights=True,
+                                        reports_layout=True)
+    """Misuse guards, the transformers config when there is one, checkpoint weights, its layout (a transformers
+    model's; ``None`` for others)."""
 
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module], optimizer: Any = None):
         self.modules = [model] if isinstance(model, torch.nn.Module) else list(model)

@@ -83,7 +83,7 @@ def test_a_from_pretrained_model_declares_its_config_guards_and_checkpoint(tmp_p
     opt = torch.optim.AdamW(model.parameters())
     manager = ShardingManager(model, ReferenceEngine(model.config), optimizer=opt)
     assert manager.training_capabilities == TrainingCapabilities(guards_misuse=True, has_hf_config=True,
-                                                                 lists_checkpoint_weights=True)
+                                                                 lists_checkpoint_weights=True, reports_layout=True)
     assert isinstance(manager.weight_sync, ReshardSync)  # the spec read from the declared hf_config
     with manager.inference():
         with pytest.raises(PhaseError):

@@ -78,8 +78,8 @@ class WeightSync(ABC):
 
 
 def engine_dtypes(engine: Any) -> set[torch.dtype]:
-    """The element types the engine holds its weights in, where it says (``dtype``); else empty."""
-    dtype = getattr(engine, "dtype", None)
+    """The element types the engine holds its weights in, where it says (``describes_weights``); else empty."""
+    dtype = engine.dtype if capabilities_of(engine).describes_weights else None
     return {dtype} if isinstance(dtype, torch.dtype) else set()
 
 

@@ -49,10 +49,11 @@ def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
     capabilities = training_capabilities_of(training)
     if capabilities.describes_model:
         kwargs = {}
-        engine_vocab = getattr(engine, "vocab_size", None)
+        served = capabilities_of(engine) if engine is not None else None
+        engine_vocab = engine.vocab_size if served is not None and served.describes_weights else None
         if capabilities.vocab_from_engine and isinstance(engine_vocab, int):
             kwargs["vocab_size"] = engine_vocab
-        engine_type = getattr(engine, "model_type", None)
+        engine_type = engine.model_type if served is not None and served.reports_model_type else None
         if capabilities.family_from_engine and isinstance(engine_type, str):
             kwargs["model_type"] = engine_type  # the family the engine serves names the weights it loads
         return ModelSpec.from_hf_config(training.model_spec_dict(**kwargs))

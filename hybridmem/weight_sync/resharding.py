@@ -130,10 +130,10 @@ class ReshardSync(WeightSync):
             raise ValueError(f"deadline_s={deadline_s} must be > 0 or None")
         self.deadline_s = default_deadline_s(self.plan, self.rank) if deadline_s is None else float(deadline_s)
         """Seconds each sync's collectives have on this rank ([Note: collective deadlines])."""
-        check = getattr(engine, "check_weights", None)
-        if callable(check):  # the engine's own parameters vs the vLLM tensors this sync fills, before any move
+        if capabilities_of(engine).checks_weights:  # the engine's own parameters vs the tensors this sync fills
             written = dst_layout if self.in_place else vllm_layout(spec, dst, world, convention=vllm)
-            check(written.tensors(self.rank), what=f"the vLLM layout {dst} this sync writes, rank {self.rank}")
+            engine.check_weights(written.tensors(self.rank),
+                                 what=f"the vLLM layout {dst} this sync writes, rank {self.rank}")
 
     def temp_nbytes(self) -> int:
         """This rank's peak staging bytes in one bucket (plan figure)."""

@@ -106,7 +106,7 @@ def torch_tp1(num_switches: int) -> dict:
     manager = ShardingManager(model, engine, optimizer=opt, weight_sync=LoadWeightsSync(model.named_parameters, engine))
     weights_nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     res = {"create_s": create_s, "weights_nbytes": weights_nbytes, "num_engine_params": len(engine.worker_info.params),
-           "repacked": list(engine.worker_info.repacked), "in_place": getattr(engine, "named_parameters", None) is not None,
+           "repacked": list(engine.worker_info.repacked), "in_place": engine.capabilities.writes_in_place,
            "frees_memory": engine.frees_memory, "steps": [], "rss": [], "to_infer_s": [], "to_train_s": [],
            "sync_s": [], "load": []}
     # The attach-time check must reject a layout that names one tensor differently (a swapped name).

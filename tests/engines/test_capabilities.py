@@ -65,3 +65,31 @@ def test_a_wrong_type_of_declaration_is_named():
 
     with pytest.raises(TypeError, match="Bad.capabilities must be an EngineCapabilities, got dict"):
         capabilities_of(Bad())
+
+
+class _SaysItsLayoutWithoutDeclaring(_Minimal):
+    capabilities = EngineCapabilities()
+    parallel_layout = {"tp": 4}
+
+
+class _DeclaresALayoutItLacks(_Minimal):
+    capabilities = EngineCapabilities(reports_layout=True)
+
+
+def test_what_an_engine_serves_is_read_only_when_declared():
+    """Declared, not probed: an engine declaring capabilities is read through them alone, attributes too."""
+    model, opt = _model()
+    manager = ShardingManager(model, _SaysItsLayoutWithoutDeclaring(), optimizer=opt, config=HybridConfig(device="cpu"))
+    assert manager.config.infer_tensor_parallel_size == 1  # its undeclared parallel_layout is not read
+    manager.close()
+    with pytest.raises(TypeError, match=r"_DeclaresALayoutItLacks.capabilities declares reports_layout=True but the "
+                                        r"engine has no attribute \['parallel_layout'\]"):
+        ShardingManager(model, _DeclaresALayoutItLacks(), optimizer=opt, config=HybridConfig(device="cpu"))
+
+
+def test_an_engine_declaring_nothing_has_its_attributes_read_once():
+    engine = _Minimal()
+    engine.parallel_layout = {"tp": 1}
+    engine.check_weights = lambda expected, what="": None
+    caps = capabilities_of(engine)
+    assert caps.reports_layout and caps.checks_weights and not caps.describes_weights

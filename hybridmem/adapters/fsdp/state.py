@@ -179,7 +179,7 @@ class FSDPTrainingState:
     """
 
     capabilities = TrainingCapabilities(guards_misuse=True, attaches_itself=True, describes_model=True,
-                                        shards_weights=True)
+                                        shards_weights=True, reports_layout=True)
     """Misuse guards; :meth:`attach` (the manager calls it); the model's HF config; local shards, which
     cannot be streamed into an engine as they are (see ``default_weight_sync``)."""
 

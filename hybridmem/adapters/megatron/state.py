@@ -168,7 +168,7 @@ class MegatronTrainingState:
         naming."""
         return TrainingCapabilities(guards_misuse=True, attaches_itself=True, describes_model=True,
                                     vocab_from_engine=not self.vocab_size_known, family_from_engine=True,
-                                    reports_source_layout=True, megatron_names=True)
+                                    reports_source_layout=True, megatron_names=True, reports_layout=True)
 
     @property
     def vocab_size(self) -> int:

@@ -54,7 +54,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -252,6 +252,8 @@ class VLLMEngine:
             frees_memory=self.frees_memory, memory_note=self.memory_note,
             writes_in_place=not self.worker_info.repacked, reports_residency=True,
             keeps_addresses=True,  # CuMemAllocator re-maps a woken pool at the same addresses
+            checks_weights=True, describes_weights=True, reports_model_type=True, reports_layout=True,
+            sizes_kv_by_share=True,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`; ``writes_in_place`` is off
         where the backend repacks its parameters after loading (vLLM's CPU build)."""
@@ -569,15 +571,13 @@ class VLLMEngine:
             )
 
     # Optional protocol methods --------------------------------------------------------------------
-    @property
-    def named_parameters(self) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
-        """``named_parameters()``: the worker's own (per-rank, vLLM-layout) parameters, for in-place
-        weight sync (the resharding engine writes into them).
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The worker's own (per-rank, vLLM-layout) parameters, and the persistent buffers its layout names,
+        for in-place weight sync (the resharding engine writes into them).
 
-        Present only where every parameter keeps its vLLM shape: the vLLM CPU backend repacks linear
-        weights after loading (shape ``[0]``), and there the attribute raises ``AttributeError`` with
-        the reason, so callers that probe for it (``getattr(engine, "named_parameters", None)``, as
-        ``ReshardSync`` does) use :meth:`load_weights` (``reload_weights``) instead.
+        Offered (``capabilities.writes_in_place``) only where every parameter keeps its vLLM shape: the vLLM
+        CPU backend repacks linear weights after loading (shape ``[0]``); there the weight syncs use
+        :meth:`load_weights` (``reload_weights``), and a call raises ``RuntimeError`` naming the reason.
 
         CuMemAllocator re-maps a woken pool at the same addresses, so these tensors stay valid across
         sleep/wake; write them only while the weights are resident. Calling it marks the weights as
@@ -585,14 +585,11 @@ class VLLMEngine:
         """
         repacked = self.worker_info.repacked
         if repacked:
-            raise AttributeError(
+            raise RuntimeError(
                 f"named_parameters() is not offered: vLLM repacked {len(repacked)} parameters (e.g. "
                 f"{repacked[0]!r}) to shape [0] after loading (the vLLM CPU backend does this to linear "
                 f"weights), so they cannot be written in place; use load_weights() (reload_weights)"
             )
-        return self._named_parameters
-
-    def _named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         models = self.llm.apply_model(identity)
         if len(models) != 1:
             raise RuntimeError(f"expected one in-process vLLM worker per rank, got {len(models)}")

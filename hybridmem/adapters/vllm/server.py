@@ -182,7 +182,8 @@ class VLLMServerEngine:
         self.frees_memory = (self.accel.name != "cpu") if frees_memory is None else bool(frees_memory)
         self.capabilities = EngineCapabilities(
             frees_memory=self.frees_memory, memory_note=self.memory_note, writes_in_place=True,
-            reports_residency=True, stages_weights=True,
+            reports_residency=True, stages_weights=True, checks_weights=True, describes_weights=True,
+            reports_model_type=True, reports_layout=True,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
         self.directory = self._shared_directory(staging_dir)

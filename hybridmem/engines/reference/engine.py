@@ -76,7 +76,8 @@ class ReferenceEngine:
     """
 
     capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
-                                      binds_phase=True)
+                                      binds_phase=True, describes_decoder=True, describes_weights=True,
+                                      reports_layout=True, sizes_kv_by_share=True)
     """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
 
     def __init__(
