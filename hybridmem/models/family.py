@@ -77,6 +77,9 @@ class Family:
     family does not support."""
     aliases: tuple[str, ...] = ()
     """Other ``model_type`` values described by this family (``mistral`` by ``llama``)."""
+    multimodal_types: tuple[str, ...] = ()
+    """``model_type`` values of multimodal configs that nest this family's config as ``text_config`` (Qwen3.5's
+    ``qwen3_5``): a spec of such a config is the text model's, read from its ``text_config``."""
     architectures: tuple[str, ...] = ()
     """HF/vLLM architecture names of the family (``config.architectures``)."""
     moe: bool = False

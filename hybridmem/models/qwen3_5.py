@@ -73,6 +73,7 @@ _EMBEDDED = "gated delta-net (linear attention) layers and gated attention are n
 
 QWEN3_5 = Family(
     name="qwen3_5_text",
+    multimodal_types=("qwen3_5",),
     architectures=("Qwen3_5ForCausalLM",),
     read_config=read_config,
     attention_output_gate=True,
@@ -94,6 +95,7 @@ def read_moe_config(get: ConfigGetter) -> dict[str, Any]:
 
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe_text",
+    multimodal_types=("qwen3_5_moe",),
     architectures=("Qwen3_5MoeForCausalLM",),
     read_config=read_moe_config,
     moe=True,

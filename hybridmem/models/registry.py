@@ -19,7 +19,7 @@ from hybridmem.models.qwen3 import QWEN3
 from hybridmem.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from hybridmem.models.qwen3_moe import QWEN3_MOE
 
-__all__ = ["FAMILIES", "ALIASES", "get_family", "family_name"]
+__all__ = ["FAMILIES", "ALIASES", "MULTIMODAL", "get_family", "family_name"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, PHI3, GEMMA3, GLM4_MOE, GRANITE, GPT_OSS,
@@ -31,8 +31,13 @@ ALIASES: dict[str, str] = {alias: f.name for f in FAMILIES.values() for alias in
 """Other ``model_type`` values -> the family that describes them."""
 
 
+MULTIMODAL: dict[str, str] = {mm: f.name for f in FAMILIES.values() for mm in f.multimodal_types}
+"""``model_type`` values of multimodal configs -> the family of their ``text_config``."""
+
+
 def family_name(model_type: str) -> str:
-    """The family describing ``model_type`` (itself, or the family it is an alias of).
+    """The family describing ``model_type`` (itself, the family it is an alias of, or the text family of a
+    multimodal ``model_type``).
 
     Raises:
         ValueError: No family describes it; the message lists the supported ones.
@@ -41,7 +46,9 @@ def family_name(model_type: str) -> str:
         return model_type
     if model_type in ALIASES:
         return ALIASES[model_type]
-    known = sorted([*FAMILIES, *ALIASES])
+    if model_type in MULTIMODAL:
+        return MULTIMODAL[model_type]
+    known = sorted([*FAMILIES, *ALIASES, *MULTIMODAL])
     raise ValueError(f"model_type={model_type!r} is not supported; expected one of {known}")
 
 

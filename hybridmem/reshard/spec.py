@@ -284,14 +284,22 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelSpec:
         """Build from a ``transformers`` config object or a dict with the same keys, read by the family's
-        own reader (:attr:`hybridmem.models.Family.read_config`).
+        own reader (:attr:`hybridmem.models.Family.read_config`). A multimodal config the family names
+        (:attr:`hybridmem.models.Family.multimodal_types`, Qwen3.5's ``qwen3_5``) gives its text model's spec,
+        read from its ``text_config``.
 
         Raises:
-            ValueError: Unknown ``model_type``, a required key is missing, or a value the family's
-                description does not cover (each named).
+            ValueError: Unknown ``model_type``, a required key is missing (a multimodal config's
+                ``text_config`` too), or a value the family's description does not cover (each named).
         """
         get = getter(cfg)
-        family = get_family(get("model_type", "llama") or "llama")
+        model_type = get("model_type", "llama") or "llama"
+        family = get_family(model_type)
+        if model_type in family.multimodal_types:
+            text = get("text_config")
+            if text is None:
+                raise ValueError(f"model_type={model_type!r}: the multimodal config lacks text_config")
+            get = getter(text)
         return cls(family=family.name, **family.read_config(get))
 
     def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]], layer: int) -> None:

@@ -237,6 +237,42 @@ def test_qwen3_5_is_refused_by_the_embedded_engine_and_megatron(model_type, tmp_
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
 
 
+@pytest.mark.parametrize("model_type,multimodal", [("qwen3_5_text", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5_moe")])
+def test_qwen3_5_multimodal_checkpoints_are_read_as_their_text_model(model_type, multimodal, tmp_path):
+    """The Hub's Qwen3.5 checkpoints are multimodal: a ``text_config`` nested in config.json, text weights under
+    ``model.language_model.*``. Their config (object or config.json) gives the text model's spec; the text
+    weights are the spec's checkpoint with that prefix; and transformers' causal LM of such a checkpoint (its
+    text model) has exactly the spec's module tensors, each equal to the checkpoint's values where the
+    source layout says (what a training copy of it syncs from)."""
+    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
+    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+
+    text = {**_COMMON, **CONFIGS[model_type]}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=_COMMON["hidden_size"],
+                  num_position_embeddings=16)
+    cfg = transformers.AutoConfig.for_model(multimodal, text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
+    saved = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        saved.update(safetensors_torch.load_file(f))
+    import json  # noqa: PLC0415
+
+    spec = ModelSpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert spec == ModelSpec.from_hf_config(cfg) == ModelSpec.from_hf_config(cfg.text_config)
+    assert spec.family == model_type
+    prefix = "model.language_model."
+    weights = {("model." + n[len(prefix):] if n.startswith(prefix) else n): t for n, t in saved.items()
+               if not n.startswith("model.visual.")}
+    assert {n: tuple(t.shape) for n, t in weights.items()} == spec.full_shapes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ours = hf_module_tensors(spec)
+    assert sorted(ours) == sorted(params)
+    for name, local in ours.items():
+        assert torch.equal(build_local(local, weights, dtype=torch.float32), params[name]), name
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_qwen3_5_module_tensors_are_transformers_parameters(model_type, tmp_path):
     """The FSDP2 source layout's tensors (``hf_module_tensors``) are transformers' own parameters: the same
