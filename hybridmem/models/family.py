@@ -111,6 +111,21 @@ class Family:
     extra_norms: tuple[str, ...] = ()
     """Per-layer norm weights beyond ``input_layernorm`` and ``post_attention_layernorm`` (Gemma 3's
     sandwich norms), each a [hidden_size] tensor replicated on every rank."""
+    experts_optional: bool = False
+    """A MoE family whose configs may have no experts: a config without ``num_experts`` is dense (Gemma 4's
+    ``enable_moe_block``)."""
+    dense_mlp_with_experts: bool = False
+    """MoE layers keep a dense MLP of ``intermediate_size`` beside the experts (Gemma 4)."""
+    experts_fused_gate_up: bool = False
+    """One expert's gate and up projections are one tensor, canonically ``mlp.experts.{e}.gate_up_proj.weight``
+    [2I, H] of contiguous [gate; up] rows (Gemma 4's checkpoint stacks them over experts); vLLM takes rows of
+    each half per TP rank, as for separate gate and up tensors."""
+    router_scales: bool = False
+    """The router has a per-dimension input scale ``mlp.gate.scale`` [hidden_size] and a per-expert output scale
+    ``mlp.gate.per_expert_scale`` [num_experts] canonically, both whole on every rank (Gemma 4)."""
+    moe_norms: tuple[str, ...] = ()
+    """Norm weights [hidden_size] of the MoE layers only, replicated (Gemma 4's ``pre_feedforward_layernorm_2``,
+    ``post_feedforward_layernorm_1`` and ``post_feedforward_layernorm_2``)."""
     layer_scalar: bool = False
     """Every layer has a ``layer_scalar`` [1] (Gemma 4), replicated on every rank. transformers and vLLM
     hold it as a persistent buffer, not a parameter: the checkpoint has it and vLLM's loader fills it, so

@@ -3,6 +3,11 @@ width and kv heads of their own between sliding ones (``global_head_dim``, ``num
 where ``attention_k_eq_v`` the full layers' values are their keys (no ``v_proj``), and a ``layer_scalar`` per
 layer. Tied embeddings by default.
 
+With ``enable_moe_block`` (the 26B-A4B model) every layer has routed experts beside its dense MLP: a router
+(``router.proj``, an input ``scale`` and a ``per_expert_scale``), experts stacked over experts in the checkpoint
+(``experts.gate_up_proj`` [E, 2I, H] with each expert's gate rows then up rows, ``experts.down_proj``
+[E, H, I]), and three more norms.
+
 Not read: per-layer input embeddings (``hidden_size_per_layer_input``, the E2B/E4B models), layers sharing
 another layer's keys and values (``num_kv_shared_layers``), attention biases; each is refused by name.
 """
@@ -84,9 +89,10 @@ def refuse_unsupported(get: ConfigGetter, family: str) -> None:
 def read_config(get: ConfigGetter) -> dict[str, Any]:
     require(get, "head_dim", "intermediate_size")
     refuse_unsupported(get, "gemma4_text")
-    if get("enable_moe_block", False):
-        raise ValueError("enable_moe_block=True is not supported for gemma4_text yet; expected False")
     fields = gqa_fields(get, qkv_bias=False, qk_norm=True)
+    if get("enable_moe_block", False):
+        require(get, "num_experts", "moe_intermediate_size")
+        fields.update(num_experts=int(get("num_experts")), moe_intermediate_size=int(get("moe_intermediate_size")))
     fields["tie_word_embeddings"] = bool(get("tie_word_embeddings", True))
     fields.update(attention_fields(get, fields["head_dim"], fields["num_key_value_heads"]))
     return fields
@@ -98,6 +104,27 @@ GEMMA4 = Family(
     read_config=read_config,
     extra_norms=("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
     layer_scalar=True,
+    moe=True,
+    experts_optional=True,
+    dense_mlp_with_experts=True,
+    experts_fused_gate_up=True,
+    router_scales=True,
+    moe_norms=("pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_1.weight",
+               "post_feedforward_layernorm_2.weight"),
+    checkpoint_renames=(
+        (r"^mlp\.gate\.weight$", "router.proj.weight"),
+        (r"^mlp\.gate\.(scale|per_expert_scale)$", r"router.\1"),
+    ),
+    checkpoint_stacked=(
+        (r"mlp\.experts\.(\d+)\.gate_up_proj\.weight", "experts.gate_up_proj", False),
+        (r"mlp\.experts\.(\d+)\.down_proj\.weight", "experts.down_proj", False),
+    ),
+    module_names="checkpoint",
+    vllm_renames=(
+        (r"^mlp\.gate\.weight$", "router.proj.weight"),
+        (r"^mlp\.gate\.(scale|per_expert_scale)$", r"router.\1"),
+        (r"^mlp\.experts\.", "experts."),
+    ),
     vllm_every_stage=True,
     embedded_engine="Gemma 4's sandwich norms, sliding and full-attention layers of different head widths and "
                     "layer scalars are no blocks of the embedded engine",

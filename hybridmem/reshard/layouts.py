@@ -395,7 +395,7 @@ def _all_heads_qk_norm(spec: ModelSpec, i: int) -> bool:
 
 
 def _dense_mlp(spec: ModelSpec, i: int) -> bool:
-    return not spec.is_moe_layer(i)
+    return not spec.is_moe_layer(i) or spec.traits.dense_mlp_with_experts
 
 
 def _dense_mlp_bias(spec: ModelSpec, i: int) -> bool:
@@ -407,7 +407,15 @@ def _moe(spec: ModelSpec, i: int) -> bool:
 
 
 def _split_experts(spec: ModelSpec, i: int) -> bool:
-    return spec.is_moe_layer(i) and not spec.traits.experts_interleaved
+    return spec.is_moe_layer(i) and not spec.traits.experts_interleaved and not spec.traits.experts_fused_gate_up
+
+
+def _fused_gate_up_experts(spec: ModelSpec, i: int) -> bool:
+    return spec.is_moe_layer(i) and spec.traits.experts_fused_gate_up
+
+
+def _moe_norm(norm: str) -> Callable[[ModelSpec, int], bool]:
+    return lambda spec, i: spec.is_moe_layer(i) and norm in spec.traits.moe_norms
 
 
 def _interleaved_experts(spec: ModelSpec, i: int) -> bool:
@@ -504,6 +512,13 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("mlp.down_proj.bias",), "mlp.linear_fc2.bias", "mlp.down_proj.bias", "replicate", when=_dense_mlp_bias),
     # MoE: the TE spec keeps pre_mlp_layernorm unfused for MoE layers.
     LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=_moe),
+    # Gemma 4: the router's input and per-expert scales, and the norms around its experts.
+    *(LayerRule((f"mlp.gate.{scale}",), None, f"mlp.gate.{scale}", "replicate",
+                when=lambda s, i: s.is_moe_layer(i) and s.traits.router_scales)
+      for scale in ("scale", "per_expert_scale")),
+    *(LayerRule((norm,), None, norm, "replicate", when=_moe_norm(norm))
+      for norm in ("pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_1.weight",
+                   "post_feedforward_layernorm_2.weight")),
     # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM, which has it only for noaux_tc routing.
     LayerRule(("mlp.gate.e_score_correction_bias",), "mlp.router.expert_bias", None, "replicate",
               when=lambda s, i: s.is_moe_layer(i) and s.has_router_bias),
@@ -519,6 +534,9 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     # parallelism MoE-TP is 1, so every rank holds its experts' biases whole.
     LayerRule(("mlp.experts.{e}.gate_up_proj.weight",), None, "<experts_w13>", "experts_column",
               when=_interleaved_experts),
+    # Gemma 4: one expert's [gate; up] in one tensor; each MoE-TP rank takes its rows of either half.
+    LayerRule(("mlp.experts.{e}.gate_up_proj.weight",), None, "<experts_w13>", "experts_gate_up",
+              when=_fused_gate_up_experts),
     LayerRule(("mlp.experts.{e}.gate_up_proj.bias",), None, "<experts_w13_bias>", "experts_column",
               when=_interleaved_experts),
     LayerRule(("mlp.experts.{e}.down_proj.bias",), None, "<experts_w2_bias>", "experts_first_rank",
@@ -588,6 +606,14 @@ def _gate_up(hf: tuple[str, ...], shapes: Shapes, rank: int, num: int) -> LocalT
     return concat([split(name, shapes[name], axis=0, rank=rank, num=num) for name in hf])
 
 
+def _halves(name: str, shapes: Shapes, rank: int, num: int) -> LocalTensor:
+    """Rank ``rank``'s rows of each half of ``name`` ([gate; up] in one tensor), as :func:`_gate_up` takes them
+    of two tensors."""
+    rows = shapes[name][0] // 2
+    lo, hi = chunk(rows, rank, num, what=f"rows of either half of {name}")
+    return concat([block(name, shapes[name], lo, hi), block(name, shapes[name], rows + lo, rows + hi)])
+
+
 def _vocab_rows(side: Side, spec: ModelSpec, conv: object, c: RankCoords) -> int:
     v = spec.vocab_size
     if side is Side.MEGATRON and conv.padded_vocab_size is not None:
@@ -649,7 +675,9 @@ def _build_rule(rule: LayerRule, layout: ShardLayout, c: RankCoords, layer: int,
         parts = []
         for e in range(lo, hi):
             names = tuple(s.format(e=e) for s in hf)
-            if rule.kind == "experts_gate_up":
+            if rule.kind == "experts_gate_up" and len(names) == 1:
+                parts.append(_halves(names[0], shapes, c.moe_tp_rank, c.moe_tp))
+            elif rule.kind == "experts_gate_up":
                 parts.append(_gate_up(names, shapes, c.moe_tp_rank, c.moe_tp))
             elif rule.kind == "experts_column":
                 parts.append(split(names[0], shapes[names[0]], axis=0, rank=c.moe_tp_rank, num=c.moe_tp))

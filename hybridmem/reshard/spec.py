@@ -156,6 +156,8 @@ class ModelSpec:
                                  f"{self.num_attention_heads} for MLA (every head has its own key and value)")
         if self.is_moe:
             _positive("num_experts", self.num_experts)
+            if self.traits.dense_mlp_with_experts:
+                _positive("intermediate_size", self.intermediate_size)
             _positive("moe_intermediate_size", self.moe_intermediate_size)
             if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
                 raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in "
@@ -214,8 +216,9 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
-        """Whether the MLP of every layer is a mixture of experts."""
-        return self.traits.moe
+        """Whether the MLP of every layer is a mixture of experts (of a family whose experts are optional, a
+        config that gives them)."""
+        return self.traits.moe and (self.num_experts > 0 or not self.traits.experts_optional)
 
     @property
     def is_mla(self) -> bool:
@@ -229,6 +232,8 @@ class ModelSpec:
     @property
     def has_dense_layers(self) -> bool:
         """Whether any layer has a dense MLP."""
+        if self.traits.dense_mlp_with_experts:
+            return True
         return not self.is_moe or self.first_k_dense_replace > 0
 
     @property
@@ -394,7 +399,7 @@ class ModelSpec:
                 shapes[p + norm] = (h,)
             if self.traits.layer_scalar:
                 shapes[p + "layer_scalar"] = (1,)
-            if not self.is_moe_layer(i):
+            if not self.is_moe_layer(i) or self.traits.dense_mlp_with_experts:
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.{proj}_proj.weight"] = (self.intermediate_size, h)
                     if self.mlp_bias:
@@ -402,8 +407,14 @@ class ModelSpec:
                 shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
                 if self.mlp_bias:
                     shapes[p + "mlp.down_proj.bias"] = (h,)
-                continue
+                if not self.is_moe_layer(i):
+                    continue
+            for norm in self.traits.moe_norms:
+                shapes[p + norm] = (h,)
             shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+            if self.traits.router_scales:
+                shapes[p + "mlp.gate.scale"] = (h,)
+                shapes[p + "mlp.gate.per_expert_scale"] = (self.num_experts,)
             if self.traits.router_linear_bias:
                 shapes[p + "mlp.gate.bias"] = (self.num_experts,)
             if self.has_router_bias:
@@ -411,6 +422,10 @@ class ModelSpec:
             width = self.moe_intermediate_size
             for e in range(self.num_experts):
                 x = p + f"mlp.experts.{e}."
+                if self.traits.experts_fused_gate_up:
+                    shapes[x + "gate_up_proj.weight"] = (2 * width, h)
+                    shapes[x + "down_proj.weight"] = (h, width)
+                    continue
                 if self.traits.experts_interleaved:
                     shapes[x + "gate_up_proj.weight"] = (2 * width, h)
                     shapes[x + "gate_up_proj.bias"] = (2 * width,)

@@ -208,6 +208,34 @@ def test_gemma4_features_without_layout_rows_are_refused_by_name(key, value, nam
         ModelSpec.from_hf_config(config)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_gemma4_moe_is_what_transformers_saves(tied, tmp_path):
+    """enable_moe_block: experts beside the dense MLP, stacked in the checkpoint, the router's scales, three
+    more norms."""
+    cfg, saved = _saved("gemma4_text", tmp_path, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=8, tie_word_embeddings=tied)
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.is_moe and spec.full_shapes() == saved
+    assert saved["model.layers.0.experts.gate_up_proj"] == (4, 2 * 8, 64)
+    assert not ModelSpec.from_hf_config(_saved("gemma4_text", tmp_path / "dense")[0]).is_moe
+
+
+def test_gemma4_moe_experts_are_the_checkpoints_slices(tmp_path):
+    """At TP 2 vLLM's w13 of an expert holds its rank's rows of the gate half, then of the up half."""
+    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+
+    cfg = transformers.AutoConfig.for_model("gemma4_text", **{**_COMMON, **CONFIGS["gemma4_text"], "enable_moe_block": True,
+                                                              "num_experts": 4, "top_k_experts": 2,
+                                                              "moe_intermediate_size": 8})
+    torch.manual_seed(0)
+    weights = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()  # with the layer_scalar buffers
+    local = shard(weights, vllm_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(tp=2), 2), 1)
+    fused = weights["model.layers.0.experts.gate_up_proj"]
+    assert torch.equal(local["model.layers.0.experts.routed_experts.w13_weight"],
+                       torch.cat([fused[:, 4:8], fused[:, 12:16]], dim=1))
+    assert torch.equal(local["model.layers.0.router.per_expert_scale"], weights["model.layers.0.router.per_expert_scale"])
+
+
 def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_path):
     """Read from transformers' config object, its config.json (``per_layer_config``) and the Hub's form
     (``global_head_dim``, ``num_global_key_value_heads``) alike; the widths are those transformers builds."""

@@ -69,6 +69,14 @@ MODELS = {
                                    num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=96,
                                    hidden_size_per_layer_input=0, sliding_window=16,
                                    layer_types=["sliding_attention", "full_attention"])),
+    # Gemma 4 MoE (untied): routed experts beside every layer's dense MLP, the router's scales and three more
+    # norms; the checkpoint stacks each expert's [gate; up] rows over experts.
+    "gemma4-moe": ("gemma4_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+                                       num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=96,
+                                       hidden_size_per_layer_input=0, sliding_window=16,
+                                       layer_types=["sliding_attention", "full_attention"], enable_moe_block=True,
+                                       num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                                       tie_word_embeddings=False)),
     # MiniMax-M2: block_sparse_moe with experts w1/w3/w2, a router correction bias (use_routing_bias), q/k norms
     # over all heads that vLLM splits by heads (k's replicated with its kv heads at TP 4), partial RoPE.
     "minimax-m2": ("minimax_m2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
