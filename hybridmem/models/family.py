@@ -137,7 +137,9 @@ class Family:
     checkpoint_stacked: tuple[tuple[str, str, bool], ...] = ()
     """``(canonical suffix regex with the expert index as group 1, checkpoint suffix, transposed)``: one
     expert's tensor is slice ``[e]`` of a checkpoint tensor stacked over experts, its last two axes swapped
-    when ``transposed`` (gpt-oss's ``mlp.experts.gate_up_proj`` [E, H, 2I])."""
+    when ``transposed`` (gpt-oss's ``mlp.experts.gate_up_proj`` [E, H, 2I]). Entries naming the same checkpoint
+    suffix are row blocks of it in entry order, each of one expert tensor's rows (Llama 4's
+    ``feed_forward.experts.gate_up_proj`` [E, H, 2I] holds gate then up, transposed)."""
     module_names: str = "canonical"
     """``"canonical"``: transformers' modules hold the canonical tensors (experts fused); ``"checkpoint"``:
     they hold the checkpoint's tensors as stored."""
@@ -147,6 +149,9 @@ class Family:
     ``mlp.e_score_correction_bias``, a buffer of the MoE block)."""
     vllm_renames: tuple[tuple[str, str], ...] = ()
     """``(pattern, replacement)`` regex substitutions, canonical vLLM layer suffix -> the family's."""
+    vllm_rotary_permute: bool = False
+    """vLLM's loader reorders each q and k head's rows from interleaved rotary pairs to halves (row ``2i + j`` of a
+    head to ``j * head_dim / 2 + i``) before splitting them (Llama 4's ``permute_qk_weight_for_rotary``)."""
     vllm_embedding: str = "model.embed_tokens.weight"
     """vLLM's name of the token embedding (gpt-oss: ``model.embedding.weight``)."""
     vllm_every_stage: bool = False

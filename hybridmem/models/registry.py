@@ -10,6 +10,7 @@ from hybridmem.models.glm4_moe import GLM4_MOE
 from hybridmem.models.gpt_oss import GPT_OSS
 from hybridmem.models.granite import GRANITE
 from hybridmem.models.llama import LLAMA
+from hybridmem.models.llama4 import LLAMA4
 from hybridmem.models.minimax_m2 import MINIMAX_M2
 from hybridmem.models.mixtral import MIXTRAL
 from hybridmem.models.phi3 import PHI3
@@ -23,7 +24,7 @@ __all__ = ["FAMILIES", "ALIASES", "MULTIMODAL", "get_family", "family_name"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, PHI3, GEMMA3, GLM4_MOE, GRANITE, GPT_OSS,
-    MINIMAX_M2, GEMMA4, QWEN3_5, QWEN3_5_MOE,
+    MINIMAX_M2, LLAMA4, GEMMA4, QWEN3_5, QWEN3_5_MOE,
 )}
 """Every family by its own ``model_type``."""
 

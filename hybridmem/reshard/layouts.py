@@ -602,6 +602,23 @@ def _kv_rows(spec: ModelSpec, name: str, shapes: Shapes, c: RankCoords) -> Local
     return block(name, shapes[name], lo * hd, hi * hd)
 
 
+def _rotary_permuted(local: LocalTensor, names: tuple[str, ...], head_dim: int) -> LocalTensor:
+    """``local`` with the rows of each q and k head (``names``, canonical) reordered as vLLM's Llama 4 loader
+    reorders them before splitting: row ``2i + j`` of a head goes to ``j * head_dim / 2 + i``. Every piece of q
+    or k covers whole heads; it becomes one piece per row."""
+    half, pieces = head_dim // 2, []
+    for p in local.pieces:
+        if p.hf_name not in names:
+            pieces.append(p)
+            continue
+        (a, b), rest = p.src[0], p.src[1:]
+        for row in range(a, b):
+            o = row % head_dim
+            dst = p.dst_start[0] + (row - o - a) + (o % 2) * half + o // 2
+            pieces.append(Piece(p.hf_name, ((row, row + 1), *rest), p.dst_prefix, (dst, *p.dst_start[1:])))
+    return LocalTensor(local.shape, tuple(pieces))
+
+
 def _gate_up(hf: tuple[str, ...], shapes: Shapes, rank: int, num: int) -> LocalTensor:
     return concat([split(name, shapes[name], axis=0, rank=rank, num=num) for name in hf])
 
@@ -875,7 +892,11 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
             if (experts if rule.kind in EXPERT_KINDS else dense) and rule.when(spec, layer):
-                out.update(_build_rule(rule, layout, c, layer, local, shapes))
+                built = _build_rule(rule, layout, c, layer, local, shapes)
+                if rule.kind == "qkv" and side is Side.VLLM and spec.traits.vllm_rotary_permute:
+                    qk = tuple(f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in ("q", "k"))
+                    built = {n: _rotary_permuted(t, qk, spec.head_dim) for n, t in built.items()}
+                out.update(built)
     if dense and (c.last_stage or every_stage):
         if side is Side.MEGATRON:
             out["decoder.final_layernorm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])

@@ -84,6 +84,10 @@ class ModelSpec:
     is ``moe_intermediate_size * n_shared_experts``."""
     first_k_dense_replace: int = 0
     """MoE families: the first this many layers have a dense MLP of ``intermediate_size`` (DeepSeek-V3)."""
+    moe_layer_step: int = 1
+    """MoE families: of the layers past :attr:`first_k_dense_replace`, every this many is MoE (layer ``i`` when
+    ``(i + 1) % moe_layer_step == 0``), the others dense of ``intermediate_size`` (Llama 4's
+    ``interleave_moe_layer_step``)."""
     q_lora_rank: int = 0
     """MLA: rank of the query down-projection (``q_a_proj``); 0 projects queries directly (``q_proj``)."""
     kv_lora_rank: int = 0
@@ -162,7 +166,8 @@ class ModelSpec:
             if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
                 raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be in "
                                  f"[0, num_hidden_layers={self.num_hidden_layers}]")
-            if self.first_k_dense_replace:
+            _positive("moe_layer_step", self.moe_layer_step)
+            if self.first_k_dense_replace or self.moe_layer_step > 1:
                 _positive("intermediate_size", self.intermediate_size)
         else:
             _positive("intermediate_size", self.intermediate_size)
@@ -227,14 +232,14 @@ class ModelSpec:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (global index) has a mixture-of-experts MLP."""
-        return self.is_moe and layer >= self.first_k_dense_replace
+        return self.is_moe and layer >= self.first_k_dense_replace and (layer + 1) % self.moe_layer_step == 0
 
     @property
     def has_dense_layers(self) -> bool:
         """Whether any layer has a dense MLP."""
         if self.traits.dense_mlp_with_experts:
             return True
-        return not self.is_moe or self.first_k_dense_replace > 0
+        return not self.is_moe or self.first_k_dense_replace > 0 or self.moe_layer_step > 1
 
     @property
     def has_router_bias(self) -> bool:
@@ -470,7 +475,10 @@ def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, 
     if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
         return dict(canonical), {name: Placement(name) for name in canonical}
     fused = {part: (whole, parts) for parts, whole in family.checkpoint_fused for part in parts}
-    stacked = [(re.compile(pattern), whole, transposed) for pattern, whole, transposed in family.checkpoint_stacked]
+    # Entries naming one stacked tensor are its row blocks (canonical rows, before any transposition), in order.
+    wholes = [whole for _, whole, _ in family.checkpoint_stacked]
+    stacked = [(re.compile(pattern), whole, transposed, wholes[:k].count(whole), wholes.count(whole))
+               for k, (pattern, whole, transposed) in enumerate(family.checkpoint_stacked)]
     shapes: dict[str, tuple[int, ...]] = {}
     where: dict[str, Placement] = {}
     for name, shape in canonical.items():
@@ -482,15 +490,15 @@ def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, 
                 shapes[target] = (sum(canonical[prefix + q][0] for q in parts), *shape[1:])
             where[name] = Placement(target, sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
             continue
-        match = stacked and next(((m, whole, t) for pattern, whole, t in stacked if (m := pattern.fullmatch(suffix))),
-                                 None)
+        match = stacked and next(((m, *rest) for pattern, *rest in stacked if (m := pattern.fullmatch(suffix))), None)
         if match:
-            m, whole, transposed = match
+            m, whole, transposed, part, parts = match
             target, expert = prefix + whole, int(m.group(1))
-            inner = (*shape[:-2], shape[-1], shape[-2]) if transposed else shape
+            rows = (parts * shape[0], *shape[1:])
+            inner = (*rows[:-2], rows[-1], rows[-2]) if transposed else rows
             if target not in shapes:
                 shapes[target] = (spec.num_experts, *inner)
-            where[name] = Placement(target, index=(expert,), transposed=transposed)
+            where[name] = Placement(target, row=part * shape[0], index=(expert,), transposed=transposed)
             continue
         target = prefix + family.checkpoint_suffix(suffix) if prefix else name
         shapes[target] = shape

@@ -43,6 +43,9 @@ CONFIGS = {
                      num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True),
     "gpt_oss": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
                     num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "llama4_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+                        intermediate_size_mlp=40, num_local_experts=4, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2),
     "minimax_m2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
                        num_local_experts=4, num_experts_per_tok=2, rotary_dim=8, scoring_func="sigmoid",
                        use_routing_bias=True),
@@ -128,6 +131,34 @@ def test_a_family_megatron_cannot_express_is_refused_by_name(tmp_path):
     cfg, _ = _saved("minimax_m2", tmp_path / "minimax_m2")
     with pytest.raises(ValueError, match="family='minimax_m2' has no Megatron-core layout: .*all heads together"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+    cfg, _ = _saved("llama4_text", tmp_path / "llama4_text")
+    with pytest.raises(ValueError, match="family='llama4_text' has no Megatron-core layout: .*interleaved dense and MoE"):
+        megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+
+
+def test_llama4_layers_experts_and_rotary_rows(tmp_path):
+    """Llama 4 at vLLM TP 1: layer 1 of 3 is MoE (interleave_moe_layer_step 2), its experts are the checkpoint's
+    stacked tensors sliced and transposed (gate then up), and each q/k head's rows are reordered from interleaved
+    pairs to halves as vLLM's loader reorders them; MoE layers placed otherwise than vLLM places them are
+    refused by name. tests/reshard/test_vllm_names.py checks the same against vLLM's loaders."""
+    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+
+    cfg, _ = _saved("llama4_text", tmp_path)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    spec = ModelSpec.from_hf_config(cfg)
+    assert [spec.is_moe_layer(i) for i in range(3)] == [False, True, False]
+    local = shard(weights, vllm_layout(spec, ParallelLayout(), 1), 0)
+    x = "model.layers.1.feed_forward."
+    assert torch.equal(local[x + "experts.routed_experts.w13_weight"], weights[x + "experts.gate_up_proj"].transpose(1, 2))
+    assert torch.equal(local[x + "experts.routed_experts.w2_weight"], weights[x + "experts.down_proj"].transpose(1, 2))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    heads, hd = cfg.num_attention_heads, cfg.head_dim
+    halves = q.view(heads, hd // 2, 2, -1).transpose(1, 2).reshape(q.shape)
+    assert torch.equal(local["model.layers.0.self_attn.qkv_proj.weight"][: q.shape[0]], halves)
+    with pytest.raises(ValueError, match=r"moe_layers=\[0, 2\] is not supported for llama4_text"):
+        ModelSpec.from_hf_config({**cfg.to_dict(), "moe_layers": [0, 2]})
 
 
 def test_minimax_m2_router_bias_and_configs_it_refuses(tmp_path):
@@ -185,6 +216,8 @@ def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
         ReferenceEngine(_saved("gpt_oss", tmp_path / "gpt_oss")[0].to_dict())
     with pytest.raises(ValueError, match=r"model_type='minimax_m2' does not run in the embedded engine \(MiniMax-M2"):
         ReferenceEngine(_saved("minimax_m2", tmp_path / "minimax_m2")[0].to_dict())
+    with pytest.raises(ValueError, match=r"model_type='llama4_text' does not run in the embedded engine \(Llama 4"):
+        ReferenceEngine(_saved("llama4_text", tmp_path / "llama4_text")[0].to_dict())
 
 
 def test_gemma4_is_refused_by_the_embedded_engine_and_megatron(tmp_path):

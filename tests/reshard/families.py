@@ -77,6 +77,13 @@ MODELS = {
                                        layer_types=["sliding_attention", "full_attention"], enable_moe_block=True,
                                        num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                                        tie_word_embeddings=False)),
+    # Llama 4 text: a dense layer then a MoE layer (interleave_moe_layer_step 2) with a shared expert, experts stacked
+    # and transposed in the checkpoint (gate_up_proj [E, H, 2I]), q/k rows reordered per head by vLLM's loader, the
+    # second layer without RoPE.
+    "llama4": ("llama4_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
+                                   intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                                   interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=None,
+                                   tie_word_embeddings=False)),
     # MiniMax-M2: block_sparse_moe with experts w1/w3/w2, a router correction bias (use_routing_bias), q/k norms
     # over all heads that vLLM splits by heads (k's replicated with its kv heads at TP 4), partial RoPE.
     "minimax-m2": ("minimax_m2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
