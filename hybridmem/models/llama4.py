@@ -8,6 +8,11 @@ stack the routed experts transposed: ``feed_forward.experts.gate_up_proj`` [E, H
 ``feed_forward.experts.down_proj`` [E, I, H]; the shared expert is ``feed_forward.shared_expert`` of the experts'
 width ``intermediate_size``. vLLM keeps ``feed_forward`` and its loader reorders each q and k head's rows from
 interleaved rotary pairs to halves (it rotates halves where the checkpoint rotates pairs).
+
+The Hub's checkpoints are multimodal (``llama4``): the text config nested as ``text_config``, the text weights
+under ``language_model.`` (``language_model.model.layers.*``, ``language_model.lm_head.weight``, as transformers'
+``Llama4ForConditionalGeneration`` saves them too); such a config gives the text model's spec, and
+transformers' causal LM of such a checkpoint is the text model with the names above.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ LLAMA4 = Family(
     module_names="checkpoint",
     vllm_renames=((r"^mlp\.gate\.", "feed_forward.router."), (r"^mlp\.", "feed_forward.")),
     vllm_rotary_permute=True,
+    multimodal_types=("llama4",),
     megatron="hybridmem's Megatron names do not cover Llama 4's interleaved dense and MoE layers, and its rotary "
              "pairs are interleaved where megatron-core rotates halves",
     embedded_engine="Llama 4's mixture of experts, NoPE layers with attention temperature and q/k L2 norms are no "

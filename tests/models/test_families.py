@@ -136,6 +136,40 @@ def test_a_family_megatron_cannot_express_is_refused_by_name(tmp_path):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
 
 
+def test_llama4_multimodal_checkpoints_are_read_as_their_text_model(tmp_path):
+    """The Hub's Llama 4 checkpoints are multimodal (``llama4``): a ``text_config`` nested in config.json, text
+    weights under ``language_model.`` (``language_model.model.layers.*``, ``language_model.lm_head.weight``).
+    Their config (object or config.json) gives the text model's spec; the text weights are the spec's checkpoint
+    under that prefix; and transformers' causal LM of such a checkpoint has exactly the spec's module tensors,
+    each equal to the checkpoint's values where the source layout says."""
+    import json  # noqa: PLC0415
+
+    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
+    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    cfg = transformers.AutoConfig.for_model("llama4", text_config={**_COMMON, **CONFIGS["llama4_text"]},
+                                            vision_config=vision)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
+    saved = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        saved.update(safetensors_torch.load_file(f))
+    spec = ModelSpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert spec == ModelSpec.from_hf_config(cfg) == ModelSpec.from_hf_config(cfg.text_config)
+    assert spec.family == "llama4_text"
+    prefix = "language_model."
+    weights = {n[len(prefix):]: t for n, t in saved.items() if n.startswith(prefix)}
+    assert {n: tuple(t.shape) for n, t in weights.items()} == spec.full_shapes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ours = hf_module_tensors(spec)
+    assert sorted(ours) == sorted(params)
+    for name, local in ours.items():
+        assert torch.equal(build_local(local, weights, dtype=torch.float32), params[name]), name
+
+
 def test_llama4_layers_experts_and_rotary_rows(tmp_path):
     """Llama 4 at vLLM TP 1: layer 1 of 3 is MoE (interleave_moe_layer_step 2), its experts are the checkpoint's
     stacked tensors sliced and transposed (gate then up), and each q/k head's rows are reordered from interleaved
