@@ -1,0 +1,91 @@
+"""The Hub's multimodal Qwen3.5 checkpoints (``qwen3_5``, ``qwen3_5_moe``: a nested ``text_config``, text weights
+under ``model.language_model.*``) served as the text model: vLLM's own ``Qwen3_5ForCausalLM`` /
+``Qwen3_5MoeForCausalLM`` and ``load_weights`` read the prefixed checkpoint, and every rank's parameters equal
+``shard`` of its text weights (the prefix dropped) under ``vllm_layout`` of the spec its config.json gives.
+
+The checkpoints are written by transformers' multimodal classes (``save_pretrained``) with every value
+replaced by a distinct number; the vision tower's weights are left out (the text model has no place for them).
+As in test_vllm_names.py, four workers build the model with vLLM's classes on CPU over gloo.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridmem.config import ParallelLayout
+from hybridmem.reshard import ModelSpec, shard, vllm_layout
+from hybridmem.testing.workers import WorkerPool
+from tests.reshard import _vllm_tasks
+from tests.reshard.families import COMMON, MODELS
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+try:  # vLLM's Qwen3.5 module imports its Qwen3-VL module, which imports torchvision
+    import torchvision  # noqa: F401
+except Exception as exc:  # noqa: BLE001 - a missing or broken install alike
+    pytest.skip(f"vLLM's Qwen3.5 model imports torchvision, which does not import here: {exc!r}",
+                allow_module_level=True)
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+MULTIMODAL = {"qwen3.5": ("qwen3_5", "Qwen3_5ForCausalLM"), "qwen3.5-moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")}
+PREFIX = "model.language_model."
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(WORLD, timeout_s=300) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``{model id: (dir, spec, {text hf name: tensor})}``."""
+    out = {}
+    for model_id, (model_type, architecture) in MULTIMODAL.items():
+        kw = MODELS[model_id][1]
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                      num_position_embeddings=16)
+        cfg = transformers.AutoConfig.for_model(model_type, text_config={**COMMON, **kw}, vision_config=vision,
+                                                tie_word_embeddings=kw["tie_word_embeddings"])
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(model_id)
+        transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(path)
+        names = {}
+        for f in sorted(path.glob("*.safetensors")):
+            names.update(safetensors_torch.load_file(f))
+            f.unlink()
+        names = {n: t for n, t in names.items() if not n.startswith("model.visual.")}
+        total = sum(t.numel() for t in names.values())
+        ids = (torch.randperm(total, generator=torch.Generator().manual_seed(1)) + 1).float()
+        weights, start = {}, 0
+        for n, t in sorted(names.items()):
+            weights[n] = ids[start:start + t.numel()].reshape(t.shape).clone()
+            start += t.numel()
+        assert any(n.startswith(PREFIX) for n in weights)
+        safetensors_torch.save_file(weights, path / "model.safetensors")
+        config = json.loads((path / "config.json").read_text())
+        config["architectures"] = [architecture]  # the text model, reading the multimodal checkpoint
+        (path / "config.json").write_text(json.dumps(config))
+        text = {("model." + n[len(PREFIX):] if n.startswith(PREFIX) else n): t for n, t in weights.items()}
+        out[model_id] = (str(path), ModelSpec.from_hf_config(config), text)
+    return out
+
+
+CASES = [(model, tp, pp) for model in MULTIMODAL for tp, pp in ((2, 1), (1, 2))]
+
+
+@pytest.mark.parametrize("model_id,tp,pp", CASES, ids=[f"{m}-tp{tp}-pp{pp}" for m, tp, pp in CASES])
+def test_multimodal_checkpoint_loads_as_the_text_layout(pool, checkpoints, model_id, tp, pp):
+    path, spec, text = checkpoints[model_id]
+    got = pool.run(_vllm_tasks.vllm_loaded_parameters, path, tp, pp, 1, world_size=WORLD)
+    layout = vllm_layout(spec, ParallelLayout(tp=tp, pp=pp), WORLD)
+    for rank in range(WORLD):
+        ours = shard(text, layout, rank)
+        assert set(ours) == set(got[rank]), (rank, sorted(set(ours) ^ set(got[rank])))
+        for name, tensor in got[rank].items():
+            assert torch.equal(ours[name], tensor), (rank, name)
