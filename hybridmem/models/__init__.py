@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from hybridmem.models.family import Family, RouterBias, getter
+from hybridmem.models.family import Family, RouterBias, TextModelNames, getter
 from hybridmem.models.registry import ALIASES, FAMILIES, family_name, get_family
 
-__all__ = ["Family", "RouterBias", "getter", "FAMILIES", "ALIASES", "family_name", "get_family"]
+__all__ = ["Family", "RouterBias", "TextModelNames", "getter", "FAMILIES", "ALIASES", "family_name", "get_family"]

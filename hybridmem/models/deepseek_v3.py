@@ -1,13 +1,21 @@
 """DeepSeek-V3 (and R1): multi-latent attention; the first ``first_k_dense_replace`` layers dense, the rest
 MoE with shared experts and a routing-score correction bias (``moe_layer_freq`` 1, as DeepSeek-V3 ships;
-no multi-token-prediction layers)."""
+no multi-token-prediction layers).
+
+Kimi-K2.5 (``kimi_k25``) is this text model inside a multimodal config (``text_config``, whose ``model_type`` the
+Hub's config calls ``kimi_k2``) with a vision tower and projector. Its checkpoint keeps the text model under
+``language_model.`` (``language_model.model.layers.*``, ``language_model.lm_head.weight``); vLLM's
+``KimiK25ForConditionalGeneration`` builds DeepSeek-V3's text model under ``language_model.`` and loads those
+names as they are; transformers 5.19's ``Kimi_K25ForConditionalGeneration`` names its modules
+``model.language_model.*`` and ``lm_head.weight``. Only the text model is synced: the vision tower and the
+projector are no part of the spec."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from hybridmem.models.common import require
-from hybridmem.models.family import ConfigGetter, Family, RouterBias
+from hybridmem.models.family import ConfigGetter, Family, RouterBias, TextModelNames
 
 
 def read_config(get: ConfigGetter) -> dict[str, Any]:
@@ -47,5 +55,14 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
     )
 
 
+KIMI_K25_NAMES = TextModelNames(
+    checkpoint=(("", "language_model."),),
+    vllm=(("", "language_model."),),
+    modules=(("model.", "model.language_model."),),
+    vllm_not_synced=("vision_tower.", "mm_projector."),
+)
+"""Kimi-K2.5's names of the text model's tensors."""
+
 DEEPSEEK_V3 = Family(name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), read_config=read_config,
+                     multimodal_types=("kimi_k25",), multimodal_names=(("kimi_k25", KIMI_K25_NAMES),),
                      moe=True, mla=True, router_bias=RouterBias.NOAUX_TC, shared_expert="shared_experts")

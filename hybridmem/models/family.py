@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["RouterBias", "Family", "ConfigGetter", "getter"]
+__all__ = ["RouterBias", "Family", "TextModelNames", "ConfigGetter", "getter"]
 
 ConfigGetter = Callable[..., Any]
 """``get(key, default=None)`` over a transformers config object or a dict."""
@@ -66,6 +66,43 @@ class RouterBias(Enum):
     (DeepSeek-V3)."""
 
 
+def _renamed(pairs: tuple[tuple[str, str], ...], name: str) -> str:
+    for old, new in pairs:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TextModelNames:
+    """Where a multimodal model keeps its text model's tensors: ``(text prefix, multimodal prefix)`` pairs that
+    rename a text model's name (``model.layers.0.mlp.gate.weight``, ``lm_head.weight``), the first pair whose
+    text prefix the name starts with applying (``("", "language_model.")`` prefixes every name). Only the text
+    model's tensors are described (and synced); the vision tower and projector are not."""
+
+    checkpoint: tuple[tuple[str, str], ...] = ()
+    """The checkpoint's names (Kimi-K2.5's ``language_model.model.layers.*``, ``language_model.lm_head.weight``)."""
+    vllm: tuple[tuple[str, str], ...] = ()
+    """vLLM's multimodal model class's names (its text model built under ``language_model.``)."""
+    modules: tuple[tuple[str, str], ...] = ()
+    """transformers' module names of the multimodal model (``model.language_model.*``, ``lm_head.weight``)."""
+    vllm_not_synced: tuple[str, ...] = ()
+    """Prefixes of vLLM's parameters that are not the text model's (Kimi-K2.5's ``vision_tower.``,
+    ``mm_projector.``): never synced, and no part of the vLLM adapter's name check."""
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of the text model's checkpoint tensor ``name``."""
+        return _renamed(self.checkpoint, name)
+
+    def vllm_name(self, name: str) -> str:
+        """vLLM's name of the text model's vLLM tensor ``name``."""
+        return _renamed(self.vllm, name)
+
+    def module_name(self, name: str) -> str:
+        """transformers' module name of the text model's module tensor ``name``."""
+        return _renamed(self.modules, name)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Family:
     """One model family (see [Note: canonical names])."""
@@ -80,6 +117,10 @@ class Family:
     multimodal_types: tuple[str, ...] = ()
     """``model_type`` values of multimodal configs that nest this family's config as ``text_config`` (Qwen3.5's
     ``qwen3_5``): a spec of such a config is the text model's, read from its ``text_config``."""
+    multimodal_names: tuple[tuple[str, TextModelNames], ...] = ()
+    """``(multimodal model_type, names)``: where that multimodal model keeps the text model's tensors; its spec
+    carries the type (``ModelSpec.multimodal``) and names its tensors so (Kimi-K2.5's ``language_model.``). A type
+    of :attr:`multimodal_types` not listed is read as the text model with the text model's names (Qwen3.5's)."""
     architectures: tuple[str, ...] = ()
     """HF/vLLM architecture names of the family (``config.architectures``)."""
     moe: bool = False

@@ -97,8 +97,14 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
     tensors of [Note: transformers experts]; otherwise the per-expert checkpoint names. Module names are
     the family's (``Family.module_names``): the canonical names (renamed where ``Family.module_renames``
     says, MiniMax-M2's router bias), or the checkpoint's as stored (Phi-3's fused ``qkv_proj``); pieces always name checkpoint tensors (see [Note: canonical names] in
-    :mod:`hybridmem.models.family`).
+    :mod:`hybridmem.models.family`). A multimodal spec (:attr:`~hybridmem.reshard.ModelSpec.multimodal`, Kimi-K2.5)
+    gives its text model's tensors under the multimodal model's module names, pieces naming its checkpoint.
     """
+    if spec.multimodal:
+        names = spec.text_names
+        text = hf_module_tensors(replace(spec, multimodal=""), fused_experts)
+        return {names.module_name(n): LocalTensor(t.shape, tuple(replace(p, hf_name=names.checkpoint_name(p.hf_name))
+                                                                 for p in t.pieces)) for n, t in text.items()}
     if spec.traits.module_names == "checkpoint":
         return {name: replicate(name, shape) for name, shape in spec.full_shapes().items()}
     shapes = spec.canonical_shapes()
@@ -232,7 +238,8 @@ def hf_source_layout(spec: ModelSpec, world_size: int, *, shard_size: int = 1,
 
 
 def looks_hf_named(names: Iterable[str]) -> bool:
-    """Whether training weight names are transformers' (``model.embed_tokens.weight``) rather than
-    Megatron-core's (``embedding.word_embeddings.weight``)."""
+    """Whether training weight names are transformers' (``model.embed_tokens.weight``; a multimodal model's
+    ``model.language_model.embed_tokens.weight``) rather than Megatron-core's (``embedding.word_embeddings.weight``)."""
     names = set(names)
-    return "model.embed_tokens.weight" in names and "embedding.word_embeddings.weight" not in names
+    hf = "model.embed_tokens.weight" in names or "model.language_model.embed_tokens.weight" in names
+    return hf and "embedding.word_embeddings.weight" not in names

@@ -847,6 +847,8 @@ def _tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
 def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, LocalTensor]:
     """The tensors of a rank at ``c``, or only those of one :class:`Part` (see [Note: layout parts])."""
     spec, side = layout.spec, layout.side
+    if spec.multimodal:
+        return _multimodal_names(spec, side, _part_tensors(replace(layout, spec=replace(spec, multimodal="")), c, part))
     if part is Part.EXPERTS and side is Side.HF:
         return {}  # an HF stage holds whole tensors: all of them are in its dense part
     dense, experts = part is not Part.EXPERTS, part is not Part.DENSE
@@ -910,6 +912,16 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
     return _to_checkpoint(spec, out)
 
 
+def _multimodal_names(spec: ModelSpec, side: Side, text: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
+    """The text model's tensors ``text`` of a layout under the multimodal model's names (Kimi-K2.5's
+    ``language_model.``, :attr:`~hybridmem.reshard.ModelSpec.text_names`): pieces name its checkpoint tensors,
+    an HF stage's tensors are those, vLLM's tensors its vLLM class's."""
+    names = spec.text_names
+    rename = names.checkpoint_name if side is Side.HF else names.vllm_name
+    return {rename(n): LocalTensor(t.shape, tuple(replace(p, hf_name=names.checkpoint_name(p.hf_name))
+                                                  for p in t.pieces)) for n, t in text.items()}
+
+
 def to_checkpoint_names(where: Mapping[str, Placement], local: LocalTensor) -> LocalTensor:
     """``local`` with its pieces naming checkpoint tensors instead of canonical ones (a renamed tensor;
     rows of a fused one: the box shifted by the block's first row; one expert of a stacked one: the box
@@ -958,6 +970,9 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
     """
     if spec.traits.megatron is not None:
         raise ValueError(f"family={spec.family!r} has no Megatron-core layout: {spec.traits.megatron}")
+    if spec.multimodal:
+        raise ValueError(f"multimodal={spec.multimodal!r} (family={spec.family!r}) has no Megatron-core layout: "
+                         f"hybridmem's Megatron names are those of the text model alone")
     dp = _check_world(parallel, world_size, "training layout")
     tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
     if tp > spec.num_key_value_heads or spec.num_key_value_heads % tp:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hybridmem.models import FAMILIES as _FAMILY_TABLE
-from hybridmem.models import Family, RouterBias, family_name, get_family, getter
+from hybridmem.models import Family, RouterBias, TextModelNames, family_name, get_family, getter
 
 __all__ = ["ModelSpec", "FAMILIES", "Placement"]
 
@@ -130,6 +130,10 @@ class ModelSpec:
     """Gated delta-net: width of one value head (and of its gated RMSNorm, ``linear_attn.norm``)."""
     linear_conv_kernel_dim: int = 0
     """Gated delta-net: taps of the depthwise causal convolution over [q; k; v] (``linear_attn.conv1d``)."""
+    multimodal: str = ""
+    """A multimodal ``model_type`` that keeps the text model's tensors under names of its own
+    (:attr:`hybridmem.models.Family.multimodal_names`, Kimi-K2.5's ``kimi_k25``): the checkpoint's, vLLM's and
+    transformers' module names are that model's (:attr:`text_names`); ``""``: the text model's."""
 
     _family: Family | None = field(default=None, init=False, repr=False, compare=False)
     """The family's description, looked up once (read through :attr:`traits`)."""
@@ -137,6 +141,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", family_name(self.family))
         object.__setattr__(self, "_family", get_family(self.family))
+        if self.multimodal and self.multimodal not in dict(self._family.multimodal_names):
+            raise ValueError(f"multimodal={self.multimodal!r} is no multimodal model of family={self.family!r} with "
+                             f"names of its own; expected one of {[t for t, _ in self._family.multimodal_names]}")
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_hidden_layers", "vocab_size"):
             _positive(name, getattr(self, name))
@@ -220,6 +227,12 @@ class ModelSpec:
         return self._family
 
     @property
+    def text_names(self) -> TextModelNames:
+        """Where :attr:`multimodal`'s model keeps the text model's tensors; the text model's own names (no
+        renames) without one."""
+        return dict(self.traits.multimodal_names).get(self.multimodal, TextModelNames())
+
+    @property
     def is_moe(self) -> bool:
         """Whether the MLP of every layer is a mixture of experts (of a family whose experts are optional, a
         config that gives them)."""
@@ -296,7 +309,9 @@ class ModelSpec:
         """Build from a ``transformers`` config object or a dict with the same keys, read by the family's
         own reader (:attr:`hybridmem.models.Family.read_config`). A multimodal config the family names
         (:attr:`hybridmem.models.Family.multimodal_types`, Qwen3.5's ``qwen3_5``) gives its text model's spec,
-        read from its ``text_config``.
+        read from its ``text_config``; where that model keeps the text model's tensors under names of its own
+        (:attr:`hybridmem.models.Family.multimodal_names`, Kimi-K2.5's ``kimi_k25``), the spec's
+        :attr:`multimodal` is its type.
 
         Raises:
             ValueError: Unknown ``model_type``, a required key is missing (a multimodal config's
@@ -310,7 +325,8 @@ class ModelSpec:
             if text is None:
                 raise ValueError(f"model_type={model_type!r}: the multimodal config lacks text_config")
             get = getter(text)
-        return cls(family=family.name, **family.read_config(get))
+        multimodal = model_type if model_type in dict(family.multimodal_names) else ""
+        return cls(family=family.name, multimodal=multimodal, **family.read_config(get))
 
     def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]], layer: int) -> None:
         h = self.hidden_size
@@ -380,7 +396,8 @@ class ModelSpec:
         """The canonical names whose tensors make up checkpoint tensor ``hf_name`` (the inverse of
         :meth:`checkpoint_names`; ``()`` for a name the checkpoint lacks). Cached per spec."""
         family = self.traits
-        if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
+        if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked
+                or self.multimodal):
             return (hf_name,) if hf_name in _canonical(self) else ()
         return _inverse_checkpoint(self).get(hf_name, ())
 
@@ -469,7 +486,17 @@ def _inverse_checkpoint(spec: ModelSpec) -> dict[str, tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=64)
 def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, Placement]]:
-    """``({checkpoint name: shape}, {canonical name: Placement})`` of ``spec``."""
+    """``({checkpoint name: shape}, {canonical name: Placement})`` of ``spec``: the text model's, under the
+    multimodal model's names where the spec has them (:attr:`ModelSpec.text_names`)."""
+    shapes, where = _text_checkpoint(spec)
+    if not spec.multimodal:
+        return shapes, where
+    names = spec.text_names
+    return ({names.checkpoint_name(n): shape for n, shape in shapes.items()},
+            {c: at._replace(name=names.checkpoint_name(at.name)) for c, at in where.items()})
+
+
+def _text_checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, Placement]]:
     family = spec.traits
     canonical = spec.canonical_shapes()
     if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):

@@ -484,3 +484,74 @@ def test_gpt_oss_down_bias_is_where_vllms_loader_puts_it(tp, pp, ep):
             else:
                 want = full if tp_rank == 0 else torch.zeros_like(full)
             assert torch.equal(biases[f"model.layers.{i}.mlp.experts.routed_experts.w2_bias"], want), (rank, i)
+
+
+def _kimi_k25(tmp_path):
+    """A Kimi-K2.5 checkpoint as the Hub holds it: a DeepSeek-V3 text model saved by transformers, its tensors
+    under ``language_model.`` (``language_model.model.layers.*``, ``language_model.lm_head.weight``), and a
+    config.json nesting its config (``model_type`` ``kimi_k2``, as the Hub's says) as ``text_config`` beside a
+    vision config. transformers 5.19's save_pretrained of its multimodal class does not write these names (its
+    reverse rename turns ``layers`` into ``blocks``), so the text model's checkpoint is the reference. Returns
+    ``(config object, config.json dict, {checkpoint name: tensor})``."""
+    import json  # noqa: PLC0415
+
+    text, _ = _saved("deepseek_v3", tmp_path / "text", tie_word_embeddings=False)
+    weights = {}
+    for f in sorted((tmp_path / "text").glob("*.safetensors")):
+        weights.update({"language_model." + n: t for n, t in safetensors_torch.load_file(f).items()})
+    vision = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=32,
+                  pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+    cfg = transformers.AutoConfig.for_model("kimi_k25", text_config=text.to_dict(), vision_config=vision,
+                                            projection_hidden_size=32, tie_word_embeddings=False)
+    data = cfg.to_dict()
+    data["architectures"] = ["KimiK25ForConditionalGeneration"]
+    data["text_config"]["model_type"] = "kimi_k2"
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(data))
+    safetensors_torch.save_file(weights, tmp_path / "kimi" / "model.safetensors")
+    return cfg, data, weights
+
+
+def test_kimi_k25_is_deepseek_v3_under_its_multimodal_names(tmp_path):
+    """Kimi-K2.5 (``kimi_k25``): its config (object or config.json) gives DeepSeek-V3's spec of its
+    ``text_config``, marked multimodal; the spec's checkpoint is the Hub's (the text model's under
+    ``language_model.``); transformers' Kimi_K25ForConditionalGeneration of that checkpoint holds exactly the
+    source layout's module tensors (``model.language_model.*``, ``lm_head.weight``) beside its vision tower and
+    projector, each equal to the checkpoint's values where the layout says."""
+    import dataclasses  # noqa: PLC0415
+
+    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named  # noqa: PLC0415
+    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+
+    cfg, data, weights = _kimi_k25(tmp_path)
+    spec = ModelSpec.from_hf_config(data)
+    assert spec == ModelSpec.from_hf_config(cfg)
+    assert spec.family == "deepseek_v3" and spec.multimodal == "kimi_k25"
+    assert dataclasses.replace(spec, multimodal="") == ModelSpec.from_hf_config(cfg.text_config)
+    assert spec.full_shapes() == {n: tuple(t.shape) for n, t in weights.items()}
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "kimi", dtype=torch.float32)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    params.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())  # the router bias
+    text = {n: p for n, p in params.items() if not n.startswith(("model.vision_tower.", "model.mm_projector."))}
+    assert len(text) < len(params)  # the multimodal model, vision tower and projector left out
+    assert looks_hf_named(params)  # a sync takes the whole model's names as transformers'
+    ours = hf_module_tensors(spec)
+    assert sorted(ours) == sorted(text)
+    for name, local in ours.items():
+        assert torch.equal(build_local(local, weights, dtype=torch.float32), text[name]), name
+
+
+def test_kimi_k25_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
+    from hybridmem.adapters.megatron import megatron_model_spec_dict  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+
+    _, data, _ = _kimi_k25(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type='kimi_k25' does not run in the embedded engine"):
+        ReferenceEngine(data)
+    with pytest.raises(ValueError, match=r"multimodal='kimi_k25' \(family='deepseek_v3'\) has no Megatron-core layout"):
+        megatron_layout(ModelSpec.from_hf_config(data), ParallelLayout(), 1)
+    megatron = pytest.importorskip("megatron.core.transformer")
+    config = megatron.TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, add_bias_linear=False,
+                                        gated_linear_unit=True, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="model_type='kimi_k25' cannot be trained in Megatron-core: a multimodal model"):
+        megatron_model_spec_dict(config, vocab_size=100, model_type="kimi_k25")

@@ -77,6 +77,40 @@ def _dist_ident(ctx):
             os.environ["VLLM_DIST_IDENT"] = before
 
 
+@contextlib.contextmanager
+def _sparse_attention_builds_on_cpu(hf_config):
+    """Lets vLLM build a DeepSeek sparse attention model (DeepSeek-V3.2, GLM-5: a config with ``index_topk``) on CPU,
+    for its parameters and loaders only.
+
+    vLLM's CPU platform refuses a sparse attention backend (``CpuPlatform.get_attn_backend_cls`` raises "Sparse
+    Attention is not supported on CPU", vllm/platforms/cpu.py, 0.32 and 0.33); asked without ``use_sparse`` it
+    names its MLA backend, which builds the same parameters (the attention backend holds none). These workers never
+    run attention, only ``load_weights``. Other models are built as they are; the method comes back afterwards.
+    """
+    if not hasattr(hf_config, "index_topk"):
+        yield
+        return
+    import dataclasses
+
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    original = platform.__dict__["get_attn_backend_cls"]
+
+    def without_sparse(cls, *args, **kwargs):
+        selector = kwargs.get("attn_selector_config")
+        if selector is not None and selector.use_sparse:
+            kwargs["attn_selector_config"] = (selector._replace(use_sparse=False) if hasattr(selector, "_replace")
+                                              else dataclasses.replace(selector, use_sparse=False))
+        return original.__func__(cls, *args, **kwargs)
+
+    platform.get_attn_backend_cls = classmethod(without_sparse)
+    try:
+        yield
+    finally:
+        platform.get_attn_backend_cls = original
+
+
 def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_stream: bool = False) -> dict:
     """``{name: tensor}`` of this rank's vLLM model after ``load_weights`` of the checkpoint in ``model_dir``.
 
@@ -129,7 +163,7 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tp, pp)
         try:
-            with torch.device("cpu"):
+            with torch.device("cpu"), _sparse_attention_builds_on_cpu(model_config.hf_config):
                 model = initialize_model(vllm_config=vllm_config)
             # The model's own loader, straight from HF names. Read the parameters right away: the CPU
             # backend's post-load step (process_weights_after_loading, which a model loader runs after
@@ -153,22 +187,41 @@ def vllm_version(ctx) -> str:
     return vllm.__version__
 
 
+def transformers_model(model_dir: str):
+    """``(model, {name: tensor}, persistent buffer names)``: transformers' own model of ``model_dir``
+    (``from_pretrained``; a multimodal model's own class, its tensors that are not synced left out, see
+    ``MULTIMODAL`` of tests/reshard/families.py), its parameters and persistent buffers by module name."""
+    import json  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    from tests.reshard.families import MULTIMODAL  # noqa: PLC0415
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        mm = MULTIMODAL.get(json.load(f)["model_type"])
+    auto = transformers.AutoModelForImageTextToText if mm else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32)
+    bias = set(model.state_dict()) & {n for n, _ in model.named_buffers()}  # persistent buffers
+    tensors = {n: p.detach() for n, p in model.named_parameters()}
+    tensors.update({n: b for n, b in model.named_buffers() if n in bias})
+    if mm:
+        assert any(n.startswith(mm["modules_not_synced"]) for n in tensors), sorted(tensors)
+        tensors = {n: t for n, t in tensors.items() if not n.startswith(mm["modules_not_synced"])}
+        bias = {n for n in bias if n in tensors}
+    return model, tensors, bias
+
+
 def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
     """This rank's vLLM-layout tensors at ``tp`` after ``run_plan`` over the pool's gloo group, from
     transformers' own model of ``model_dir`` (``from_pretrained``, its module names) chunked as FSDP2 shards
     dim 0 (``torch.chunk`` over the pool). What the in-place sync writes into vLLM's parameters."""
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-
     from hybridmem.config import ParallelLayout  # noqa: PLC0415
     from hybridmem.reshard import ModelSpec, build_plan, hf_source_layout, run_plan, vllm_layout  # noqa: PLC0415
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model, tensors, bias = transformers_model(model_dir)
     spec = ModelSpec.from_hf_config(model.config)
     world = ctx.world_size
-    bias = set(model.state_dict()) & {n for n, _ in model.named_buffers()}  # persistent buffers
-    tensors = {n: p.detach() for n, p in model.named_parameters()}
-    tensors.update({n: b for n, b in model.named_buffers() if n in bias})
     src = {n: t if n in bias else (list(t.chunk(world)) + [t[:0]] * world)[ctx.rank] for n, t in tensors.items()}
     plan = build_plan(hf_source_layout(spec, world, shard_size=world, replicated=bias),
                       vllm_layout(spec, ParallelLayout(tp=tp), world), itemsize=4, rank=ctx.rank)

@@ -104,4 +104,29 @@ MODELS = {
                                              shared_expert_intermediate_size=64,
                                              layer_types=["linear_attention", "full_attention"],
                                              tie_word_embeddings=True)),
+    # Kimi-K2.5: DeepSeek-V3's text model (here its "deepseek-v3" model) in a multimodal config with a vision tower
+    # and projector; see MULTIMODAL for how its checkpoint is written.
+    "kimi-k25": ("kimi_k25", dict(
+        text_config=dict(COMMON, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, n_routed_experts=4,
+                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=48,
+                         kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+                         tie_word_embeddings=False),
+        vision_config=dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                           intermediate_size=32, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
+        projection_hidden_size=32, tie_word_embeddings=False)),
 }
+
+MULTIMODAL = {
+    # The Hub's Kimi-K2.5 checkpoint keeps its text model as DeepSeek-V3's causal LM saves it, under
+    # "language_model." (language_model.model.layers.*, language_model.lm_head.weight), and its config.json names
+    # vLLM's class and calls the text config's model_type "kimi_k2". transformers 5.19's save_pretrained of its
+    # Kimi_K25ForConditionalGeneration does not write those names (its reverse rename turns "layers" into
+    # "blocks"), so the checkpoint is the text model's, prefixed. The vision tower and projector are not synced:
+    # vLLM's parameters and transformers' modules under these prefixes are left out of the comparisons.
+    "kimi_k25": dict(text_model_type="deepseek_v3", hub_text_model_type="kimi_k2", checkpoint_prefix="language_model.",
+                     architecture="KimiK25ForConditionalGeneration",
+                     vllm_not_synced=("vision_tower.", "mm_projector."),
+                     modules_not_synced=("model.vision_tower.", "model.mm_projector.")),
+}
+"""Multimodal model types of MODELS: how their checkpoint is written and what of them is not synced."""

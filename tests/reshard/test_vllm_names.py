@@ -35,7 +35,7 @@ from hybridmem.reshard.layouts import installed_vllm_version
 from hybridmem.testing.workers import WorkerError, WorkerPool
 from tests.reshard import _vllm_tasks
 from tests.reshard.families import COMMON as _COMMON
-from tests.reshard.families import MODELS
+from tests.reshard.families import MODELS, MULTIMODAL
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -72,9 +72,12 @@ def checkpoints(tmp_path_factory):
     """``{model id: (dir, config dict, {hf name: tensor})}``: a transformers checkpoint, random values."""
     out = {}
     for model_id, (family, kw) in MODELS.items():
+        mm = MULTIMODAL.get(family)
         cfg = transformers.AutoConfig.for_model(family, **{**_COMMON, **kw})
         torch.manual_seed(0)
-        hf_model = transformers.AutoModelForCausalLM.from_config(cfg)
+        # A multimodal model's checkpoint: its text model's as the Hub keeps it (see MULTIMODAL), no vision weights.
+        text_cfg = transformers.AutoConfig.for_model(mm["text_model_type"], **kw["text_config"]) if mm else cfg
+        hf_model = transformers.AutoModelForCausalLM.from_config(text_cfg)
         path = tmp_path_factory.mktemp(model_id)
         hf_model.save_pretrained(path)
         files = sorted(path.glob("*.safetensors"))
@@ -82,6 +85,12 @@ def checkpoints(tmp_path_factory):
         for f in files:
             names.update(safetensors_torch.load_file(f))
             f.unlink()
+        if mm:
+            names = {mm["checkpoint_prefix"] + n: t for n, t in names.items()}
+            data = cfg.to_dict()
+            data["architectures"] = [mm["architecture"]]
+            data["text_config"]["model_type"] = mm["hub_text_model_type"]
+            (path / "config.json").write_text(json.dumps(data))
         # Distinct values everywhere (a random permutation of 1..N, exact in fp32), so a swapped row, expert or
         # tensor cannot compare equal, and each value names one element of the checkpoint (0 is padding).
         total = sum(t.numel() for t in names.values())
@@ -114,13 +123,21 @@ def _run_vllm(pool, *args):
     """``vllm_loaded_parameters`` on every rank. vLLM's own group setup over gloo (``new_group`` in
     ``initialize_model_parallel``) now and then fails to connect on a loaded 2-core machine ("Gloo
     connectFullMesh failed ... Connection closed by peer"); only that failure is tried once more, on the
-    restarted pool. What the build returns is compared as before."""
+    restarted pool. What the build returns is compared as before, but for a multimodal model's parameters
+    that are not synced (its vision tower and projector, named in MULTIMODAL)."""
     try:
-        return pool.run(_vllm_tasks.vllm_loaded_parameters, *args, world_size=WORLD)
+        got = pool.run(_vllm_tasks.vllm_loaded_parameters, *args, world_size=WORLD)
     except WorkerError as exc:
         if "connectFullMesh" not in str(exc):
             raise
-        return pool.run(_vllm_tasks.vllm_loaded_parameters, *args, world_size=WORLD)
+        got = pool.run(_vllm_tasks.vllm_loaded_parameters, *args, world_size=WORLD)
+    with open(f"{args[0]}/config.json") as f:
+        mm = MULTIMODAL.get(json.load(f)["model_type"])
+    if mm is None:
+        return got
+    for rank in got:
+        assert any(n.startswith(mm["vllm_not_synced"]) for n in rank), sorted(rank)  # the multimodal class was built
+    return [{n: t for n, t in rank.items() if not n.startswith(mm["vllm_not_synced"])} for rank in got]
 
 
 def _vllm_loaded(pool, checkpoints, model_id, tp, pp, ep):
@@ -181,10 +198,7 @@ def test_fsdp2_plan_receives_exactly_what_vllm_lacks(pool, checkpoints, model_id
     over gloo, it writes exactly the values vLLM's loaders put there."""
     path, config, weights = checkpoints[model_id]
     spec = ModelSpec.from_hf_config(config)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    module = {n: p.detach() for n, p in model.named_parameters()}
-    bias = set(model.state_dict()) & {n for n, _ in model.named_buffers()}  # persistent buffers
-    module.update({n: b for n, b in model.named_buffers() if n in bias})
+    model, module, bias = _vllm_tasks.transformers_model(path)
     src = hf_source_layout(spec, WORLD, shard_size=WORLD, replicated=bias)
     dst = vllm_layout(spec, ParallelLayout(tp=2), WORLD)
     plan = build_plan(src, dst, itemsize=4)

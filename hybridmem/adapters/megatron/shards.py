@@ -323,6 +323,9 @@ def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict
     family = get_family(model_type)
     if family.megatron is not None:
         raise ValueError(f"model_type={model_type!r} cannot be trained in Megatron-core: {family.megatron}")
+    if model_type in family.multimodal_types:
+        raise ValueError(f"model_type={model_type!r} cannot be trained in Megatron-core: a multimodal model, and "
+                         f"hybridmem's Megatron names are those of a text model alone ({family.name!r})")
     experts = int(config.num_moe_experts or 0)
     width = int(config.moe_ffn_hidden_size or config.ffn_hidden_size) if experts else 0
     shared = int(getattr(config, "moe_shared_expert_intermediate_size", None) or 0)

@@ -65,7 +65,7 @@ from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
 from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_default, launching, plan_launch
 from hybridmem.adapters.vllm.logs import quiet_buffer_only_reload
-from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes
+from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes, not_synced_prefixes
 from hybridmem.adapters.vllm.source import check_model_source
 from hybridmem.adapters.vllm.outputs import (
     GREEDY,
@@ -290,7 +290,7 @@ class VLLMEngine:
                 raise ValueError(f"check_names=True but the vLLM layout of this model is unknown: {exc}") from exc
             log.info("hybridmem vLLM adapter: parameter names not checked (%s)", exc)
             return
-        check_weight_names(self.worker_info, expected, what=what)
+        check_weight_names(self.worker_info, expected, what=what, not_synced=not_synced_prefixes(hf_config))
 
     def check_weights(self, expected: Mapping[str, Any], *, what: str = "the weight sync's layout") -> None:
         """Check the tensors a weight sync will write against the worker's parameters (see
@@ -299,7 +299,8 @@ class VLLMEngine:
         Raises:
             ValueError: A name on one side only, or a differing shape; the message names both sides.
         """
-        check_weight_names(self.worker_info, expected, what=what)
+        hf_config = _attr_path(self.llm, "llm_engine.vllm_config.model_config.hf_config")
+        check_weight_names(self.worker_info, expected, what=what, not_synced=not_synced_prefixes(hf_config))
 
     @classmethod
     def create(

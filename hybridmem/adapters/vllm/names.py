@@ -14,6 +14,10 @@ A persistent buffer of the model that the layout names is a weight vLLM's loader
 ``layer_scalar``) and is checked like a parameter; the other buffers are vLLM's own (an attention
 layer's quantization scales) and no part of the check.
 
+A multimodal model's parameters outside its text model (Kimi-K2.5's vision tower and projector,
+``TextModelNames.vllm_not_synced`` of its family) are never synced and no part of the check either
+(:func:`not_synced_prefixes`).
+
 Shapes are compared where the backend keeps them: the vLLM CPU backend repacks linear weights into
 its kernels' format after loading and leaves those parameters with shape ``[0]``; for them only the
 name is checked (and their values can only be updated through ``reload_weights``).
@@ -26,27 +30,29 @@ from typing import Any
 
 from hybridmem.adapters.vllm.worker import WorkerInfo
 
-__all__ = ["check_weight_names", "engine_layout_shapes"]
+__all__ = ["check_weight_names", "engine_layout_shapes", "not_synced_prefixes"]
 
 
 def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in getattr(value, "shape", value))
 
 
-def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: str) -> None:
+def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: str,
+                       not_synced: tuple[str, ...] = ()) -> None:
     """Compare a worker's parameters with the tensors a sync will write (see [Note: vllm name check]).
 
     Args:
         info: What the worker reported (:func:`~hybridmem.adapters.vllm.worker.probe_worker`).
         expected: ``{name: shape}`` (or objects with ``.shape``, e.g. a layout's ``LocalTensor``).
         what: Names the expected side in the error (e.g. ``"the vLLM layout tp=2 pp=1 ep=1, rank 1"``).
+        not_synced: Prefixes of the worker's parameters that no sync writes (:func:`not_synced_prefixes`).
 
     Raises:
         ValueError: A name on one side only, or a shape that differs (repacked ``[0]`` parameters are
             compared by name only); the message names both sides.
     """
     want = {name: _shape(v) for name, v in expected.items()}
-    engine = dict(info.params)
+    engine = {name: shape for name, shape in info.params if not (not_synced and name.startswith(not_synced))}
     engine.update((name, shape) for name, shape in info.buffers if name in want)
     only_engine = [n for n in engine if n not in want]
     only_layout = [n for n in want if n not in engine]
@@ -69,6 +75,20 @@ def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: s
             + f" (the worker has {len(engine)} parameters, {len(repacked)} of them kept by the backend in its kernels' format and "
             f"checked by name only; the sync writes {len(want)})"
         )
+
+
+def not_synced_prefixes(hf_config: Any) -> tuple[str, ...]:
+    """Prefixes of the parameters of the engine's model (its HF config) that no sync writes: a multimodal
+    model's outside its text model (Kimi-K2.5's vision tower and projector); ``()`` for a text model or one the
+    resharding engine does not know."""
+    from hybridmem.reshard import ModelSpec  # noqa: PLC0415 - keeps the adapter import light
+
+    if hf_config is None:
+        return ()
+    try:
+        return ModelSpec.from_hf_config(hf_config).text_names.vllm_not_synced
+    except (ValueError, TypeError):
+        return ()
 
 
 def engine_layout_shapes(hf_config: Any, parallel: Any, rank: int) -> tuple[dict[str, Any], str]:
