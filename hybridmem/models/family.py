@@ -143,6 +143,12 @@ class Family:
     attention_output_gate: bool = False
     """``self_attn.q_proj`` gives every head its query and an output gate, ``[q_h; gate_h]`` per head:
     ``2 * num_attention_heads * head_dim`` rows (Qwen3.5); vLLM splits them by heads as it splits queries."""
+    sparse_attention_indexer: bool = False
+    """MLA with DeepSeek sparse attention's lightning indexer in every layer (DeepSeek-V3.2, GLM-5):
+    ``self_attn.indexer.wq_b.weight`` [index_n_heads * index_head_dim, q_lora_rank], ``wk.weight``
+    [index_head_dim, hidden_size], ``k_norm.weight`` and ``k_norm.bias`` [index_head_dim] (a LayerNorm) and
+    ``weights_proj.weight`` [index_n_heads, hidden_size]; vLLM keeps them whole on every rank, ``wk`` and
+    ``weights_proj`` fused into ``indexer.wk_weights_proj.weight`` ([wk; weights_proj])."""
     router_linear_bias: bool = False
     """The router is a linear layer with a bias, ``mlp.gate.bias`` [num_experts] canonically (gpt-oss)."""
     experts_interleaved: bool = False

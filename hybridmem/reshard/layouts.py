@@ -442,6 +442,10 @@ def _mla(spec: ModelSpec, i: int) -> bool:
     return spec.is_mla
 
 
+def _indexer(spec: ModelSpec, i: int) -> bool:
+    return spec.is_mla and spec.traits.sparse_attention_indexer
+
+
 LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("input_layernorm.weight",), "input_layernorm.weight", "input_layernorm.weight", "replicate",
               megatron_te="self_attention.linear_qkv.layer_norm_weight"),
@@ -477,6 +481,13 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "self_attn.kv_a_layernorm.weight", "replicate", when=_mla),
     LayerRule(("self_attn.kv_b_proj.weight",), "self_attention.linear_kv_up_proj.weight",
               "self_attn.kv_b_proj.weight", "column", when=_mla),
+    # DeepSeek sparse attention's indexer: vLLM keeps it whole on every rank, wk and weights_proj fused into one
+    # tensor ([wk; weights_proj]); no Megatron form.
+    LayerRule(("self_attn.indexer.wq_b.weight",), None, "self_attn.indexer.wq_b.weight", "replicate", when=_indexer),
+    LayerRule(("self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight"), None,
+              "self_attn.indexer.wk_weights_proj.weight", "concat", when=_indexer),
+    *(LayerRule((f"self_attn.indexer.k_norm.{t}",), None, f"self_attn.indexer.k_norm.{t}", "replicate", when=_indexer)
+      for t in ("weight", "bias")),
     LayerRule(("self_attn.sinks",), None, "self_attn.sinks", "column", when=lambda s, i: s.traits.attention_sinks),
     LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row",
               when=_attention),

@@ -103,6 +103,11 @@ class ModelSpec:
     config lacks the key, as transformers' own ``DeepseekV3Config`` does). HF and Megatron models always
     carry the router's ``e_score_correction_bias``; vLLM creates it only for ``"noaux_tc"``
     (:attr:`vllm_router_bias`). Ignored by other families."""
+    index_n_heads: int = 0
+    """DeepSeek sparse attention (:attr:`hybridmem.models.Family.sparse_attention_indexer`): the indexer's heads."""
+    index_head_dim: int = 0
+    """DeepSeek sparse attention: the width of one indexer head (and of its key, ``indexer.wk``)."""
+
 
     full_attention_layers: tuple[int, ...] = ()
     """Layers whose attention has a geometry of its own (Gemma 4's full-attention layers, between sliding
@@ -165,6 +170,9 @@ class ModelSpec:
             if self.num_key_value_heads != self.num_attention_heads:
                 raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
                                  f"{self.num_attention_heads} for MLA (every head has its own key and value)")
+        if self.traits.sparse_attention_indexer:
+            for name in ("index_n_heads", "index_head_dim", "q_lora_rank"):
+                _positive(name, getattr(self, name))
         if self.is_moe:
             _positive("num_experts", self.num_experts)
             if self.traits.dense_mlp_with_experts:
@@ -361,6 +369,13 @@ class ModelSpec:
         shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_lora,)
         shapes[p + "self_attn.kv_b_proj.weight"] = (n * (self.qk_nope_head_dim + self.v_head_dim), kv_lora)
         shapes[p + "self_attn.o_proj.weight"] = (h, n * self.v_head_dim)
+        if self.traits.sparse_attention_indexer:
+            x, heads, width = p + "self_attn.indexer.", self.index_n_heads, self.index_head_dim
+            shapes[x + "wq_b.weight"] = (heads * width, self.q_lora_rank)
+            shapes[x + "wk.weight"] = (width, h)
+            shapes[x + "k_norm.weight"] = (width,)
+            shapes[x + "k_norm.bias"] = (width,)
+            shapes[x + "weights_proj.weight"] = (heads, h)
 
     def _linear_attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:
         """A gated delta-net layer by canonical names: its convolution and input projection over [q; k; v] as
