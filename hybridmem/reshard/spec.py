@@ -108,7 +108,6 @@ class ModelSpec:
     index_head_dim: int = 0
     """DeepSeek sparse attention: the width of one indexer head (and of its key, ``indexer.wk``)."""
 
-
     full_attention_layers: tuple[int, ...] = ()
     """Layers whose attention has a geometry of its own (Gemma 4's full-attention layers, between sliding
     ones): :attr:`full_attention_head_dim` per head, :attr:`full_attention_kv_heads` kv heads, and with
