@@ -47,6 +47,10 @@ def fake_vllm(monkeypatch):
     accel = FakeDeviceAccelerator()
     module = make_fake_vllm_module(lambda **kw: FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES))
     monkeypatch.setitem(sys.modules, "vllm", module)
+    # The real vLLM's submodules, imported by an earlier test in this process, would answer for the stand-in
+    # (vllm.platforms would say the CPU backend, which has no sleep mode): hidden for this test.
+    for name in [n for n in sys.modules if n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
     return module
 
 
