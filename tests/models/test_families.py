@@ -7,6 +7,8 @@ tests/reshard/test_vllm_names.py; this file covers what needs only transformers.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -66,14 +68,19 @@ UNTIED_ONLY = {"minimax_m2"}
 """Families whose vLLM model never ties the head to the embedding: a tied config is refused."""
 
 
+def _checkpoint(path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint ``save_pretrained`` wrote in ``path``, by name."""
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(safetensors_torch.load_file(f))
+    return tensors
+
+
 def _saved(model_type: str, tmp_path, **overrides):
     cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type], **overrides})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    tensors = {}
-    for f in sorted(tmp_path.glob("*.safetensors")):
-        tensors.update(safetensors_torch.load_file(f))
-    return cfg, {n: tuple(t.shape) for n, t in tensors.items()}
+    return cfg, {n: tuple(t.shape) for n, t in _checkpoint(tmp_path).items()}
 
 
 def test_every_family_and_alias_is_covered_here():
@@ -105,8 +112,6 @@ def test_checkpoint_shapes_are_what_transformers_saves(model_type, tied, tmp_pat
 
 def test_the_same_from_the_config_file(tmp_path):
     """A config.json read as a plain dict gives the same spec as transformers' config object."""
-    import json  # noqa: PLC0415
-
     for model_type in CONFIGS:
         cfg, _ = _saved(model_type, tmp_path / model_type)
         data = json.loads((tmp_path / model_type / "config.json").read_text())
@@ -142,8 +147,6 @@ def test_llama4_multimodal_checkpoints_are_read_as_their_text_model(tmp_path):
     Their config (object or config.json) gives the text model's spec; the text weights are the spec's checkpoint
     under that prefix; and transformers' causal LM of such a checkpoint has exactly the spec's module tensors,
     each equal to the checkpoint's values where the source layout says."""
-    import json  # noqa: PLC0415
-
     from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
     from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
 
@@ -153,9 +156,7 @@ def test_llama4_multimodal_checkpoints_are_read_as_their_text_model(tmp_path):
                                             vision_config=vision)
     torch.manual_seed(0)
     transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
-    saved = {}
-    for f in sorted(tmp_path.glob("*.safetensors")):
-        saved.update(safetensors_torch.load_file(f))
+    saved = _checkpoint(tmp_path)
     spec = ModelSpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     assert spec == ModelSpec.from_hf_config(cfg) == ModelSpec.from_hf_config(cfg.text_config)
     assert spec.family == "llama4_text"
@@ -306,8 +307,6 @@ def test_gemma4_moe_experts_are_the_checkpoints_slices(tmp_path):
 def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_path):
     """Read from transformers' config object, its config.json (``per_layer_config``) and the Hub's form
     (``global_head_dim``, ``num_global_key_value_heads``) alike; the widths are those transformers builds."""
-    import json  # noqa: PLC0415
-
     cfg, saved = _saved("gemma4_text", tmp_path)
     hub = dict(_COMMON, model_type="gemma4_text", **CONFIGS["gemma4_text"])
     saved_json = json.loads((tmp_path / "config.json").read_text())
@@ -348,11 +347,7 @@ def test_qwen3_5_multimodal_checkpoints_are_read_as_their_text_model(model_type,
     cfg = transformers.AutoConfig.for_model(multimodal, text_config=text, vision_config=vision)
     torch.manual_seed(0)
     transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
-    saved = {}
-    for f in sorted(tmp_path.glob("*.safetensors")):
-        saved.update(safetensors_torch.load_file(f))
-    import json  # noqa: PLC0415
-
+    saved = _checkpoint(tmp_path)
     spec = ModelSpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     assert spec == ModelSpec.from_hf_config(cfg) == ModelSpec.from_hf_config(cfg.text_config)
     assert spec.family == model_type
@@ -380,9 +375,7 @@ def test_qwen3_5_module_tensors_are_transformers_parameters(model_type, tmp_path
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp_path)
-    weights = {}
-    for f in sorted(tmp_path.glob("*.safetensors")):
-        weights.update(safetensors_torch.load_file(f))
+    weights = _checkpoint(tmp_path)
     params = {n: p.detach() for n, p in model.named_parameters()}
     ours = hf_module_tensors(ModelSpec.from_hf_config(cfg))
     assert sorted(ours) == sorted(params)
@@ -493,12 +486,8 @@ def _kimi_k25(tmp_path):
     vision config. transformers 5.19's save_pretrained of its multimodal class does not write these names (its
     reverse rename turns ``layers`` into ``blocks``), so the text model's checkpoint is the reference. Returns
     ``(config object, config.json dict, {checkpoint name: tensor})``."""
-    import json  # noqa: PLC0415
-
     text, _ = _saved("deepseek_v3", tmp_path / "text", tie_word_embeddings=False)
-    weights = {}
-    for f in sorted((tmp_path / "text").glob("*.safetensors")):
-        weights.update({"language_model." + n: t for n, t in safetensors_torch.load_file(f).items()})
+    weights = {"language_model." + n: t for n, t in _checkpoint(tmp_path / "text").items()}
     vision = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=32,
                   pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
     cfg = transformers.AutoConfig.for_model("kimi_k25", text_config=text.to_dict(), vision_config=vision,
