@@ -25,7 +25,7 @@ largest staging buffer. What the stand-ins hold per rank:
 
 The optimizer state of Megatron's distributed optimizer is divided over the ranks holding the same
 parameters: the data-parallel ranks for the dense part, the expert-data-parallel ranks (``world / (pp *
-ep * expert tp)``) for the experts; both are the rank groups of the layout's part families ([Note:
+ep * expert tp)``) for the experts; both are the rank groups of the layout's part groups ([Note:
 layout parts] in :mod:`hybridmem.reshard.layouts`).
 
 Times are bytes over bandwidths: offload and onload over the host link; the sync's local copies at the
@@ -322,9 +322,9 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
     """Every rank's :class:`RankState`, from one build per rank group of each layout ([Note: layout parts])."""
     src, dst = _train_layout(spec, setup, world), vllm_layout(spec, infer, world)
     local, num_tensors, optimizer, weights = [0] * world, [0] * world, [0] * world, [0] * world
-    for family in src.part_families():
-        for key, ranks in family.groups.items():
-            tensors = family.build(key).values()
+    for part in src.part_groups():
+        for key, ranks in part.groups.items():
+            tensors = part.build(key).values()
             n = sum(t.numel for t in tensors)
             # Megatron's distributed optimizer divides a part's state over the ranks holding it ([Note: cluster plan]).
             share = n * setup.optimizer_bytes_per_param // (len(ranks) if setup.distributed_optimizer else 1)
@@ -332,10 +332,10 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
                 local[r] += n
                 num_tensors[r] += len(tensors)
                 optimizer[r] += share
-    for family in dst.part_families():
-        for key, ranks in family.groups.items():
+    for part in dst.part_groups():
+        for key, ranks in part.groups.items():
             n = sum(t.numel * (spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces else infer_bytes)
-                    for t in family.build(key).values())
+                    for t in part.build(key).values())
             for r in ranks:
                 weights[r] += n
     padded = _fsdp2_storage_elements(src) if setup.kind == "fsdp2" else 0  # the same on every rank
@@ -450,9 +450,9 @@ def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> fl
 def _elements_per_rank(layout) -> list[int]:
     """Elements each rank of ``layout`` holds, from one build per rank group ([Note: layout parts])."""
     out = [0] * layout.world_size
-    for family in layout.part_families():
-        for key, ranks in family.groups.items():
-            n = sum(t.numel for t in family.build(key).values())
+    for part in layout.part_groups():
+        for key, ranks in part.groups.items():
+            n = sum(t.numel for t in part.build(key).values())
             for r in ranks:
                 out[r] += n
     return out

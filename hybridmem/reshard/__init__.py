@@ -5,7 +5,7 @@
   in :mod:`hybridmem.reshard.transforms`); :func:`hf_source_layout`: transformers-named training
   sources, replicated or FSDP2-sharded (:mod:`hybridmem.reshard.hf_source`); vLLM layouts per release
   (:data:`SUPPORTED_VLLM_VERSIONS`, :func:`resolve_vllm_version`, [Note: vLLM versions] in
-  :mod:`hybridmem.reshard.layouts`).
+  :mod:`hybridmem.reshard.vllm_versions`).
 - :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
 - :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
 - :func:`run_plan`, :func:`iter_full_tensors`: the plan run over a ``torch.distributed`` group.
@@ -20,22 +20,12 @@ from hybridmem.reshard.checksum import CellChecksums, verify_offline
 from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
 from hybridmem.reshard.execute import TransferStats, iter_full_tensors, run_plan
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout
-from hybridmem.reshard.layouts import (
-    SUPPORTED_VLLM_VERSIONS,
-    HFConvention,
-    MegatronConvention,
-    ShardLayout,
-    Side,
-    VLLMConvention,
-    hf_layout,
-    megatron_layout,
-    megatron_stage_layers,
-    resolve_vllm_version,
-    vllm_layout,
-    vllm_stage_layers,
-)
+from hybridmem.reshard.conventions import HFConvention, MegatronConvention, Side, VLLMConvention
+from hybridmem.reshard.layouts import ShardLayout, hf_layout, megatron_layout, vllm_layout
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, Transfer, build_plan
 from hybridmem.reshard.spec import ModelSpec
+from hybridmem.reshard.stages import megatron_stage_layers, vllm_stage_layers
+from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS, resolve_vllm_version
 
 __all__ = [
     "ModelSpec",

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard.layouts import MegatronConvention, ShardLayout, VLLMConvention, megatron_layout, vllm_layout
+from hybridmem.reshard.conventions import MegatronConvention, VLLMConvention
+from hybridmem.reshard.layouts import ShardLayout, megatron_layout, vllm_layout
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, build_plan
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import build_local, piece_view, scatter_local

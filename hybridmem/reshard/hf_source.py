@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard.layouts import PartFamily, to_checkpoint_names
+from hybridmem.reshard.layouts import PartGroups, to_checkpoint_names
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import LocalTensor, Piece, concat, replicate, stack
 
@@ -184,11 +184,11 @@ class HFSourceLayout:
         """``{HF module name: LocalTensor}`` of ``rank`` (cached)."""
         return _tensors(self, rank)
 
-    def part_families(self) -> tuple[PartFamily, ...]:
-        """One family: the ranks of each FSDP2 shard index hold the same tensors (see [Note: layout
+    def part_groups(self) -> tuple[PartGroups, ...]:
+        """One part: the ranks of each FSDP2 shard index hold the same tensors (see [Note: layout
         parts] in :mod:`hybridmem.reshard.layouts`)."""
         groups = {s: tuple(range(s, self.world_size, self.shard_size)) for s in range(self.shard_size)}
-        return (PartFamily(groups, functools.partial(_tensors, self)),)
+        return (PartGroups(groups, functools.partial(_tensors, self)),)
 
     def __repr__(self) -> str:
         return (f"HFSourceLayout({self.side.value}, world={self.world_size}, shard_size={self.shard_size}, "

@@ -3,7 +3,7 @@
 A rank's share of a plan (:func:`~hybridmem.reshard.plan.build_plan` with ``rank=``) needs, for each HF
 tensor it sends or receives, every box of it that the source layout holds and who holds it, and every
 piece the destination layout wants and who wants it. Listing every rank's tensors costs as much as the
-whole cluster's plan; a layout's :meth:`part_families` instead groups ranks that hold the same tensors
+whole cluster's plan; a layout's :meth:`part_groups` instead groups ranks that hold the same tensors
 of one part (see [Note: layout parts] in :mod:`hybridmem.reshard.layouts`), so one build per group
 answers for all its ranks, and the expert groups are built only for the experts asked about.
 """
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from hybridmem.reshard.layouts import PartFamily
+from hybridmem.reshard.layouts import PartGroups
 from hybridmem.reshard.transforms import Box, LocalTensor, Piece, box_intersection
 
 __all__ = ["Holding", "BoxHolders", "Holders", "holders_of", "sender_of", "served_by"]
@@ -25,7 +25,7 @@ __all__ = ["Holding", "BoxHolders", "Holders", "holders_of", "sender_of", "serve
 class _Layout(Protocol):
     world_size: int
 
-    def part_families(self) -> tuple[PartFamily, ...]: ...
+    def part_groups(self) -> tuple[PartGroups, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +84,15 @@ class Holders:
     def __init__(self, layout: _Layout):
         self.layout = layout
         self._eager: dict[str, list[Holding]] = {}
-        self._lazy: list[tuple[PartFamily, dict[Any, dict[str, list[tuple[str, Piece]]]]]] = []
-        for family in layout.part_families():
-            if family.locate is None:
-                for key, ranks in family.groups.items():
-                    for name, local in family.build(key).items():
+        self._lazy: list[tuple[PartGroups, dict[Any, dict[str, list[tuple[str, Piece]]]]]] = []
+        for part in layout.part_groups():
+            if part.locate is None:
+                for key, ranks in part.groups.items():
+                    for name, local in part.build(key).items():
                         for p in local.pieces:
                             self._eager.setdefault(p.hf_name, []).append(Holding(ranks, name, p))
             else:
-                self._lazy.append((family, {}))
+                self._lazy.append((part, {}))
         self._boxes: dict[str, dict[Box, BoxHolders]] = {}
         self._holdings: dict[str, list[Holding]] = {}
         self._wanting: dict[tuple, tuple[int, ...]] = {}
@@ -118,12 +118,12 @@ class Holders:
 
     def _find(self, hf_name: str) -> list[Holding]:
         out = list(self._eager.get(hf_name, ()))
-        for family, built in self._lazy:
-            for key in family.locate(hf_name):
+        for part, built in self._lazy:
+            for key in part.locate(hf_name):
                 index = built.get(key)
                 if index is None:
-                    index = built[key] = _by_hf(family.build(key))
-                out.extend(Holding(family.groups[key], name, p) for name, p in index.get(hf_name, ()))
+                    index = built[key] = _by_hf(part.build(key))
+                out.extend(Holding(part.groups[key], name, p) for name, p in index.get(hf_name, ()))
         return out
 
     def boxes(self, hf_name: str) -> Mapping[Box, BoxHolders]:

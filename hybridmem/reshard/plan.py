@@ -32,7 +32,7 @@ import torch
 
 from hybridmem.reshard.holders import holders_of, sender_of, served_by
 from hybridmem.reshard.layouts import ShardLayout
-from hybridmem.reshard.schedule import StepKey, _model_offsets, _order, schedule
+from hybridmem.reshard.schedule import StepKey, model_offsets, schedule, transfer_key
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import Box, Piece, box_intersection, box_numel
 
@@ -188,8 +188,8 @@ def _check_partition(hf: str, boxes: Iterable[Box], shape: tuple[int, ...]) -> N
 
 
 def _sorted_local(cells: list[Transfer], spec: ModelSpec, itemsize: int) -> tuple[Transfer, ...]:
-    offsets = _model_offsets(spec, itemsize)
-    return tuple(sorted(cells, key=lambda t: _order(t, offsets)))
+    offsets = model_offsets(spec, itemsize)
+    return tuple(sorted(cells, key=lambda t: transfer_key(t, offsets)))
 
 
 @functools.lru_cache(maxsize=64)

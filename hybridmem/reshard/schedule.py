@@ -29,14 +29,14 @@ from dataclasses import replace
 
 from hybridmem.reshard.spec import ModelSpec
 
-__all__ = ["StepKey", "schedule"]
+__all__ = ["StepKey", "schedule", "model_offsets", "transfer_key"]
 
 StepKey = tuple[int, int, int]
 """``(window, shift, chunk)``, see [Note: plan schedule]."""
 
 
 @functools.lru_cache(maxsize=64)
-def _model_offsets(spec: ModelSpec, itemsize: int) -> dict[str, tuple[int, int, int]]:
+def model_offsets(spec: ModelSpec, itemsize: int) -> dict[str, tuple[int, int, int]]:
     """``{checkpoint name: (index in HF order, first wire element, wire elements per axis-0 index)}``."""
     out, offset = {}, 0
     widened = spec.has_router_bias and itemsize < 4  # else no tensor is widened: skip asking per tensor
@@ -85,7 +85,8 @@ def _rows(t, max_numel: int, scale: int) -> list:
     return [_cut(t, axis, s, min(hi, s + step)) for s in range(lo, hi, step)]
 
 
-def _order(t, offsets: dict[str, tuple[int, int, int]]) -> tuple:
+def transfer_key(t, offsets: dict[str, tuple[int, int, int]]) -> tuple:
+    """The sort key that puts transfers in model order (``offsets``: :func:`model_offsets`), the same on every rank."""
     return (offsets[t.hf_name][0], t.box, t.dst_name, t.dst_piece.dst_prefix, t.dst_piece.dst_start, t.src_name)
 
 
@@ -102,14 +103,14 @@ def schedule(remote: Iterable, spec: ModelSpec, world: int, itemsize: int,
     """
     window = max(1, bucket_nbytes // itemsize)
     half = max(1, window // 2)
-    offsets = _model_offsets(spec, itemsize)
+    offsets = model_offsets(spec, itemsize)
     pairs: dict[tuple[int, int, int], list] = {}
     for t in remote:
         for w, part in _windows(t, offsets, window):
             pairs.setdefault((t.src_rank, t.dst_rank, w), []).append(part)
     steps: dict[StepKey, list] = {}
     for (s, d, w), ts in pairs.items():
-        ts.sort(key=lambda t: _order(t, offsets))
+        ts.sort(key=lambda t: transfer_key(t, offsets))
         chunk, load = 0, 0
         for t in ts:
             scale = spec.wire_itemsize(t.hf_name, itemsize) // itemsize

@@ -28,7 +28,7 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout
-from hybridmem.reshard.layouts import MegatronConvention
+from hybridmem.reshard.conventions import MegatronConvention
 from hybridmem.reshard.transforms import build_local
 
 __all__ = ["SeededFull", "process_group_collection", "refit_padded_vocab", "compare_refits"]

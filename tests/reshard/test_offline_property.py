@@ -196,7 +196,7 @@ def test_moe_ep_to_tp_moves_only_missing_bytes():
 
 
 def test_vllm_pp_layers_match_vllm_rule():
-    from hybridmem.reshard.layouts import vllm_pp_layers
+    from hybridmem.reshard.stages import vllm_pp_layers
     from tests.reshard.reference import vllm_stage_layers
 
     for n in range(1, 13):

@@ -143,9 +143,9 @@ def test_a_layouts_parts_are_its_tensors(case, hf_dst):
     for layout in _pairs_by_layout(case, hf_dst):
         for rank in range(layout.world_size):
             merged = {}
-            for family in layout.part_families():
-                (key,) = [k for k, ranks in family.groups.items() if rank in ranks]
-                part = family.build(key)
+            for part in layout.part_groups():
+                (key,) = [k for k, ranks in part.groups.items() if rank in ranks]
+                part = part.build(key)
                 assert not set(part) & set(merged), sorted(set(part) & set(merged))
                 merged.update(part)
             assert merged == layout.tensors(rank), (layout, rank)

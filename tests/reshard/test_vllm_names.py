@@ -16,7 +16,7 @@ format (and leaves the parameters empty); that step is not called here, so the p
 the layout that vLLM's weight loaders produce and that an in-place sync writes into.
 
 The layouts follow the installed vLLM's release (``vllm.__version__``, see [Note: vLLM versions] in
-:mod:`hybridmem.reshard.layouts`), so the same test checks each supported release in an environment
+:mod:`hybridmem.reshard.vllm_versions`), so the same test checks each supported release in an environment
 that has it.
 """
 
@@ -31,7 +31,7 @@ from hybridmem.config import ParallelLayout
 from hybridmem.models import get_family
 from hybridmem.reshard import ModelSpec, build_plan, hf_layout, hf_source_layout, shard, vllm_layout
 from hybridmem.reshard.transforms import build_local
-from hybridmem.reshard.layouts import installed_vllm_version
+from hybridmem.reshard.vllm_versions import installed_vllm_version
 from hybridmem.testing.workers import WorkerError, WorkerPool
 from tests.reshard import _vllm_tasks
 from tests.reshard.families import COMMON as _COMMON

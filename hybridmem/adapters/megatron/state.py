@@ -267,7 +267,7 @@ class MegatronTrainingState:
         padded vocab, its norm naming (``"te"`` when the norms are fused into ``linear_qkv``), and its
         stages' layer counts when the first or last stage has its own (``num_layers_in_first_pipeline_stage``
         / ``num_layers_in_last_pipeline_stage``, see [Note: uneven stages] in
-        :mod:`hybridmem.reshard.layouts`)."""
+        :mod:`hybridmem.reshard.stages`)."""
         from hybridmem.reshard import MegatronConvention, megatron_stage_layers  # noqa: PLC0415 - optional here
 
         te = any(name.endswith("linear_qkv.layer_norm_weight") for name, _ in self.named_weights())

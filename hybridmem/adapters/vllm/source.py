@@ -115,7 +115,7 @@ def check_model_source(model: str, llm_kwargs: dict[str, Any]) -> None:
         raise ValueError(
             f"no such directory {where}, and HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']} rules out the Hugging "
             f"Face hub" + (" (it is not in the hub cache)" if hub_shaped else "") + ": pass the directory the model "
-            f"was saved to, or unset HF_HUB_OFFLINE to download a hub model 'owner/name'"
+            "was saved to, or unset HF_HUB_OFFLINE to download a hub model 'owner/name'"
         )
     raise ValueError(
         f"no such directory {where}: pass the directory the model was saved to (save_pretrained), or a Hugging "

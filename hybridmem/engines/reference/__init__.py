@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError
 from hybridmem.engines.reference.engine import DEFAULT_NUM_KV_BLOCKS, ReferenceEngine
-from hybridmem.engines.reference.layout import param_shapes, place_hf_weight, rank_tensors
+from hybridmem.engines.reference.layout import param_shapes, place_hf_weight
 from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams
 from hybridmem.engines.reference.spec import TPShard, pad_vocab, tp_shard
 
@@ -22,7 +22,6 @@ __all__ = [
     "pad_vocab",
     "param_shapes",
     "place_hf_weight",
-
     "BlockManager",
     "KVBlocksExhaustedError",
     "DEFAULT_NUM_KV_BLOCKS",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
-from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.engine_contract import KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError, blocks_needed
 from hybridmem.engines.reference.layout import place_hf_weight, rank_tensors, split_fused_hf
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
