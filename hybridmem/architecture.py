@@ -1,7 +1,7 @@
 """Refuse an engine built for another architecture than the training model, at manager construction.
 
 The check runs when both sides say what they are: the engine through a ``spec`` attribute holding a
-:class:`~hybridmem.nn.config.DecoderConfig` (``ReferenceEngine``), the training side through the
+:class:`~hybridmem.reshard.ModelSpec` (``ReferenceEngine``), the training side through the
 ``model_spec=`` given to the manager (an HF-style config), the training state's ``model_spec_dict()``
 (the Megatron adapter) or an HF model's ``config``. With a ``weight_sync=`` of the caller's own the
 check is skipped (such a sync may convert between architectures on purpose); the weight-coverage proof
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridmem.nn.config import DecoderConfig
 from hybridmem.engine_contract import capabilities_of
+from hybridmem.nn.config import embedded_spec
+from hybridmem.reshard.spec import ModelSpec
 from hybridmem.training_state import TorchTrainingState, training_capabilities_of
 
 __all__ = ["ARCHITECTURE_FIELDS", "check_architecture"]
@@ -26,22 +27,22 @@ ARCHITECTURE_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "intermediate_size",
-    "attention_bias",
+    "qkv_bias",
     "tie_word_embeddings",
 )
 """What must agree between the training model and the engine (the vocabulary may be padded differently)."""
 
 
-def _decoder(config: Any) -> DecoderConfig | None:
-    if config is None or isinstance(config, DecoderConfig):
+def _decoder(config: Any) -> ModelSpec | None:
+    if config is None or isinstance(config, ModelSpec):
         return config
     try:
-        return DecoderConfig.from_hf_config(config)
+        return embedded_spec(config)
     except (ValueError, TypeError, KeyError, AttributeError):  # not a Llama/Qwen2-style config: cannot tell
         return None
 
 
-def _training_side(training: Any, model_spec: Any) -> tuple[str, DecoderConfig] | None:
+def _training_side(training: Any, model_spec: Any) -> tuple[str, ModelSpec] | None:
     candidates: list[tuple[str, Any]] = []
     if model_spec is not None:
         candidates.append(("model_spec", model_spec))
@@ -60,7 +61,7 @@ def _training_side(training: Any, model_spec: Any) -> tuple[str, DecoderConfig] 
     return None
 
 
-def _describe(decoder: DecoderConfig, fields: list[str]) -> str:
+def _describe(decoder: ModelSpec, fields: list[str]) -> str:
     return ", ".join(f"{f}={getattr(decoder, f)!r}" for f in fields)
 
 
@@ -71,7 +72,7 @@ def check_architecture(training: Any, engine: Any, *, model_spec: Any = None) ->
         ValueError: Naming both sides and every differing field.
     """
     engine_spec = engine.spec if capabilities_of(engine).describes_decoder else None
-    if not isinstance(engine_spec, DecoderConfig):
+    if not isinstance(engine_spec, ModelSpec):
         return
     side = _training_side(training, model_spec)
     if side is None:

@@ -107,7 +107,7 @@ class EngineCapabilities:
     """``check_weights(expected, what=)`` refuses, before any move, a layout its own weights do not match (the
     resharding sync hands it the tensors it will write)."""
     describes_decoder: bool = False
-    """``spec``: the :class:`~hybridmem.nn.config.DecoderConfig` it serves, checked against the training
+    """``spec``: the :class:`~hybridmem.reshard.ModelSpec` it serves, checked against the training
     model's config when the manager is built (:mod:`hybridmem.architecture`)."""
     describes_weights: bool = False
     """``vocab_size`` and ``dtype``: its vocabulary (a padded training vocab is cut to it) and weight dtype

@@ -10,18 +10,19 @@ import torch
 
 from hybridmem import ConfigError, HybridConfig, ShardingManager
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, TorchCopyEngine
-from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, init_hf_weights
+from hybridmem.nn.config import hf_config_dict
+from hybridmem.nn.gpt import MegatronLayoutGPT, init_hf_weights
 from hybridmem.reshard import megatron_layout, shard
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.training_state import TrainingCapabilities
 from hybridmem.weight_sync import LoadWeightsSync, ReshardSync, default_weight_sync
 
-CFG = DecoderConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                    num_hidden_layers=2, vocab_size=50, attention_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)
+CFG = ModelSpec(family="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                    num_hidden_layers=2, vocab_size=50, qkv_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
 def _megatron_layout_model() -> MegatronLayoutGPT:
-    spec = ModelSpec.from_hf_config(CFG.to_hf_dict())
+    spec = CFG
     local = shard(init_hf_weights(CFG, seed=3, dtype=torch.float32), megatron_layout(spec, HybridConfig().train_layout, 1), 0)
     model = MegatronLayoutGPT(CFG, padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0], group=None,
                               dtype=torch.float32, device="cpu")
@@ -32,9 +33,9 @@ def _megatron_layout_model() -> MegatronLayoutGPT:
 def test_model_spec_reshards_megatron_names_into_the_engine():
     model = _megatron_layout_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine = ReferenceEngine(CFG.to_hf_dict(), num_kv_blocks=8, block_size=8)
+    engine = ReferenceEngine(hf_config_dict(CFG), num_kv_blocks=8, block_size=8)
     engine.release(list(ENGINE_TAGS))
-    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"), model_spec=CFG.to_hf_dict())
+    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"), model_spec=hf_config_dict(CFG))
     assert isinstance(manager.weight_sync, ReshardSync)
     seqs = torch.tensor([[1, 5, 7, 9, 11, 2], [4, 4, 8, 15, 16, 23]])
     for _ in range(2):  # the second sync must carry the updated weights
@@ -73,7 +74,7 @@ def test_training_state_layout_must_match_the_config():
     state = SimpleNamespace(named_weights=lambda: iter(()), source_layout=lambda: SimpleNamespace(tp=2, pp=1, ep=1))
     with pytest.raises(ValueError, match=r"\(2, 1, 1\).*TP1xPP1xEP1"):
         default_weight_sync(state, TorchCopyEngine(torch.nn.Linear(2, 2)), HybridConfig(device="cpu"),
-                            model_spec=CFG.to_hf_dict())
+                            model_spec=hf_config_dict(CFG))
 
 
 def test_training_state_convention_sets_the_megatron_vocab_padding():
@@ -81,14 +82,14 @@ def test_training_state_convention_sets_the_megatron_vocab_padding():
     ``megatron_convention()`` tells the sync, so the plan expects 56 rows and the engine gets the 50 real ones."""
     from hybridmem.reshard import MegatronConvention  # noqa: PLC0415
 
-    spec = ModelSpec.from_hf_config(CFG.to_hf_dict())
+    spec = CFG
     conv = MegatronConvention(padded_vocab_size=56)
     full = init_hf_weights(CFG, seed=3, dtype=torch.float32)
     local = shard(full, megatron_layout(spec, HybridConfig().train_layout, 1, convention=conv), 0)
     assert local["embedding.word_embeddings.weight"].shape[0] == 56
     state = SimpleNamespace(named_weights=lambda: iter(local.items()), megatron_convention=lambda: conv)
-    engine = ReferenceEngine(CFG.to_hf_dict(), num_kv_blocks=8, block_size=8)
-    sync = default_weight_sync(state, engine, HybridConfig(device="cpu"), model_spec=CFG.to_hf_dict())
+    engine = ReferenceEngine(hf_config_dict(CFG), num_kv_blocks=8, block_size=8)
+    sync = default_weight_sync(state, engine, HybridConfig(device="cpu"), model_spec=hf_config_dict(CFG))
     assert isinstance(sync, ReshardSync)
     sync.sync()
     params = dict(engine.named_parameters())
@@ -105,8 +106,8 @@ def test_transformers_names_get_the_replicated_hf_source():
     """Before HF sources were known, this sync expected Megatron names and failed at the first switch."""
     from hybridmem.reshard import HFSourceLayout  # noqa: PLC0415
 
-    engine = ReferenceEngine(CFG.to_hf_dict(), num_kv_blocks=8, block_size=8)
-    sync = default_weight_sync(_hf_state(), engine, HybridConfig(device="cpu"), model_spec=CFG.to_hf_dict())
+    engine = ReferenceEngine(hf_config_dict(CFG), num_kv_blocks=8, block_size=8)
+    sync = default_weight_sync(_hf_state(), engine, HybridConfig(device="cpu"), model_spec=hf_config_dict(CFG))
     assert isinstance(sync, ReshardSync) and isinstance(sync.plan.src, HFSourceLayout)
     assert sync.plan.src.shard_size == 1
     sync.sync()
@@ -117,7 +118,7 @@ def test_transformers_names_get_the_replicated_hf_source():
 def test_transformers_names_with_a_tensor_parallel_train_layout_are_refused():
     with pytest.raises(ValueError, match=r"transformers' names.*TP2xPP1xEP1; its tp, pp and ep must be 1"):
         default_weight_sync(_hf_state(), TorchCopyEngine(torch.nn.Linear(2, 2)),
-                            HybridConfig(device="cpu", tensor_model_parallel_size=2), model_spec=CFG.to_hf_dict())
+                            HybridConfig(device="cpu", tensor_model_parallel_size=2), model_spec=hf_config_dict(CFG))
 
 
 def test_sharded_state_without_spec_is_refused_even_with_equal_layouts():

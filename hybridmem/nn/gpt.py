@@ -1,5 +1,8 @@
 """A trainable, tensor-parallel Llama/Qwen2 decoder in plain PyTorch, holding Megatron-core's layout.
 
+Its architecture is a :class:`~hybridmem.reshard.ModelSpec` the embedded blocks run
+(:func:`hybridmem.nn.config.embedded_spec` reads and checks one).
+
 The example GRPO trainer (:mod:`hybridmem.examples.grpo`) trains this model when it runs without
 Megatron. Its parameters carry Megatron-core's GPT names and per-rank shapes (local layer spec), so the
 resharding engine converts it to the inference layout exactly as it converts a real Megatron model:
@@ -26,14 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridmem.nn.config import DecoderConfig
 from hybridmem.nn.functional import apply_rope, rms_norm, rope_cos_sin, swiglu
 from hybridmem.nn.tp import copy_to_group, gather_last_dim, group_size, reduce_from_group, vocab_parallel_embedding
+from hybridmem.reshard.spec import ModelSpec
 
-__all__ = ["DecoderConfig", "MegatronLayoutGPT", "init_hf_weights", "allreduce_grads"]
+__all__ = ["MegatronLayoutGPT", "init_hf_weights", "allreduce_grads"]
 
 
-def init_hf_weights(config: DecoderConfig, *, seed: int, std: float = 0.02, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def init_hf_weights(config: ModelSpec, *, seed: int, std: float = 0.02, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Random full (unsharded) weights under HF names, the same on every rank for the same ``seed``.
 
     Linear and embedding weights are ``N(0, std)``, biases small, norms ones (as HF initialises them).
@@ -52,7 +55,7 @@ def init_hf_weights(config: DecoderConfig, *, seed: int, std: float = 0.02, dtyp
         out[p + "self_attn.q_proj.weight"] = normal(nq * hd, H)
         out[p + "self_attn.k_proj.weight"] = normal(nkv * hd, H)
         out[p + "self_attn.v_proj.weight"] = normal(nkv * hd, H)
-        if config.attention_bias:
+        if config.qkv_bias:
             out[p + "self_attn.q_proj.bias"] = normal(nq * hd)
             out[p + "self_attn.k_proj.bias"] = normal(nkv * hd)
             out[p + "self_attn.v_proj.bias"] = normal(nkv * hd)
@@ -70,7 +73,7 @@ def init_hf_weights(config: DecoderConfig, *, seed: int, std: float = 0.02, dtyp
 class _Layer(torch.nn.Module):
     """One decoder layer's parameters, named as Megatron's local spec names them."""
 
-    def __init__(self, config: DecoderConfig, tp: int, dtype: torch.dtype, device: Any):
+    def __init__(self, config: ModelSpec, tp: int, dtype: torch.dtype, device: Any):
         super().__init__()
         H, hd = config.hidden_size, config.head_dim
         groups = config.num_key_value_heads // tp
@@ -79,7 +82,7 @@ class _Layer(torch.nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.input_layernorm = _Weight(torch.ones(H, **kw))
         self.self_attention = torch.nn.Module()
-        self.self_attention.linear_qkv = _Weight(torch.empty(qkv_rows, H, **kw), bias=config.attention_bias)
+        self.self_attention.linear_qkv = _Weight(torch.empty(qkv_rows, H, **kw), bias=config.qkv_bias)
         self.self_attention.linear_proj = _Weight(torch.empty(H, groups * q_per_group * hd, **kw))
         self.pre_mlp_layernorm = _Weight(torch.ones(H, **kw))
         self.mlp = torch.nn.Module()
@@ -114,7 +117,7 @@ class MegatronLayoutGPT(torch.nn.Module):
 
     def __init__(
         self,
-        config: DecoderConfig,
+        config: ModelSpec,
         *,
         padded_vocab_size: int,
         group: Any = None,

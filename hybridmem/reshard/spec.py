@@ -38,6 +38,22 @@ FAMILIES = tuple(_FAMILY_TABLE)
 resolve to one of them)."""
 
 
+def _numerics(get: Any) -> dict[str, float]:
+    """The fields no shape depends on, as every family's config names them: ``rms_norm_eps`` and the rotary base
+    (``rope_theta``, else transformers 5's ``rope_parameters``), each absent: the field's default."""
+    out = {}
+    eps = get("rms_norm_eps")
+    if eps is not None:
+        out["rms_norm_eps"] = float(eps)
+    theta = get("rope_theta")
+    if theta is None:
+        rope = get("rope_parameters") or {}
+        theta = rope.get("rope_theta") if isinstance(rope, Mapping) else None
+    if theta is not None:
+        out["rope_theta"] = float(theta)
+    return out
+
+
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
@@ -75,6 +91,12 @@ class ModelSpec:
     """Per-head RMSNorm on q and k (Qwen3): ``q_norm.weight`` / ``k_norm.weight`` of shape [head_dim]."""
     tie_word_embeddings: bool = False
     """The output layer shares the embedding matrix."""
+    rms_norm_eps: float = 1e-6
+    """The RMSNorms' epsilon (the HF config's ``rms_norm_eps``): no shape depends on it; the embedded engine and
+    the trainable decoder of :mod:`hybridmem.nn` compute with it."""
+    rope_theta: float = 10000.0
+    """The rotary base (``rope_theta``, or ``rope_parameters["rope_theta"]`` in transformers 5): no shape depends
+    on it; the embedded engine and the trainable decoder compute with it."""
     num_experts: int = 0
     """Routed experts per MoE layer (0 for dense models)."""
     moe_intermediate_size: int = 0
@@ -333,7 +355,7 @@ class ModelSpec:
                 raise ValueError(f"model_type={model_type!r}: the multimodal config lacks text_config")
             get = getter(text)
         multimodal = model_type if model_type in dict(family.multimodal_names) else ""
-        return cls(family=family.name, multimodal=multimodal, **family.read_config(get))
+        return cls(family=family.name, multimodal=multimodal, **_numerics(get), **family.read_config(get))
 
     def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]], layer: int) -> None:
         h = self.hidden_size

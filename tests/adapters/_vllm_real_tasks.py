@@ -212,16 +212,16 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
     from hybridmem.config import ParallelLayout
     from hybridmem.examples.grpo.topology import build_topology
     from hybridmem.examples.grpo.trainers import build_trainer
-    from hybridmem.nn.gpt import DecoderConfig
+    from hybridmem.nn.config import hf_config_dict
     from hybridmem.reshard import ModelSpec
     from hybridmem.weight_sync import ReshardSync
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reshard"))
     from reference import megatron_shard
 
-    dec = DecoderConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                        num_hidden_layers=2, vocab_size=256, attention_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)
-    hf = dec.to_hf_dict()
+    dec = ModelSpec(family="qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+                        num_hidden_layers=2, vocab_size=256, qkv_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)
+    hf = hf_config_dict(dec)
     hf_cfg = transformers.Qwen2Config(**{**hf, "max_position_embeddings": 128, "tie_word_embeddings": False})
     train = infer = ParallelLayout(tp=2)
     topo = build_topology(train, infer)

@@ -1,4 +1,4 @@
-"""The pure parts of ReferenceEngine: DecoderConfig/TPShard sizes, HF->vLLM placement, block tables, sampling."""
+"""The pure parts of ReferenceEngine: the embedded spec and TPShard sizes, HF->vLLM placement, block tables, sampling."""
 
 from __future__ import annotations
 
@@ -17,29 +17,30 @@ from hybridmem.engines.reference import (
 from hybridmem.engines.reference.layout import param_shapes, place_hf_weight
 from hybridmem.reshard.transforms import piece_view
 from hybridmem.engines.reference.sampling import make_generator, sample_next
-from hybridmem.nn.config import DecoderConfig
+from hybridmem.nn.config import embedded_spec
+from hybridmem.reshard import ModelSpec
 
 
-def _spec(**kw) -> DecoderConfig:
-    base = dict(vocab_size=250, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, attention_bias=True)
+def _spec(**kw) -> ModelSpec:
+    base = dict(family="qwen2", vocab_size=250, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, qkv_bias=True)
     base.update(kw)
-    return DecoderConfig(**base)
+    return embedded_spec(ModelSpec(**base))
 
 
 def test_from_hf_reads_qwen2_and_llama_dicts():
-    qwen = DecoderConfig.from_hf_config(dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16,
+    qwen = embedded_spec(dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                   rope_theta=1e6, tie_word_embeddings=True))
-    assert (qwen.attention_bias, qwen.tie_word_embeddings, qwen.head_dim, qwen.rope_theta) == (True, True, 4, 1e6)
-    llama = DecoderConfig.from_hf_config(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+    assert (qwen.qkv_bias, qwen.tie_word_embeddings, qwen.head_dim, qwen.rope_theta) == (True, True, 4, 1e6)
+    llama = embedded_spec(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
                                    num_hidden_layers=1, num_attention_heads=2,
                                    rope_parameters={"rope_theta": 5.0, "rope_type": "default"}))
-    assert (llama.attention_bias, llama.num_key_value_heads, llama.rope_theta) == (False, 2, 5.0)
+    assert (llama.qkv_bias, llama.num_key_value_heads, llama.rope_theta) == (False, 2, 5.0)
     with pytest.raises(ValueError, match="model_type='gpt2'"):
-        DecoderConfig.from_hf_config(dict(model_type="gpt2"))
+        embedded_spec(dict(model_type="gpt2"))
     with pytest.raises(ValueError, match="rope_type='yarn'"):
-        DecoderConfig.from_hf_config(dict(model_type="llama", rope_scaling={"rope_type": "yarn"}))
+        embedded_spec(dict(model_type="llama", rope_scaling={"rope_type": "yarn"}))
 
 
 @pytest.mark.parametrize("tp,kv_heads,replicas,start", [(1, 2, 1, 0), (2, 1, 1, 1), (4, 1, 2, 1)])
@@ -60,7 +61,7 @@ def test_tp_shard_refuses_uneven_splits():
 @settings(max_examples=25, deadline=None)
 @given(tp=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2, 4]), bias=st.booleans(), tied=st.booleans())
 def test_placements_fill_every_parameter_exactly_once(tp, kv, bias, tied):
-    spec = _spec(num_attention_heads=4, num_key_value_heads=kv, attention_bias=bias, tie_word_embeddings=tied)
+    spec = _spec(num_attention_heads=4, num_key_value_heads=kv, qkv_bias=bias, tie_word_embeddings=tied)
     layer = {"input_layernorm.weight": (32,), "post_attention_layernorm.weight": (32,),
              "self_attn.q_proj.weight": (32, 32), "self_attn.k_proj.weight": (kv * 8, 32),
              "self_attn.v_proj.weight": (kv * 8, 32), "self_attn.o_proj.weight": (32, 32),

@@ -12,7 +12,7 @@ from engine_cases import MAX_TOKENS, PROMPTS, build_hf, greedy
 
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
-from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT
+from hybridmem.nn.gpt import MegatronLayoutGPT
 from hybridmem.reshard import ModelSpec, megatron_layout, shard, unshard
 from hybridmem.testing.workers import WorkerPool
 
@@ -49,7 +49,7 @@ def task_switch(ctx, config_dict, full, train_tp, infer_tp):
     spec = ModelSpec.from_hf_config(config_dict)
     layout = megatron_layout(spec, config.train_layout, world)
     local = shard(full, layout, rank)
-    model = MegatronLayoutGPT(DecoderConfig.from_hf_config(config_dict), group=train_groups[rank // train_tp],
+    model = MegatronLayoutGPT(spec, group=train_groups[rank // train_tp],
                               padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0] * train_tp,
                               dtype=torch.float32, device="cpu")
     model.load_state_dict(local)

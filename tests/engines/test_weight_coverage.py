@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridmem import HybridConfig, Phase, ShardingManager, SwitchError, WeightCoverageError
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams
-from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT
+from hybridmem.nn.gpt import MegatronLayoutGPT
 from hybridmem.offload import OffloadState
 from hybridmem.reshard import ModelSpec, megatron_layout, shard
 from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
@@ -62,7 +62,7 @@ def _check_failed_switch(manager: ShardingManager, engine: ReferenceEngine, befo
 
 def test_llama_into_a_qwen2_engine_is_refused_at_construction_naming_both():
     model = _llama()
-    with pytest.raises(ValueError, match="ReferenceEngine.*LlamaForCausalLM \\(llama\\).*attention_bias=True.*attention_bias=False"):
+    with pytest.raises(ValueError, match="ReferenceEngine.*LlamaForCausalLM \\(llama\\).*qkv_bias=True.*qkv_bias=False"):
         ShardingManager(model, _qwen2_engine(), optimizer=torch.optim.AdamW(model.parameters()))
 
 
@@ -83,7 +83,7 @@ def test_llama_into_a_qwen2_engine_through_the_resharding_engine_fails_the_switc
     spec = ModelSpec.from_hf_config(LLAMA)
     hf = _llama()
     local = shard({k: v.detach() for k, v in hf.state_dict().items()}, megatron_layout(spec, config.train_layout, 1), 0)
-    model = MegatronLayoutGPT(DecoderConfig.from_hf_config(LLAMA), group=None,
+    model = MegatronLayoutGPT(spec, group=None,
                               padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0],
                               dtype=torch.float32, device="cpu")
     model.load_state_dict(local)

@@ -5,22 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.nn.config import embedded_spec, hf_config_dict
+from hybridmem.nn.gpt import MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.reshard import ModelSpec
 from hybridmem.testing.workers import WorkerPool
 
 transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
-    "qwen2-gqa-bias": DecoderConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-                                    intermediate_size=96, num_hidden_layers=2, vocab_size=61, attention_bias=True,
-                                    rope_theta=10000.0, rms_norm_eps=1e-6),
-    "llama-tied": DecoderConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+    "qwen2-gqa-bias": ModelSpec(family="qwen2", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=8, intermediate_size=96, num_hidden_layers=2, vocab_size=61, qkv_bias=True,
+                                rope_theta=10000.0, rms_norm_eps=1e-6),
+    "llama-tied": ModelSpec(family="llama", hidden_size=48, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                 intermediate_size=64, num_hidden_layers=2, vocab_size=50, tie_word_embeddings=True,
                                 rope_theta=500000.0, rms_norm_eps=1e-5),
 }
 
 
-def megatron_shard(full: dict[str, torch.Tensor], cfg: DecoderConfig, tp: int, rank: int, padded_vocab: int) -> dict[str, torch.Tensor]:
+def megatron_shard(full: dict[str, torch.Tensor], cfg: ModelSpec, tp: int, rank: int, padded_vocab: int) -> dict[str, torch.Tensor]:
     """Reference: slice full HF weights into Megatron's per-rank layout, written out longhand."""
     hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     qpg = nq // nkv
@@ -57,9 +59,9 @@ def megatron_shard(full: dict[str, torch.Tensor], cfg: DecoderConfig, tp: int, r
     return out
 
 
-def hf_model(cfg: DecoderConfig, full: dict[str, torch.Tensor], model_type: str):
-    d = cfg.to_hf_dict(model_type)
-    d.pop("model_type")
+def hf_model(cfg: ModelSpec, full: dict[str, torch.Tensor], model_type: str):
+    d = hf_config_dict(cfg)
+    assert d.pop("model_type") == model_type
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
     if model_type == "qwen2":
         d.pop("attention_bias")
@@ -133,9 +135,12 @@ def test_allreduce_grads_averages_over_data_parallel_ranks(pool):
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="num_attention_heads=6 is not a multiple of num_key_value_heads=4"):
-        DecoderConfig(hidden_size=8, num_attention_heads=6, num_key_value_heads=4, head_dim=2, intermediate_size=8,
-                      num_hidden_layers=1, vocab_size=8)
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by num_key_value_heads=4"):
+        ModelSpec(hidden_size=8, num_attention_heads=6, num_key_value_heads=4, head_dim=2, intermediate_size=8,
+                  num_hidden_layers=1, vocab_size=8)
+    with pytest.raises(ValueError, match="head_dim=3 must be even"):
+        embedded_spec(ModelSpec(hidden_size=6, num_attention_heads=2, num_key_value_heads=2, head_dim=3,
+                                intermediate_size=8, num_hidden_layers=1, vocab_size=8))
     cfg = CONFIGS["qwen2-gqa-bias"]
     with pytest.raises(ValueError, match="padded_vocab_size=60 is smaller than vocab_size=61"):
         MegatronLayoutGPT(cfg, padded_vocab_size=60)
@@ -144,5 +149,5 @@ def test_config_errors():
 def test_from_hf_config_reads_transformers_config():
     hf = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                                   num_hidden_layers=2, vocab_size=61)
-    cfg = DecoderConfig.from_hf_config(hf)
-    assert (cfg.head_dim, cfg.attention_bias, cfg.num_key_value_heads) == (8, True, 2)
+    cfg = embedded_spec(hf)
+    assert (cfg.family, cfg.head_dim, cfg.qkv_bias, cfg.num_key_value_heads) == ("qwen2", 8, True, 2)

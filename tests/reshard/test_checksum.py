@@ -14,13 +14,14 @@ import torch
 
 from hybridmem import HybridConfig, Phase, ShardingManager, WeightSyncError
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
-from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, init_hf_weights
+from hybridmem.nn.config import hf_config_dict
+from hybridmem.nn.gpt import MegatronLayoutGPT, init_hf_weights
 from hybridmem.reshard import megatron_layout, shard
 from hybridmem.reshard.checksum import box_checksum
 from hybridmem.reshard.spec import ModelSpec
 
-CFG = DecoderConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    intermediate_size=48, num_hidden_layers=2, vocab_size=50, attention_bias=True,
+CFG = ModelSpec(family="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=48, num_hidden_layers=2, vocab_size=50, qkv_bias=True,
                     rms_norm_eps=1e-6, rope_theta=10000.0)
 
 
@@ -42,7 +43,7 @@ def test_box_checksum_weights_rows():
 
 
 def _megatron_layout_model() -> MegatronLayoutGPT:
-    spec = ModelSpec.from_hf_config(CFG.to_hf_dict())
+    spec = CFG
     full = init_hf_weights(CFG, seed=3, dtype=torch.float32)
     local = shard(full, megatron_layout(spec, HybridConfig().train_layout, 1), 0)
     model = MegatronLayoutGPT(CFG, padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0],
@@ -70,11 +71,11 @@ def test_sync_that_exchanges_two_rows_of_a_fused_weight_fails_verification(monke
         return dst, stats
 
     model = _megatron_layout_model()
-    engine = ReferenceEngine(CFG.to_hf_dict(), num_kv_blocks=8, block_size=8)
+    engine = ReferenceEngine(hf_config_dict(CFG), num_kv_blocks=8, block_size=8)
     engine.release(list(ENGINE_TAGS))
     config = HybridConfig(device="cpu", verify_weight_sync=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    manager = ShardingManager(model, engine, optimizer=opt, config=config, model_spec=CFG.to_hf_dict())
+    manager = ShardingManager(model, engine, optimizer=opt, config=config, model_spec=hf_config_dict(CFG))
     try:
         with manager.inference():  # the right sync passes verification
             pass

@@ -27,7 +27,7 @@ from hybridmem.engines.reference.layout import place_hf_weight, rank_tensors, sp
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
 from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams, make_generator, sample_next
 from hybridmem.engines.reference.spec import tp_shard
-from hybridmem.nn.config import DecoderConfig
+from hybridmem.nn.config import embedded_spec
 from hybridmem.reshard.transforms import Piece, piece_view, src_index
 from hybridmem.engines.torch_copy import EngineMemoryState, check_tags
 from hybridmem.errors import PhaseError
@@ -98,7 +98,7 @@ class ReferenceEngine:
             )
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive int")
-        self.spec = DecoderConfig.from_hf_config(config)
+        self.spec = embedded_spec(config)
         self.group = group
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
         self.shard = tp_shard(self.spec, self.tp_size, self.tp_rank)

@@ -31,6 +31,7 @@ fused already (``self_attn.qkv_proj.weight`` = [q; k; v], ``mlp.gate_up_proj.wei
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -39,7 +40,6 @@ import torch
 from hybridmem.config import ParallelLayout
 from hybridmem.engines.reference.spec import VOCAB_PADDING, TPShard
 from hybridmem.models import FAMILIES
-from hybridmem.nn.config import DecoderConfig
 from hybridmem.reshard import ModelSpec, VLLMConvention, vllm_layout
 from hybridmem.reshard.vllm_versions import DEFAULT_VLLM_VERSION
 from hybridmem.reshard.transforms import LocalTensor, Piece
@@ -47,16 +47,12 @@ from hybridmem.reshard.transforms import LocalTensor, Piece
 __all__ = ["layout_spec", "param_shapes", "rank_tensors", "place_hf_weight", "split_fused_hf"]
 
 
-def layout_spec(spec: DecoderConfig) -> ModelSpec:
-    """The resharding engine's :class:`~hybridmem.reshard.ModelSpec` of a decoder the embedded engine runs.
+def layout_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec whose vLLM layout the embedded engine holds: ``spec`` under Llama's names.
 
     Every family it runs has Llama's vLLM names (Qwen2 adds the q/k/v bias, Phi-3 differs only in its
-    checkpoint), so the spec is Llama's with ``qkv_bias`` as the config says."""
-    return ModelSpec(family="llama", hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                     num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-                     intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                     vocab_size=spec.vocab_size, qkv_bias=spec.attention_bias,
-                     tie_word_embeddings=spec.tie_word_embeddings)
+    checkpoint), so the layout is Llama's with ``qkv_bias`` as the spec says."""
+    return dataclasses.replace(spec, family="llama")
 
 
 def param_shapes(shard: TPShard) -> dict[str, tuple[int, ...]]:
@@ -77,7 +73,7 @@ _FUSED: dict[str, tuple[str, ...]] = {
 
 
 @functools.lru_cache(maxsize=16)
-def _layer_rows(spec: DecoderConfig) -> dict[str, int]:
+def _layer_rows(spec: ModelSpec) -> dict[str, int]:
     """Rows of each canonical tensor of a layer (its suffix after ``model.layers.{i}.``)."""
     prefix = "model.layers.0."
     return {name[len(prefix):]: shape[0] for name, shape in layout_spec(spec).canonical_shapes().items()
@@ -148,6 +144,6 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> tuple[tupl
     shapes = _hf_shapes(shard)
     if name not in shapes:
         raise KeyError(f"no engine weight for HF name {name!r} (model has {shard.spec.num_hidden_layers} layers, "
-                       f"attention_bias={shard.spec.attention_bias})")
+                       f"qkv_bias={shard.spec.qkv_bias})")
     _check_shape(name, full, shapes[name])
     return _targets(shard).get(name, ())

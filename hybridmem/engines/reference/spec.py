@@ -1,4 +1,5 @@
-"""TPShard: how tensor parallelism splits a Llama/Qwen2 decoder (a :class:`~hybridmem.nn.DecoderConfig`).
+"""TPShard: how tensor parallelism splits a Llama/Qwen2 decoder (a :class:`~hybridmem.reshard.ModelSpec` the
+embedded blocks run, see :func:`hybridmem.nn.config.embedded_spec`).
 
 :class:`TPShard` holds the per-rank sizes vLLM uses for the model at a tensor-parallel size (see
 [Note: vLLM per-rank layout] in :mod:`hybridmem.engines.reference.layout`).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridmem.nn.config import DecoderConfig
+from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["TPShard", "VOCAB_PADDING", "pad_vocab", "tp_shard"]
 
@@ -30,7 +31,7 @@ class TPShard:
     ``r`` holds kv head ``r // num_kv_head_replicas`` (vLLM ``QKVParallelLinear``).
     """
 
-    spec: DecoderConfig
+    spec: ModelSpec
     """The model."""
     tp_size: int
     """Tensor-parallel size."""
@@ -94,6 +95,6 @@ class TPShard:
         return self.padded_vocab_size // self.tp_size
 
 
-def tp_shard(spec: DecoderConfig, tp_size: int, tp_rank: int) -> TPShard:
+def tp_shard(spec: ModelSpec, tp_size: int, tp_rank: int) -> TPShard:
     """Per-rank sizes of ``spec`` at tensor-parallel size ``tp_size`` (see :class:`TPShard`)."""
     return TPShard(spec=spec, tp_size=tp_size, tp_rank=tp_rank)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from hybridmem.nn.config import DecoderConfig
+from hybridmem.nn.config import hf_config_dict
+from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["ENGINES", "VLLM_ENGINES", "VLLM_ENV", "VLLM_MODEL", "build_engine", "vllm_env"]
 
@@ -27,9 +28,9 @@ ENGINES = ("reference", "vllm", "vllm-server")
 VLLM_ENGINES = ("vllm", "vllm-server")
 """The engines that are vLLM (its policy, :data:`VLLM_MODEL`, and its environment, :func:`vllm_env`)."""
 
-VLLM_MODEL = DecoderConfig(
-    hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-    num_hidden_layers=2, vocab_size=16, attention_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+VLLM_MODEL = ModelSpec(
+    family="qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+    num_hidden_layers=2, vocab_size=16, qkv_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0,
 )
 """The demo's policy for ``--engine vllm``: vLLM's CPU attention needs head_dim >= 32."""
 
@@ -59,7 +60,7 @@ def vllm_env(rank: int, world_size: int, infer_tp: int, port: int, *, own_proces
     return env
 
 
-def build_engine(kind: str, model: DecoderConfig, topo: Any, *, device: torch.device, dtype: torch.dtype,
+def build_engine(kind: str, model: ModelSpec, topo: Any, *, device: torch.device, dtype: torch.dtype,
                  max_len: int, max_seqs: int) -> Any:
     """The rollout engine, built released (as ShardingManager expects).
 
@@ -70,7 +71,7 @@ def build_engine(kind: str, model: DecoderConfig, topo: Any, *, device: torch.de
 
     if kind == "reference":
         block_size = 16
-        engine = ReferenceEngine(model.to_hf_dict(), group=topo.infer_tp_group, device=device, dtype=dtype,
+        engine = ReferenceEngine(hf_config_dict(model), group=topo.infer_tp_group, device=device, dtype=dtype,
                                  block_size=block_size, num_kv_blocks=max_seqs * -(-max_len // block_size))
         engine.release(list(ENGINE_TAGS))
         return engine
@@ -87,7 +88,7 @@ def build_engine(kind: str, model: DecoderConfig, topo: Any, *, device: torch.de
 
     from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415
 
-    hf = transformers.Qwen2Config(**{**model.to_hf_dict(), "max_position_embeddings": max(128, max_len)})
+    hf = transformers.Qwen2Config(**{**hf_config_dict(model), "max_position_embeddings": max(128, max_len)})
     return VLLMEngine.create(
         hf,
         tensor_parallel_size=topo.infer.tp,
@@ -100,7 +101,7 @@ def build_engine(kind: str, model: DecoderConfig, topo: Any, *, device: torch.de
     )
 
 
-def _server_engine(model: DecoderConfig, topo: Any, *, dtype: torch.dtype, max_len: int, max_seqs: int) -> Any:
+def _server_engine(model: ModelSpec, topo: Any, *, dtype: torch.dtype, max_len: int, max_seqs: int) -> Any:
     """This rank's AsyncLLM, its engine core in a process of its own, built from the policy's config alone
     (``load_format="dummy"``: the first weight sync writes every weight).
 
@@ -115,7 +116,7 @@ def _server_engine(model: DecoderConfig, topo: Any, *, dtype: torch.dtype, max_l
 
     from hybridmem.adapters.vllm.server import VLLMServerEngine  # noqa: PLC0415
 
-    hf = transformers.Qwen2Config(**{**model.to_hf_dict(), "max_position_embeddings": max(128, max_len)})
+    hf = transformers.Qwen2Config(**{**hf_config_dict(model), "max_position_embeddings": max(128, max_len)})
     model_dir = tempfile.mkdtemp(prefix=f"hybridmem-demo-rank{topo.rank}-")
     hf.save_pretrained(model_dir)  # config.json: what vLLM builds the model from
     return VLLMServerEngine.start_async(

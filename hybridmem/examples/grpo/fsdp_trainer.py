@@ -15,15 +15,17 @@ from typing import Any
 import torch
 
 from hybridmem.examples.grpo.topology import Topology
-from hybridmem.nn.gpt import DecoderConfig, init_hf_weights
+from hybridmem.nn.config import hf_config_dict
+from hybridmem.nn.gpt import init_hf_weights
+from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["FSDPTrainer"]
 
 
-def _hf_model(model: DecoderConfig, weights: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
+def _hf_model(model: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415 - only for this trainer
 
-    hf = Qwen2ForCausalLM(Qwen2Config(**model.to_hf_dict("qwen2"))).to(device)
+    hf = Qwen2ForCausalLM(Qwen2Config(**hf_config_dict(model))).to(device)
     missing, unexpected = hf.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"HF weights do not fit Qwen2ForCausalLM: missing {missing}, unexpected {unexpected}")
@@ -37,14 +39,14 @@ class FSDPTrainer:
         ValueError: The training layout is not tp = pp = 1 (FSDP2 shards over all ranks).
     """
 
-    def __init__(self, model: DecoderConfig, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype,
+    def __init__(self, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype,
                  device: torch.device):
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
         if topo.train.tp != 1:
             raise ValueError(f"--trainer fsdp shards over all ranks; it needs --train-tp 1, got {topo.train.tp}")
         self.topo = topo
-        self.hf_config = model.to_hf_dict("qwen2")
+        self.hf_config = hf_config_dict(model)
         weights = init_hf_weights(model, seed=seed, dtype=dtype)
         self.actor = _hf_model(model, weights, device).to(dtype)
         for layer in self.actor.model.layers:

@@ -28,7 +28,7 @@ from hybridmem.examples.grpo.engines import ENGINES, build_engine
 from hybridmem.examples.grpo.task import CountTask
 from hybridmem.examples.grpo.topology import Topology, build_topology
 from hybridmem.examples.grpo.trainers import build_trainer
-from hybridmem.nn.gpt import DecoderConfig
+from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["DemoConfig", "IterationStats", "run_rank"]
 
@@ -40,9 +40,10 @@ class DemoConfig:
     iters: int = 30
     num_prompts: int = 16
     """Prompts per iteration, over all inference replicas."""
-    model: DecoderConfig = field(default_factory=lambda: DecoderConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        num_hidden_layers=2, vocab_size=16, attention_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+    model: ModelSpec = field(default_factory=lambda: ModelSpec(
+        family="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, num_hidden_layers=2, vocab_size=16, qkv_bias=True, rms_norm_eps=1e-6,
+        rope_theta=10000.0,
     ))
     task: CountTask = field(default_factory=CountTask)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -89,12 +90,6 @@ class IterationStats:
     ``ResidencyReport.unexplained_nbytes``), ``None`` on CPU."""
 
 
-def _spec(cfg: DemoConfig) -> Any:
-    from hybridmem.reshard import ModelSpec  # noqa: PLC0415 - heavy, only here
-
-    return ModelSpec.from_hf_config(cfg.model.to_hf_dict())
-
-
 def _gather_rollouts(local: dict[str, Any], topo: Topology) -> list[dict[str, Any]]:
     """Every replica's rollouts on every rank (one entry per replica, in replica order)."""
     out: list[Any] = [None] * topo.world_size
@@ -138,7 +133,7 @@ def _run(cfg: DemoConfig, topo: Topology, trainer: Any, engine: Any, device: tor
                                   model_spec=trainer.hf_config)
         return _loop(cfg, topo, trainer, manager, engine, device, dtype, on_iteration)
     sync = ReshardSync(
-        _spec(cfg),
+        cfg.model,
         src=cfg.hybrid.train_layout,
         dst=cfg.hybrid.infer_layout,
         group=None,

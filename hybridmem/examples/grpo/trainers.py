@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from hybridmem.examples.grpo.topology import Topology
-from hybridmem.nn.gpt import DecoderConfig, MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.nn.gpt import MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["TorchTrainer", "MegatronTrainer", "build_trainer"]
 
@@ -32,12 +33,11 @@ MAX_SEQ_LEN = 512
 """The Megatron GPTModel's ``max_sequence_length`` (prompt + completion must fit)."""
 
 
-def _local_weights(model: DecoderConfig, topo: Topology, *, seed: int, dtype: torch.dtype, padded_vocab: int | None) -> dict[str, torch.Tensor]:
+def _local_weights(model: ModelSpec, topo: Topology, *, seed: int, dtype: torch.dtype, padded_vocab: int | None) -> dict[str, torch.Tensor]:
     """This rank's Megatron-layout shard of the full weights drawn from ``seed``."""
-    from hybridmem.reshard import MegatronConvention, ModelSpec, megatron_layout, shard  # noqa: PLC0415
+    from hybridmem.reshard import MegatronConvention, megatron_layout, shard  # noqa: PLC0415
 
-    spec = ModelSpec.from_hf_config(model.to_hf_dict())
-    layout = megatron_layout(spec, topo.train, topo.world_size, convention=MegatronConvention(padded_vocab_size=padded_vocab))
+    layout = megatron_layout(model, topo.train, topo.world_size, convention=MegatronConvention(padded_vocab_size=padded_vocab))
     return shard(init_hf_weights(model, seed=seed, dtype=dtype), layout, topo.rank)
 
 
@@ -51,7 +51,7 @@ class TorchTrainer:
         reference: The frozen reference policy (a module to register as a co-resident).
     """
 
-    def __init__(self, model: DecoderConfig, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype, device: torch.device):
         self.topo = topo
         local = _local_weights(model, topo, seed=seed, dtype=dtype, padded_vocab=None)
         self.padded_vocab = local["embedding.word_embeddings.weight"].shape[0] * topo.train.tp
@@ -107,7 +107,7 @@ class MegatronTrainer:
             logits would change the actor's log-probs against the engine's).
     """
 
-    def __init__(self, model: DecoderConfig, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype, device: torch.device):
         try:
             from megatron.core import parallel_state  # noqa: PLC0415
         except ImportError as exc:
@@ -128,7 +128,7 @@ class MegatronTrainer:
             self.close()
             raise
 
-    def _build(self, parallel_state: Any, model: DecoderConfig, *, seed: int, lr: float, dtype: torch.dtype,
+    def _build(self, parallel_state: Any, model: ModelSpec, *, seed: int, lr: float, dtype: torch.dtype,
                device: torch.device) -> None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
 
@@ -139,7 +139,7 @@ class MegatronTrainer:
             num_layers=model.num_hidden_layers, hidden_size=model.hidden_size,
             num_attention_heads=model.num_attention_heads, num_query_groups=model.num_key_value_heads,
             kv_channels=model.head_dim, ffn_hidden_size=model.intermediate_size, vocab_size=model.vocab_size,
-            add_qkv_bias=model.attention_bias, activation="silu", layernorm_epsilon=model.rms_norm_eps,
+            add_qkv_bias=model.qkv_bias, activation="silu", layernorm_epsilon=model.rms_norm_eps,
             rotary_base=int(model.rope_theta), seq_length=MAX_SEQ_LEN, clip_grad=0.0, lr=lr, seed=seed,
             tp=self.topo.train.tp, precision={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         )
@@ -199,7 +199,7 @@ class MegatronTrainer:
         self._stack.close()
 
 
-def build_trainer(kind: str, model: DecoderConfig, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype,
+def build_trainer(kind: str, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype,
                   device: torch.device) -> Any:
     """``kind`` is ``"torch"``, ``"megatron"`` or ``"fsdp"``."""
     from hybridmem.examples.grpo.fsdp_trainer import FSDPTrainer  # noqa: PLC0415
