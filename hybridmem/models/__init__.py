@@ -5,6 +5,15 @@
 from __future__ import annotations
 
 from hybridmem.models.family import Family, RouterBias, TextModelNames, getter
-from hybridmem.models.registry import ALIASES, FAMILIES, family_name, get_family
+from hybridmem.models.registry import (
+    ALIASES,
+    ARCHITECTURES,
+    FAMILIES,
+    family_name,
+    get_family,
+    model_type_of,
+    structural_model_type,
+)
 
-__all__ = ["Family", "RouterBias", "TextModelNames", "getter", "FAMILIES", "ALIASES", "family_name", "get_family"]
+__all__ = ["Family", "RouterBias", "TextModelNames", "getter", "FAMILIES", "ALIASES", "ARCHITECTURES", "family_name",
+           "get_family", "model_type_of", "structural_model_type"]

@@ -122,7 +122,8 @@ class Family:
     carries the type (``ModelSpec.multimodal``) and names its tensors so (Kimi-K2.5's ``language_model.``). A type
     of :attr:`multimodal_types` not listed is read as the text model with the text model's names (Qwen3.5's)."""
     architectures: tuple[str, ...] = ()
-    """HF/vLLM architecture names of the family (``config.architectures``)."""
+    """transformers' and vLLM's class names of the family's text model (``config.architectures``): a config
+    without ``model_type`` is read as the family of its class (:func:`hybridmem.models.model_type_of`)."""
     moe: bool = False
     """Routed experts (every layer from ``first_k_dense_replace`` on)."""
     mla: bool = False

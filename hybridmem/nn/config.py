@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from hybridmem.models import ALIASES, FAMILIES, get_family
+from hybridmem.models import ALIASES, FAMILIES, get_family, getter, model_type_of
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["EMBEDDED_MODEL_TYPES", "embedded_spec", "check_embedded", "hf_config_dict"]
@@ -65,7 +65,8 @@ def embedded_spec(cfg: Any) -> ModelSpec:
     none).
 
     Raises:
-        ValueError: ``model_type`` is not one of :data:`EMBEDDED_MODEL_TYPES` (absent counts as ``llama``; a
+        ValueError: ``model_type`` is not one of :data:`EMBEDDED_MODEL_TYPES` (absent: read from the config's
+            ``architectures``, else ``llama``, see :func:`hybridmem.models.model_type_of`; a
             known family the engine has no blocks for is named with the reason), the config gives biases the
             blocks have no place for (each named), the RoPE is scaled (``rope_scaling`` / ``rope_parameters``
             with a ``rope_type`` other than ``default``) or partial, or attention is limited to a sliding
@@ -73,7 +74,7 @@ def embedded_spec(cfg: Any) -> ModelSpec:
     """
     if isinstance(cfg, ModelSpec):
         return check_embedded(cfg)
-    model_type = _get(cfg, "model_type") or "llama"
+    model_type = model_type_of(getter(cfg))
     reason = get_family(model_type).embedded_engine
     if reason is not None:
         raise ValueError(f"model_type={model_type!r} does not run in the embedded engine ({reason}); "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hybridmem.models import FAMILIES as _FAMILY_TABLE
-from hybridmem.models import Family, RouterBias, TextModelNames, family_name, get_family, getter
+from hybridmem.models import Family, RouterBias, TextModelNames, family_name, get_family, getter, model_type_of
 
 __all__ = ["ModelSpec", "FAMILIES", "Placement"]
 
@@ -91,12 +91,13 @@ class ModelSpec:
     """Per-head RMSNorm on q and k (Qwen3): ``q_norm.weight`` / ``k_norm.weight`` of shape [head_dim]."""
     tie_word_embeddings: bool = False
     """The output layer shares the embedding matrix."""
-    rms_norm_eps: float = 1e-6
-    """The RMSNorms' epsilon (the HF config's ``rms_norm_eps``): no shape depends on it; the embedded engine and
-    the trainable decoder of :mod:`hybridmem.nn` compute with it."""
-    rope_theta: float = 10000.0
-    """The rotary base (``rope_theta``, or ``rope_parameters["rope_theta"]`` in transformers 5): no shape depends
-    on it; the embedded engine and the trainable decoder compute with it."""
+    rms_norm_eps: float = field(default=1e-6, compare=False)
+    """The RMSNorms' epsilon (the HF config's ``rms_norm_eps``): the embedded engine and the trainable decoder of
+    :mod:`hybridmem.nn` compute with it. No tensor depends on it, so it takes no part in equality or the hash:
+    specs describing the same tensors are equal (and share cached plans)."""
+    rope_theta: float = field(default=10000.0, compare=False)
+    """The rotary base (``rope_theta``, or ``rope_parameters["rope_theta"]`` in transformers 5); like
+    :attr:`rms_norm_eps`, computed with and not compared."""
     num_experts: int = 0
     """Routed experts per MoE layer (0 for dense models)."""
     moe_intermediate_size: int = 0
@@ -347,7 +348,7 @@ class ModelSpec:
                 ``text_config`` too), or a value the family's description does not cover (each named).
         """
         get = getter(cfg)
-        model_type = get("model_type", "llama") or "llama"
+        model_type = model_type_of(get)
         family = get_family(model_type)
         if model_type in family.multimodal_types:
             text = get("text_config")

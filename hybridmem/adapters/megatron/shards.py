@@ -246,15 +246,17 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
     carries every key the families' config readers (:mod:`hybridmem.models`) take, and the spec the
     family reads from it must describe the same tensors as the ``TransformerConfig`` (q/k/v biases, q/k
     norms, experts, their widths, shared experts, router bias, leading dense layers), else a
-    ``ValueError`` names each difference. Without ``model_type`` it is ``"llama"`` for a dense model
-    (``"qwen2"`` with ``add_qkv_bias``) and ``"qwen2_moe"`` (no shared expert) for an MoE one, and
-    ``"deepseek_v3"`` with multi-latent attention (an ``MLATransformerConfig``).
+    ``ValueError`` names each difference. Without ``model_type`` the family is the one the structure gives
+    (:func:`hybridmem.models.structural_model_type`: Llama, Qwen2 with ``add_qkv_bias``, Qwen2-MoE for an MoE
+    model without a shared expert, DeepSeek-V3 with multi-latent attention).
 
     Raises:
         ValueError: The config uses something no family here expresses (biases other than q/k/v, a
             non-gated MLP, MoE on a pattern other than leading dense layers), the family cannot be
             trained in Megatron-core, or the family's tensors differ from the config's.
     """
+    from hybridmem.models import structural_model_type  # noqa: PLC0415
+
     unsupported = []
     mla = bool(getattr(config, "multi_latent_attention", False))
     if getattr(config, "add_bias_linear", False):
@@ -270,7 +272,7 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
     heads = int(config.num_attention_heads)
     qkv_bias = bool(getattr(config, "add_qkv_bias", False))
     out: dict[str, Any] = {
-        "model_type": "qwen2_moe" if config.num_moe_experts else ("qwen2" if qkv_bias else "llama"),
+        "model_type": structural_model_type(mla=False, moe=bool(config.num_moe_experts), qkv_bias=qkv_bias),
         "hidden_size": int(config.hidden_size),
         "num_attention_heads": heads,
         "num_key_value_heads": int(config.num_query_groups or heads),
@@ -292,7 +294,7 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
         )
     if mla:
         out.update(_mla_fields(config))
-        model_type = model_type or "deepseek_v3"  # the one family with multi-latent attention
+        model_type = model_type or structural_model_type(mla=True, moe=bool(config.num_moe_experts), qkv_bias=qkv_bias)
     if model_type is None:
         return out
     return _family_spec_dict(config, out, model_type)

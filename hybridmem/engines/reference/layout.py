@@ -40,6 +40,7 @@ import torch
 from hybridmem.config import ParallelLayout
 from hybridmem.engines.reference.spec import VOCAB_PADDING, TPShard
 from hybridmem.models import FAMILIES
+from hybridmem.models.llama import LLAMA
 from hybridmem.reshard import ModelSpec, VLLMConvention, vllm_layout
 from hybridmem.reshard.vllm_versions import DEFAULT_VLLM_VERSION
 from hybridmem.reshard.transforms import LocalTensor, Piece
@@ -52,7 +53,7 @@ def layout_spec(spec: ModelSpec) -> ModelSpec:
 
     Every family it runs has Llama's vLLM names (Qwen2 adds the q/k/v bias, Phi-3 differs only in its
     checkpoint), so the layout is Llama's with ``qkv_bias`` as the spec says."""
-    return dataclasses.replace(spec, family="llama")
+    return dataclasses.replace(spec, family=LLAMA.name)
 
 
 def param_shapes(shard: TPShard) -> dict[str, tuple[int, ...]]:
