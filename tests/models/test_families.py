@@ -40,6 +40,7 @@ CONFIGS = {
     "gemma3_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=48),
     "granite": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, embedding_multiplier=12.0,
                     residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0),
+    "ernie4_5": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48),
     "glm4_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
                      n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=8, first_k_dense_replace=1,
                      num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True),
@@ -419,6 +420,18 @@ def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
         q_rows = weights[at + "q_proj.weight"].shape[0] // 2  # this rank's heads, each [q_h; gate_h]
         assert torch.equal(qkv[:q_rows], half(weights[at + "q_proj.weight"]))
         assert "model.layers.0.self_attn.qkv_proj.weight" not in local and la + "A_log" in local
+
+
+def test_ernie4_5_biases_and_the_embedded_engine_are_refused_by_name():
+    """transformers' Ernie 4.5 gives every projection a bias with ``use_bias``; vLLM's Ernie class builds none."""
+    from hybridmem.nn.config import embedded_spec  # noqa: PLC0415
+
+    cfg = transformers.AutoConfig.for_model("ernie4_5", **{**_COMMON, **CONFIGS["ernie4_5"]})
+    with pytest.raises(ValueError, match=r"model_type='ernie4_5' does not run in the embedded engine \(Ernie 4.5"):
+        embedded_spec(cfg)
+    cfg = transformers.AutoConfig.for_model("ernie4_5", **{**_COMMON, **CONFIGS["ernie4_5"]}, use_bias=True)
+    with pytest.raises(ValueError, match="use_bias=True is not supported for ernie4_5"):
+        ModelSpec.from_hf_config(cfg)
 
 
 @pytest.mark.parametrize("biases", [dict(attention_bias=True), dict(mlp_bias=True),

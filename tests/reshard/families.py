@@ -49,6 +49,10 @@ MODELS = {
     "granite-bias": ("granite", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                                      embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
                                      attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    # Ernie 4.5: Llama's tensors (vLLM's Ernie class is its Llama with interleaved rotary pairs), fewer kv heads than
+    # TP 4 (replicated there), untied.
+    "ernie4.5-kv2": ("ernie4_5", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
+                                      tie_word_embeddings=False)),
     "gemma3-tied": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96)),
     "glm4-moe-bias": ("glm4_moe", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=96,
                                        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
