@@ -36,6 +36,40 @@ def _restore_environment(saved: dict[str, str]) -> None:
             os.environ[key] = value
 
 
+ONE_WORKER_MODULES = frozenset({
+    "tests/adapters/test_vllm_serve.py",
+    "tests/adapters/test_vllm_server_faults.py",
+    "tests/adapters/test_vllm_server.py",
+    "tests/adapters/test_vllm_real.py",
+    "tests/adapters/test_vllm_real_defaults.py",
+    "tests/adapters/test_vllm_rollouts.py",
+    "tests/adapters/test_vllm_names_check.py",
+    "tests/integrations/test_trl.py",
+    "tests/adapters/test_fsdp.py",
+})
+"""Modules whose tests share engines their module-scoped fixtures start (a ``vllm serve``, an AsyncLLM, a vLLM
+per rank, a TRL run: 30 s to 4 min each on a 2-core machine); see :func:`pytest_xdist_make_scheduler`."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist's default ``--dist load`` (the README's ``-n 2``), each of :data:`ONE_WORKER_MODULES`
+    runs whole on one worker, so its engines start once instead of once per worker (and again on a worker
+    that went to another module in between) that draws one of its tests; every other test is scheduled on
+    its own, as ``load`` does. xdist's ``loadscope`` scheduler, told that only these modules are one scope,
+    does this, and hands out the scopes with the most tests first (its ``--loadscope-reorder``), so these
+    long units start early and the short tests fill the workers' ends. Other ``--dist`` modes are left alone."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 - only under xdist
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
+
+
 def pytest_collection_finish(session) -> None:
     """Collecting imports every test module and the libraries they import, and some set variables at import
     (``import trl`` sets ``VLLM_LOGGING_LEVEL=ERROR``, which a vLLM started by a later test would inherit):
