@@ -8,6 +8,15 @@ With ``enable_moe_block`` (the 26B-A4B model) every layer has routed experts bes
 (``experts.gate_up_proj`` [E, 2I, H] with each expert's gate rows then up rows, ``experts.down_proj``
 [E, H, I]), and three more norms.
 
+The Hub's checkpoints are multimodal (``gemma4``, transformers' ``Gemma4ForConditionalGeneration``): the text config
+nested as ``text_config``, the text weights under ``model.language_model.*`` beside the vision (and audio) towers
+and their projections (``model.vision_tower.*``, ``model.embed_vision.*``, ``model.audio_tower.*``,
+``model.embed_audio.*``), which are not synced. Such a config gives the text model's spec marked ``gemma4``
+(``ModelSpec.multimodal``): its checkpoint and vLLM names are the text model's (vLLM's ``Gemma4ForCausalLM``
+reads the multimodal checkpoint, dropping ``model.language_model.``'s ``language_model.`` and the towers), and
+its module names are the multimodal class's (``model.language_model.*``, ``lm_head.weight``), the class
+transformers builds of such a checkpoint (its ``Gemma4ForCausalLM`` does not read one).
+
 Not read: per-layer input embeddings (``hidden_size_per_layer_input``, the E2B/E4B models), layers sharing
 another layer's keys and values (``num_kv_shared_layers``), attention biases; each is refused by name.
 """
@@ -18,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridmem.models.common import gqa_fields, require
-from hybridmem.models.family import ConfigGetter, Family
+from hybridmem.models.family import ConfigGetter, Family, TextModelNames
 
 _FULL = "full_attention"
 
@@ -98,8 +107,14 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
     return fields
 
 
+GEMMA4_MULTIMODAL_NAMES = TextModelNames(modules=(("model.", "model.language_model."),))
+"""Gemma 4's multimodal names of the text model's tensors: transformers' ``Gemma4ForConditionalGeneration``
+modules only (the checkpoint's ``model.language_model.`` is read by vLLM's text class as the text model's)."""
+
 GEMMA4 = Family(
     name="gemma4_text",
+    multimodal_types=("gemma4",),
+    multimodal_names=(("gemma4", GEMMA4_MULTIMODAL_NAMES),),
     architectures=("Gemma4ForCausalLM",),
     read_config=read_config,
     extra_norms=("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),

@@ -320,6 +320,53 @@ def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_pat
     assert saved["model.layers.0.self_attn.v_proj.weight"] == (2 * 16, 64)
 
 
+_GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8,
+                   tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_path):
+    """The Hub's Gemma 4 checkpoints are multimodal (``gemma4``): a ``text_config`` nested in config.json, text
+    weights under ``model.language_model.*`` beside the vision tower and its projection. Their config (object or
+    config.json) gives the text model's spec marked ``gemma4``; the text weights are the spec's checkpoint with
+    that prefix; and the model transformers builds of such a checkpoint (``AutoModelForCausalLM``: its
+    multimodal class) holds exactly the source layout's module tensors (``model.language_model.*``, the
+    ``layer_scalar`` buffers too) beside its vision tower, each equal to the checkpoint's values where the
+    layout says (what a training copy of it syncs from)."""
+    import dataclasses  # noqa: PLC0415
+
+    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named  # noqa: PLC0415
+    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+
+    text = {**_COMMON, **CONFIGS["gemma4_text"], **(_GEMMA4_MOE if moe else {})}
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, position_embedding_size=16)
+    cfg = transformers.AutoConfig.for_model("gemma4", text_config=text, vision_config=vision,
+                                            tie_word_embeddings=not moe)
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
+    saved = _checkpoint(tmp_path)
+    assert any(n.startswith("model.vision_tower.") for n in saved)
+    spec = ModelSpec.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert spec == ModelSpec.from_hf_config(cfg)
+    assert spec.family == "gemma4_text" and spec.multimodal == "gemma4" and spec.is_moe == moe
+    assert dataclasses.replace(spec, multimodal="") == ModelSpec.from_hf_config(cfg.text_config)
+    prefix = "model.language_model."
+    weights = {("model." + n[len(prefix):] if n.startswith(prefix) else n): t for n, t in saved.items()
+               if not n.startswith(("model.vision_tower.", "model.embed_vision."))}
+    assert {n: tuple(t.shape) for n, t in weights.items()} == spec.full_shapes()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    params.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())  # layer_scalar
+    text_params = {n: p for n, p in params.items() if not n.startswith(("model.vision_tower.", "model.embed_vision."))}
+    assert len(text_params) < len(params)  # the multimodal model, its vision tower left out
+    assert looks_hf_named(params)
+    ours = hf_module_tensors(spec)
+    assert sorted(ours) == sorted(text_params)
+    for name, local in ours.items():
+        assert torch.equal(build_local(local, weights, dtype=torch.float32), text_params[name]), name
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_qwen3_5_is_refused_by_the_embedded_engine_and_megatron(model_type, tmp_path):
     from hybridmem.engines import ReferenceEngine  # noqa: PLC0415

@@ -1,10 +1,12 @@
-"""The Hub's multimodal Qwen3.5 checkpoints (``qwen3_5``, ``qwen3_5_moe``: a nested ``text_config``, text weights
-under ``model.language_model.*``) served as the text model: vLLM's own ``Qwen3_5ForCausalLM`` /
-``Qwen3_5MoeForCausalLM`` and ``load_weights`` read the prefixed checkpoint, and every rank's parameters equal
+"""The Hub's multimodal checkpoints of Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) and Gemma 4 (``gemma4``, dense and
+MoE): a nested ``text_config``, text weights under ``model.language_model.*``, served as the text model: vLLM's own
+``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` / ``Gemma4ForCausalLM`` and ``load_weights`` read the prefixed
+checkpoint, and every rank's parameters (and the buffers the loader fills, Gemma 4's ``layer_scalar``) equal
 ``shard`` of its text weights (the prefix dropped) under ``vllm_layout`` of the spec its config.json gives.
 
 The checkpoints are written by transformers' multimodal classes (``save_pretrained``) with every value
-replaced by a distinct number; the vision tower's weights are left out (the text model has no place for them).
+replaced by a distinct number; the vision tower's weights are left out (the text model has no place for them;
+vLLM's Gemma 4 text class also skips them by name, which the Gemma 4 cases check by keeping them).
 As in test_vllm_names.py, four workers build the model with vLLM's classes on CPU over gloo.
 """
 
@@ -27,8 +29,20 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.slow
 
 WORLD = 4
-MULTIMODAL = {"qwen3.5": ("qwen3_5", "Qwen3_5ForCausalLM"), "qwen3.5-moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")}
+_QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
+                       num_position_embeddings=16)
+_GEMMA4_VISION = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, position_embedding_size=16)
+MULTIMODAL = {
+    # model id: (multimodal model_type, vLLM's text class, vision config, the vision tower's checkpoint prefixes
+    # left out of the checkpoint)
+    "qwen3.5": ("qwen3_5", "Qwen3_5ForCausalLM", _QWEN3_5_VISION, ("model.visual.",)),
+    "qwen3.5-moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", _QWEN3_5_VISION, ("model.visual.",)),
+    "gemma4": ("gemma4", "Gemma4ForCausalLM", _GEMMA4_VISION, ()),
+    "gemma4-moe": ("gemma4", "Gemma4ForCausalLM", _GEMMA4_VISION, ()),
+}
 PREFIX = "model.language_model."
+TOWERS = ("model.visual.", "model.vision_tower.", "model.embed_vision.")
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +55,10 @@ def pool():
 def checkpoints(tmp_path_factory):
     """``{model id: (dir, spec, {text hf name: tensor})}``."""
     out = {}
-    for model_id, (model_type, architecture) in MULTIMODAL.items():
+    for model_id, (model_type, architecture, vision, left_out) in MULTIMODAL.items():
         kw = MODELS[model_id][1]
-        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
-                      num_position_embeddings=16)
         cfg = transformers.AutoConfig.for_model(model_type, text_config={**COMMON, **kw}, vision_config=vision,
-                                                tie_word_embeddings=kw["tie_word_embeddings"])
+                                                tie_word_embeddings=kw.get("tie_word_embeddings", True))
         torch.manual_seed(0)
         path = tmp_path_factory.mktemp(model_id)
         transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(path)
@@ -54,7 +66,8 @@ def checkpoints(tmp_path_factory):
         for f in sorted(path.glob("*.safetensors")):
             names.update(safetensors_torch.load_file(f))
             f.unlink()
-        names = {n: t for n, t in names.items() if not n.startswith("model.visual.")}
+        assert any(n.startswith(TOWERS) for n in names)
+        names = {n: t for n, t in names.items() if not (left_out and n.startswith(left_out))}
         total = sum(t.numel() for t in names.values())
         ids = (torch.randperm(total, generator=torch.Generator().manual_seed(1)) + 1).float()
         weights, start = {}, 0
@@ -66,8 +79,11 @@ def checkpoints(tmp_path_factory):
         config = json.loads((path / "config.json").read_text())
         config["architectures"] = [architecture]  # the text model, reading the multimodal checkpoint
         (path / "config.json").write_text(json.dumps(config))
-        text = {("model." + n[len(PREFIX):] if n.startswith(PREFIX) else n): t for n, t in weights.items()}
-        out[model_id] = (str(path), ModelSpec.from_hf_config(config), text)
+        text = {("model." + n[len(PREFIX):] if n.startswith(PREFIX) else n): t for n, t in weights.items()
+                if not n.startswith(TOWERS)}
+        spec = ModelSpec.from_hf_config(config)
+        assert spec.family == MODELS[model_id][0], (model_id, spec.family)
+        out[model_id] = (str(path), spec, text)
     return out
 
 
