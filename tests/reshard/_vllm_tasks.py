@@ -227,3 +227,82 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
                       vllm_layout(spec, ParallelLayout(tp=tp), world), itemsize=4, rank=ctx.rank)
     out, _ = run_plan(plan, rank=ctx.rank, src={n: t.contiguous() for n, t in src.items()})
     return out
+
+
+def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict:
+    """The server adapter's worker side on this rank's vLLM model of ``model_dir`` at ``tp`` (built, loaded and
+    processed after loading as vLLM's loader does): hybridmem's weight-transfer backend is initialised with
+    what the server adapter sends (``sync_rule`` of the model's config), reports its layout, and takes one
+    update of the tensors in ``staged_path`` (a safetensors file of this rank's vLLM-layout tensors, keyed
+    ``"<rank>/<name>"``) staged as the server adapter stages them. Returns ``{"layout": [[name, shape, dtype],
+    ...], "after": {name: tensor}}``: the model's persistent buffers and the parameters the backend left
+    unrepacked, after the update."""
+    _environment()
+    import json  # noqa: PLC0415
+
+    import safetensors.torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from vllm.config import (  # noqa: PLC0415
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        WeightTransferConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import parallel_state  # noqa: PLC0415
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading  # noqa: PLC0415
+    from vllm.model_executor.models import registry  # noqa: PLC0415
+
+    from hybridmem.adapters.vllm.names import sync_rule  # noqa: PLC0415
+    from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries  # noqa: PLC0415
+    from hybridmem.adapters.vllm.transfer import (  # noqa: PLC0415
+        HybridmemInitInfo,
+        HybridmemUpdateInfo,
+        HybridmemWeightTransferEngine,
+        layout_file,
+    )
+    from hybridmem.adapters.vllm.worker import persistent_buffers  # noqa: PLC0415
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = _call
+    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                               max_model_len=64, seed=0)
+    vllm_config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="dummy"),
+                             parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                             device_config=DeviceConfig(device="cpu"))
+    weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
+    staged = safetensors.torch.load_file(staged_path)
+    directory = tempfile.mkdtemp(prefix=f"hybridmem-transfer-{ctx.rank}-")
+    with _dist_ident(ctx), set_current_vllm_config(vllm_config):
+        if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
+            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank, backend="gloo")
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, 1)
+        try:
+            with torch.device("cpu"):
+                model = initialize_model(vllm_config=vllm_config)
+            _BUILT.append(model)
+            model.load_weights(iter(sorted(weights.items())))
+            process_weights_after_loading(model, model_config, torch.device("cpu"))
+            engine = HybridmemWeightTransferEngine(WeightTransferConfig(backend="hybridmem"), vllm_config,
+                                                   torch.device("cpu"), model)
+            weight_names, not_synced = sync_rule(model_config.hf_config, tp)
+            engine.init_transfer_engine(HybridmemInitInfo(layout_dir=directory, weight_names=weight_names,
+                                                          not_synced=not_synced))
+            with open(layout_file(directory, ctx.rank)) as f:
+                layout = json.load(f)["params"]
+            entries, nbytes = layout_entries((n, tuple(shape), dtype_of(dtype)) for n, shape, dtype in layout)
+            staging = StagingFile(os.path.join(directory, "staging.bin"), entries, nbytes)
+            for name, view in staging.tensors().items():
+                view.copy_(staged[f"{ctx.rank}/{name}"])
+            engine.start_weight_update()
+            engine.receive_weights(HybridmemUpdateInfo(**staging.update_info(figures=True, generation=1)))
+            engine.finish_weight_update()
+            staging.close()
+            after = {n: b.detach().clone() for n, b in persistent_buffers(model)}
+            after.update((n, p.detach().clone()) for n, p in model.named_parameters() if p.numel())
+            return {"layout": layout, "after": after}
+        finally:
+            parallel_state.destroy_model_parallel()

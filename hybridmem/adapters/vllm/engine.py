@@ -65,7 +65,7 @@ from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
 from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_default, launching, plan_launch
 from hybridmem.adapters.vllm.logs import quiet_buffer_only_reload
-from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes, not_synced_prefixes
+from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes, not_synced_prefixes, synced_tensors
 from hybridmem.adapters.vllm.source import check_model_source
 from hybridmem.adapters.vllm.outputs import (
     GREEDY,
@@ -610,7 +610,7 @@ class VLLMEngine:
             expected, _ = engine_layout_shapes(hf_config, parallel, self.worker_info.rank)
         except (ValueError, TypeError):
             return ()
-        return tuple(name for name, _ in self.worker_info.buffers if name in expected)
+        return tuple(synced_tensors((), self.worker_info.buffers, expected))
 
     def resident_nbytes(self, tag: str) -> int:
         """Device bytes held under ``tag`` now: the bytes its last wake-up took (free-memory figure),

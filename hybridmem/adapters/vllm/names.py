@@ -18,6 +18,12 @@ A multimodal model's parameters outside its text model (Kimi-K2.5's vision tower
 ``TextModelNames.vllm_not_synced`` of its family) are never synced and no part of the check either
 (:func:`not_synced_prefixes`).
 
+Both are one rule, :func:`synced_tensors`: which of a worker's tensors a sync writes. The in-process
+adapter applies it to the worker's report (this check, and the buffers it writes in place); the server
+adapter's workers apply it to their own model, given the layout's names and the prefixes
+(:func:`sync_rule`), and stage and write exactly those tensors
+(:mod:`hybridmem.adapters.vllm.transfer`).
+
 Shapes are compared where the backend keeps them: the vLLM CPU backend repacks linear weights into
 its kernels' format after loading and leaves those parameters with shape ``[0]``; for them only the
 name is checked (and their values can only be updated through ``reload_weights``).
@@ -25,16 +31,39 @@ name is checked (and their values can only be updated through ``reload_weights``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, TypeVar
 
 from hybridmem.adapters.vllm.worker import WorkerInfo
 
-__all__ = ["check_weight_names", "engine_layout_shapes", "not_synced_prefixes"]
+__all__ = ["check_weight_names", "engine_layout_shapes", "not_synced_prefixes", "sync_rule", "synced_tensors"]
+
+T = TypeVar("T")
 
 
 def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in getattr(value, "shape", value))
+
+
+def synced_tensors(params: Iterable[tuple[str, T]], buffers: Iterable[tuple[str, T]], layout_names: Collection[str],
+                   not_synced: tuple[str, ...] = ()) -> dict[str, T]:
+    """The tensors of a vLLM worker's model that a weight sync writes (see [Note: vllm name check]): its
+    parameters but those under a ``not_synced`` prefix (a multimodal model's vision tower), and its
+    persistent buffers that the layout names (``layout_names``: Gemma 4's ``layer_scalar``, which vLLM's
+    loader fills).
+
+    Args:
+        params: ``(name, value)`` of the model's parameters, in model order.
+        buffers: ``(name, value)`` of its persistent buffers.
+        layout_names: Names of the vLLM layout (of this rank, or of every rank: a buffer is named alike).
+        not_synced: Prefixes of parameters no sync writes (:func:`not_synced_prefixes`).
+
+    Returns:
+        ``{name: value}``, parameters first.
+    """
+    out = {name: v for name, v in params if not (not_synced and name.startswith(not_synced))}
+    out.update((name, v) for name, v in buffers if name in layout_names)
+    return out
 
 
 def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: str,
@@ -52,8 +81,7 @@ def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: s
             compared by name only); the message names both sides.
     """
     want = {name: _shape(v) for name, v in expected.items()}
-    engine = {name: shape for name, shape in info.params if not (not_synced and name.startswith(not_synced))}
-    engine.update((name, shape) for name, shape in info.buffers if name in want)
+    engine = synced_tensors(info.params, info.buffers, want, not_synced)
     only_engine = [n for n in engine if n not in want]
     only_layout = [n for n in want if n not in engine]
     repacked = set(info.repacked)
@@ -109,3 +137,23 @@ def engine_layout_shapes(hf_config: Any, parallel: Any, rank: int) -> tuple[dict
     world = tp * pp
     tensors = vllm_layout(spec, layout, world).tensors(rank % world)
     return tensors, f"the vLLM layout tp={tp} pp={pp} ep={ep} of {spec.family}, rank {rank % world}"
+
+
+def sync_rule(hf_config: Any, world_size: int) -> tuple[list[str] | None, list[str]]:
+    """``(layout names, not-synced prefixes)`` for a worker that applies :func:`synced_tensors` to its own
+    model (the server adapter's, :mod:`hybridmem.adapters.vllm.transfer`): the names of the vLLM layout of
+    every rank of a ``tensor_parallel_size=world_size`` engine of ``hf_config``, and
+    :func:`not_synced_prefixes`. ``(None, [])`` where the resharding engine does not know the model (no
+    buffer is then a weight, every parameter is)."""
+    from hybridmem.config import ParallelLayout  # noqa: PLC0415 - keeps the adapter import light
+    from hybridmem.reshard import ModelSpec, vllm_layout  # noqa: PLC0415
+
+    if hf_config is None:
+        return None, []
+    try:
+        spec = ModelSpec.from_hf_config(hf_config)
+    except (ValueError, TypeError):
+        return None, []
+    layout = vllm_layout(spec, ParallelLayout(tp=world_size), world_size)
+    names = sorted({name for rank in range(world_size) for name in layout.tensors(rank)})
+    return names, list(spec.text_names.vllm_not_synced)

@@ -98,6 +98,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import Accelerator, get_accelerator
+from hybridmem.adapters.vllm.names import sync_rule
 from hybridmem.adapters.vllm.outputs import GREEDY
 from hybridmem.adapters.vllm.remote import VLLMClient
 from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
@@ -290,9 +291,13 @@ class VLLMServerEngine:
         return str(name[0])
 
     def _worker_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """This rank's worker's parameters at their load-time shapes, as the worker reports them."""
+        """This rank's worker's weights at their load-time shapes, as the worker reports them: its parameters
+        but those no sync writes (a multimodal model's vision tower) and the persistent buffers the layout
+        names (Gemma 4's ``layer_scalar``), the rule of [Note: vllm name check] applied by the worker."""
         if self.rank == 0:
-            self.client.init_weight_transfer({"layout_dir": self.directory})
+            weight_names, not_synced = sync_rule(self.hf_config, self.world_size)
+            self.client.init_weight_transfer({"layout_dir": self.directory, "weight_names": weight_names,
+                                              "not_synced": not_synced})
         self._barrier("the engine's layout")
         path = os.path.join(self.directory, f"layout-rank{self.rank}.json")
         with open(path) as f:

@@ -17,7 +17,8 @@ worker writes them module by module:
 1. every staged tensor is checked first: its name, shape and dtype against the worker's load-time layout
    (the shapes vLLM recorded before its post-load processing), and its figures against the trainer's;
    a mismatch refuses the update before the model is touched;
-2. a module without a quantization method (norms) gets a plain in-place copy;
+2. a module without a quantization method (norms, a persistent buffer such as Gemma 4's ``layer_scalar``)
+   gets a plain in-place copy;
 3. a module with one (linear layers, embeddings) is put back into its load-time form, given the tensors,
    processed again by its ``quant_method.process_weights_after_loading`` and its processed tensors
    copied into the kernel tensors the model runs with (their addresses kept). This is vLLM's own
@@ -31,6 +32,13 @@ it was read from (:data:`VLLM_READ_FROM`). A failure while step 3 runs leaves th
 the worker then refuses to finish any later update but a complete one and says so (``damaged``; a
 transaction that wrote nothing may always be finished, which is how the trainer closes an abandoned one),
 and the trainer side keeps generation paused until one succeeds.
+
+Which tensors are the worker's weights (its layout, what a complete update writes) is the vLLM adapter's one
+rule, :func:`~hybridmem.adapters.vllm.names.synced_tensors` (see [Note: vllm name check]): its parameters
+but a multimodal model's outside the text model (``not_synced`` prefixes, Kimi-K2.5's vision tower), and the
+persistent buffers the layout names (``weight_names``: Gemma 4's ``layer_scalar``, which vLLM's loader fills).
+The trainer sends both with ``init_weight_transfer_engine``
+(:func:`~hybridmem.adapters.vllm.names.sync_rule`); without them every parameter and no buffer.
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridmem.adapters.vllm.names import synced_tensors
 from hybridmem.adapters.vllm.staging import StagedTensor, map_staged, tensor_figures
+from hybridmem.adapters.vllm.worker import persistent_buffers
 
 __all__ = ["HybridmemInitInfo", "HybridmemUpdateInfo", "HybridmemWeightTransferEngine", "BACKEND_NAME",
            "VLLM_READ_FROM", "layout_file"]
@@ -85,7 +95,13 @@ class HybridmemInitInfo(WeightTransferInitInfo):
 
     layout_dir: str = ""
     """Each worker writes ``layout-rank<r>.json`` there: ``{"rank", "params": [[name, shape, dtype], ...]}``,
-    every parameter at its load-time shape (empty: write nothing)."""
+    every tensor a sync writes (its weights, [Note: vllm transfer backend]) at its load-time shape (empty:
+    write nothing)."""
+    weight_names: list[str] | None = None
+    """The names of the vLLM layout (of every rank): the persistent buffers among them are weights;
+    ``None``: no buffer is."""
+    not_synced: list[str] = field(default_factory=list)
+    """Prefixes of parameters no sync writes (a multimodal model's vision tower)."""
 
 
 @dataclass
@@ -109,15 +125,33 @@ def _rank() -> int:
 def load_time_layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every parameter of ``model`` at the shape and dtype it had when loaded (before a backend repacked
     it), from the metadata vLLM records for its layerwise reload; a parameter it did not record (biases)
-    at its live shape."""
+    at its live shape. Buffers are not in it (:func:`weight_layout`). A parameter two modules share (a head
+    tied to the embedding) is named once, where ``model.named_parameters()`` names it."""
     out = {}
+    seen: set[int] = set()
     for module_name, module in model.named_modules():
         recorded = get_layerwise_info(module).restore_metadata[0] if module is not None else {}
         for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             full = f"{module_name}.{name}" if module_name else name
             meta = recorded.get(name)
             out[full] = (tuple(meta.shape), meta.dtype) if meta is not None else (tuple(param.shape), param.dtype)
     return out
+
+
+_Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def weight_layout(model: torch.nn.Module, params: _Layout, weight_names: list[str] | None,
+                  not_synced: list[str]) -> _Layout:
+    """The tensors of ``model`` a sync writes (:func:`~hybridmem.adapters.vllm.names.synced_tensors`), each at
+    its load-time shape and dtype: of ``params`` (:func:`load_time_layout`) those outside ``not_synced``, and
+    the persistent buffers ``weight_names`` names (a buffer keeps its shape)."""
+    buffers = ((name, (tuple(b.shape), b.dtype)) for name, b in persistent_buffers(model))
+    return synced_tensors(params.items(), buffers if weight_names else (), frozenset(weight_names or ()),
+                          tuple(not_synced))
 
 
 class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, HybridmemUpdateInfo]):
@@ -129,12 +163,15 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
-        self.layout = load_time_layout(model)
+        self.params = load_time_layout(model)
+        self.layout = dict(self.params)
+        """What a sync writes (:func:`weight_layout`); every parameter until the trainer says otherwise."""
         self.damaged = False
         """A write failed halfway: the model is partly updated until a complete update succeeds."""
         self._written: set[str] = set()
 
     def init_transfer_engine(self, init_info: HybridmemInitInfo) -> None:
+        self.layout = weight_layout(self.model, self.params, init_info.weight_names, init_info.not_synced)
         if init_info.layout_dir:
             os.makedirs(init_info.layout_dir, exist_ok=True)
             params = [[name, list(shape), str(dtype).removeprefix("torch.")]
