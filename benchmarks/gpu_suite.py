@@ -9,6 +9,9 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 (``OUT/gpu_suite.json``). The parts:
 
 - ``tests``: the CUDA tests (``pytest -m cuda``): counts and the names of failures.
+- ``dsa``: ``vllm_sparse_attention.py``: vLLM's own DeepSeek-V3.2 and GLM-5 models (the CUDA sparse attention
+  class and its indexer) loaded from a transformers checkpoint equal hybridmem's vLLM layout, every parameter
+  (skipped, with the reason, without a CUDA device or vLLM).
 - ``switch``: ``switch_latency.py`` at three sizes of params + grads + AdamW state (up to 20 GB on a
   GPU): each direction in GB/s against the raw pinned copy measured in the same process, against a
   naive per-tensor ``.to('cpu')``, first switch and steady state, device memory freed
@@ -44,7 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GB = 1e9
-PARTS = ("tests", "switch", "tms", "kv", "demo")
+PARTS = ("tests", "dsa", "switch", "tms", "kv", "demo")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,6 +116,10 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
         jobs.append(Job(part="tests", label="cuda tests", timeout_s=240, result="cuda_tests.xml",
                         argv=(py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
                               f"--junitxml={out / 'cuda_tests.xml'}", *prof.test_paths)))
+    if "dsa" in parts:
+        jobs.append(Job(part="dsa", label="dsa vllm", timeout_s=150, result="dsa.json",
+                        argv=(py, f"{bench}/vllm_sparse_attention.py", "--device", device,
+                              "--json", str(out / "dsa.json"))))
     for i, nbytes in enumerate(prof.state_nbytes):
         params = f"{nbytes / 16:.4g}"
         if "switch" in parts:
@@ -237,6 +244,22 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
                   f"{res.get('passed', '-')} passed, {res.get('failures', '-')} failed, {res.get('errors', '-')} errors, "
                   f"{res.get('skipped', '-')} skipped ({r.status}, {r.seconds:.0f} s)", ""]
         lines += [f"- failed: `{name}`" for name in res.get("failed", [])]
+        lines.append("")
+
+    for r in by_part.get("dsa", []):
+        lines += ["## DeepSeek sparse attention in vLLM (`vllm_sparse_attention.py`)", ""]
+        res = r.result or {}
+        if "skipped" in res:
+            lines.append(f"skipped: {res['skipped']}")
+        for model_type, f in res.get("families", {}).items():
+            verdict = "equal to the layout" if f["ok"] else (
+                f"**differs**: missing in vLLM {f['missing_in_vllm']}, not in the layout {f['not_in_layout']}, "
+                f"different values {f['different']}")
+            lines.append(f"- `{model_type}` (vLLM {res['vllm']}, `{f['model_class']}`, indexer "
+                         f"{', '.join(f['indexer_class'])}): {f['parameters']} parameters "
+                         f"({f['indexer_parameters']} of the indexer), {verdict}")
+        if not res:
+            lines.append(f"no figures ({r.status})")
         lines.append("")
 
     switch = [r.result for r in by_part.get("switch", []) if r.result]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hybridmem.models.deepseek_v3 import DEEPSEEK_V3
+from hybridmem.models.deepseek_v32 import DEEPSEEK_V32, GLM_MOE_DSA
 from hybridmem.models.ernie4_5 import ERNIE4_5
 from hybridmem.models.family import ConfigGetter, Family
 from hybridmem.models.gemma3 import GEMMA3
@@ -26,7 +27,7 @@ __all__ = ["FAMILIES", "ALIASES", "MULTIMODAL", "ARCHITECTURES", "get_family", "
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, DEEPSEEK_V3, MIXTRAL, PHI3, GEMMA3, GLM4_MOE, GRANITE, GPT_OSS,
-    MINIMAX_M2, LLAMA4, GEMMA4, QWEN3_5, QWEN3_5_MOE,
+    MINIMAX_M2, LLAMA4, GEMMA4, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V32, GLM_MOE_DSA,
     ERNIE4_5,
 )}
 """Every family by its own ``model_type``."""

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
-SECTIONS = ("## CUDA tests", "## Switch latency", "## First three cycles", "## KV cache release / resume",
+SECTIONS = ("## CUDA tests", "## DeepSeek sparse attention in vLLM", "## Switch latency", "## First three cycles", "## KV cache release / resume",
             "## GRPO demo", "## Device in INFER", "## Targets", "## Jobs")
 
 
@@ -31,7 +31,7 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
     runs = {r["label"]: r for r in data["runs"]}
-    assert {r["part"] for r in runs.values()} == {"tests", "switch", "tms", "kv", "demo"}
+    assert {r["part"] for r in runs.values()} == {"tests", "dsa", "switch", "tms", "kv", "demo"}
     assert all(r["status"] == "ok" for r in runs.values()), {k: r["status"] for k, r in runs.items()}
 
     tests = runs["cuda tests"]["result"]
@@ -47,12 +47,14 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
         assert len(fig["cycles"]) == 3 and fig["freed_share"] == 1.0
     for run in (r for r in runs.values() if r["part"] == "tms"):
         assert run["result"] == {"skipped": "needs a CUDA device"}
+    assert runs["dsa vllm"]["result"] == {"skipped": "needs --device cuda (vLLM's CPU platform refuses sparse attention)"}
     for trainer in ("torch", "megatron", "fsdp"):
         assert len(runs[f"demo --trainer {trainer}"]["result"]["iterations"]) == 2
     kv = runs["kv 0.03 GiB"]["result"]
     assert [r["allocator"] for r in kv["results"]] == ["torch"]
 
     text = (tmp_path / "gpu_suite.md").read_text()
+    assert "skipped: needs --device cuda" in text
     for section in SECTIONS:
         assert section in text, f"report lacks {section!r}"
     assert text in proc.stdout
@@ -84,3 +86,19 @@ def test_parts_left_without_time_fail_the_run(tmp_path):
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert [r["status"] for r in data["runs"]] == ["not run"]
     assert "did not finish" in proc.stderr
+
+
+def test_sparse_attention_check_without_a_gpu_skips_and_says_why(tmp_path):
+    """The ``dsa`` part's script, where it cannot build vLLM's CUDA model: exit status 0, the reason printed and
+    written, and nothing imported that needs a GPU."""
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "dsa.json"
+    script = ROOT / "benchmarks" / "vllm_sparse_attention.py"
+    for device in ("cpu", "cuda"):
+        if device == "cuda" and torch.cuda.is_available():
+            continue  # this machine runs the check itself
+        proc = subprocess.run([sys.executable, str(script), "--device", device, "--json", str(out)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        why = json.loads(out.read_text())["skipped"]
+        assert why in proc.stdout and ("--device cuda" in why if device == "cpu" else "CUDA device" in why), why

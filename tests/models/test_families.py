@@ -64,6 +64,15 @@ CONFIGS = {
                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
                              linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=8, shared_expert_intermediate_size=12),
+    # DeepSeek sparse attention: DeepSeek-V3's MLA and MoE with an indexer in every layer.
+    "deepseek_v32": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48, n_routed_experts=4,
+                         n_shared_experts=2, moe_intermediate_size=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                         first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
+                         qk_rope_head_dim=2, v_head_dim=4, index_n_heads=2, index_head_dim=8, index_topk=4),
+    "glm_moe_dsa": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48, n_routed_experts=4,
+                        n_shared_experts=1, moe_intermediate_size=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=6,
+                        qk_rope_head_dim=2, v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=4),
 }
 UNTIED_ONLY = {"minimax_m2"}
 """Families whose vLLM model never ties the head to the embedding: a tied config is refused."""
@@ -604,3 +613,77 @@ def test_kimi_k25_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
                                         gated_linear_unit=True, use_cpu_initialization=True)
     with pytest.raises(ValueError, match="model_type='kimi_k25' cannot be trained in Megatron-core: a multimodal model"):
         megatron_model_spec_dict(config, vocab_size=100, model_type="kimi_k25")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_families_are_refused_by_the_embedded_engine_and_megatron(model_type, tmp_path):
+    from hybridmem.adapters.megatron import megatron_model_spec_dict  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+
+    cfg, _ = _saved(model_type, tmp_path)
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}' does not run in the embedded engine \(DeepSeek "
+                                         r"sparse attention"):
+        ReferenceEngine(cfg.to_dict())
+    with pytest.raises(ValueError, match=f"family='{model_type}' has no Megatron-core layout: .*indexer"):
+        megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
+    megatron = pytest.importorskip("megatron.core.transformer")
+    config = megatron.TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, add_bias_linear=False,
+                                        gated_linear_unit=True, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match=f"model_type='{model_type}' cannot be trained in Megatron-core: .*indexer"):
+        megatron_model_spec_dict(config, vocab_size=100, model_type=model_type)
+
+
+@pytest.mark.parametrize("model_type,overrides,named", [
+    ("glm_moe_dsa", dict(index_topk_freq=2), r"layers \[2\] \(index_topk_freq=2\) reuse another layer"),
+    ("glm_moe_dsa", dict(index_topk_pattern="FSF"), r"layers \[1\] .*reuse another layer's top-k"),
+    ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]), "mlp_layer_types=.* is not supported"),
+])
+def test_sparse_attention_configs_without_layout_rows_are_refused_by_name(model_type, overrides, named):
+    cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type], **overrides})
+    with pytest.raises(ValueError, match=named):
+        ModelSpec.from_hf_config(cfg)
+    # transformers' config object refuses q_lora_rank=None for these families; a config.json may still say it.
+    config = dict(_COMMON, model_type=model_type, **{**CONFIGS[model_type], "q_lora_rank": None})
+    with pytest.raises(ValueError, match=f"q_lora_rank=None is not supported for {model_type}"):
+        ModelSpec.from_hf_config(config)
+
+
+# Where vLLM's loaders put each tensor of DeepSeek sparse attention's indexer, written from vLLM's source (the
+# same in 0.32 and 0.33), not from hybridmem's tables: {vLLM parameter of a layer: the checkpoint tensors whose
+# rows it holds, in order}. Every TP rank holds each one whole:
+# - vllm/model_executor/models/deepseek_v2.py, ``Indexer.__init__``: ``wq_b`` is a ``ReplicatedLinear``;
+#   ``wk_weights_proj`` a ``MergedColumnParallelLinear(hidden, [head_dim, n_head], disable_tp=True)``; ``k_norm`` a
+#   ``LayerNorm`` (weight and bias).
+# - the same file, ``DeepseekV2Model.load_weights``: ``("wk_weights_proj", "wk", 0)`` and
+#   ``("wk_weights_proj", "weights_proj", 1)``, so shard 0 (the first head_dim rows) is ``wk``, shard 1 ``weights_proj``.
+# - the CUDA model vLLM builds on GPUs (vllm/models/deepseek_v32/attention.py ``DeepseekV32Indexer.__init__`` and
+#   nvidia/model.py ``DeepseekV32Model.load_weights``) has the same parameters and mapping (benchmarks/gpu_suite.py's
+#   ``dsa`` part checks that class's loaded parameters on a GPU).
+INDEXER_PLACEMENT = {
+    "self_attn.indexer.wq_b.weight": ("self_attn.indexer.wq_b.weight",),
+    "self_attn.indexer.wk_weights_proj.weight": ("self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight"),
+    "self_attn.indexer.k_norm.weight": ("self_attn.indexer.k_norm.weight",),
+    "self_attn.indexer.k_norm.bias": ("self_attn.indexer.k_norm.bias",),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_indexer_is_where_vllms_loader_puts_it(model_type, tp):
+    """Each TP rank's indexer tensors are :data:`INDEXER_PLACEMENT`'s rows of the checkpoint, whole on every rank;
+    the layers' MLA and MoE tensors are DeepSeek-V3's (tests/reshard/test_vllm_names.py checks all of it against
+    vLLM's loaders themselves)."""
+    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+
+    cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
+    spec = ModelSpec.from_hf_config(cfg)
+    weights = {n: torch.arange(1, 1 + torch.Size(s).numel(), dtype=torch.float32).reshape(s) + 1000 * k
+               for k, (n, s) in enumerate(spec.full_shapes().items())}
+    layout = vllm_layout(spec, ParallelLayout(tp=tp), tp)
+    for rank in range(tp):
+        indexer = {n: t for n, t in shard(weights, layout, rank).items() if ".indexer." in n}
+        want = {f"model.layers.{i}.{vllm}": torch.cat([weights[f"model.layers.{i}.{hf}"] for hf in parts])
+                for i in range(_COMMON["num_hidden_layers"]) for vllm, parts in INDEXER_PLACEMENT.items()}
+        assert sorted(indexer) == sorted(want), rank
+        for name, tensor in want.items():
+            assert torch.equal(indexer[name], tensor), (rank, name)

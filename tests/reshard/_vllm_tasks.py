@@ -190,18 +190,27 @@ def vllm_version(ctx) -> str:
 def transformers_model(model_dir: str):
     """``(model, {name: tensor}, persistent buffer names)``: transformers' own model of ``model_dir``
     (``from_pretrained``; a multimodal model's own class, its tensors that are not synced left out, see
-    ``MULTIMODAL`` of tests/reshard/families.py), its parameters and persistent buffers by module name."""
+    ``MULTIMODAL`` of tests/reshard/families.py), its parameters and persistent buffers by module name.
+
+    The class is the one transformers itself names for the config's ``model_type``, not what ``AutoConfig``
+    answers in this process: building a vLLM model config of a DeepSeek-V3.2 checkpoint registers
+    transformers' ``DeepseekV3Config`` for ``deepseek_v32`` (vLLM's ``_CONFIG_REGISTRY`` in
+    vllm/transformers_utils/config.py, 0.32 and 0.33), after which the auto classes build DeepSeek-V3's model,
+    without the indexer, from such a checkpoint (its indexer tensors "unexpected" and dropped)."""
     import json  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
+    from transformers.models.auto import modeling_auto  # noqa: PLC0415
 
     from tests.reshard.families import MULTIMODAL  # noqa: PLC0415
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        mm = MULTIMODAL.get(json.load(f)["model_type"])
-    auto = transformers.AutoModelForImageTextToText if mm else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(model_dir, dtype=torch.float32)
+        model_type = json.load(f)["model_type"]
+    mm = MULTIMODAL.get(model_type)
+    names = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if mm
+             else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    model = getattr(transformers, names[model_type]).from_pretrained(model_dir, dtype=torch.float32)
     bias = set(model.state_dict()) & {n for n, _ in model.named_buffers()}  # persistent buffers
     tensors = {n: p.detach() for n, p in model.named_parameters()}
     tensors.update({n: b for n, b in model.named_buffers() if n in bias})

@@ -119,6 +119,23 @@ MODELS = {
         vision_config=dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
                            intermediate_size=32, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2),
         projection_hidden_size=32, tie_word_embeddings=False)),
+    # DeepSeek sparse attention: DeepSeek-V3's MLA and MoE (noaux_tc routing) with an indexer in every layer (wq_b,
+    # wk and weights_proj, which vLLM fuses, a LayerNorm k_norm with a bias), whole on every rank. vLLM's CPU platform
+    # refuses sparse attention; the vLLM test's worker builds these models with its MLA backend, for their
+    # parameters and loaders only (tests/reshard/_vllm_tasks.py).
+    "deepseek-v32": ("deepseek_v32", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                                          n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, q_lora_rank=48, kv_lora_rank=32,
+                                          qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                                          first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+                                          index_n_heads=4, index_head_dim=32, index_topk=8,
+                                          tie_word_embeddings=False)),
+    # GLM-5: the same architecture under GLM's names; wider nope and value heads than DeepSeek's.
+    "glm5": ("glm_moe_dsa", dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, n_routed_experts=4,
+                                 n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=48,
+                                 kv_lora_rank=32, qk_nope_head_dim=48, qk_rope_head_dim=32, v_head_dim=48,
+                                 first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+                                 index_n_heads=2, index_head_dim=32, index_topk=8, tie_word_embeddings=False)),
 }
 
 MULTIMODAL = {
