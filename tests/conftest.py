@@ -51,6 +51,7 @@ ONE_WORKER_MODULES = frozenset({
 per rank, a TRL run: 30 s to 4 min each on a 2-core machine); see :func:`pytest_xdist_make_scheduler`."""
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist's default ``--dist load`` (the README's ``-n 2``), each of :data:`ONE_WORKER_MODULES`
     runs whole on one worker, so its engines start once instead of once per worker (and again on a worker
