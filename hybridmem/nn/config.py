@@ -38,7 +38,7 @@ def check_embedded(spec: ModelSpec) -> ModelSpec:
             gives), or the spec has tensors the blocks have no place for (an output-projection or MLP bias,
             each named), or an odd ``head_dim`` (RoPE rotates pairs).
     """
-    reason = spec.traits.embedded_engine
+    reason = spec.description.embedded_engine
     if reason is not None:
         raise ValueError(f"model_type={spec.family!r} does not run in the embedded engine ({reason}); "
                          f"it runs {list(EMBEDDED_MODEL_TYPES)}")

@@ -105,13 +105,13 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
         text = hf_module_tensors(replace(spec, multimodal=""), fused_experts)
         return {names.module_name(n): LocalTensor(t.shape, tuple(replace(p, hf_name=names.checkpoint_name(p.hf_name))
                                                                  for p in t.pieces)) for n, t in text.items()}
-    if spec.traits.module_names == "checkpoint":
+    if spec.description.module_names == "checkpoint":
         return {name: replicate(name, shape) for name, shape in spec.full_shapes().items()}
     shapes = spec.canonical_shapes()
     out: dict[str, LocalTensor] = {}
     experts: dict[str, dict[int, dict[str, str]]] = {}
     # A checkpoint tensor fused of canonical ones is one module tensor too (Qwen3.5-MoE's in_proj_qkv).
-    fused_suffixes = {part for parts, _ in spec.traits.checkpoint_fused for part in parts}
+    fused_suffixes = {part for parts, _ in spec.description.checkpoint_fused for part in parts}
     fused: dict[str, list[str]] = {}
     for name, shape in shapes.items():
         m = _EXPERT.match(name) if fused_experts else None
@@ -146,7 +146,7 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
 
 def _module_name(spec: ModelSpec, name: str) -> str:
     """transformers' module name of canonical tensor ``name`` (``Family.module_renames``)."""
-    family = spec.traits
+    family = spec.description
     if not family.module_renames or not name.startswith("model.layers."):
         return name
     layer, _, suffix = name[len("model.layers."):].partition(".")

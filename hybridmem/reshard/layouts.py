@@ -207,7 +207,7 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
         # final norm and head where vLLM builds them (tied embeddings on the last stage too; some families
         # on every stage).
         every_stage = layout.convention.every_stage
-        embed_everywhere = every_stage or spec.traits.vllm_embedding_every_stage
+        embed_everywhere = every_stage or spec.description.vllm_embedding_every_stage
         if c.first_stage or (spec.tie_word_embeddings and c.last_stage) or embed_everywhere:
             out[embed] = replicate(embed, shapes[embed])
         for i in c.layers:
@@ -227,20 +227,20 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
         return pad_rows(name, shapes[name], padded_rows=rows, rank=c.tp_rank, num=c.tp)
 
     # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions]).
-    every_stage = side is Side.VLLM and spec.traits.vllm_every_stage
+    every_stage = side is Side.VLLM and spec.description.vllm_every_stage
     if not dense:
         pass
     elif side is Side.MEGATRON:
         if c.first_stage:
             out["embedding.word_embeddings.weight"] = vocab(embed)
     elif (c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage
-          or (side is Side.VLLM and spec.traits.vllm_embedding_every_stage)):
-        out[spec.traits.vllm_embedding] = vocab(embed)
+          or (side is Side.VLLM and spec.description.vllm_embedding_every_stage)):
+        out[spec.description.vllm_embedding] = vocab(embed)
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
             if (experts if rule.kind in EXPERT_KINDS else dense) and rule.when(spec, layer):
                 built = build_rule(rule, spec, side, layout.convention, c, layer, local, shapes)
-                if rule.kind == "qkv" and side is Side.VLLM and spec.traits.vllm_rotary_permute:
+                if rule.kind == "qkv" and side is Side.VLLM and spec.description.vllm_rotary_permute:
                     qk = tuple(f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in ("q", "k"))
                     built = {n: rotary_permuted(t, qk, spec.head_dim) for n, t in built.items()}
                 out.update(built)
@@ -286,7 +286,7 @@ def to_checkpoint_names(where: Mapping[str, Placement], local: LocalTensor) -> L
 
 
 def _to_checkpoint(spec: ModelSpec, out: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
-    family = spec.traits
+    family = spec.description
     if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
         return out
     where = spec.checkpoint_names()
@@ -313,8 +313,8 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
             ep not dividing dp (each message names the numbers), or a family megatron-core's
             ``GPTModel`` cannot express (its description's ``megatron`` says why).
     """
-    if spec.traits.megatron is not None:
-        raise ValueError(f"family={spec.family!r} has no Megatron-core layout: {spec.traits.megatron}")
+    if spec.description.megatron is not None:
+        raise ValueError(f"family={spec.family!r} has no Megatron-core layout: {spec.description.megatron}")
     if spec.multimodal:
         raise ValueError(f"multimodal={spec.multimodal!r} (family={spec.family!r}) has no Megatron-core layout: "
                          f"hybridmem's Megatron names are those of the text model alone")
@@ -438,6 +438,6 @@ def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     if parallel.pp > spec.num_hidden_layers:
         raise ValueError(f"pp={parallel.pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
     resolve_vllm_version(vllm_version)
-    convention = HFConvention(every_stage=spec.traits.vllm_every_stage,
+    convention = HFConvention(every_stage=spec.description.vllm_every_stage,
                               stage_layers=engine_stage_layers(stage_layers, spec.num_hidden_layers, parallel.pp))
     return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.HF, convention=convention)

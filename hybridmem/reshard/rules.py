@@ -55,15 +55,15 @@ def _linear_attention(spec: ModelSpec, i: int) -> bool:
 
 
 def _per_head_qk_norm(spec: ModelSpec, i: int) -> bool:
-    return spec.qk_norm and not spec.traits.qk_norm_all_heads and _attention(spec, i)
+    return spec.qk_norm and not spec.description.qk_norm_all_heads and _attention(spec, i)
 
 
 def _all_heads_qk_norm(spec: ModelSpec, i: int) -> bool:
-    return spec.qk_norm and spec.traits.qk_norm_all_heads and _attention(spec, i)
+    return spec.qk_norm and spec.description.qk_norm_all_heads and _attention(spec, i)
 
 
 def _dense_mlp(spec: ModelSpec, i: int) -> bool:
-    return not spec.is_moe_layer(i) or spec.traits.dense_mlp_with_experts
+    return not spec.is_moe_layer(i) or spec.description.dense_mlp_with_experts
 
 
 def _dense_mlp_bias(spec: ModelSpec, i: int) -> bool:
@@ -75,19 +75,19 @@ def _moe(spec: ModelSpec, i: int) -> bool:
 
 
 def _split_experts(spec: ModelSpec, i: int) -> bool:
-    return spec.is_moe_layer(i) and not spec.traits.experts_interleaved and not spec.traits.experts_fused_gate_up
+    return spec.is_moe_layer(i) and not spec.description.experts_interleaved and not spec.description.experts_fused_gate_up
 
 
 def _fused_gate_up_experts(spec: ModelSpec, i: int) -> bool:
-    return spec.is_moe_layer(i) and spec.traits.experts_fused_gate_up
+    return spec.is_moe_layer(i) and spec.description.experts_fused_gate_up
 
 
 def _moe_norm(norm: str) -> Callable[[ModelSpec, int], bool]:
-    return lambda spec, i: spec.is_moe_layer(i) and norm in spec.traits.moe_norms
+    return lambda spec, i: spec.is_moe_layer(i) and norm in spec.description.moe_norms
 
 
 def _interleaved_experts(spec: ModelSpec, i: int) -> bool:
-    return spec.is_moe_layer(i) and spec.traits.experts_interleaved
+    return spec.is_moe_layer(i) and spec.description.experts_interleaved
 
 
 def _shared(spec: ModelSpec, i: int) -> bool:
@@ -95,7 +95,7 @@ def _shared(spec: ModelSpec, i: int) -> bool:
 
 
 def _extra_norm(norm: str) -> Callable[[ModelSpec, int], bool]:
-    return lambda spec, i: norm in spec.traits.extra_norms
+    return lambda spec, i: norm in spec.description.extra_norms
 
 
 def _mla_q_lora(spec: ModelSpec, i: int) -> bool:
@@ -111,7 +111,7 @@ def _mla(spec: ModelSpec, i: int) -> bool:
 
 
 def _indexer(spec: ModelSpec, i: int) -> bool:
-    return spec.is_mla and spec.traits.sparse_attention_indexer
+    return spec.is_mla and spec.description.sparse_attention_indexer
 
 
 LAYER_RULES: tuple[LayerRule, ...] = (
@@ -156,7 +156,7 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "self_attn.indexer.wk_weights_proj.weight", "concat", when=_indexer),
     *(LayerRule((f"self_attn.indexer.k_norm.{t}",), None, f"self_attn.indexer.k_norm.{t}", "replicate", when=_indexer)
       for t in ("weight", "bias")),
-    LayerRule(("self_attn.sinks",), None, "self_attn.sinks", "column", when=lambda s, i: s.traits.attention_sinks),
+    LayerRule(("self_attn.sinks",), None, "self_attn.sinks", "column", when=lambda s, i: s.description.attention_sinks),
     LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row",
               when=_attention),
     LayerRule(("self_attn.o_proj.bias",), "self_attention.linear_proj.bias", "self_attn.o_proj.bias", "replicate",
@@ -180,7 +180,7 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     *(LayerRule((norm,), None, norm, "replicate", when=_extra_norm(norm))
       for norm in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")),
     # Gemma 4's per-layer scalar: a buffer in transformers and vLLM that the loaders fill.
-    LayerRule(("layer_scalar",), None, "layer_scalar", "replicate", when=lambda s, i: s.traits.layer_scalar),
+    LayerRule(("layer_scalar",), None, "layer_scalar", "replicate", when=lambda s, i: s.description.layer_scalar),
     # Dense MLP (every layer of a dense family; DeepSeek-V3's first k layers).
     LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "mlp.gate_up_proj.weight",
               "gate_up", when=_dense_mlp),
@@ -193,7 +193,7 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=_moe),
     # Gemma 4: the router's input and per-expert scales, and the norms around its experts.
     *(LayerRule((f"mlp.gate.{scale}",), None, f"mlp.gate.{scale}", "replicate",
-                when=lambda s, i: s.is_moe_layer(i) and s.traits.router_scales)
+                when=lambda s, i: s.is_moe_layer(i) and s.description.router_scales)
       for scale in ("scale", "per_expert_scale")),
     *(LayerRule((norm,), None, norm, "replicate", when=_moe_norm(norm))
       for norm in ("pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_1.weight",
@@ -204,7 +204,7 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("mlp.gate.e_score_correction_bias",), None, "mlp.gate.e_score_correction_bias", "replicate",
               when=lambda s, i: s.is_moe_layer(i) and s.vllm_router_bias),
     LayerRule(("mlp.gate.bias",), None, "mlp.gate.bias", "replicate",
-              when=lambda s, i: s.is_moe_layer(i) and s.traits.router_linear_bias),
+              when=lambda s, i: s.is_moe_layer(i) and s.description.router_linear_bias),
     LayerRule(("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
               "mlp.experts.local_experts.{j}.linear_fc1.weight", "<experts_w13>", "experts_gate_up",
               when=_split_experts),
@@ -255,7 +255,7 @@ def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: Ra
     # vLLM QKVParallelLinear: [q_r; k_r; v_r], kv heads replicated when tp > num_kv_heads; with an output
     # gate a query head's rows are [q_h; gate_h] (Qwen3.5), split by heads alike.
     q_lo, q_hi = chunk(nq, c.tp_rank, tp, what="num_attention_heads")
-    qh = 2 * hd if spec.traits.attention_output_gate else hd
+    qh = 2 * hd if spec.description.attention_output_gate else hd
     if tp >= nkv:
         if tp % nkv:
             raise ValueError(f"inference tp={tp} is not a multiple of num_key_value_heads={nkv}")
@@ -354,7 +354,7 @@ def build_rule(rule: LayerRule, spec: ModelSpec, side: Side, convention: Megatro
         if name is not None and name.startswith("<"):
             name = getattr(convention.names, name[1:-1])
         if name is not None:
-            name = spec.traits.vllm_suffix(name.format(shared=spec.shared_expert_name))
+            name = spec.description.vllm_suffix(name.format(shared=spec.shared_expert_name))
     if name is None:
         return {}
     hf = tuple(hf_prefix + s.replace("{shared}", spec.shared_expert_name) for s in rule.hf)

@@ -3,7 +3,7 @@
 Built from a HF-style config (:meth:`ModelSpec.from_hf_config`, a ``transformers`` config object or a
 plain dict). What each family is (its config keys, which blocks it has, how its checkpoint and vLLM name
 its tensors) lives in its file under :mod:`hybridmem.models`; this class holds the sizes and answers
-from the family's description (:attr:`ModelSpec.traits`). Supported families: :data:`FAMILIES`.
+from the family's description (:attr:`ModelSpec.description`). Supported families: :data:`FAMILIES`.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class ModelSpec:
     transformers' module names are that model's (:attr:`text_names`); ``""``: the text model's."""
 
     _family: Family | None = field(default=None, init=False, repr=False, compare=False)
-    """The family's description, looked up once (read through :attr:`traits`)."""
+    """The family's description, looked up once (read through :attr:`description`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", family_name(self.family))
@@ -192,12 +192,12 @@ class ModelSpec:
             if self.num_key_value_heads != self.num_attention_heads:
                 raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
                                  f"{self.num_attention_heads} for MLA (every head has its own key and value)")
-        if self.traits.sparse_attention_indexer:
+        if self.description.sparse_attention_indexer:
             for name in ("index_n_heads", "index_head_dim", "q_lora_rank"):
                 _positive(name, getattr(self, name))
         if self.is_moe:
             _positive("num_experts", self.num_experts)
-            if self.traits.dense_mlp_with_experts:
+            if self.description.dense_mlp_with_experts:
                 _positive("intermediate_size", self.intermediate_size)
             _positive("moe_intermediate_size", self.moe_intermediate_size)
             if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
@@ -218,7 +218,7 @@ class ModelSpec:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel_dim"):
                 _positive(name, getattr(self, name))
-        if self.shared_expert_intermediate_size and self.traits.shared_expert is None:
+        if self.shared_expert_intermediate_size and self.description.shared_expert is None:
             raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given for "
                              f"family={self.family!r}, which has no shared expert")
 
@@ -252,26 +252,26 @@ class ModelSpec:
         return tuple(sorted({self.attention_dims(i)[1] for i in range(self.num_hidden_layers)}))
 
     @property
-    def traits(self) -> Family:
-        """The family's description (:mod:`hybridmem.models`)."""
+    def description(self) -> Family:
+        """The family's description (:class:`hybridmem.models.Family`); :attr:`family` is its name."""
         return self._family
 
     @property
     def text_names(self) -> TextModelNames:
         """Where :attr:`multimodal`'s model keeps the text model's tensors; the text model's own names (no
         renames) without one."""
-        return dict(self.traits.multimodal_names).get(self.multimodal, TextModelNames())
+        return dict(self.description.multimodal_names).get(self.multimodal, TextModelNames())
 
     @property
     def is_moe(self) -> bool:
         """Whether the MLP of every layer is a mixture of experts (of a family whose experts are optional, a
         config that gives them)."""
-        return self.traits.moe and (self.num_experts > 0 or not self.traits.experts_optional)
+        return self.description.moe and (self.num_experts > 0 or not self.description.experts_optional)
 
     @property
     def is_mla(self) -> bool:
         """Whether attention is DeepSeek's multi-latent attention."""
-        return self.traits.mla
+        return self.description.mla
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (global index) has a mixture-of-experts MLP."""
@@ -280,7 +280,7 @@ class ModelSpec:
     @property
     def has_dense_layers(self) -> bool:
         """Whether any layer has a dense MLP."""
-        if self.traits.dense_mlp_with_experts:
+        if self.description.dense_mlp_with_experts:
             return True
         return not self.is_moe or self.first_k_dense_replace > 0 or self.moe_layer_step > 1
 
@@ -288,12 +288,12 @@ class ModelSpec:
     def has_router_bias(self) -> bool:
         """The router carries ``e_score_correction_bias`` [num_experts] (in HF and Megatron: DeepSeek-V3,
         GLM-4.5)."""
-        return self.traits.router_bias is not RouterBias.NONE
+        return self.description.router_bias is not RouterBias.NONE
 
     @property
     def vllm_router_bias(self) -> bool:
         """vLLM's model has the router bias (DeepSeek-V3: only with ``topk_method == "noaux_tc"``)."""
-        bias = self.traits.router_bias
+        bias = self.description.router_bias
         return bias is RouterBias.ALWAYS or (bias is RouterBias.NOAUX_TC and self.topk_method == "noaux_tc")
 
     def keeps_fp32(self, hf_name: str) -> bool:
@@ -313,12 +313,12 @@ class ModelSpec:
     @property
     def shared_expert_name(self) -> str:
         """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek, GLM) or ``shared_expert`` (Qwen)."""
-        return self.traits.shared_expert or "shared_expert"
+        return self.description.shared_expert or "shared_expert"
 
     @property
     def has_shared_expert_gate(self) -> bool:
         """Qwen2-MoE gates its shared expert with a [1, H] sigmoid."""
-        return self.traits.shared_expert_gate and self.shared_expert_intermediate_size > 0
+        return self.description.shared_expert_gate and self.shared_expert_intermediate_size > 0
 
     def is_linear_attention_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (global index) is a gated delta-net layer (``linear_attn.*``)."""
@@ -361,19 +361,19 @@ class ModelSpec:
     def _attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]], layer: int) -> None:
         h = self.hidden_size
         if not self.is_mla:
-            if self.traits.attention_sinks:
+            if self.description.attention_sinks:
                 shapes[p + "self_attn.sinks"] = (self.num_attention_heads,)
             hd, nkv = self.attention_dims(layer)
             q_rows, kv_rows = self.num_attention_heads * hd, nkv * hd
             projections = (("q", q_rows), ("k", kv_rows)) + (() if self.values_from_keys(layer) else (("v", kv_rows),))
-            gate = 2 if self.traits.attention_output_gate else 1  # [q_h; gate_h] per head (Qwen3.5)
+            gate = 2 if self.description.attention_output_gate else 1  # [q_h; gate_h] per head (Qwen3.5)
             for proj, rows in projections:
                 rows *= gate if proj == "q" else 1
                 shapes[p + f"self_attn.{proj}_proj.weight"] = (rows, h)
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{proj}_proj.bias"] = (rows,)
             if self.qk_norm:
-                every_head = self.traits.qk_norm_all_heads  # one norm over all heads (MiniMax-M2)
+                every_head = self.description.qk_norm_all_heads  # one norm over all heads (MiniMax-M2)
                 shapes[p + "self_attn.q_norm.weight"] = (q_rows,) if every_head else (hd,)
                 shapes[p + "self_attn.k_norm.weight"] = (kv_rows,) if every_head else (hd,)
             shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
@@ -391,7 +391,7 @@ class ModelSpec:
         shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_lora,)
         shapes[p + "self_attn.kv_b_proj.weight"] = (n * (self.qk_nope_head_dim + self.v_head_dim), kv_lora)
         shapes[p + "self_attn.o_proj.weight"] = (h, n * self.v_head_dim)
-        if self.traits.sparse_attention_indexer:
+        if self.description.sparse_attention_indexer:
             x, heads, width = p + "self_attn.indexer.", self.index_n_heads, self.index_head_dim
             shapes[x + "wq_b.weight"] = (heads * width, self.q_lora_rank)
             shapes[x + "wk.weight"] = (width, h)
@@ -432,7 +432,7 @@ class ModelSpec:
     def canonical_names_of(self, hf_name: str) -> tuple[str, ...]:
         """The canonical names whose tensors make up checkpoint tensor ``hf_name`` (the inverse of
         :meth:`checkpoint_names`; ``()`` for a name the checkpoint lacks). Cached per spec."""
-        family = self.traits
+        family = self.description
         if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked
                 or self.multimodal):
             return (hf_name,) if hf_name in _canonical(self) else ()
@@ -454,11 +454,11 @@ class ModelSpec:
             else:
                 self._attention_shapes(p, shapes, i)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for norm in self.traits.extra_norms:
+            for norm in self.description.extra_norms:
                 shapes[p + norm] = (h,)
-            if self.traits.layer_scalar:
+            if self.description.layer_scalar:
                 shapes[p + "layer_scalar"] = (1,)
-            if not self.is_moe_layer(i) or self.traits.dense_mlp_with_experts:
+            if not self.is_moe_layer(i) or self.description.dense_mlp_with_experts:
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.{proj}_proj.weight"] = (self.intermediate_size, h)
                     if self.mlp_bias:
@@ -468,24 +468,24 @@ class ModelSpec:
                     shapes[p + "mlp.down_proj.bias"] = (h,)
                 if not self.is_moe_layer(i):
                     continue
-            for norm in self.traits.moe_norms:
+            for norm in self.description.moe_norms:
                 shapes[p + norm] = (h,)
             shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
-            if self.traits.router_scales:
+            if self.description.router_scales:
                 shapes[p + "mlp.gate.scale"] = (h,)
                 shapes[p + "mlp.gate.per_expert_scale"] = (self.num_experts,)
-            if self.traits.router_linear_bias:
+            if self.description.router_linear_bias:
                 shapes[p + "mlp.gate.bias"] = (self.num_experts,)
             if self.has_router_bias:
                 shapes[p + "mlp.gate.e_score_correction_bias"] = (self.num_experts,)
             width = self.moe_intermediate_size
             for e in range(self.num_experts):
                 x = p + f"mlp.experts.{e}."
-                if self.traits.experts_fused_gate_up:
+                if self.description.experts_fused_gate_up:
                     shapes[x + "gate_up_proj.weight"] = (2 * width, h)
                     shapes[x + "down_proj.weight"] = (h, width)
                     continue
-                if self.traits.experts_interleaved:
+                if self.description.experts_interleaved:
                     shapes[x + "gate_up_proj.weight"] = (2 * width, h)
                     shapes[x + "gate_up_proj.bias"] = (2 * width,)
                     shapes[x + "down_proj.weight"] = (h, width)
@@ -534,7 +534,7 @@ def _checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, 
 
 
 def _text_checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[str, Placement]]:
-    family = spec.traits
+    family = spec.description
     canonical = spec.canonical_shapes()
     if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
         return dict(canonical), {name: Placement(name) for name in canonical}

@@ -115,7 +115,7 @@ def test_every_family_from_fsdp2_shards_and_from_megatron(model_id):
     _assert_shares_equal_whole(hf_source_layout(spec, 4, shard_size=4), dst, bucket=4096)
     _assert_shares_equal_whole(hf_source_layout(spec, 4, shard_size=2), hf_layout(spec, ParallelLayout(pp=2), 4),
                                bucket=4096)
-    if spec.traits.megatron is None and not spec.multimodal:
+    if spec.description.megatron is None and not spec.multimodal:
         pp = 2 if spec.num_hidden_layers % 2 == 0 and not moe else 1
         _assert_shares_equal_whole(megatron_layout(spec, ParallelLayout(tp=2, pp=pp, ep=2 if moe else 1), 4), dst,
                                    bucket=4096)
