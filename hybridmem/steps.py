@@ -274,7 +274,8 @@ class WeightSyncStep(SwitchStep):
                 "min_received_nbytes": s.min_received_nbytes,
                 "temp_peak_nbytes": s.temp_peak_nbytes,
                 "coverage_checked": s.coverage_checked,
-                **({"note": s.dtype_note} if s.dtype_note else {}),
+                **({"route": s.route} if s.route else {}),
+                **({"note": "; ".join(n for n in (s.route, s.dtype_note) if n)} if s.route or s.dtype_note else {}),
                 **committed,
             },
         )

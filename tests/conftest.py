@@ -42,6 +42,7 @@ ONE_WORKER_MODULES = frozenset({
     "tests/adapters/test_vllm_server.py",
     "tests/adapters/test_vllm_real.py",
     "tests/adapters/test_vllm_real_defaults.py",
+    "tests/adapters/test_vllm_lora.py",
     "tests/adapters/test_vllm_rollouts.py",
     "tests/adapters/test_vllm_names_check.py",
     "tests/integrations/test_trl.py",

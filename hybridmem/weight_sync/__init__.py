@@ -7,7 +7,10 @@
 - :class:`ReshardSync`: each rank's inference-layout shards written straight into the engine's parameters
   (or its pipeline stage's full HF tensors streamed), through the resharding engine
   (:mod:`hybridmem.reshard`, below this package);
-- :func:`default_weight_sync`: picks between the two from the config's layouts and the model's spec.
+- :func:`default_weight_sync`: picks between the two from the config's layouts and the model's spec;
+- :class:`LoraSync`: a PEFT LoRA model's adapters into vLLM's LoRA, the base kept by the engine (or
+  :func:`merged_lora_weights` streamed where vLLM cannot serve the adapter), see [Note: lora sync] in
+  :mod:`~hybridmem.weight_sync.lora`.
 
 [Note: weight coverage]
 An engine tensor the sync never writes keeps whatever its storage held when it was resumed (uninitialised
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from hybridmem.weight_sync.base import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
 from hybridmem.weight_sync.choice import default_weight_sync, model_spec_of
+from hybridmem.weight_sync.lora import LoraRoute, LoraSync, merged_lora_weights
 from hybridmem.weight_sync.resharding import ReshardSync
 from hybridmem.weight_sync.streamed import LoadWeightsSync
 
@@ -34,6 +38,9 @@ __all__ = [
     "WeightSync",
     "LoadWeightsSync",
     "ReshardSync",
+    "LoraSync",
+    "LoraRoute",
+    "merged_lora_weights",
     "default_weight_sync",
     "model_spec_of",
     "engine_unwritten",

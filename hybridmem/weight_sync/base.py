@@ -28,6 +28,9 @@ class SyncStats(TransferStats):
     dtype_note: str = ""
     """How the weights' element types changed on the way, when they did (see [Note: no silent dtype
     change]); empty when the engine received the trainer's dtypes unchanged."""
+    route: str = ""
+    """How the weights went, where a sync has several ways (a LoRA sync: the adapters only, or merged
+    weights and why, see [Note: lora sync] in :mod:`hybridmem.weight_sync.lora`); the switch report shows it."""
 
 
 # [Note: no silent dtype change]

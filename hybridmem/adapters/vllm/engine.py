@@ -65,6 +65,7 @@ from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
 from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_default, launching, plan_launch
 from hybridmem.adapters.vllm.logs import quiet_buffer_only_reload
+from hybridmem.adapters.vllm.lora import IN_MEMORY_PATH, LoraInfo, LoraInstall, install_lora, probe_lora, remove_loras
 from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes, not_synced_prefixes, synced_tensors
 from hybridmem.adapters.vllm.source import check_model_source
 from hybridmem.adapters.vllm.outputs import (
@@ -72,7 +73,7 @@ from hybridmem.adapters.vllm.outputs import (
     from_request_output,
     to_vllm_sampling_kwargs,
 )
-from hybridmem.adapters.vllm.worker import identity, load_bucket, probe_worker, reprocess_weights
+from hybridmem.adapters.vllm.worker import identity, load_bucket, probe_worker, reprocess_weights, unwrapped_name
 from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
 from hybridmem.engines.reference.sampling import GenerationOutput
 from hybridmem.engines.torch_copy import check_tags
@@ -267,6 +268,8 @@ class VLLMEngine:
         self.last_freed_nbytes = 0
         """Device bytes the last sleep freed (free-memory figure after minus before)."""
         self.last_load: LoadStats | None = None
+        self._lora_request: Any = None
+        self._lora_versions = itertools.count(1)
         if release_now:
             self.release(list(ENGINE_TAGS))
 
@@ -571,6 +574,89 @@ class VLLMEngine:
                 f"the weights it already holds; serve MoE models from a checkpoint on CPU, or update them on a GPU"
             )
 
+    # LoRA adapters ---------------------------------------------------------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the ``vllm.LLM`` was built with ``enable_lora=True``."""
+        return _attr_path(self.llm, "llm_engine.vllm_config.lora_config") is not None
+
+    @functools.cached_property
+    def lora_info(self) -> LoraInfo:
+        """What the worker's LoRA serves (its modules, ``max_lora_rank``...).
+
+        Raises:
+            ValueError: The LLM was built without ``enable_lora=True``.
+        """
+        (info,) = self.llm.collective_rpc(probe_lora)
+        return info
+
+    def lora_refusals(self, config: Mapping[str, Any]) -> list[str]:
+        """Why vLLM would refuse an adapter of PEFT configuration ``config`` (its ``adapter_config.json``):
+        vLLM's own check (``PEFTHelper.validate_legal``: DoRA, ``modules_to_save``, LoRA bias, a rank above
+        ``max_lora_rank``...); empty when it takes it.
+
+        Raises:
+            ValueError: The LLM was built without ``enable_lora=True``.
+        """
+        lora_config = _attr_path(self.llm, "llm_engine.vllm_config.lora_config")
+        if lora_config is None:
+            raise ValueError("the vllm.LLM was built without LoRA: build it with enable_lora=True, max_lora_rank>=r")
+        helper = import_vllm("vllm.lora.peft_helper").PEFTHelper
+        try:
+            helper.from_dict({**config, "vllm_max_position_embeddings": self.lora_info.max_position_embeddings}
+                             ).validate_legal(lora_config)
+        except (ValueError, TypeError) as exc:
+            return [str(exc)]
+        return []
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Whether the served weights were discarded (a level-2 sleep) and not loaded since."""
+        return self.weights is WeightsContent.STALE
+
+    @property
+    def lora_request(self) -> Any:
+        """The ``vllm.lora.request.LoRARequest`` of the adapter :meth:`load_lora` installed last (``None``
+        before any): :meth:`generate` applies it; pass it to ``llm.generate`` when calling vLLM directly."""
+        return self._lora_request
+
+    def load_lora(self, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
+                  name: str = "hybridmem") -> LoraInstall:
+        """Install a LoRA adapter from memory as a new version, removing the older ones (see [Note: vllm
+        lora from memory] in :mod:`hybridmem.adapters.vllm.lora`); the base weights are left as they are.
+
+        Args:
+            tensors: The adapter's tensors as PEFT saves them (``adapter_model.safetensors`` names, e.g.
+                ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``); handed over as copies.
+            config: PEFT's ``adapter_config.json`` of the adapter, as a dict.
+            name: The ``lora_name`` of the request (a version suffix is added).
+
+        Returns:
+            What the worker holds in the adapter's slots afterwards.
+
+        Raises:
+            PhaseError: The weights are not resident (call ``resume(["weights"])`` first).
+            ValueError: The LLM was built without ``enable_lora=True``, or vLLM refuses the configuration.
+        """
+        if self._state[WEIGHTS] is not TagState.RESIDENT:
+            raise PhaseError("load a LoRA adapter into vLLM", self._state[WEIGHTS], "resume(['weights']) first")
+        if not self.lora_enabled:
+            raise ValueError("the vllm.LLM was built without LoRA: build it with enable_lora=True, max_lora_rank>=r")
+        request_cls = import_vllm("vllm.lora.request").LoRARequest
+        version = next(self._lora_versions)
+        self._lora_request = None  # until the new version is in, no request names an adapter
+        copies = {k: t.detach().clone() for k, t in tensors.items()}  # [Note: loaders write what they are given]
+        (installed,) = self.llm.collective_rpc(
+            functools.partial(install_lora, lora_id=version, tensors=copies, config=dict(config)))
+        self._lora_request = request_cls(lora_name=f"{name}-v{version}", lora_int_id=version, lora_path=IN_MEMORY_PATH)
+        return installed
+
+    def drop_lora(self) -> None:
+        """Remove every adapter from the worker: :meth:`generate` serves the base weights again."""
+        self._lora_request = None
+        if self.lora_enabled:
+            self.llm.collective_rpc(remove_loras)
+
     # Optional protocol methods --------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The worker's own (per-rank, vLLM-layout) parameters, and the persistent buffers its layout names,
@@ -597,7 +683,8 @@ class VLLMEngine:
         self.weights = WeightsContent.UPDATED
         model = models[0]
         buffers = [(name, model.get_buffer(name)) for name in self._weight_buffers()]
-        return itertools.chain(model.named_parameters(), buffers)
+        params = ((unwrapped_name(name), p) for name, p in model.named_parameters())  # LoRA's base_layer
+        return itertools.chain(params, buffers)
 
     def _weight_buffers(self) -> tuple[str, ...]:
         """The persistent buffers of the model that its vLLM layout names: weights the loader fills
@@ -638,6 +725,8 @@ class VLLMEngine:
 
         Raises:
             PhaseError: A tag is not resident, or the weights were discarded and not loaded since.
+
+        With a LoRA adapter installed (:meth:`load_lora`), every prompt runs with its latest version.
         """
         for tag in ENGINE_TAGS:
             if self._state[tag] is not TagState.RESIDENT:
@@ -658,7 +747,8 @@ class VLLMEngine:
                 self.llm.reset_prefix_cache()
             self.weights = WeightsContent.CURRENT
         prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompt_ids]
-        outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False)
+        lora = {} if self._lora_request is None else {"lora_request": self._lora_request}
+        outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False, **lora)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         want = bool(params.logprobs)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WorkerInfo", "persistent_buffers", "buffer_only_classes", "probe_worker", "load_bucket", "identity", "reprocess_weights", "worker_model"]
+__all__ = ["WorkerInfo", "persistent_buffers", "buffer_only_classes", "probe_worker", "load_bucket", "identity", "reprocess_weights", "worker_model", "unwrapped_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +82,22 @@ def buffer_only_classes(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(sorted(cls for cls, only in verdict.items() if only))
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without vLLM's LoRA wrappers (``qkv_proj.base_layer.weight`` -> ``qkv_proj.weight``):
+    with ``enable_lora`` vLLM wraps each LoRA-served linear layer and keeps the layer as ``base_layer``, and
+    its loaders take the unwrapped names (its ``reload_weights`` maps them the same way)."""
+    return name.replace(".base_layer.", ".")
+
+
 def probe_worker(worker: Any) -> WorkerInfo:
-    """Run in the worker through ``collective_rpc``: its rank, its reload method, its parameters."""
+    """Run in the worker through ``collective_rpc``: its rank, its reload method, its parameters (by the
+    names its loaders take, see :func:`unwrapped_name`)."""
     model = worker_model(worker)
     return WorkerInfo(
         rank=int(getattr(worker, "rank", 0) or 0),
         has_reload_weights=callable(getattr(worker, "reload_weights", None)),
-        params=tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
-        buffers=tuple((n, tuple(b.shape)) for n, b in persistent_buffers(model)),
+        params=tuple((unwrapped_name(n), tuple(p.shape)) for n, p in model.named_parameters()),
+        buffers=tuple((unwrapped_name(n), tuple(b.shape)) for n, b in persistent_buffers(model)),
         device_type=getattr(getattr(worker, "device", None), "type", None),
         buffer_only_modules=buffer_only_classes(model),
     )

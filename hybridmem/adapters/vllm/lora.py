@@ -1,0 +1,131 @@
+"""vLLM's LoRA in the worker: what it serves (:func:`probe_lora`), and one adapter version installed from
+tensors in memory (:func:`install_lora`), read back from the slots the forward pass uses.
+
+[Note: vllm lora from memory]
+vLLM loads an adapter named by a ``LoRARequest`` from a directory, once per ``lora_int_id``: a request
+whose id the worker holds reuses the loaded adapter whatever its path says. In process (see [Note: vllm
+co-location] in :mod:`hybridmem.adapters.vllm.engine`) the adapter goes in without a file: the worker's
+own ``LoRAModel.from_lora_tensors`` builds it from the trainer's tensors (copies) and the worker's LoRA
+model manager registers and activates it, exactly as its ``add_adapter`` does after reading a directory.
+Every version gets a new ``lora_int_id`` and every older version is removed first, so a request naming
+an older id finds no adapter, and vLLM then tries to read its path, :data:`IN_MEMORY_PATH`, which does
+not exist: a stale request fails by name instead of serving a stale adapter. The id also keys vLLM's
+prefix cache, so cached blocks of an older version are never reused. After activation the worker sums
+what each LoRA module holds in its slot (``lora_a_stacked``/``lora_b_stacked``, what the punica kernels
+read), so the sync can check them against the trainer's tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["IN_MEMORY_PATH", "LoraInfo", "LoraInstall", "install_lora", "lora_worker_manager", "probe_lora", "remove_loras"]
+
+IN_MEMORY_PATH = "/nonexistent/hybridmem-lora-from-memory"
+"""The ``lora_path`` of an adapter installed from memory: no directory, so vLLM can never load it from there
+(see [Note: vllm lora from memory])."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraInfo:
+    """What the worker's LoRA serves."""
+
+    max_lora_rank: int
+    max_loras: int
+    lora_dtype: str
+    """The element type of the adapter slots (``torch.float32`` ...), as a string."""
+    modules: tuple[str, ...]
+    """vLLM's module names that take an adapter, each packed module by the names of its parts (a fused
+    ``qkv_proj`` as ``q_proj``, ``k_proj``, ``v_proj``), as an adapter checkpoint names them."""
+    max_position_embeddings: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoraInstall:
+    """What :func:`install_lora` left in the worker."""
+
+    lora_id: int
+    slot_sums: dict[str, tuple[tuple[float, float], ...]]
+    """Per LoRA module of vLLM holding weights: per slice (a packed module's parts, in order), the float64
+    sums of its ``lora_a`` and ``lora_b`` slot (``lora_b`` as vLLM keeps it: times the adapter's scaling)."""
+    packed: dict[str, tuple[str, ...]]
+    """vLLM's packed modules, each with the names of its parts, in slice order."""
+    loaded: tuple[int, ...]
+    """The adapter ids the worker holds afterwards."""
+
+
+def lora_worker_manager(worker: Any) -> Any:
+    """The worker's ``WorkerLoRAManager``.
+
+    Raises:
+        ValueError: vLLM was built without ``enable_lora=True``.
+    """
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None:
+        raise ValueError("the vllm.LLM was built without LoRA: build it with enable_lora=True, max_lora_rank>=r")
+    return manager
+
+
+def probe_lora(worker: Any) -> LoraInfo:
+    """Run in the worker through ``collective_rpc``: what its LoRA serves."""
+    manager = lora_worker_manager(worker)
+    adapters = manager._adapter_manager
+    modules: list[str] = []
+    for name in adapters.modules:
+        parts = adapters.packed_modules.get(name)
+        modules.extend(parts if parts else [name])
+    config = manager.lora_config
+    return LoraInfo(max_lora_rank=int(config.max_lora_rank), max_loras=int(config.max_loras),
+                    lora_dtype=str(config.lora_dtype), modules=tuple(modules),
+                    max_position_embeddings=manager.max_position_embeddings)
+
+
+def install_lora(worker: Any, *, lora_id: int, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> LoraInstall:
+    """Run in the worker through ``collective_rpc``: build the adapter from ``tensors`` (PEFT's
+    ``adapter_model.safetensors`` names) and ``config`` (its ``adapter_config.json``), remove every adapter
+    the worker holds, register and activate this one as ``lora_id``, and sum its slots (see [Note: vllm
+    lora from memory]).
+
+    Raises:
+        ValueError: vLLM refuses the configuration (``PEFTHelper.validate_legal``: a rank above
+            ``max_lora_rank``, DoRA, ...).
+    """
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = lora_worker_manager(worker)
+    adapters = manager._adapter_manager
+    helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = adapters.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id, tensors=dict(tensors), peft_helper=helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    for old in list(adapters.list_adapters()):
+        adapters.remove_adapter(old)
+    adapters.add_adapter(lora)
+    adapters.activate_adapter(lora_id)
+    slot = adapters.lora_index_to_id.index(lora_id)
+    sums: dict[str, tuple[tuple[float, float], ...]] = {}
+    with torch.no_grad():
+        for name, module in adapters.modules.items():
+            if adapters._get_lora_layer_weights(lora, name) is None:
+                continue
+            sums[name] = tuple((float(a[slot].double().sum()), float(b[slot].double().sum()))
+                               for a, b in zip(module.lora_a_stacked, module.lora_b_stacked))
+    return LoraInstall(lora_id=lora_id, slot_sums=sums,
+                       packed={k: tuple(v) for k, v in adapters.packed_modules.items()},
+                       loaded=tuple(sorted(adapters.list_adapters())))
+
+
+def remove_loras(worker: Any) -> None:
+    """Run in the worker through ``collective_rpc``: remove every adapter it holds."""
+    lora_worker_manager(worker).remove_all_adapters()
