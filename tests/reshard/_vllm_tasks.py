@@ -11,6 +11,7 @@ the model's own ``load_weights`` from the HF checkpoint in ``model_dir``.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import os
 import sys
@@ -75,6 +76,18 @@ def _dist_ident(ctx):
             os.environ.pop("VLLM_DIST_IDENT", None)
         else:
             os.environ["VLLM_DIST_IDENT"] = before
+        if ctx.rank == 0:
+            _unlink_segments(ident[0])
+
+
+def _unlink_segments(ident: str) -> None:
+    """Remove the shared-memory files vLLM's CPU communicator made for the groups named ``ident``
+    (``/dev/shm/<ident>-...-cpushm_<n>``): it never removes them, and /dev/shm is memory, so a run of the suite
+    would otherwise leave hundreds of MiB there. Every rank mapped them while building its groups, inside the
+    task; a mapping outlives the file's name."""
+    for path in glob.glob(os.path.join("/dev/shm", glob.escape(ident) + "-*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @contextlib.contextmanager
