@@ -11,6 +11,7 @@ from hybridmem.accel import Accelerator
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
 from hybridmem.offload.base import Offloader
+from hybridmem.offload.engine_owned import is_engine_owned
 
 __all__ = ["ParamOffloader"]
 
@@ -40,7 +41,9 @@ class ParamOffloader(Offloader):
         self.include_buffers = include_buffers
 
     def tensors(self) -> Iterable[torch.Tensor]:
+        """The modules' parameters (and buffers), but those whose memory an engine owns (a LoRA trainer's base
+        shared with the engine, :mod:`hybridmem.offload.engine_owned`): they stay where they are."""
         for module in self.modules:
-            yield from module.parameters()
+            yield from (p for p in module.parameters() if not is_engine_owned(p))
             if self.include_buffers:
                 yield from module.buffers()
