@@ -14,15 +14,35 @@ import functools
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from hybridmem import mindspeed_keys
 from hybridmem.errors import ConfigError
 
-__all__ = ["ParallelLayout", "HybridConfig", "DEVICE_CHOICES"]
+__all__ = ["ParallelLayout", "HybridConfig", "DEVICE_CHOICES", "LoraBase"]
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+
+
+class LoraBase(Enum):
+    """Where a LoRA model's base weights stay when only its adapters are synced (:attr:`HybridConfig.lora_base`;
+    see [Note: lora base] in :mod:`hybridmem.manager`). In every mode the trainer's frozen base stays on the
+    device: only the adapters, their gradients and optimizer state are offloaded."""
+
+    ENGINE_SLEEPS = "engine_sleeps"
+    """The engine releases its weights on leaving INFER, at its own sleep level (vLLM's level 1 keeps them in
+    host memory, so no base is sent again) and takes them back on entering it: one copy of the base on the
+    device while training, two while generating; each switch moves the engine's base over the host link."""
+    ENGINE_RESIDENT = "engine_resident"
+    """The engine keeps its weights on the device through TRAIN: two copies of the base always, and a switch
+    moves the adapters and the KV cache only."""
+    SHARED = "shared"
+    """One copy: the trainer's frozen base parameters become views of the engine's weights
+    (:func:`hybridmem.weight_sync.shared_base.share_base`; tensor-parallel size 1 and an engine that keeps its
+    layout unrepacked, e.g. vLLM on GPUs), which stay resident; a switch moves the adapters and the KV cache
+    only."""
 
 def _check_positive_int(key: str, value: object, *, source: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -140,6 +160,10 @@ class HybridConfig:
     """Largest transfer bucket of the resharding engine; bounds its temporary memory."""
     verify_weight_sync: bool = False
     """Compare per-tensor checksums between training and the engine after each weight sync."""
+    lora_base: str = LoraBase.ENGINE_SLEEPS.value
+    """Where a LoRA model's base stays when its adapters alone are synced, one of :class:`LoraBase`'s values:
+    ``engine_sleeps`` (default), ``engine_resident`` or ``shared``. Read only when the weight sync moves
+    adapters only (:class:`~hybridmem.weight_sync.lora.LoraSync` on its adapter route)."""
     collective_deadline_s: float | None = None
     """Seconds a multi-rank weight sync's collectives have on each rank before the switch fails with
     ``CollectiveTimeoutError`` and rolls back (a peer stuck or dead); ``None``: sized from the plan (120 s
@@ -161,6 +185,8 @@ class HybridConfig:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0):
             raise ConfigError("gpu_memory_utilization", util, "a float in (0, 1] or null")
+        if self.lora_base not in {b.value for b in LoraBase}:
+            raise ConfigError("lora_base", self.lora_base, f"one of {[b.value for b in LoraBase]}")
         if self.device not in DEVICE_CHOICES and not str(self.device).startswith(("cuda:", "npu:")):
             raise ConfigError("device", self.device, f"one of {DEVICE_CHOICES} or 'cuda:N' / 'npu:N'")
 

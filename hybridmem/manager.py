@@ -31,12 +31,13 @@ from hybridmem.agreement import AgreeStep, SwitchAgreement, is_collective_loss
 from hybridmem.architecture import check_architecture
 from hybridmem.claims import Claims
 from hybridmem.colocate import CoResident, CoResidentState
-from hybridmem.config import HybridConfig
+from hybridmem.config import HybridConfig, LoraBase
 from hybridmem.engine_contract import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of, check_kv_utilization
 from hybridmem.errors import MemoryPlanError, PhaseError, SwitchError, switch_error
 from hybridmem.guards import TrainingGuard
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
+from hybridmem.lora_base import hold_engine_weights, keep_frozen_on_device, lora_base_of, share_with_engine
 from hybridmem.machine import PhaseMachine, Trigger
 from hybridmem.memplan import MemoryPlan, StepEstimate
 from hybridmem.offload import Offloader, OffloadState
@@ -193,6 +194,13 @@ class ShardingManager:
             check_architecture(self.training, engine, model_spec=model_spec)
             weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
+        self.lora_base = lora_base_of(weight_sync, self.config)
+        """Where a LoRA model's base stays when only its adapters are synced; ``None`` otherwise ([Note: lora
+        base] in hybridmem.lora_base)."""
+        self.engine_weights_stay = self.lora_base in (LoraBase.ENGINE_RESIDENT, LoraBase.SHARED)
+        """The engine keeps its weights on the device through TRAIN ([Note: lora base])."""
+        if self.lora_base is not None:
+            keep_frozen_on_device(self.offloaders)
         collective = weight_sync.collective() if weight_sync is not None else None
         self.agreement = (SwitchAgreement(collective[0], deadline_s=collective[1], device=self.accel.device)
                           if collective is not None else None)
@@ -202,6 +210,12 @@ class ShardingManager:
         # memory), so they must be this manager's alone ([Note: one manager per model]).
         self._claims = Claims(self, self._claimed(engine))
         modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
+        self.shared_base = None
+        """What ``lora_base="shared"`` made views of the engine's weights (:func:`~hybridmem.weight_sync.shared_base.share_base`)."""
+        if self.engine_weights_stay:
+            hold_engine_weights(engine)
+        if self.lora_base is LoraBase.SHARED:
+            self.shared_base = share_with_engine(self.training, engine, weight_sync)
         self._guard = TrainingGuard(_weak_phase(self), modules, optimizers, owner=self)
         """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
         if self.engine_capabilities is not None and self.engine_capabilities.binds_phase:
@@ -209,7 +223,7 @@ class ShardingManager:
         self.coresidents: dict[str, CoResident] = {}
         """Co-resident models by name (see [Note: co-resident phases])."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
-                                   self.config.device_memory_budget_bytes)
+                                   self.config.device_memory_budget_bytes, engine_weights_stay=self.engine_weights_stay)
         """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.owners`)."""
         self.last_reports: dict[Direction, SwitchReport] = {}
         """The latest report of each direction."""
@@ -230,7 +244,8 @@ class ShardingManager:
         state, rewritten by every TRAIN->INFER switch."""
         if self.engine_capabilities is None or not self.engine_capabilities.reports_residency:
             return
-        awake = [tag for tag in (KV_CACHE, WEIGHTS) if self.engine.resident_nbytes(tag)]
+        awake = [tag for tag in (KV_CACHE, WEIGHTS) if self.engine.resident_nbytes(tag)
+                 and not (tag == WEIGHTS and self.engine_weights_stay)]
         if awake:
             log.info("hybridmem: releasing the engine's %s (the manager starts in TRAIN)", awake)
             self.engine.release(awake)
@@ -257,7 +272,7 @@ class ShardingManager:
         agree = AgreeStep(self.agreement) if self.agreement is not None else None
         return switch_steps(direction, offloaders=self.offloaders, enabled=self._enabled, accel=self.accel,
                             engine=self.engine, weight_sync=self.weight_sync, extra=self._extra_steps[direction],
-                            agree=agree)
+                            agree=agree, engine_weights_stay=self.engine_weights_stay)
 
     def memory(self) -> MemoryFigures:
         """Device memory figures now (on CPU, "allocated" is the sum over known owners)."""

@@ -22,6 +22,9 @@ class ParamOffloader(Offloader):
     Args:
         modules: The model, or its chunks (pipeline stages / virtual stages).
         include_buffers: Also move registered buffers (norm statistics, rotary caches).
+        include_frozen: Move parameters that do not train (``requires_grad=False``) too (default); ``False``
+            leaves them on the device (a LoRA model's base while only its adapters are synced, see [Note:
+            lora base] in :mod:`hybridmem.manager`).
         accel, pool, owner: See :class:`~hybridmem.offload.base.Offloader`.
     """
 
@@ -34,16 +37,20 @@ class ParamOffloader(Offloader):
         pool: HostBufferPool,
         *,
         include_buffers: bool = True,
+        include_frozen: bool = True,
         owner: str | None = None,
     ):
         super().__init__(accel, pool, owner=owner)
         self.modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         self.include_buffers = include_buffers
+        self.include_frozen = include_frozen
 
     def tensors(self) -> Iterable[torch.Tensor]:
-        """The modules' parameters (and buffers), but those whose memory an engine owns (a LoRA trainer's base
-        shared with the engine, :mod:`hybridmem.offload.engine_owned`): they stay where they are."""
+        """The modules' parameters (the trainable ones alone without :attr:`include_frozen`) and buffers, but
+        those whose memory an engine owns (a LoRA trainer's base shared with the engine,
+        :mod:`hybridmem.offload.engine_owned`): they stay where they are."""
         for module in self.modules:
-            yield from (p for p in module.parameters() if not is_engine_owned(p))
+            yield from (p for p in module.parameters()
+                        if (self.include_frozen or p.requires_grad) and not is_engine_owned(p))
             if self.include_buffers:
                 yield from module.buffers()

@@ -69,6 +69,17 @@ class WeightSync(ABC):
         """Peak temporary device bytes one :meth:`sync` needs (for the memory plan)."""
         return 0
 
+    @property
+    def adapters_only(self) -> bool:
+        """The sync moves a LoRA model's adapters alone: the engine's base weights stay valid from one switch
+        to the next, and the trainer's frozen base is not what moves ([Note: lora base] in hybridmem.manager).
+        ``False`` (default): every sync writes the whole model."""
+        return False
+
+    def engine_holds_base(self) -> None:
+        """Told by the manager that the engine holds the trainer's base now (a shared base): a sync that would
+        send the base first need not. The default does nothing."""
+
     @abstractmethod
     def sync(self) -> SyncStats:
         """Write the weights; the engine's weight storage is resumed before this is called."""

@@ -1,0 +1,71 @@
+"""Where a LoRA model's base weights stay while only its adapters are synced.
+
+[Note: lora base]
+When the weight sync moves a LoRA model's adapters alone (:attr:`WeightSync.adapters_only
+<hybridmem.weight_sync.base.WeightSync.adapters_only>`: :class:`~hybridmem.weight_sync.lora.LoraSync` on its
+adapter route), the base weights are the same at every switch, on both sides. So:
+
+- the trainer's frozen base is not offloaded: only the adapters, their gradients and their optimizer state
+  move to the host (:attr:`ParamOffloader.include_frozen <hybridmem.offload.params.ParamOffloader>` off);
+- where the engine's copy stays is :attr:`HybridConfig.lora_base <hybridmem.config.HybridConfig.lora_base>`
+  (:class:`~hybridmem.config.LoraBase`): ``engine_sleeps`` releases and resumes the engine's weights as for
+  any sync (its sleep level decides whether they wait in host memory or are discarded and sent again);
+  ``engine_resident`` keeps them on the device through TRAIN (not released when the manager is built, and
+  resumed then if the engine came asleep), so a switch moves the adapters and the KV cache only;
+  ``shared`` keeps them so too and makes the trainer's base parameters views of them
+  (:func:`~hybridmem.weight_sync.shared_base.share_base`), one copy on the device;
+- residency reports do not count the engine's resident weights in TRAIN as a leftover.
+
+With a sync that writes the whole model, ``lora_base`` is not read: the engine's weights are rewritten at
+every switch and released on leaving INFER.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hybridmem.config import HybridConfig, LoraBase
+from hybridmem.engine_contract import WEIGHTS, capabilities_of
+from hybridmem.kinds import StateKind
+from hybridmem.offload import Offloader, ParamOffloader
+from hybridmem.training_state import TorchTrainingState
+from hybridmem.weight_sync.base import WeightSync
+from hybridmem.weight_sync.shared_base import SharedBase, share_base
+
+__all__ = ["lora_base_of", "keep_frozen_on_device", "share_with_engine", "hold_engine_weights"]
+
+
+def lora_base_of(weight_sync: WeightSync | None, config: HybridConfig) -> LoraBase | None:
+    """The config's :class:`LoraBase` when ``weight_sync`` moves adapters only, else ``None``."""
+    if weight_sync is None or not weight_sync.adapters_only:
+        return None
+    return LoraBase(config.lora_base)
+
+
+def keep_frozen_on_device(offloaders: Mapping[StateKind, Offloader]) -> None:
+    """Leave the parameters that do not train out of every parameter offloader."""
+    for offloader in offloaders.values():
+        if isinstance(offloader, ParamOffloader):
+            offloader.include_frozen = False
+
+
+def hold_engine_weights(engine: Any) -> None:
+    """Resume the engine's weights if it was handed over with them released (``engine_resident``, ``shared``)."""
+    if capabilities_of(engine).reports_residency and not engine.resident_nbytes(WEIGHTS):
+        engine.resume([WEIGHTS])
+
+
+def share_with_engine(training: Any, engine: Any, weight_sync: WeightSync) -> SharedBase:
+    """``lora_base="shared"``: the trainer's frozen base as views of the engine's weights, then the sync told
+    that the engine holds the base.
+
+    Raises:
+        ValueError: The training state is not one torch model, or :func:`share_base` refuses (named).
+    """
+    if not isinstance(training, TorchTrainingState) or len(training.modules) != 1:
+        raise ValueError(f"lora_base='shared' needs one torch model (a PEFT LoRA model) as the training state, got "
+                         f"{type(training).__name__}")
+    shared = share_base(training.modules[0], engine)
+    weight_sync.engine_holds_base()
+    return shared
