@@ -160,6 +160,16 @@ class LoraSync(WeightSync):
         if self.merged_because:
             log.warning("hybridmem: LoRA synced as merged weights: %s", self.merged_because)
 
+    @property
+    def adapters_only(self) -> bool:
+        """On the adapter route the engine's base stays valid between switches ([Note: lora base] in
+        hybridmem.lora_base); merged weights rewrite the whole model."""
+        return self.route is LoraRoute.ADAPTERS
+
+    def engine_holds_base(self) -> None:
+        """The engine's weights are the trainer's base (a shared base): the first sync sends none."""
+        self._base_pending = False
+
     def _refusals(self) -> str:
         """Why vLLM cannot serve the model's adapter (empty when it can)."""
         try:
