@@ -25,10 +25,17 @@ model's ``load_weights``. :class:`HybridGRPOTrainer` keeps TRL's loop, data, rew
   model, when ``beta > 0`` gives it one, becomes a co-resident model, on the device only while TRL
   scores with it;
 - every generation runs inside ``hybrid_manager.inference()``: optimizer state, grads and weights go to
-  host memory, the weights are synced into vLLM by the manager's weight sync (resharded where TP differs;
-  for a PEFT model, the base weights plus each LoRA layer's delta, computed out of place, see
-  :func:`merged_lora_weights`), the KV cache is taken and given back, and a failed switch rolls back. A switch that failed and rolled back (phase TRAIN, nothing lost) is tried
-  once more; a second failure is raised.
+  host memory, the weights are synced into vLLM by the manager's weight sync (resharded where TP differs),
+  the KV cache is taken and given back, and a failed switch rolls back. A switch that failed and rolled
+  back (phase TRAIN, nothing lost) is tried once more; a second failure is raised;
+- a PEFT LoRA model (``peft_config``, or a PEFT model given as ``model``) is synced by
+  :class:`~hybridmem.weight_sync.LoraSync` by default (``lora_sync="adapters"``): TRL's ``LLM`` is built
+  with ``enable_lora=True``, ``max_lora_rank`` the adapter's rank (rounded up to one vLLM offers) and
+  ``max_loras=1``; the base goes to vLLM once, then only the adapters move, and TRL's ``llm.generate``
+  calls run with the adapter's latest version (``lora_request`` defaults to the engine's, see [Note: lora
+  sync] in :mod:`hybridmem.weight_sync.lora`). ``lora_sync="merged"`` streams the base weights plus each
+  LoRA layer's delta, computed out of place (:func:`merged_lora_weights`), every switch, as a model without
+  LoRA; so does the adapter sync where vLLM cannot serve the adapter, saying why in the reports.
 
 Each generation's two switch reports are kept in ``trainer.hybrid_reports`` and summarised in TRL's
 logged metrics (``hybridmem/...``).
@@ -48,6 +55,7 @@ import torch
 from hybridmem.config import HybridConfig
 from hybridmem.phase import Direction
 from hybridmem.report import SwitchReport
+from hybridmem.weight_sync.lora import LoraRoute, merged_lora_weights
 
 try:
     from trl import GRPOTrainer
@@ -56,7 +64,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         f"hybridmem.integrations.trl needs Hugging Face TRL ({exc}); install it with `pip install hybridmem[trl]`"
     ) from exc
 
-__all__ = ["HybridGRPOTrainer", "GenerationSwitches", "REFERENCE_OWNER", "merged_lora_weights"]
+__all__ = ["HybridGRPOTrainer", "GenerationSwitches", "REFERENCE_OWNER", "LoraRoute", "merged_lora_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,17 @@ class GenerationSwitches:
     def offloaded_nbytes(self) -> dict[str, int]:
         """Bytes each offload step of the TRAIN->INFER switch moved or released, by step name."""
         return {s.name: s.copied_nbytes + s.zero_nbytes for s in self.to_infer.steps if s.name.startswith("offload")}
+
+    @property
+    def synced_nbytes(self) -> int:
+        """Bytes the weight sync of the TRAIN->INFER switch moved into vLLM (a LoRA model's adapters only,
+        once the engine holds the base)."""
+        return sum(s.copied_nbytes for s in self.to_infer.steps if s.name == "weight sync")
+
+    @property
+    def sync_route(self) -> str:
+        """How the weights went, where the sync says (a LoRA sync: adapters only, or merged and why)."""
+        return next((s.extra.get("route", "") for s in self.to_infer.steps if s.name == "weight sync"), "")
 
 
 def _check_args(args: Any) -> None:
@@ -106,9 +125,12 @@ class HybridGRPOTrainer(GRPOTrainer):
             sleep mode, off on its CPU build): hybridmem sleeps and wakes the engine itself.
         hybrid_config: The manager's :class:`~hybridmem.HybridConfig` (``None``: defaults).
         vllm_dtype: The dtype vLLM holds the weights in (``None``: the trainer model's).
+        lora_sync: How a PEFT LoRA model reaches vLLM: ``"adapters"`` (default; :class:`~hybridmem.
+            weight_sync.LoraSync`, vLLM built with LoRA) or ``"merged"`` (the whole model, each adapter
+            merged in out of place); ignored without LoRA.
 
     Raises:
-        ValueError: ``args`` without co-located vLLM.
+        ValueError: ``args`` without co-located vLLM; an unknown ``lora_sync``.
 
     Attributes:
         hybrid_manager: The :class:`~hybridmem.ShardingManager` (``None`` until the optimizer exists).
@@ -117,9 +139,13 @@ class HybridGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args: Any, hybrid_config: HybridConfig | None = None, vllm_dtype: Any = None,
-                 **kwargs: Any):
+                 lora_sync: LoraRoute | str = LoraRoute.ADAPTERS, **kwargs: Any):
         grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         _check_args(grpo_args)
+        try:
+            self.hybrid_lora_sync = LoraRoute(lora_sync)
+        except ValueError:
+            raise ValueError(f"lora_sync={lora_sync!r}: use one of {[r.value for r in LoraRoute]}") from None
         grpo_args = copy.copy(grpo_args)  # the caller's config object is left as it was
         grpo_args.vllm_enable_sleep_mode = _vllm_has_sleep_mode()
         if "args" in kwargs or len(args) <= 2:
@@ -132,7 +158,9 @@ class HybridGRPOTrainer(GRPOTrainer):
         model = kwargs.get("model", args[0] if args else None)
         if vllm_dtype is None and isinstance(model, torch.nn.Module):
             vllm_dtype = next(model.parameters()).dtype
-        with _building_llm(vllm_dtype):
+        rank = _lora_rank(kwargs.get("peft_config", args[10] if len(args) > 10 else None), model)
+        lora_rank = rank if rank and self.hybrid_lora_sync is LoraRoute.ADAPTERS else None
+        with _building_llm(vllm_dtype, lora_rank):
             super().__init__(*args, **kwargs)
         self.hybrid_engine = self._wrap_engine()
 
@@ -146,6 +174,14 @@ class HybridGRPOTrainer(GRPOTrainer):
         generation.enable_sleep_mode = False  # TRL must not sleep or wake the engine: the manager does
         generation._llm_weights_sleeping = False
         generation.sync_weights = _no_sync  # the TRAIN->INFER switch syncs the weights
+        llm_generate = generation.llm.generate
+
+        def llm_generate_with_adapter(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("lora_request") is None and engine.lora_request is not None:
+                kwargs["lora_request"] = engine.lora_request  # the adapter's latest version, see [Note: lora sync]
+            return llm_generate(*args, **kwargs)
+
+        generation.llm.generate = llm_generate_with_adapter
         original = generation.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
@@ -166,12 +202,14 @@ class HybridGRPOTrainer(GRPOTrainer):
         from accelerate.utils import is_peft_model  # noqa: PLC0415
 
         from hybridmem.manager import ShardingManager  # noqa: PLC0415
-        from hybridmem.weight_sync import LoadWeightsSync  # noqa: PLC0415
+        from hybridmem.weight_sync import LoadWeightsSync, LoraSync  # noqa: PLC0415
 
         model = self.accelerator.unwrap_model(self.model)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper keeps the torch optimizer inside
         weight_sync = None
-        if is_peft_model(model):
+        if is_peft_model(model) and self.hybrid_engine.lora_enabled:
+            weight_sync = LoraSync(model, self.hybrid_engine)
+        elif is_peft_model(model):
             weight_sync = LoadWeightsSync(lambda: merged_lora_weights(model), self.hybrid_engine)
         manager = ShardingManager(model, self.hybrid_engine, optimizer=inner, config=self.hybrid_config,
                                   weight_sync=weight_sync)
@@ -204,6 +242,7 @@ class HybridGRPOTrainer(GRPOTrainer):
         metrics[mode]["hybridmem/to_train_s"].append(record.to_train.seconds)
         metrics[mode]["hybridmem/offloaded_bytes"].append(float(sum(record.offloaded_nbytes.values())))
         metrics[mode]["hybridmem/host_bytes"].append(float(record.to_infer.host_nbytes))
+        metrics[mode]["hybridmem/synced_bytes"].append(float(record.synced_nbytes))
 
     # The reference model, on the device only while it scores ---------------------------------------
     def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -214,38 +253,35 @@ class HybridGRPOTrainer(GRPOTrainer):
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
 
-def merged_lora_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """A PEFT model's weights as the base model's checkpoint names them, each LoRA layer's base weight
-    plus its active adapters' delta (``get_delta_weight``), computed out of place.
+def _lora_rank(peft_config: Any, model: Any) -> int | None:
+    """The largest LoRA rank of ``peft_config`` (TRL's argument), else of a PEFT ``model``'s active
+    adapter; ``None`` without LoRA."""
+    if peft_config is None:
+        configs = getattr(model, "peft_config", None)
+        if not isinstance(configs, dict) or not configs:
+            return None
+        peft_config = configs.get(getattr(model, "active_adapter", None)) or next(iter(configs.values()))
+    rank = getattr(peft_config, "r", None)
+    if not isinstance(rank, int):
+        return None
+    return max([rank, *dict(getattr(peft_config, "rank_pattern", None) or {}).values()])
 
-    TRL's own iterator merges the adapters into the base weights and unmerges them after, which rounds the
-    trained base weights a little on every sync; here nothing of the model is written, so a switch leaves
-    the training state bit for bit as it was. Adapter tensors and the original copies of
-    ``modules_to_save`` are not yielded (vLLM has no such weights).
-    """
-    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
 
-    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    prefix = getattr(model, "prefix", "lora_")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if prefix in name or "original_module" in name:
-                continue
-            owner, _, leaf = name.rpartition(".")
-            tensor = param.detach()
-            layer = layers.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
-            if layer is not None and leaf == "weight":
-                adapters = [a for a in layer.active_adapters if a in layer.lora_A]
-                if adapters:
-                    tensor = tensor + sum(layer.get_delta_weight(a) for a in adapters).to(tensor.dtype)
-            hf = name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")
-            yield hf, tensor
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM offers at or above ``rank`` (its ``MaxLoRARanks``)."""
+    import typing  # noqa: PLC0415
+
+    from hybridmem.adapters.vllm.compat import import_vllm  # noqa: PLC0415
+
+    offered = typing.get_args(getattr(import_vllm("vllm.config.lora"), "MaxLoRARanks", None))
+    return min((r for r in offered if isinstance(r, int) and r >= rank), default=rank)
 
 
 @contextmanager
-def _building_llm(dtype: Any) -> Iterator[None]:
+def _building_llm(dtype: Any, lora_rank: int | None = None) -> Iterator[None]:
     """While TRL builds its ``LLM``: in ``dtype`` (unless TRL passes one), with the CPU build's KV cache
-    sized as ``VLLMEngine.create`` sizes it (see [Note: TRL colocate through hybridmem])."""
+    sized as ``VLLMEngine.create`` sizes it, and with LoRA for adapters up to ``lora_rank`` (see [Note: TRL
+    colocate through hybridmem])."""
     from trl.generation import vllm_generation  # noqa: PLC0415
 
     from hybridmem.adapters.vllm.compat import import_vllm, platform_is_cpu  # noqa: PLC0415
@@ -262,6 +298,8 @@ def _building_llm(dtype: Any) -> Iterator[None]:
             kwargs.setdefault("dtype", str(dtype).removeprefix("torch."))
         if on_cpu:
             kwargs.update(cpu_kv_default(kwargs["model"], kwargs, float(kwargs.get("gpu_memory_utilization", 0.9))))
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=_vllm_lora_rank(lora_rank), max_loras=1)
         return build(**kwargs)
 
     vllm_generation.LLM = llm

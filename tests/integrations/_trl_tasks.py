@@ -11,7 +11,7 @@ Scenarios:
   error) and is rolled back and retried;
 - ``options``: ``beta > 0`` (TRL's reference model, co-resident), gradient accumulation and
   ``steps_per_generation`` above it;
-- ``lora``: ``peft_config`` with LoRA adapters.
+- ``lora``: ``peft_config`` with LoRA adapters (synced as adapters into vLLM's LoRA, the default).
 """
 
 from __future__ import annotations
@@ -62,6 +62,22 @@ def inject_one_wake_failure(at_call: int) -> list[int]:
     return calls
 
 
+def watch_lora_requests() -> list[list]:
+    """Record, for every ``vllm.LLM.generate`` call, the adapter id it asked for and the ids vLLM holds."""
+    import vllm
+
+    seen: list[list] = []
+    generate = vllm.LLM.generate
+
+    def watched(self, *args, **kwargs):
+        request = kwargs.get("lora_request")
+        seen.append([getattr(request, "lora_int_id", None), sorted(self.llm_engine.list_loras())])
+        return generate(self, *args, **kwargs)
+
+    vllm.LLM.generate = watched
+    return seen
+
+
 def main(scenario: str, out_path: str) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     if os.environ.get("HYBRIDMEM_DOCS_CHECK"):
@@ -96,6 +112,7 @@ def main(scenario: str, out_path: str) -> None:
         options.update(learning_rate=5e-2, max_steps=6)
         extra["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     resumes = inject_one_wake_failure(at_call=5) if scenario == "learn" else None  # generation 3's weights wake-up
+    served = watch_lora_requests() if scenario == "lora" else None
     dataset = Dataset.from_dict({"prompt": PROMPTS * 8})
     trainer = HybridGRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
                                 args=GRPOConfig(**options), **extra)
@@ -111,6 +128,10 @@ def main(scenario: str, out_path: str) -> None:
 
     got = [o.token_ids for o in outs]
     expected, gap = teacher_forced_greedy(trained, prompts, got)
+    base_expected = None
+    if scenario == "lora":  # transformers' greedy without the adapter: what a stale or missing adapter serves
+        with trained.disable_adapter():
+            base_expected, _ = teacher_forced_greedy(trained, prompts, got)
     with torch.no_grad():  # transformers' log-probs of the engine's tokens
         hf_logprobs = []
         for p, o in zip(prompts, outs):
@@ -120,9 +141,10 @@ def main(scenario: str, out_path: str) -> None:
         "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
         "global_step": trainer.state.global_step,
         "generations": [{"step": r.global_step, "retried": r.retried, "offloaded": r.offloaded_nbytes,
+                         "synced": r.synced_nbytes, "route": r.sync_route,
                          "leftovers": list(r.to_infer.residency.leftovers) if r.to_infer.residency else None,
                          "caption": str(r.to_infer).splitlines()[-1]} for r in trainer.hybrid_reports],
-        "greedy": {"got": got, "expected": expected, "max_gap": gap},
+        "greedy": {"got": got, "expected": expected, "max_gap": gap, "base_expected": base_expected},
         "logprobs": {"vllm": [o.logprobs for o in outs], "hf": hf_logprobs},
         "residency_in_infer": residency.by_owner,
         "leftovers_in_infer": list(residency.leftovers),
@@ -130,7 +152,10 @@ def main(scenario: str, out_path: str) -> None:
         "reference_nbytes_in_train": manager.coresidents[REFERENCE_OWNER].resident_nbytes()
         if REFERENCE_OWNER in manager.coresidents else None,
         "trainable_param_nbytes": sum(p.numel() * p.element_size() for p in trained.parameters() if p.requires_grad),
+        "lora_nbytes": sum(p.numel() * p.element_size() for n, p in trained.named_parameters() if ".lora_" in n),
+        "base_nbytes": sum(p.numel() * p.element_size() for n, p in trained.named_parameters() if ".lora_" not in n),
         "resume_calls": resumes[0] if resumes else None,
+        "lora_requests": served,
         "logged_metrics": sorted({k for h in trainer.state.log_history for k in h if k.startswith("hybridmem/")}),
     }
     with open(out_path, "w") as f:

@@ -105,6 +105,23 @@ def test_reference_model_is_co_resident_with_accumulation_and_several_steps_per_
     assert all(_switches(checks))
 
 
+def test_lora_moves_only_the_adapters_into_vllm_after_the_first_generation(lora):
+    result, _ = lora
+    adapters, base = result["lora_nbytes"], result["base_nbytes"]
+    assert adapters == result["trainable_param_nbytes"]  # the adapters are all that trains
+    print(f"\nbytes per switch: adapters {adapters}, merged sync {base} (x{base / adapters:.1f})")
+    first, *later = result["generations"]
+    assert first["synced"] == adapters + base, first  # the base once, as vLLM's LoRA keeps it afterwards
+    assert later and all(g["synced"] == adapters and g["route"].startswith("LoRA adapters only") for g in later), later
+    assert "hybridmem/synced_bytes" in result["logged_metrics"]
+    # Every generate call, TRL's and the final check's, asked vLLM for the adapter's latest version, the only one it held.
+    requests = result["lora_requests"]
+    assert len(requests) == len(result["generations"]) + 1, requests
+    assert [r[0] for r in requests] == list(range(1, len(requests) + 1)) and all(r[1] == [r[0]] for r in requests), requests
+    # vLLM served the trained adapter: its greedy tokens are the PEFT model's, not the base model's.
+    assert result["greedy"]["got"] != result["greedy"]["base_expected"]
+
+
 def test_lora_offloads_the_adapters_optimizer_state_and_keeps_the_base_weights_bitwise(lora):
     result, checks = lora
     generations = result["generations"]
