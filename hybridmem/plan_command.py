@@ -4,10 +4,14 @@
     hybridmem plan deepseek_v3.json --world 256 --train 4/8/8 --train-stages 7,7,8,8,8,8,8,7 \\
         --infer 8/1/32 --accelerator h100 --json plan.json --plot plan.png
 
+    hybridmem plan path/to/config.json --world 1 --lora-rank 16 --accelerator h100
+
 Prints, for the rank with the highest predicted peak, every step of TRAIN->INFER and INFER->TRAIN (bytes
 allocated, freed, transient, moved over the host link and the network, peak, time), the host memory of
 the fullest node, whether both fit, and, when they do not, which knob would make them fit. See [Note:
-cluster plan] in :mod:`hybridmem.cluster_plan` and [Note: host plan] in :mod:`hybridmem.host_plan`.
+cluster plan] in :mod:`hybridmem.cluster_plan` and [Note: host plan] in :mod:`hybridmem.host_plan`. With
+``--lora-rank`` (one device): what each place of a LoRA model's base holds and moves per switch, beside the
+sync of merged weights ([Note: lora plan] in :mod:`hybridmem.lora_plan`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from hybridmem.config import ParallelLayout
 from hybridmem.examples.parsing import OneLineErrorParser
 from hybridmem.host_plan import HOST_SOURCES, SLEEP_LEVELS
 from hybridmem.kinds import StateKind
+from hybridmem.lora_plan import LoraRoutePlan, LoraSetup, plan_lora, to_dicts
 from hybridmem.reshard import ModelSpec
 
 __all__ = ["main", "build_parser"]
@@ -76,6 +81,12 @@ def build_parser() -> OneLineErrorParser:
                    help="the engine's sleep: 1 keeps its weights in host memory, 2 (default) discards them")
     p.add_argument("--train-host-gb", type=float, default=0.0,
                    help="the training framework's own host buffers per rank (default 0: none known)")
+    p.add_argument("--lora-rank", type=int, help="plan a LoRA model of this rank on one device (--world 1): each "
+                   "place its base can stay (HybridConfig.lora_base) beside the merged sync")
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="the adapters' target modules, comma-separated (default: attention and MLP)")
+    p.add_argument("--lora-dtype", default="fp32", choices=sorted(DTYPE_BYTES),
+                   help="the adapters' dtype in the trainer (default fp32, as PEFT keeps them)")
     p.add_argument("--ranks", default="4", help="how many ranks to plan (those with the most bytes), or 'all'")
     p.add_argument("--json", help="write every figure to this file ('-': standard output, no table)")
     p.add_argument("--plot", help="draw the worst rank's memory per step to this image file")
@@ -168,6 +179,49 @@ def plan_from_args(args) -> ClusterPlan:
                         bucket_nbytes=int(args.bucket_mib * 2**20), sleep_level=args.sleep_level, ranks=ranks)
 
 
+def lora_plan_from_args(args) -> list[LoraRoutePlan]:
+    """The LoRA routes' figures the command line asks for (``--lora-rank``, one device).
+
+    Raises:
+        ValueError: A bad option (named), or a layout other than one device.
+    """
+    if args.world != 1 or args.infer != "1/1/1" or args.train not in ("1/1/1", "fsdp2"):
+        raise ValueError(f"--lora-rank plans one device: give --world 1 --infer 1/1/1 (got --world {args.world} "
+                         f"--train {args.train} --infer {args.infer})")
+    config = _config(args)
+    spec = ModelSpec.from_hf_config(config)
+    accel = ACCELERATORS[args.accelerator]
+    device = int(args.device_memory_gb * GB) if args.device_memory_gb else accel.memory_nbytes
+    lora = LoraSetup(rank=args.lora_rank, targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+                     adapter_bytes=DTYPE_BYTES[args.lora_dtype])
+    param, infer = DTYPE_BYTES[args.param_dtype], DTYPE_BYTES[args.infer_dtype]
+    if args.kv_cache_gb is not None and args.kv_cache_bytes is not None:
+        raise ValueError("give at most one of --kv-cache-gb and --kv-cache-bytes")
+    kv = args.kv_cache_bytes if args.kv_cache_bytes is not None else (
+        int(args.kv_cache_gb * GB) if args.kv_cache_gb is not None else None)
+    if kv is None:  # vLLM's rule for the engine alone: its share of the device less its weights
+        merged = plan_lora(spec, lora, param_bytes=param, infer_bytes=infer, device_nbytes=device, kv_nbytes=0)[0]
+        kv = max(0, int(args.gpu_memory_utilization * device) - merged.infer_nbytes)
+    return plan_lora(spec, lora, param_bytes=param, infer_bytes=infer, device_nbytes=device, kv_nbytes=kv,
+                     sleep_level=args.sleep_level, buffer_nbytes=hf_buffer_nbytes(config, param))
+
+
+def _print_lora(plans: list[LoraRoutePlan], args) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=f"LoRA rank {args.lora_rank} on one {args.accelerator} ({args.lora_targets}); engine sleep "
+                        f"level {args.sleep_level} for engine_sleeps")
+    for col in ("route (lora_base)", "TRAIN GB", "INFER GB", "KV room GB", "host link GB/switch pair",
+                "written into engine GB/switch", "fits"):
+        table.add_column(col, justify="left" if col.startswith("route") else "right")
+    for p in plans:
+        table.add_row(p.route, *(f"{x / GB:.3f}" for x in (p.train_nbytes, p.infer_nbytes, p.kv_room_nbytes,
+                                                          p.host_link_nbytes, p.engine_write_nbytes)),
+                      "yes" if p.fits else "[red]NO[/red]")
+    Console(width=150).print(table)
+
+
 def _print(plan: ClusterPlan, args) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
@@ -238,6 +292,8 @@ def _plot(plan: ClusterPlan, path: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.lora_rank is not None:
+        return _lora_main(parser, args)
     try:
         plan = plan_from_args(args)
     except (ValueError, OSError) as exc:
@@ -254,3 +310,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         _plot(plan, args.plot)
     return 0 if plan.fits else 1
+
+
+def _lora_main(parser: OneLineErrorParser, args) -> int:
+    try:
+        plans = lora_plan_from_args(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    if args.json:
+        text = json.dumps(to_dicts(plans), indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
+    if args.json != "-":
+        _print_lora(plans, args)
+    return 0 if any(p.fits for p in plans) else 1
