@@ -94,6 +94,10 @@ class EngineCapabilities:
     """``unwritten_weights()`` lists weights ``load_weights`` has not written since they were resumed."""
     reports_residency: bool = False
     """``resident_nbytes(tag)`` / ``planned_nbytes(tag)`` give its device bytes per tag."""
+    releases_kv_alone: bool = False
+    """``release(["kv_cache"])`` leaves the weights resident, in place and with their values (False: vLLM's sleep
+    mode, which unmaps every pool at once); a LoRA base kept on the device needs it to free the KV cache in
+    TRAIN ([Note: lora base] in hybridmem.lora_base)."""
     keeps_addresses: bool = False
     """Weight tensors keep their device addresses across ``release``/``resume`` (CuMemAllocator re-maps)."""
     loads_training_names: bool = False

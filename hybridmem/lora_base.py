@@ -14,7 +14,13 @@ adapter route), the base weights are the same at every switch, on both sides. So
   resumed then if the engine came asleep), so a switch moves the adapters and the KV cache only;
   ``shared`` keeps them so too and makes the trainer's base parameters views of them
   (:func:`~hybridmem.weight_sync.shared_base.share_base`), one copy on the device;
-- residency reports do not count the engine's resident weights in TRAIN as a leftover.
+- the engine's KV cache is still released in TRAIN where the engine can free it alone
+  (:attr:`EngineCapabilities.releases_kv_alone <hybridmem.engine_contract.EngineCapabilities>`: the embedded
+  engine, vLLM without a sleep mode). vLLM's sleep mode cannot: a sleep unmaps its weights with its KV cache
+  ([Note: vllm sleep granularity] in :mod:`hybridmem.adapters.vllm.engine`), which would discard the base kept
+  there (and, shared, pull the memory from under the trainer's parameters), so with ``engine_resident`` and
+  ``shared`` such an engine keeps its KV cache through TRAIN too, and the switch report says so;
+- residency reports do not count what stays resident in TRAIN as a leftover.
 
 With a sync that writes the whole model, ``lora_base`` is not read: the engine's weights are rewritten at
 every switch and released on leaving INFER.
@@ -26,14 +32,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridmem.config import HybridConfig, LoraBase
-from hybridmem.engine_contract import WEIGHTS, capabilities_of
+from hybridmem.engine_contract import KV_CACHE, WEIGHTS, capabilities_of
 from hybridmem.kinds import StateKind
 from hybridmem.offload import Offloader, ParamOffloader
 from hybridmem.training_state import TorchTrainingState
 from hybridmem.weight_sync.base import WeightSync
 from hybridmem.weight_sync.shared_base import SharedBase, share_base
 
-__all__ = ["lora_base_of", "keep_frozen_on_device", "share_with_engine", "hold_engine_weights"]
+__all__ = ["lora_base_of", "engine_tags_stay", "keep_frozen_on_device", "share_with_engine", "hold_engine_weights"]
 
 
 def lora_base_of(weight_sync: WeightSync | None, config: HybridConfig) -> LoraBase | None:
@@ -43,6 +49,14 @@ def lora_base_of(weight_sync: WeightSync | None, config: HybridConfig) -> LoraBa
     return LoraBase(config.lora_base)
 
 
+def engine_tags_stay(lora_base: LoraBase | None, engine: Any) -> frozenset[str]:
+    """The engine's tags that stay resident through TRAIN: none, unless the base stays in the engine
+    (``engine_resident``, ``shared``): then its weights, and its KV cache too where it cannot free that alone."""
+    if lora_base not in (LoraBase.ENGINE_RESIDENT, LoraBase.SHARED) or engine is None:
+        return frozenset()
+    return frozenset({WEIGHTS} if capabilities_of(engine).releases_kv_alone else {WEIGHTS, KV_CACHE})
+
+
 def keep_frozen_on_device(offloaders: Mapping[StateKind, Offloader]) -> None:
     """Leave the parameters that do not train out of every parameter offloader."""
     for offloader in offloaders.values():
@@ -50,10 +64,14 @@ def keep_frozen_on_device(offloaders: Mapping[StateKind, Offloader]) -> None:
             offloader.include_frozen = False
 
 
-def hold_engine_weights(engine: Any) -> None:
-    """Resume the engine's weights if it was handed over with them released (``engine_resident``, ``shared``)."""
-    if capabilities_of(engine).reports_residency and not engine.resident_nbytes(WEIGHTS):
-        engine.resume([WEIGHTS])
+def hold_engine_weights(engine: Any, tags: frozenset[str]) -> None:
+    """Resume the engine's ``tags`` that stay (:func:`engine_tags_stay`) if it was handed over with them
+    released."""
+    if not tags or not capabilities_of(engine).reports_residency:
+        return
+    asleep = [tag for tag in (WEIGHTS, KV_CACHE) if tag in tags and not engine.resident_nbytes(tag)]
+    if asleep:
+        engine.resume(asleep)
 
 
 def share_with_engine(training: Any, engine: Any, weight_sync: WeightSync) -> SharedBase:

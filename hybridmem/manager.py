@@ -37,7 +37,13 @@ from hybridmem.errors import MemoryPlanError, PhaseError, SwitchError, switch_er
 from hybridmem.guards import TrainingGuard
 from hybridmem.host_pool import HostBufferPool
 from hybridmem.kinds import StateKind
-from hybridmem.lora_base import hold_engine_weights, keep_frozen_on_device, lora_base_of, share_with_engine
+from hybridmem.lora_base import (
+    engine_tags_stay,
+    hold_engine_weights,
+    keep_frozen_on_device,
+    lora_base_of,
+    share_with_engine,
+)
 from hybridmem.machine import PhaseMachine, Trigger
 from hybridmem.memplan import MemoryPlan, StepEstimate
 from hybridmem.offload import Offloader, OffloadState
@@ -197,8 +203,8 @@ class ShardingManager:
         self.lora_base = lora_base_of(weight_sync, self.config)
         """Where a LoRA model's base stays when only its adapters are synced; ``None`` otherwise ([Note: lora
         base] in hybridmem.lora_base)."""
-        self.engine_weights_stay = self.lora_base in (LoraBase.ENGINE_RESIDENT, LoraBase.SHARED)
-        """The engine keeps its weights on the device through TRAIN ([Note: lora base])."""
+        self.engine_tags_stay = engine_tags_stay(self.lora_base, engine)
+        """The engine's tags that stay on the device through TRAIN ([Note: lora base])."""
         if self.lora_base is not None:
             keep_frozen_on_device(self.offloaders)
         collective = weight_sync.collective() if weight_sync is not None else None
@@ -212,8 +218,7 @@ class ShardingManager:
         modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
         self.shared_base = None
         """What ``lora_base="shared"`` made views of the engine's weights (:func:`~hybridmem.weight_sync.shared_base.share_base`)."""
-        if self.engine_weights_stay:
-            hold_engine_weights(engine)
+        hold_engine_weights(engine, self.engine_tags_stay)
         if self.lora_base is LoraBase.SHARED:
             self.shared_base = share_with_engine(self.training, engine, weight_sync)
         self._guard = TrainingGuard(_weak_phase(self), modules, optimizers, owner=self)
@@ -223,7 +228,7 @@ class ShardingManager:
         self.coresidents: dict[str, CoResident] = {}
         """Co-resident models by name (see [Note: co-resident phases])."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
-                                   self.config.device_memory_budget_bytes, engine_weights_stay=self.engine_weights_stay)
+                                   self.config.device_memory_budget_bytes, engine_tags_stay=self.engine_tags_stay)
         """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.owners`)."""
         self.last_reports: dict[Direction, SwitchReport] = {}
         """The latest report of each direction."""
@@ -245,7 +250,7 @@ class ShardingManager:
         if self.engine_capabilities is None or not self.engine_capabilities.reports_residency:
             return
         awake = [tag for tag in (KV_CACHE, WEIGHTS) if self.engine.resident_nbytes(tag)
-                 and not (tag == WEIGHTS and self.engine_weights_stay)]
+                 and tag not in self.engine_tags_stay]
         if awake:
             log.info("hybridmem: releasing the engine's %s (the manager starts in TRAIN)", awake)
             self.engine.release(awake)
@@ -272,7 +277,7 @@ class ShardingManager:
         agree = AgreeStep(self.agreement) if self.agreement is not None else None
         return switch_steps(direction, offloaders=self.offloaders, enabled=self._enabled, accel=self.accel,
                             engine=self.engine, weight_sync=self.weight_sync, extra=self._extra_steps[direction],
-                            agree=agree, engine_weights_stay=self.engine_weights_stay)
+                            agree=agree, engine_tags_stay=self.engine_tags_stay)
 
     def memory(self) -> MemoryFigures:
         """Device memory figures now (on CPU, "allocated" is the sum over known owners)."""

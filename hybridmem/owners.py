@@ -44,20 +44,20 @@ class DeviceOwners:
         engine: The inference engine or ``None``; its ``resident_nbytes(tag)`` is read when it has one.
         coresidents: The manager's co-resident models by name (the same dict, read live).
         device_budget_nbytes: ``HybridConfig.device_memory_budget_bytes``.
-        engine_weights_stay: The engine keeps its weights through TRAIN ([Note: lora base] in
-            hybridmem.manager): they are not a leftover there.
+        engine_tags_stay: The engine's tags that stay resident through TRAIN ([Note: lora base] in
+            hybridmem.lora_base): they are not a leftover there.
     """
 
     def __init__(self, accel: Accelerator, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],
                  engine: Any, coresidents: Mapping[str, CoResident], device_budget_nbytes: int | None,
-                 engine_weights_stay: bool = False):
+                 engine_tags_stay: frozenset[str] = frozenset()):
         self.accel = accel
         self.offloaders = offloaders
         self.enabled = enabled
         self.engine = engine
         self.coresidents = coresidents
         self.device_budget_nbytes = device_budget_nbytes
-        self.engine_weights_stay = engine_weights_stay
+        self.engine_tags_stay = engine_tags_stay
         self._extra: dict[str, tuple[Callable[[], int], tuple[Phase, ...]]] = {}
 
     def register(self, name: str, resident_nbytes: Callable[[], int], *, empty_in: tuple[Phase, ...] = ()) -> None:
@@ -95,8 +95,7 @@ class DeviceOwners:
         if phase is Phase.INFER:
             expected_empty += [OFFLOADER_OWNERS[k] for k in self.offloaders if self.enabled.get(k) and k in OFFLOADER_OWNERS]
         if phase is Phase.TRAIN:
-            expected_empty += [name for tag, name in ENGINE_OWNERS.items()
-                               if not (tag == WEIGHTS and self.engine_weights_stay)]
+            expected_empty += [name for tag, name in ENGINE_OWNERS.items() if tag not in self.engine_tags_stay]
         expected_empty += [n for n, (_, phases) in self._extra.items() if phase in phases]
         expected_empty += [n for n, co in self.coresidents.items() if co.state is CoResidentState.OFFLOADED]
         return ResidencyReport(

@@ -302,31 +302,33 @@ class EmptyCacheStep(SwitchStep):
 def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],
                  accel: Accelerator, engine: InferenceEngine | None, weight_sync: WeightSync | None,
                  extra: Iterable[tuple[int, SwitchStep]] = (), agree: SwitchStep | None = None,
-                 engine_weights_stay: bool = False) -> list[SwitchStep]:
+                 engine_tags_stay: frozenset[str] = frozenset()) -> list[SwitchStep]:
     """The steps of a switch in ``direction``, in order (see [Note: step order]): offloading (onloading)
     the enabled kinds, emptying the allocator cache, the engine's tags and the weight sync, the
     ``(order, step)`` pairs registered by adapters, sorted by :class:`ToInferOrder` / :class:`ToTrainOrder`,
     and, last in TRAIN->INFER, ``agree``: the ranks' vote of a multi-rank switch ([Note: switch agreement]
-    in hybridmem.agreement). With ``engine_weights_stay`` the engine's weights are neither released nor resumed
-    (they stay resident through TRAIN: [Note: lora base] in hybridmem.manager)."""
+    in hybridmem.agreement). The engine's ``engine_tags_stay`` are neither released nor resumed (they stay resident
+    through TRAIN: [Note: lora base] in hybridmem.lora_base)."""
     items: list[tuple[int, SwitchStep]] = []
     kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in offloaders and enabled.get(k)]
     if direction is Direction.TO_INFER:
         items += [(ToInferOrder[k.name], OffloadStep(offloaders[k])) for k in kinds]
         items.append((ToInferOrder.EMPTY_CACHE, EmptyCacheStep(accel)))
         if engine is not None:
-            if not engine_weights_stay:
+            if WEIGHTS not in engine_tags_stay:
                 items.append((ToInferOrder.ENGINE_WEIGHTS, EngineResumeStep(engine, WEIGHTS)))
             if weight_sync is not None:
                 items.append((ToInferOrder.WEIGHT_SYNC, WeightSyncStep(weight_sync, engine)))
-            items.append((ToInferOrder.KV_CACHE, EngineResumeStep(engine, KV_CACHE)))
+            if KV_CACHE not in engine_tags_stay:
+                items.append((ToInferOrder.KV_CACHE, EngineResumeStep(engine, KV_CACHE)))
         if agree is not None:
             items.append((ToInferOrder.AGREE, agree))
     else:
         items += [(ToTrainOrder[k.name], OnloadStep(offloaders[k])) for k in kinds]
         if engine is not None:
-            items.append((ToTrainOrder.KV_CACHE, EngineReleaseStep(engine, KV_CACHE)))
-            if not engine_weights_stay:
+            if KV_CACHE not in engine_tags_stay:
+                items.append((ToTrainOrder.KV_CACHE, EngineReleaseStep(engine, KV_CACHE)))
+            if WEIGHTS not in engine_tags_stay:
                 items.append((ToTrainOrder.ENGINE_WEIGHTS, EngineReleaseStep(engine, WEIGHTS)))
     items += list(extra)
     return [step for _, step in sorted(items, key=lambda item: item[0])]

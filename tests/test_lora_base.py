@@ -150,3 +150,26 @@ def test_a_sync_of_the_whole_model_ignores_lora_base():
     assert manager.lora_base is None and not any(is_engine_owned(p) for p in model.parameters())
     with manager.inference():
         assert _offloaded(_split(model)[0])
+
+
+def test_an_engine_that_cannot_free_its_kv_cache_alone_keeps_it_with_a_resident_base():
+    """vLLM's sleep mode unmaps the weights with the KV cache: with the base kept in the engine, neither is
+    released (the embedded engine stands in, declaring what vLLM's sleep mode declares)."""
+    import dataclasses
+
+    from hybridmem.engine_contract import KV_CACHE
+
+    model, engine, sync, _ = _parts("engine_sleeps")
+    del _
+    engine.capabilities = dataclasses.replace(ReferenceEngine.capabilities, releases_kv_alone=False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    import gc
+
+    gc.collect()
+    manager = ShardingManager(model, engine, optimizer=opt, weight_sync=AdaptersOnly(model, engine),
+                              config=HybridConfig(device="cpu", lora_base="engine_resident"))
+    assert engine.resident_nbytes(KV_CACHE) > 0 and engine.resident_nbytes(WEIGHTS) > 0
+    assert not [s.name for d in Direction for s in manager.steps(d) if "kv" in s.name or "engine weights" in s.name]
+    with manager.inference() as e:
+        assert e.generate([[1, 5, 9]])[0].token_ids
+    assert engine.resident_nbytes(KV_CACHE) > 0 and not manager.residency().leftovers

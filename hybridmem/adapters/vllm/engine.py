@@ -255,9 +255,11 @@ class VLLMEngine:
             keeps_addresses=True,  # CuMemAllocator re-maps a woken pool at the same addresses
             checks_weights=True, describes_weights=True, reports_model_type=True, reports_layout=True,
             sizes_kv_by_share=True,
+            releases_kv_alone=not self.frees_memory,  # a sleep unmaps the weights too ([Note: vllm sleep granularity])
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`; ``writes_in_place`` is off
-        where the backend repacks its parameters after loading (vLLM's CPU build)."""
+        where the backend repacks its parameters after loading (vLLM's CPU build); ``releases_kv_alone`` only
+        without a sleep mode, where a release frees nothing."""
         hint = dict(nbytes_hint or {}) if self.frees_memory else {}
         check_tags(list(hint))
         self._nbytes: dict[str, int] = {t: int(hint.get(t, 0)) for t in ENGINE_TAGS}

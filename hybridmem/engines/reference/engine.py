@@ -77,7 +77,7 @@ class ReferenceEngine:
 
     capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
                                       binds_phase=True, describes_decoder=True, describes_weights=True,
-                                      reports_layout=True, sizes_kv_by_share=True)
+                                      reports_layout=True, sizes_kv_by_share=True, releases_kv_alone=True)
     """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
 
     def __init__(
