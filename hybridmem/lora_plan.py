@@ -16,7 +16,9 @@ resident      B + A + G + O + W + L   B + W + L + K        2 (A + G + O)        
 shared        W + A + G + O + L       W + L + K            2 (A + G + O)                A
 ============  ======================  ===================  ===========================  ======================
 
-``merged`` is the sync of merged weights (every tensor offloaded, the whole model written); the others are
+With ``resident`` and ``shared`` an engine that cannot free its KV cache without its weights (vLLM's sleep
+mode: ``releases_kv_alone=False``, the default here) keeps ``K`` in TRAIN too ([Note: lora base] in
+:mod:`hybridmem.lora_base`). ``merged`` is the sync of merged weights (every tensor offloaded, the whole model written); the others are
 :class:`~hybridmem.config.LoraBase`'s modes ([Note: lora base] in :mod:`hybridmem.lora_base`). The trainer's
 module buffers (RoPE's ``inv_freq``) are offloaded with the adapters in every route. Adapter shapes come from
 the model's checkpoint tensors the targets name (``[out, in]`` gives ``lora_A`` ``[r, in]`` and ``lora_B``
@@ -92,7 +94,8 @@ class LoraRoutePlan:
 
 
 def plan_lora(spec: ModelSpec, lora: LoraSetup, *, param_bytes: int, infer_bytes: int, device_nbytes: int,
-              kv_nbytes: int, sleep_level: int = 1, buffer_nbytes: int = 0) -> list[LoraRoutePlan]:
+              kv_nbytes: int, sleep_level: int = 1, buffer_nbytes: int = 0,
+              releases_kv_alone: bool = False) -> list[LoraRoutePlan]:
     """Every route's figures (see [Note: lora plan]): ``merged``, then each :class:`LoraBase` mode.
 
     Args:
@@ -105,6 +108,8 @@ def plan_lora(spec: ModelSpec, lora: LoraSetup, *, param_bytes: int, infer_bytes
         sleep_level: The engine's sleep level with ``engine_sleeps`` (1: weights wait in host memory; 2:
             discarded, and the base is written again at every switch).
         buffer_nbytes: The trainer's module buffers, offloaded in every route.
+        releases_kv_alone: The engine frees its KV cache without its weights (the embedded engine; ``False``:
+            vLLM's sleep mode, whose KV cache then stays in TRAIN with a resident or shared base).
     """
     shapes = adapter_shapes(spec, lora)
     adapter_elements = sum(a[0] * a[1] + b[0] * b[1] for a, b in shapes.values())
@@ -117,12 +122,13 @@ def plan_lora(spec: ModelSpec, lora: LoraSetup, *, param_bytes: int, infer_bytes
             for t in vllm_layout(spec, ParallelLayout(), 1).tensors(0).values())
     slot = adapter_elements * infer_bytes
     level1 = sleep_level == 1
+    kept_kv = 0 if releases_kv_alone else kv_nbytes
     rows = [
         (MERGED, base + moved, w + kv_nbytes, 2 * (base + moved), w),
         (LoraBase.ENGINE_SLEEPS.value, base + moved, base + w + slot + kv_nbytes,
          2 * moved + (2 * w if level1 else 0), a + (0 if level1 else base)),
-        (LoraBase.ENGINE_RESIDENT.value, base + moved + w + slot, base + w + slot + kv_nbytes, 2 * moved, a),
-        (LoraBase.SHARED.value, w + moved + slot, w + slot + kv_nbytes, 2 * moved, a),
+        (LoraBase.ENGINE_RESIDENT.value, base + moved + w + slot + kept_kv, base + w + slot + kv_nbytes, 2 * moved, a),
+        (LoraBase.SHARED.value, w + moved + slot + kept_kv, w + slot + kv_nbytes, 2 * moved, a),
     ]
     return [LoraRoutePlan(route, train, infer, host, write, device_nbytes - (infer - kv_nbytes),
                           max(train, infer) <= device_nbytes)

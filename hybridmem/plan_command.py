@@ -211,7 +211,8 @@ def _print_lora(plans: list[LoraRoutePlan], args) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=f"LoRA rank {args.lora_rank} on one {args.accelerator} ({args.lora_targets}); engine sleep "
-                        f"level {args.sleep_level} for engine_sleeps")
+                        f"level {args.sleep_level} for engine_sleeps; vLLM's sleep mode keeps the KV cache in TRAIN beside a resident or "
+                        f"shared base")
     for col in ("route (lora_base)", "TRAIN GB", "INFER GB", "KV room GB", "host link GB/switch pair",
                 "written into engine GB/switch", "fits"):
         table.add_column(col, justify="left" if col.startswith("route") else "right")
