@@ -12,6 +12,10 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 - ``dsa``: ``vllm_sparse_attention.py``: vLLM's own DeepSeek-V3.2 and GLM-5 models (the CUDA sparse attention
   class and its indexer) loaded from a transformers checkpoint equal hybridmem's vLLM layout, every parameter
   (skipped, with the reason, without a CUDA device or vLLM).
+- ``lora``: ``lora_shared_base.py``: a PEFT LoRA model trained under the manager with vLLM's LoRA, the base
+  kept resident in the engine and then shared with the trainer (one copy): bytes per switch (the adapters'),
+  switch times, device memory in TRAIN and INFER, greedy tokens against PEFT's (skipped, with the reason,
+  without a CUDA device or vLLM).
 - ``switch``: ``switch_latency.py`` at three sizes of params + grads + AdamW state (up to 20 GB on a
   GPU): each direction in GB/s against the raw pinned copy measured in the same process, against a
   naive per-tensor ``.to('cpu')``, first switch and steady state, device memory freed
@@ -47,7 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GB = 1e9
-PARTS = ("tests", "dsa", "switch", "tms", "kv", "demo")
+PARTS = ("tests", "dsa", "lora", "switch", "tms", "kv", "demo")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +124,9 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
         jobs.append(Job(part="dsa", label="dsa vllm", timeout_s=150, result="dsa.json",
                         argv=(py, f"{bench}/vllm_sparse_attention.py", "--device", device,
                               "--json", str(out / "dsa.json"))))
+    if "lora" in parts:
+        jobs.append(Job(part="lora", label="lora shared base", timeout_s=240, result="lora.json",
+                        argv=(py, f"{bench}/lora_shared_base.py", "--device", device, "--json", str(out / "lora.json"))))
     for i, nbytes in enumerate(prof.state_nbytes):
         params = f"{nbytes / 16:.4g}"
         if "switch" in parts:
@@ -258,6 +265,25 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
             lines.append(f"- `{model_type}` (vLLM {res['vllm']}, `{f['model_class']}`, indexer "
                          f"{', '.join(f['indexer_class'])}): {f['parameters']} parameters "
                          f"({f['indexer_parameters']} of the indexer), {verdict}")
+        if not res:
+            lines.append(f"no figures ({r.status})")
+        lines.append("")
+
+    for r in by_part.get("lora", []):
+        lines += ["## LoRA with vLLM: the base resident in the engine, then shared (`lora_shared_base.py`)", ""]
+        res = r.result or {}
+        if "skipped" in res:
+            lines.append(f"skipped: {res['skipped']}")
+        for m in res.get("modes", []):
+            steps = m["steps"]
+            lines.append(f"- `{m['mode']}` ({m['route']}; adapters {_gib(m['adapter_nbytes'])}, base "
+                         f"{_gib(m['base_nbytes'])}, {m['shared_tensors']} base tensors shared): synced "
+                         f"{', '.join(_gib(s['synced_nbytes']) for s in steps)}; TRAIN->INFER ms "
+                         f"{', '.join(_ms(s['to_infer_s']) for s in steps)}; device in use TRAIN "
+                         f"{_gib(steps[-1]['train_used_nbytes'])}, INFER {_gib(steps[-1]['infer_used_nbytes'])}; "
+                         f"greedy equal to PEFT {sum(s['greedy_equal'] for s in steps)}/{len(steps)}")
+        if "ok" in res:
+            lines.append(f"- shared saves {_gib(res['shared_saves_nbytes'])} in TRAIN; {res['ok']}")
         if not res:
             lines.append(f"no figures ({r.status})")
         lines.append("")

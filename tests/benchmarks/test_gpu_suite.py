@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
-SECTIONS = ("## CUDA tests", "## DeepSeek sparse attention in vLLM", "## Switch latency", "## First three cycles", "## KV cache release / resume",
+SECTIONS = ("## CUDA tests", "## DeepSeek sparse attention in vLLM", "## LoRA with vLLM", "## Switch latency", "## First three cycles", "## KV cache release / resume",
             "## GRPO demo", "## Device in INFER", "## Targets", "## Jobs")
 
 
@@ -31,7 +31,7 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
     runs = {r["label"]: r for r in data["runs"]}
-    assert {r["part"] for r in runs.values()} == {"tests", "dsa", "switch", "tms", "kv", "demo"}
+    assert {r["part"] for r in runs.values()} == {"tests", "dsa", "lora", "switch", "tms", "kv", "demo"}
     assert all(r["status"] == "ok" for r in runs.values()), {k: r["status"] for k, r in runs.items()}
 
     tests = runs["cuda tests"]["result"]
@@ -48,6 +48,7 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
     for run in (r for r in runs.values() if r["part"] == "tms"):
         assert run["result"] == {"skipped": "needs a CUDA device"}
     assert runs["dsa vllm"]["result"] == {"skipped": "needs --device cuda (vLLM's CPU platform refuses sparse attention)"}
+    assert runs["lora shared base"]["result"]["skipped"].startswith("needs --device cuda")
     for trainer in ("torch", "megatron", "fsdp"):
         assert len(runs[f"demo --trainer {trainer}"]["result"]["iterations"]) == 2
     kv = runs["kv 0.03 GiB"]["result"]
