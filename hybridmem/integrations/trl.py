@@ -32,8 +32,8 @@ model's ``load_weights``. :class:`HybridGRPOTrainer` keeps TRL's loop, data, rew
   :class:`~hybridmem.weight_sync.LoraSync` by default (``lora_sync="adapters"``): TRL's ``LLM`` is built
   with ``enable_lora=True``, ``max_lora_rank`` the adapter's rank (rounded up to one vLLM offers) and
   ``max_loras=1``; the base goes to vLLM once, then only the adapters move, and TRL's ``llm.generate``
-  calls run with the adapter's latest version (``lora_request`` defaults to the engine's, see [Note: lora
-  sync] in :mod:`hybridmem.weight_sync.lora`). ``lora_sync="merged"`` streams the base weights plus each
+  calls run with the adapter's latest version (the engine gives it to every call naming no adapter, see
+  [Note: vllm lora from memory] in :mod:`hybridmem.adapters.vllm.lora`). ``lora_sync="merged"`` streams the base weights plus each
   LoRA layer's delta, computed out of place (:func:`merged_lora_weights`), every switch, as a model without
   LoRA; so does the adapter sync where vLLM cannot serve the adapter, saying why in the reports.
 
@@ -174,14 +174,6 @@ class HybridGRPOTrainer(GRPOTrainer):
         generation.enable_sleep_mode = False  # TRL must not sleep or wake the engine: the manager does
         generation._llm_weights_sleeping = False
         generation.sync_weights = _no_sync  # the TRAIN->INFER switch syncs the weights
-        llm_generate = generation.llm.generate
-
-        def llm_generate_with_adapter(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("lora_request") is None and engine.lora_request is not None:
-                kwargs["lora_request"] = engine.lora_request  # the adapter's latest version, see [Note: lora sync]
-            return llm_generate(*args, **kwargs)
-
-        generation.llm.generate = llm_generate_with_adapter
         original = generation.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:

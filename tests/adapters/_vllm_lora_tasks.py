@@ -102,6 +102,17 @@ def main(out_path: str) -> None:
                              "base_sums_unchanged": sums == loaded_sums, "lora_id": engine.lora_request.lora_int_id,
                              "coverage_checked": sync_step.extra["coverage_checked"]})
         manager.to_train()
+        if step == 0:
+            first_request = engine.lora_request
+
+    # A request naming an older version is refused before vLLM sees it (the engine keeps serving).
+    import vllm
+
+    try:
+        engine.llm.generate([{"prompt_token_ids": PROMPTS[0]}], vllm.SamplingParams(max_tokens=2), lora_request=first_request)
+        res["stale_request"] = "served"
+    except ValueError as exc:
+        res["stale_request"] = str(exc)
 
     # A target vLLM has no LoRA layer for: the merged weights, on the same engine.
     other = peft_model(path, ["q_proj", "lm_head"])

@@ -42,6 +42,7 @@ def test_vllm_greedy_with_the_adapter_is_peft_greedy_after_every_step(lora):
         assert s["expected"] != s["base_greedy"], f"step {i}: the adapter changes nothing, the test would not see it"
     assert lora["steps"][0]["expected"] != lora["steps"][-1]["expected"]  # training changed the adapter's tokens
     assert [s["lora_id"] for s in lora["steps"]] == [1, 2, 3]  # a new adapter version every switch
+    assert "is not the adapter this engine serves now" in lora["stale_request"], lora["stale_request"]
 
 
 def test_each_switch_moves_the_adapters_bytes_and_the_base_only_once(lora):

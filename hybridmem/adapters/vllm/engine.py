@@ -272,6 +272,8 @@ class VLLMEngine:
         self.last_load: LoadStats | None = None
         self._lora_request: Any = None
         self._lora_versions = itertools.count(1)
+        if self.lora_enabled:
+            self._guard_lora_requests()
         if release_now:
             self.release(list(ENGINE_TAGS))
 
@@ -619,7 +621,8 @@ class VLLMEngine:
     @property
     def lora_request(self) -> Any:
         """The ``vllm.lora.request.LoRARequest`` of the adapter :meth:`load_lora` installed last (``None``
-        before any): :meth:`generate` applies it; pass it to ``llm.generate`` when calling vLLM directly."""
+        before any). Every ``engine.llm.generate`` call, :meth:`generate`'s included, runs with it when it
+        names no adapter, and is refused when it names another (an older version)."""
         return self._lora_request
 
     def load_lora(self, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
@@ -652,6 +655,30 @@ class VLLMEngine:
             functools.partial(install_lora, lora_id=version, tensors=copies, config=dict(config)))
         self._lora_request = request_cls(lora_name=f"{name}-v{version}", lora_int_id=version, lora_path=IN_MEMORY_PATH)
         return installed
+
+    def _guard_lora_requests(self) -> None:
+        """Make every ``self.llm.generate`` call, the caller's own included (TRL's), run with the latest
+        adapter version: a call without ``lora_request`` gets it, and one naming another adapter is refused
+        by name before vLLM sees it (vLLM's in-process engine core fails for good on an adapter it cannot
+        load; see [Note: vllm lora from memory] in :mod:`hybridmem.adapters.vllm.lora`)."""
+        generate = self.llm.generate
+        engine = weakref.ref(self)
+
+        def generate_with_latest_adapter(*args: Any, **kwargs: Any) -> Any:
+            current = getattr(engine(), "_lora_request", None)
+            asked = kwargs.get("lora_request")
+            for request in asked if isinstance(asked, (list, tuple)) else [asked]:
+                if request is not None and (current is None or request.lora_int_id != current.lora_int_id):
+                    raise ValueError(
+                        f"lora_request {getattr(request, 'lora_name', request)!r} (id {request.lora_int_id}) is not the "
+                        f"adapter this engine serves now ({None if current is None else current.lora_name!r}): a "
+                        f"weight sync replaced it; pass engine.lora_request, or none"
+                    )
+            if asked is None and current is not None:
+                kwargs["lora_request"] = current
+            return generate(*args, **kwargs)
+
+        self.llm.generate = generate_with_latest_adapter
 
     def drop_lora(self) -> None:
         """Remove every adapter from the worker: :meth:`generate` serves the base weights again."""
@@ -749,8 +776,7 @@ class VLLMEngine:
                 self.llm.reset_prefix_cache()
             self.weights = WeightsContent.CURRENT
         prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompt_ids]
-        lora = {} if self._lora_request is None else {"lora_request": self._lora_request}
-        outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False, **lora)
+        outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False)  # the latest adapter, if any
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
         want = bool(params.logprobs)

@@ -7,10 +7,12 @@ whose id the worker holds reuses the loaded adapter whatever its path says. In p
 co-location] in :mod:`hybridmem.adapters.vllm.engine`) the adapter goes in without a file: the worker's
 own ``LoRAModel.from_lora_tensors`` builds it from the trainer's tensors (copies) and the worker's LoRA
 model manager registers and activates it, exactly as its ``add_adapter`` does after reading a directory.
-Every version gets a new ``lora_int_id`` and every older version is removed first, so a request naming
-an older id finds no adapter, and vLLM then tries to read its path, :data:`IN_MEMORY_PATH`, which does
-not exist: a stale request fails by name instead of serving a stale adapter. The id also keys vLLM's
-prefix cache, so cached blocks of an older version are never reused. After activation the worker sums
+Every version gets a new ``lora_int_id`` and every older version is removed first, so no older version
+can be served; the id also keys vLLM's prefix cache, so cached blocks of an older version are never
+reused. A request naming an older id would make vLLM read its path, :data:`IN_MEMORY_PATH`, which does
+not exist, and vLLM 0.32's in-process engine core does not survive that failed load (the next generate
+hangs), so :class:`~hybridmem.adapters.vllm.VLLMEngine` refuses such a request before vLLM sees it and
+gives a request naming no adapter the latest version (it wraps its ``llm.generate``). After activation the worker sums
 what each LoRA module holds in its slot (``lora_a_stacked``/``lora_b_stacked``, what the punica kernels
 read), so the sync can check them against the trainer's tensors.
 """
