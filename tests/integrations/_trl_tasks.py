@@ -71,7 +71,8 @@ def watch_lora_requests() -> list[list]:
 
     def watched(self, *args, **kwargs):
         request = kwargs.get("lora_request")
-        seen.append([getattr(request, "lora_int_id", None), sorted(self.llm_engine.list_loras())])
+        held = sorted(self.llm_engine.list_loras()) if self.llm_engine.vllm_config.lora_config else []
+        seen.append([getattr(request, "lora_int_id", None), held])
         return generate(self, *args, **kwargs)
 
     vllm.LLM.generate = watched
