@@ -129,3 +129,18 @@ def test_lora_offloads_the_adapters_optimizer_state_and_keeps_the_base_weights_b
     for g in generations[1:]:
         assert g["offloaded"]["offload optimizer"] == 2 * result["trainable_param_nbytes"] + 4 * 8, g  # + step counters
     assert all(_switches(checks))
+
+
+def test_lora_sync_option_is_checked_by_name_and_the_lora_rank_is_one_vllm_offers(tmp_path):
+    from trl import GRPOConfig
+
+    from hybridmem.integrations.trl import HybridGRPOTrainer, _vllm_lora_rank
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="lora_sync='fused'.*'adapters', 'merged'"):
+        HybridGRPOTrainer(model=None, reward_funcs=None, args=args, lora_sync="fused")
+    from vllm.config.lora import LoRAConfig
+
+    for rank in (1, 8, 9, 16, 20):
+        chosen = _vllm_lora_rank(rank)
+        assert chosen >= rank and LoRAConfig(max_lora_rank=chosen).max_lora_rank == chosen  # vLLM takes it
