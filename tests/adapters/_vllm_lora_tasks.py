@@ -95,8 +95,9 @@ def main(out_path: str) -> None:
         got = vllm_greedy(engine, PROMPTS)
         report = manager.last_reports[Direction.TO_INFER]
         (sync_step,) = [s for s in report.steps if s.name == "weight sync"]
+        planned = [p.estimate.transient_nbytes for p in (report.plan.steps if report.plan else ()) if p.name == "weight sync"]
         (sums,) = engine.llm.collective_rpc(base_sums)
-        res["steps"].append({"expected": expected, "got": got, "base_greedy": base, "synced_nbytes": sync_step.copied_nbytes,
+        res["steps"].append({"expected": expected, "got": got, "base_greedy": base, "synced_nbytes": sync_step.copied_nbytes, "planned_nbytes": planned,
                              "sync_s": sync_step.seconds, "route": sync_step.extra.get("route"),
                              "report_names_route": sync_step.extra["route"] in str(report), "reloads": len(reloads) - reloads_before,
                              "base_sums_unchanged": sums == loaded_sums, "lora_id": engine.lora_request.lora_int_id,

@@ -52,6 +52,7 @@ def test_each_switch_moves_the_adapters_bytes_and_the_base_only_once(lora):
     assert first["synced_nbytes"] == adapters + base and first["reloads"] == 1
     for s in later:
         assert s["synced_nbytes"] == adapters, s
+        assert s["planned_nbytes"] == [adapters], s  # the memory plan's transient: the adapters' copies
         assert s["reloads"] == 0  # vLLM's reload_weights (the base's only way in) did not run
         assert s["route"] == "LoRA adapters only (the engine keeps its base)" and s["report_names_route"]
     assert all(s["base_sums_unchanged"] and s["coverage_checked"] for s in lora["steps"])
