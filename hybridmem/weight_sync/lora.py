@@ -15,7 +15,8 @@ scaled ``lora_b``, per packed part), and the sync compares them with the same su
 tensors; a PEFT adapter module that vLLM did not take, or whose sums differ, is reported as unwritten
 ([Note: weight coverage] in :mod:`hybridmem.weight_sync`), which fails the switch. What vLLM cannot serve
 as LoRA (target modules it has no LoRA layer for, DoRA, ``modules_to_save``, LoRA bias, a rank above
-``max_lora_rank``, several active adapters) is found when the sync is built, and the sync then streams
+``max_lora_rank``, several active adapters, vLLM at TP or PP above 1, whose ranks each hold a part
+of every adapter slot, not checked yet) is found when the sync is built, and the sync then streams
 merged weights instead, saying why in every report (``SyncStats.route``).
 """
 
@@ -177,6 +178,10 @@ class LoraSync(WeightSync):
         except ValueError as exc:
             return str(exc)
         reasons = list(self.engine.lora_refusals(adapter_config(self.model, adapter)))
+        layout = getattr(self.engine, "parallel_layout", {}) or {}
+        if layout.get("tp", 1) > 1 or layout.get("pp", 1) > 1:
+            reasons.append(f"vLLM runs at tp={layout.get('tp', 1)} pp={layout.get('pp', 1)}: each rank's LoRA slots "
+                           f"hold a part of the adapter, which the adapter sync does not check yet (TP 1 only)")
         served = set(self.engine.lora_info.modules)
         unserved = sorted({n.removeprefix(PEFT_PREFIX) for n, m in _lora_modules(self.model).items()
                            if adapter in m.lora_A} - served)
