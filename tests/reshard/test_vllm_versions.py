@@ -15,7 +15,7 @@ import pytest
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, VLLMConvention, megatron_layout, vllm_layout
-from hybridmem.reshard import layouts as layouts_module
+from hybridmem.reshard import vllm_versions as versions_module
 from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS, resolve_vllm_version
 
 MOE = ModelSpec(family="qwen3_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -55,16 +55,16 @@ def test_supported_versions_and_errors():
 
 
 def test_version_from_installed_vllm(monkeypatch):
-    monkeypatch.setattr(layouts_module, "installed_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(versions_module, "installed_vllm_version", lambda: "0.33.0")
     assert resolve_vllm_version() == "0.33"
     assert vllm_layout(MOE, ParallelLayout(), 1).convention.version == "0.33"
-    monkeypatch.setattr(layouts_module, "installed_vllm_version", lambda: "0.40.0")
+    monkeypatch.setattr(versions_module, "installed_vllm_version", lambda: "0.40.0")
     with pytest.raises(ValueError, match=r"installed vllm.__version__='0.40.0' is not supported"):
         vllm_layout(MOE, ParallelLayout(), 1)
     # The override plans for a supported release whatever is installed.
     assert vllm_layout(MOE, ParallelLayout(), 1, vllm_version="0.32").convention.version == "0.32"
-    monkeypatch.setattr(layouts_module, "installed_vllm_version", lambda: None)
-    assert resolve_vllm_version() == layouts_module.DEFAULT_VLLM_VERSION
+    monkeypatch.setattr(versions_module, "installed_vllm_version", lambda: None)
+    assert resolve_vllm_version() == versions_module.DEFAULT_VLLM_VERSION
 
 
 @pytest.mark.parametrize("version", ["0.32", "0.33"])
