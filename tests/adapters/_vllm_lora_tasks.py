@@ -115,6 +115,32 @@ def main(out_path: str) -> None:
     except ValueError as exc:
         res["stale_request"] = str(exc)
 
+    # lora_base="engine_resident": the same model trains on under a new manager whose engine keeps its base
+    # through TRAIN and whose trainer keeps its frozen base on the device; only the adapters move.
+    from hybridmem import HybridConfig
+
+    manager.close()
+    resident = ShardingManager(model, engine, optimizer=opt, weight_sync=LoraSync(model, engine, send_base=False),
+                               config=HybridConfig(lora_base="engine_resident"))
+    res["resident"] = {"step_names": [s.name for d in Direction for s in resident.steps(d)], "steps": []}
+    for step in range(3, 5):
+        lm_step(model, opt, step, 64)
+        model.eval()
+        expected = hf_greedy(model, PROMPTS)
+        model.train()
+        reloads_before = len(reloads)
+        resident.to_infer()
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        placed = {"frozen_on_device": all(p.untyped_storage().nbytes() > 0 for p in frozen),
+                  "adapters_offloaded": all(p.untyped_storage().nbytes() == 0 for p in trainable)}
+        got = vllm_greedy(engine, PROMPTS)
+        (sync_step,) = [s for s in resident.last_reports[Direction.TO_INFER].steps if s.name == "weight sync"]
+        resident.to_train()
+        res["resident"]["steps"].append({"expected": expected, "got": got, "synced_nbytes": sync_step.copied_nbytes,
+                                         "reloads": len(reloads) - reloads_before, **placed})
+    resident.close()
+
     # A target vLLM has no LoRA layer for: the merged weights, on the same engine.
     other = peft_model(path, ["q_proj", "lm_head"])
     with torch.no_grad():

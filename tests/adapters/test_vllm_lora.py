@@ -64,3 +64,15 @@ def test_a_target_vllm_cannot_serve_falls_back_to_the_merged_sync_by_name(lora):
     assert fallback["synced_nbytes"] == fallback["base_nbytes"]
     assert not fallback["lora_request"]  # the earlier model's adapter is gone
     assert fallback["got"] == fallback["expected"]
+
+
+def test_engine_resident_keeps_both_bases_where_they_are_and_moves_the_adapters(lora):
+    """``lora_base="engine_resident"`` ([Note: lora base]): no step releases or resumes vLLM's weights, the
+    trainer's frozen base stays on the device in INFER while its adapters are offloaded, vLLM's reload (the
+    base's only way in) never runs, each switch moves the adapters' bytes, and vLLM's greedy tokens are PEFT's."""
+    resident = lora["resident"]
+    assert not any("engine weights" in name for name in resident["step_names"]), resident["step_names"]
+    for i, s in enumerate(resident["steps"]):
+        assert s["got"] == s["expected"], f"step {i}"
+        assert s["synced_nbytes"] == lora["adapter_nbytes"] and s["reloads"] == 0, s
+        assert s["frozen_on_device"] and s["adapters_offloaded"], s
