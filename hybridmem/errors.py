@@ -226,9 +226,12 @@ class WeightCoverageError(WeightSyncError):
     def __init__(self, unwritten: list[str] | tuple[str, ...], *, engine: str = "engine"):
         self.unwritten = tuple(unwritten)
         shown = ", ".join(self.unwritten[:8]) + (f", ... ({len(self.unwritten)} in all)" if len(self.unwritten) > 8 else "")
+        lora = any(".lora_A." in n or ".lora_B." in n for n in self.unwritten)
+        why = ("the engine's LoRA slots do not hold these adapter tensors as the trainer has them (vLLM did not take "
+               "the module, or took other values)" if lora else
+               "the training model has no weights for them (is the engine built for another architecture?)")
         super().__init__(
-            f"the weight sync did not write every byte of {len(self.unwritten)} {engine} tensor(s): {shown}; "
-            f"the training model has no weights for them (is the engine built for another architecture?)"
+            f"the weight sync did not write every byte of {len(self.unwritten)} {engine} tensor(s): {shown}; {why}"
         )
 
 

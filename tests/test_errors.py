@@ -115,3 +115,11 @@ def test_other_step_errors_stay_plain_switch_errors(tiny_setup, monkeypatch):
     with pytest.raises(SwitchError) as info:
         manager.to_infer()
     assert type(info.value) is SwitchError and not isinstance(info.value, (MemoryError, WeightSyncError))
+
+
+def test_unwritten_adapters_are_named_as_adapters_not_as_another_architecture():
+    from hybridmem.errors import WeightCoverageError
+
+    adapter = str(WeightCoverageError(["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]))
+    assert "LoRA slots" in adapter and "another architecture" not in adapter
+    assert "another architecture" in str(WeightCoverageError(["model.layers.0.mlp.down_proj.weight"]))
