@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
