@@ -12,6 +12,7 @@ budget overflow whether it happens in a direct call or inside a switch.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Sequence
 from enum import Enum
 
@@ -41,8 +42,45 @@ __all__ = [
 ]
 
 
+_INIT = "_hybridmem_init"
+"""Where an error keeps the arguments it was built with (see [Note: errors cross processes])."""
+
+# [Note: errors cross processes]
+# A hybridmem error raised in a worker process (a Ray actor, a multiprocessing pool, a spawned test worker) is
+# pickled to reach the caller. ``Exception`` pickles as ``cls(*self.args)``, which fails for errors whose
+# constructors take other or keyword-only arguments (``SwitchError(message, direction=..., ...)``): the caller
+# would get a deserialization failure instead of the named error. So every hybridmem error class's
+# ``__init__`` records the arguments the outermost call got, and the error is rebuilt from them, then given
+# the attributes it had when pickled (tests/test_error_pickling.py round-trips every class).
+
+
+def _rebuild(cls: type, args: tuple, kwargs: dict, state: dict) -> BaseException:
+    error = cls(*args, **kwargs)
+    error.__dict__.update(state)
+    return error
+
+
+def _recording(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        self.__dict__.setdefault(_INIT, (args, kwargs))  # the outermost call's: a subclass's comes first
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
 class HybridMemError(Exception):
     """Base class of every error hybridmem raises on purpose."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _recording(cls.__dict__["__init__"])
+
+    def __reduce__(self):
+        args, kwargs = self.__dict__.get(_INIT, (self.args, {}))
+        state = {k: v for k, v in self.__dict__.items() if k != _INIT}
+        return _rebuild, (type(self), args, kwargs, state)
 
 
 class ConfigError(HybridMemError, ValueError):
@@ -165,9 +203,6 @@ class MemoryPlanError(HybridMemError, MemoryError):
         # Not super(): a HostMemoryPlanError's next base is HostMemoryBudgetError, whose arguments differ.
         HybridMemError.__init__(self, f"switch refused, predicted peak exceeds "
                                       f"{' and '.join(over)}:\n{plan}")
-
-    def __reduce__(self):
-        return MemoryPlanError, (self.plan,)  # rebuilt from the plan (the message is derived from it)
 
 
 class HostMemoryBudgetError(HybridMemError, MemoryError):
@@ -362,7 +397,7 @@ class _SwitchFailedWith(SwitchError):
     def __init__(self, message: str, *, direction: str, step: str, phase_after: object, cause: BaseException):
         # The bases' constructors take different arguments; set both sides' attributes directly.
         Exception.__init__(self, message)
-        self.__dict__.update(vars(cause))
+        self.__dict__.update({k: v for k, v in vars(cause).items() if k != _INIT})
         self.direction = direction
         self.step = step
         self.phase_after = phase_after
