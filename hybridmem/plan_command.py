@@ -290,6 +290,18 @@ def _plot(plan: ClusterPlan, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _write_json(data: object, where: str | None) -> None:
+    """``--json``: ``data`` to that file, or to standard output for ``-``; nothing without the option."""
+    if not where:
+        return
+    text = json.dumps(data, indent=1)
+    if where == "-":
+        print(text)
+    else:
+        with open(where, "w") as f:
+            f.write(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -299,13 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = plan_from_args(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    if args.json:
-        text = json.dumps(plan.to_dict(), indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+    _write_json(plan.to_dict(), args.json)
     if args.json != "-":
         _print(plan, args)
     if args.plot:
@@ -318,13 +324,7 @@ def _lora_main(parser: OneLineErrorParser, args) -> int:
         plans = lora_plan_from_args(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    if args.json:
-        text = json.dumps(to_dicts(plans), indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+    _write_json(to_dicts(plans), args.json)
     if args.json != "-":
         _print_lora(plans, args)
     return 0 if any(p.fits for p in plans) else 1

@@ -18,6 +18,7 @@ import torch
 
 from hybridmem.adapters.vllm.names import check_weight_names, sync_rule, synced_tensors
 from hybridmem.adapters.vllm.worker import WorkerInfo, persistent_buffers
+from tests.adapters.test_vllm_weight_buffers import _Layer
 
 _KIMI_TEXT = dict(model_type="kimi_k2", hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                   intermediate_size=48, num_hidden_layers=2, vocab_size=100, n_routed_experts=4, n_shared_experts=1,
@@ -25,13 +26,6 @@ _KIMI_TEXT = dict(model_type="kimi_k2", hidden_size=64, num_attention_heads=4, n
                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, topk_method="noaux_tc")
 
 
-class _Layer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(4, 4, bias=False)
-        self.register_buffer("layer_scalar", torch.ones(1))
-        self.register_buffer("_k_scale", torch.tensor(1.0))
-        self.register_buffer("cos_sin_cache", torch.zeros(3), persistent=False)
 
 
 def test_the_server_workers_layout_is_the_name_checks_rule():
