@@ -47,6 +47,7 @@ ONE_WORKER_MODULES = frozenset({
     "tests/adapters/test_vllm_names_check.py",
     "tests/integrations/test_trl.py",
     "tests/adapters/test_fsdp.py",
+    "tests/integrations/test_ray_group.py",
 })
 """Modules whose tests share engines their module-scoped fixtures start (a ``vllm serve``, an AsyncLLM, a vLLM
 per rank, a TRL run: 30 s to 4 min each on a 2-core machine); see :func:`pytest_xdist_make_scheduler`."""

@@ -38,7 +38,7 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 FENCE = re.compile(r"^```(python|yaml\s+title=)", re.MULTILINE)
 CHECKED = {"README.md": 3, "vllm.md": 3, "megatron.md": 3}
 """Files whose switches are checked, with the number of switches their program makes (per process)."""
-SLOW = {"vllm.md", "megatron.md", "fsdp.md", "trl.md"}
+SLOW = {"vllm.md", "megatron.md", "fsdp.md", "trl.md", "ray.md"}
 # The variables vLLM's CPU build would otherwise use to reach the network or a shared cache; none of them
 # changes how hybridmem or vLLM run the program.
 ISOLATION_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",

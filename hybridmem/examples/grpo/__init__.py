@@ -63,6 +63,17 @@ def _parser() -> argparse.ArgumentParser:
                         "AsyncLLM per process whose engine core runs in a process of its own, driven through "
                         "vLLM's RL API (--infer-tp 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (one GPU per process)")
+    p.add_argument("--reward", choices=("rule", "model"), default="rule",
+                   help="rule: the task's reward function (default); model: a reward model co-resident on the "
+                        "devices, onloaded only to score")
+    p.add_argument("--launcher", choices=("spawn", "ray"), default="spawn",
+                   help="spawn: one process per rank (default; none under torchrun); ray: a Ray driver over one "
+                        "worker actor per rank, each in a placement-group bundle of its own (pip install "
+                        "'hybridmem[ray]')")
+    p.add_argument("--ray-nodes", type=int, default=1,
+                   help="with --launcher ray: raylets started on this machine, standing in for nodes (default 1)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --launcher ray: the Ray cluster to join (e.g. auto) instead of starting one")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -172,6 +183,26 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         if args.infer_tp not in (1, args.world_size):
             parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm: expected 1 (a replica per "
                          f"process) or {args.world_size} (--world-size, one engine over all processes)")
+    if args.launcher == "ray":
+        if under_torchrun():
+            parser.error("--launcher ray is not allowed under torchrun: expected --launcher spawn (torchrun started "
+                         "the ranks already)")
+        if importlib.util.find_spec("ray") is None:
+            parser.error("--launcher ray needs Ray, which is not installed: pip install 'hybridmem[ray]', or use "
+                         "--launcher spawn")
+        if args.ray_nodes < 1:
+            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed: expected an integer >= 1")
+        if args.ray_address is not None and args.ray_nodes != 1:
+            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --ray-address: expected 1 (the nodes "
+                         f"are the cluster's)")
+        if args.ray_nodes > args.world_size:
+            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --world-size {args.world_size}: expected "
+                         f"at most one raylet per worker")
+        if args.device == "cuda" and args.ray_nodes != 1:
+            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --device cuda: expected 1 (the raylets "
+                         f"started here are CPU stand-ins for nodes; join a GPU cluster with --ray-address)")
+    elif args.ray_nodes != 1 or args.ray_address is not None:
+        parser.error("--ray-nodes and --ray-address are not allowed with --launcher spawn: expected --launcher ray")
     if args.trainer == "megatron" and importlib.util.find_spec("megatron") is None:
         parser.error("--trainer megatron needs megatron-core, which is not installed: pip install 'hybridmem[megatron]', "
                      "or use --trainer torch")
@@ -243,6 +274,21 @@ def _worker(rank: int, world: int, port: int | None, cfg, out: str, plots: bool)
             dist.destroy_process_group()
 
 
+def _run_ray(cfg: Any, args: argparse.Namespace, plots: bool) -> None:
+    """The demo driven by a Ray driver over worker actors (see :mod:`hybridmem.examples.grpo.ray_driver`)."""
+    from hybridmem.examples.grpo.ray_driver import ray_cluster, run_driver  # noqa: PLC0415
+    from hybridmem.examples.grpo.report import RankZeroReporter  # noqa: PLC0415
+    from hybridmem.integrations.ray import WorkerGroupError  # noqa: PLC0415
+
+    with ray_cluster(nodes=args.ray_nodes, cpus=args.world_size, address=args.ray_address):
+        reporter = RankZeroReporter(cfg, Path(args.out), plots=plots)
+        try:
+            stats, workers = run_driver(cfg, args.world_size, on_iteration=reporter.on_iteration)
+        except WorkerGroupError as exc:
+            raise SystemExit(f"hybridmem demo: {exc}") from exc
+        reporter.finish(stats, workers=workers)
+
+
 def _vllm_model():
     from hybridmem.examples.grpo.engines import VLLM_MODEL
 
@@ -279,9 +325,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         trainer=args.trainer,
         engine=args.engine,
         model=demo_policy(args),
+        reward=args.reward,
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if under_torchrun():  # [Note: demo under torchrun]
+    if args.launcher == "ray":
+        _run_ray(cfg, args, plots)
+    elif under_torchrun():  # [Note: demo under torchrun]
         rank = int(os.environ["RANK"])
         _worker(rank, args.world_size, None, cfg, args.out, plots)
         if rank != 0:

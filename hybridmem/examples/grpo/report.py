@@ -53,7 +53,9 @@ class RankZeroReporter:
             )
         return table
 
-    def finish(self, stats: list[IterationStats]) -> dict[str, Any]:
+    def finish(self, stats: list[IterationStats], *, workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Print the table and summary, write the plots and ``grpo.json`` (with ``workers``, where each
+        worker ran, when given); returns the summary."""
         self.bar.close()
         self.console.print(self._table(stats))
         rewards = [r.reward for r in stats]
@@ -75,6 +77,7 @@ class RankZeroReporter:
             "max_logprob_gap": max(r.logprob_gap for r in stats),
             "iterations": [asdict(r) for r in stats],
             "memory_samples": self.samples,
+            **({"workers": workers} if workers is not None else {}),
         }
         (self.out / "grpo.json").write_text(json.dumps(summary, indent=1))
         self.console.print(f"mean reward, first {k} iterations: [bold]{first:.3f}[/]; last {k}: [bold]{last:.3f}[/]")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
 
-__all__ = ["Topology", "build_topology"]
+__all__ = ["Topology", "build_topology", "train_rows"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class Topology:
         return self.rank % self.train.tp
 
     @property
+    def train_rows(self) -> slice:
+        """This rank's training share of a batch (:func:`train_rows`)."""
+        return train_rows(self.rank, self.world_size, self.train.tp)
+
+    @property
     def train_dp_rank(self) -> int:
         return self.rank // self.train.tp
 
@@ -50,6 +55,12 @@ class Topology:
     @property
     def num_infer_replicas(self) -> int:
         return self.world_size // self.infer.tp
+
+
+def train_rows(rank: int, world_size: int, train_tp: int) -> slice:
+    """The rows of a batch (all replicas' rollouts, in replica order) that training rank ``rank`` trains
+    on: every ``dp_size``-th from its data-parallel rank, the same for the ``train_tp`` ranks of a TP group."""
+    return slice(rank // train_tp, None, world_size // train_tp)
 
 
 def build_topology(train: ParallelLayout, infer: ParallelLayout) -> Topology:
