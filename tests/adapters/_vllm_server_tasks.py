@@ -93,9 +93,11 @@ def async_tp1(out: str, steps: str = "3") -> dict:
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     engine = VLLMServerEngine.start_async(model_dir, **ENGINE_ARGS)
     try:
-        return train_and_switch(engine, model_dir, int(steps))
+        res = train_and_switch(engine, model_dir, int(steps))
     finally:
         engine.close()
+    res["left_in_staging_directory"] = sorted(os.listdir(engine.directory)) if os.path.exists(engine.directory) else None
+    return res
 
 
 SCENARIOS = {"async_tp1": async_tp1}

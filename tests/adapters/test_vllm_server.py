@@ -46,6 +46,11 @@ def test_an_engine_in_its_own_process_serves_the_trained_weights_after_every_ste
     assert [s["version"] for s in steps] == ["hybridmem-1", "hybridmem-2", "hybridmem-3"]
 
 
+def test_closing_the_engine_leaves_nothing_in_its_staging_directory(async_tp1):
+    """The staging directory lives in /dev/shm (memory) by default: a run must not leave it behind."""
+    assert async_tp1["left_in_staging_directory"] is None, async_tp1["left_in_staging_directory"]
+
+
 def test_the_worker_reads_exactly_its_vllm_layout_shards(async_tp1):
     # Qwen2, hidden 128, 2 layers, vocab 256, fp32, not tied: embed + lm_head 2 * 256 * 128, per layer
     # qkv (128 + 2 * 64) * 128 + bias 256, o 128 * 128, gate_up 512 * 128, down 128 * 256, 2 norms of 128;

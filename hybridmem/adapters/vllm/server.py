@@ -85,6 +85,7 @@ engine core that dies under a waiting call at that call's deadline (the server k
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -575,9 +576,15 @@ class VLLMServerEngine:
         return float(flag.item())
 
     def close(self) -> None:
-        """Remove this rank's staging file and drop the connection (the engine process keeps running;
+        """Remove this rank's staging file and its other files in the shared directory (the directory too,
+        by the last rank to close) and drop the connection (the engine process keeps running;
         :meth:`start_async`'s AsyncLLM is shut down, :meth:`launch`'s server stopped)."""
         self.staging.close()
+        for name in (f"layout-rank{self.rank}.json", f"update-rank{self.rank}.json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.directory, name))
+        with contextlib.suppress(OSError):  # another rank's files are still there: that rank removes it
+            os.rmdir(self.directory)
         self.client.close()
         if self.server is not None:
             self.server.stop()
