@@ -38,7 +38,8 @@ ENV = {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False)
+    # Two GPUs declared to Ray (none here): what Ray does with a bundle's GPU is tested without one.
+    ray.init(address="local", num_cpus=4, num_gpus=2, object_store_memory=128 * 2**20, include_dashboard=False)
     yield
     ray.shutdown()
 
@@ -75,9 +76,33 @@ def test_a_failing_rank_arrives_as_its_named_error(local_ray):
 
 
 def test_a_group_the_cluster_cannot_place_is_refused_naming_what_it_has(local_ray):
-    with pytest.raises(PlacementError, match=r"GPU.*CPU"):  # asks for GPUs a CPU cluster lacks
-        HybridWorkerGroup(HybridWorker, 2, device="cuda", placement_timeout_s=3)
+    with pytest.raises(PlacementError, match=r"3 bundles.*GPU.*'GPU': 2\.0"):  # one GPU more than Ray has
+        HybridWorkerGroup(HybridWorker, 3, device="cuda", placement_timeout_s=3)
     assert ray.available_resources().get("CPU") == 4.0  # nothing left held
+
+
+@ray.remote
+class _Probe:
+    def visible(self):
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_runtime_context().get_accelerator_ids()["GPU"]
+
+
+def test_each_bundle_gives_its_actor_one_gpu_of_its_own(local_ray):
+    """What Ray sets and hybridmem relies on (the actor's device is cuda:0): each actor of a ``cuda`` group
+    sees one GPU, its bundle's, none the same."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from hybridmem.integrations.ray import worker_options
+
+    pg = placement_group(placement_bundles(2, device="cuda"), strategy="PACK")
+    ray.get(pg.ready(), timeout=30)
+    try:
+        probes = [_Probe.options(**worker_options(pg, r, device="cuda")).remote() for r in range(2)]
+        seen = ray.get([p.visible.remote() for p in probes], timeout=60)
+    finally:
+        remove_placement_group(pg)
+    assert sorted(v for v, _ in seen) == ["0", "1"], seen
+    assert all([v] == ids for v, ids in seen), seen
 
 
 WORLD, BAD = 4, 3
