@@ -23,7 +23,8 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 - ``tms``: the same models paused/resumed by torch_memory_saver (CPU backup on): the first cycles.
 - ``kv``: ``kv_release.py``: the ``torch`` and ``cuda-vmm`` KV allocators and torch_memory_saver,
   address stability and a CUDA graph replayed after resume.
-- ``demo``: the GRPO demo on the device, torch, Megatron and FSDP2 trainers (one process: one GPU).
+- ``demo``: the GRPO demo on the device, torch, Megatron and FSDP2 trainers (one process: one GPU), and the
+  torch trainer in a Ray worker actor holding the GPU's placement-group bundle (``--launcher ray``; where Ray is installed).
 
 The parent never touches the device, so each part's ``mem_get_info`` sees only its own process.
 Targets (GPU only): steady-state switch >= 0.9 of the raw pinned link both ways, first switch within 2x
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -151,6 +153,11 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
                             argv=(py, "-m", "hybridmem", "demo", "--device", device, "--trainer", trainer,
                                   "--world-size", "1", "--train-tp", "1", "--infer-tp", "1",
                                   "--iters", str(prof.demo_iters), "--out", str(out / f"demo_{trainer}"))))
+        if importlib.util.find_spec("ray") is not None:  # the ray extra
+            jobs.append(Job(part="demo", label="demo --launcher ray", timeout_s=240, result="demo_ray/grpo.json",
+                            argv=(py, "-m", "hybridmem", "demo", "--device", device, "--launcher", "ray",
+                                  "--world-size", "1", "--train-tp", "1", "--infer-tp", "1",
+                                  "--iters", str(prof.demo_iters), "--out", str(out / "demo_ray"))))
     return jobs
 
 
@@ -343,7 +350,7 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
 
     demos = [r for r in by_part.get("demo", []) if r.result]
     if demos:
-        lines += ["## GRPO demo (1 process)", "",
+        lines += ["## GRPO demo (1 process; ray: 1 worker actor)", "",
                   "| trainer | iterations | wall s | reward first -> last | TO_INFER ms | TO_TRAIN ms "
                   "| device TRAIN / INFER | outside allocator in INFER |", "|---|---|---|---|---|---|---|---|"]
         for r in demos:

@@ -82,6 +82,10 @@ class RankZeroReporter:
         (self.out / "grpo.json").write_text(json.dumps(summary, indent=1))
         self.console.print(f"mean reward, first {k} iterations: [bold]{first:.3f}[/]; last {k}: [bold]{last:.3f}[/]")
         self.console.print(f"max |engine - actor| log-prob over sampled tokens: {summary['max_logprob_gap']:.2e}")
+        if workers:
+            nodes = {w["node_id"] for w in workers}
+            self.console.print(f"Ray: {len(workers)} worker actors on {len(nodes)} node(s): " + ", ".join(
+                f"rank {w['rank']} pid {w['pid']} node {w['node_id'][:8]}" for w in workers))
         self.console.print("wrote " + ", ".join(str(p) for p in [*plots, self.out / "grpo.json"]))
         return summary
 
