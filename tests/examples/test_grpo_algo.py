@@ -78,3 +78,21 @@ def test_better_completions_get_positive_advantages():
     adv = group_advantages(torch.tensor([0.0, 1.0, 0.25, 0.25, 3.0, 1.0, 2.0, 2.0]), 4)
     assert adv[1] > 0 > adv[0] and adv[4] > 0 > adv[5]
     assert adv.argmax().item() in (1, 4) and adv[2] == adv[3] < 0
+
+
+def test_the_reward_model_scores_as_the_tasks_rule():
+    """hybridmem/examples/grpo/reward.py's network against CountTask.rewards (the rule, written separately):
+    random sequences, and counting ones that score 1 (with wrap-around past the vocabulary's end)."""
+    import torch
+
+    from hybridmem.examples.grpo.reward import CountRewardModel
+    from hybridmem.examples.grpo.task import CountTask
+
+    task = CountTask()
+    seqs = torch.randint(0, task.vocab_size, (256, task.prompt_len + task.completion_len),
+                         generator=torch.Generator().manual_seed(0))
+    seqs[:16] = torch.tensor([[(s + j) % task.vocab_size for j in range(seqs.shape[1])] for s in range(16)])
+    ids = seqs.tolist()
+    rule = task.rewards([s[:task.prompt_len] for s in ids], [s[task.prompt_len:] for s in ids])
+    scores = CountRewardModel(task)(seqs)
+    assert torch.equal(scores, rule) and scores[:16].eq(1).all() and 0 < scores[16:].mean() < 0.5

@@ -32,11 +32,22 @@ def _ray_demo(out, *args: str) -> dict:
     return json.loads((out / "grpo.json").read_text())
 
 
+def _spawned(tmp_path_factory, *args: str) -> dict:
+    out = tmp_path_factory.mktemp("spawned")
+    grpo.main(["--iters", ITERS, "--out", str(out), *args])
+    return json.loads((out / "grpo.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("spawned")
-    grpo.main(["--iters", ITERS, "--out", str(out)])
-    return json.loads((out / "grpo.json").read_text())
+    """The default layout: training TP2 (one data-parallel rank), two inference replicas."""
+    return _spawned(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def spawned_dp(tmp_path_factory) -> dict:
+    """Training TP1: two data-parallel ranks, so the driver's dispatch of each rank's share counts."""
+    return _spawned(tmp_path_factory, "--train-tp", "1")
 
 
 def _rewards(summary: dict) -> list[float]:
@@ -63,12 +74,12 @@ def test_the_ray_demo_learns_as_the_spawned_demo_does(tmp_path, spawned):
     _assert_co_residents_only_in_their_tasks(summary, ("reference",))
 
 
-def test_two_raylets_with_a_reward_model_learn_as_the_spawned_demo_does(tmp_path, spawned):
+def test_two_raylets_with_a_reward_model_learn_as_the_spawned_demo_does(tmp_path, spawned_dp):
     """The reward model scores as the task's rule does (see hybridmem/examples/grpo/reward.py), so the run
-    scored by the model on two raylets gives the spawned rule run's rewards."""
-    summary = _ray_demo(tmp_path, "--iters", ITERS, "--ray-nodes", "2", "--reward", "model")
+    scored by the model on two raylets gives the spawned rule run's rewards; data parallel over the two."""
+    summary = _ray_demo(tmp_path, "--iters", ITERS, "--ray-nodes", "2", "--reward", "model", "--train-tp", "1")
     assert len({w["node_id"] for w in summary["workers"]}) == 2, summary["workers"]  # a raylet each
-    assert _rewards(summary) == _rewards(spawned)
+    assert _rewards(summary) == _rewards(spawned_dp) and summary["last5_reward"] > summary["first5_reward"]
     _assert_co_residents_only_in_their_tasks(summary, ("reference", "reward"))
 
 
