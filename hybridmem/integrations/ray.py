@@ -9,17 +9,17 @@ rank fails.
 
 [Note: ray placement]
 One placement group per job with one bundle per device (:func:`placement_bundles`): ``{"GPU": 1, "CPU":
-c}`` on GPUs, ``{"CPU": c}`` on CPU, strategy ``PACK`` by default (bundles on as few nodes as fit, as verl
+c}`` on GPUs (``{"NPU": 1, "CPU": c}`` on Ascend NPUs), ``{"CPU": c}`` on CPU, strategy ``PACK`` by default (bundles on as few nodes as fit, as verl
 and OpenRLHF place theirs; ``STRICT_PACK`` for one node, ``SPREAD`` to test several). Rank ``r``'s actor
 is scheduled into bundle ``r`` (:func:`worker_options`), so the trainer rank, its engine (in its process,
 or an engine process it starts) and its co-resident models share the one device Ray gave the bundle.
 
-What Ray sets: ``CUDA_VISIBLE_DEVICES`` of each actor to its bundle's GPU (so the actor's device is
-``cuda:0``), and nothing of ``torch.distributed``. What hybridmem sets (:func:`init_distributed`), as
+What Ray sets: ``CUDA_VISIBLE_DEVICES`` (``ASCEND_RT_VISIBLE_DEVICES``) of each actor to its bundle's GPU
+(NPU), so the actor's device is ``cuda:0`` (``npu:0``), and nothing of ``torch.distributed``. What hybridmem sets (:func:`init_distributed`), as
 torchrun would: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (0: the one device the actor sees),
 ``LOCAL_WORLD_SIZE`` (1), ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's node address and a port free
 there, asked of rank 0's actor before any rank joins: :meth:`HybridWorker.rendezvous_address`), then the
-process group by ``init_method="env://"`` (NCCL on GPUs, gloo on CPU), so code written for torchrun,
+process group by ``init_method="env://"`` (NCCL on GPUs, HCCL on NPUs, gloo on CPU), so code written for torchrun,
 hybridmem's managers and vLLM's ``external_launcher`` included, runs unchanged in the actor.
 """
 
@@ -54,8 +54,15 @@ __all__ = [
     "worker_options",
 ]
 
-DEVICES = ("cpu", "cuda")
-"""The devices a worker may hold: a CPU share, or one GPU (Ray's ``GPU`` resource)."""
+DEVICES = ("cpu", "cuda", "npu")
+"""The devices a worker may hold: a CPU share, one GPU (Ray's ``GPU`` resource) or one Ascend NPU (``NPU``)."""
+
+ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
+"""Ray's resource for one device of each kind; Ray sets ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``
+of an actor holding one to that device alone."""
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+"""The process group's backend on each device."""
 
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 """Ray's placement strategies."""
@@ -116,8 +123,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def placement_bundles(world_size: int, *, device: str = "cuda", cpus_per_worker: float = 1) -> list[dict[str, float]]:
-    """One bundle per worker: ``{"GPU": 1, "CPU": cpus_per_worker}`` on ``cuda``, ``{"CPU": cpus_per_worker}``
-    on ``cpu`` (see [Note: ray placement]).
+    """One bundle per worker: ``{"GPU": 1, "CPU": cpus_per_worker}`` on ``cuda``, ``{"NPU": 1, "CPU":
+    cpus_per_worker}`` on ``npu``, ``{"CPU": cpus_per_worker}`` on ``cpu`` (see [Note: ray placement]).
 
     Raises:
         ValueError: ``world_size`` < 1, ``cpus_per_worker`` <= 0 or ``device`` not one of :data:`DEVICES`.
@@ -128,18 +135,23 @@ def placement_bundles(world_size: int, *, device: str = "cuda", cpus_per_worker:
         raise ValueError(f"cpus_per_worker={cpus_per_worker} is not allowed: expected a number > 0")
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is not allowed: expected one of {DEVICES}")
-    bundle = {"CPU": float(cpus_per_worker), **({"GPU": 1.0} if device == "cuda" else {})}
+    bundle = {"CPU": float(cpus_per_worker)}
+    if device in ACCELERATOR_RESOURCE:
+        bundle[ACCELERATOR_RESOURCE[device]] = 1.0
     return [dict(bundle) for _ in range(world_size)]
 
 
 def worker_options(group: Any, rank: int, *, device: str = "cuda", cpus_per_worker: float = 1) -> dict[str, Any]:
     """``ActorClass.options(...)`` that schedule rank ``rank``'s actor into bundle ``rank`` of the
     placement group ``group``, holding that bundle's resources."""
-    return {
+    options: dict[str, Any] = {
         "num_cpus": cpus_per_worker,
         "num_gpus": 1 if device == "cuda" else 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank),
     }
+    if device == "npu":
+        options["resources"] = {"NPU": 1}
+    return options
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, device: str = "cuda",
@@ -151,7 +163,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         world_size: Number of actors.
         master_addr: Rank 0's address.
         master_port: A port free on rank 0's node.
-        device: ``cuda``: NCCL on the one GPU Ray left visible; ``cpu``: gloo.
+        device: ``cuda``: NCCL on the one GPU Ray left visible; ``npu``: HCCL on the one NPU (needs
+            ``torch_npu``); ``cpu``: gloo.
         timeout_s: The process group's timeout.
     """
     import torch  # noqa: PLC0415
@@ -161,8 +174,12 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     if device == "cuda":
         torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves the bundle's GPU alone visible
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    elif device == "npu":
+        import torch_npu  # noqa: F401, PLC0415 - registers torch.npu
+
+        torch.npu.set_device(0)  # Ray's ASCEND_RT_VISIBLE_DEVICES leaves the bundle's NPU alone visible
+    dist.init_process_group(BACKENDS[device], init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 @dataclass(frozen=True)
@@ -174,7 +191,7 @@ class WorkerContext:
         rank: The actor's rank.
         world_size: Number of actors.
         group: ``None``: the default process group.
-        backend: ``"gloo"`` or ``"nccl"``.
+        backend: ``"gloo"``, ``"nccl"`` or ``"hccl"``.
     """
 
     rank: int
@@ -190,7 +207,7 @@ class HybridWorker:
     Args:
         rank: This actor's rank (the group passes it).
         world_size: Number of actors.
-        device: ``cuda`` or ``cpu``.
+        device: One of :data:`DEVICES`.
     """
 
     def __init__(self, *, rank: int, world_size: int, device: str = "cuda"):
@@ -216,7 +233,7 @@ class HybridWorker:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(WorkerContext, *args, **kwargs)`` in this actor."""
-        ctx = WorkerContext(rank=self.rank, world_size=self.world_size, backend="nccl" if self.device == "cuda" else "gloo")
+        ctx = WorkerContext(rank=self.rank, world_size=self.world_size, backend=BACKENDS[self.device])
         return fn(ctx, *args, **kwargs)
 
     def leave(self) -> None:
@@ -233,7 +250,7 @@ class HybridWorkerGroup:
     Args:
         worker_cls: A :class:`HybridWorker` subclass (a plain class: the group makes it a Ray actor).
         world_size: Number of actors (devices).
-        device: ``cuda`` (one GPU each) or ``cpu``.
+        device: ``cuda`` (one GPU each), ``npu`` (one Ascend NPU each) or ``cpu``.
         cpus_per_worker: CPUs each bundle holds.
         strategy: Ray's placement strategy (one of :data:`STRATEGIES`).
         env_vars: Environment of every actor (Ray's ``runtime_env``).

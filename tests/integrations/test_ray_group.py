@@ -38,16 +38,18 @@ ENV = {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Two GPUs declared to Ray (none here): what Ray does with a bundle's GPU is tested without one.
-    ray.init(address="local", num_cpus=4, num_gpus=2, object_store_memory=128 * 2**20, include_dashboard=False)
+    # Two GPUs and two NPUs declared to Ray (none here): what Ray does with a bundle's device is tested without one.
+    ray.init(address="local", num_cpus=4, num_gpus=2, resources={"NPU": 2}, object_store_memory=128 * 2**20,
+             include_dashboard=False)
     yield
     ray.shutdown()
 
 
 def test_placement_bundles_hold_one_device_each():
     assert placement_bundles(3, device="cuda", cpus_per_worker=4) == [{"CPU": 4.0, "GPU": 1.0}] * 3
+    assert placement_bundles(2, device="npu", cpus_per_worker=2) == [{"CPU": 2.0, "NPU": 1.0}] * 2
     assert placement_bundles(2, device="cpu") == [{"CPU": 1.0}] * 2
-    for bad, named in ((dict(world_size=0), "world_size=0"), (dict(world_size=2, device="npu"), "device='npu'"),
+    for bad, named in ((dict(world_size=0), "world_size=0"), (dict(world_size=2, device="xpu"), "device='xpu'"),
                        (dict(world_size=2, cpus_per_worker=0), "cpus_per_worker=0")):
         with pytest.raises(ValueError, match=named):
             placement_bundles(**bad)
@@ -83,22 +85,24 @@ def test_a_group_the_cluster_cannot_place_is_refused_naming_what_it_has(local_ra
 
 @ray.remote
 class _Probe:
-    def visible(self):
-        return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_runtime_context().get_accelerator_ids()["GPU"]
+    def visible(self, variable, resource):
+        return os.environ.get(variable), ray.get_runtime_context().get_accelerator_ids()[resource]
 
 
-def test_each_bundle_gives_its_actor_one_gpu_of_its_own(local_ray):
-    """What Ray sets and hybridmem relies on (the actor's device is cuda:0): each actor of a ``cuda`` group
-    sees one GPU, its bundle's, none the same."""
+@pytest.mark.parametrize("device,variable,resource", [("cuda", "CUDA_VISIBLE_DEVICES", "GPU"),
+                                                      ("npu", "ASCEND_RT_VISIBLE_DEVICES", "NPU")])
+def test_each_bundle_gives_its_actor_one_device_of_its_own(local_ray, device, variable, resource):
+    """What Ray sets and hybridmem relies on (the actor's device is cuda:0, npu:0): each actor of a ``cuda``
+    (``npu``) group sees one device, its bundle's, none the same."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from hybridmem.integrations.ray import worker_options
 
-    pg = placement_group(placement_bundles(2, device="cuda"), strategy="PACK")
+    pg = placement_group(placement_bundles(2, device=device), strategy="PACK")
     ray.get(pg.ready(), timeout=30)
     try:
-        probes = [_Probe.options(**worker_options(pg, r, device="cuda")).remote() for r in range(2)]
-        seen = ray.get([p.visible.remote() for p in probes], timeout=60)
+        probes = [_Probe.options(**worker_options(pg, r, device=device)).remote() for r in range(2)]
+        seen = ray.get([p.visible.remote(variable, resource) for p in probes], timeout=60)
     finally:
         remove_placement_group(pg)
     assert sorted(v for v, _ in seen) == ["0", "1"], seen
