@@ -37,34 +37,26 @@ def ray_cluster(*, nodes: int, cpus: int, address: str | None = None) -> Iterato
     import ray  # noqa: PLC0415
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address is not None:
-        ray.init(address=address)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-        return
     per_node = -(-cpus // nodes)
-    if nodes == 1:
-        ray.init(address="local", num_cpus=per_node, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-        return
-    from ray.cluster_utils import Cluster  # noqa: PLC0415
+    with contextlib.ExitStack() as stack:
+        if address is not None:
+            ray.init(address=address)
+            stack.callback(ray.shutdown)
+        elif nodes == 1:  # address="local": a Ray of its own, never one already running here
+            ray.init(address="local", num_cpus=per_node, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
+            stack.callback(ray.shutdown)
+        else:
+            from ray.cluster_utils import Cluster  # noqa: PLC0415
 
-    cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": per_node, "object_store_memory": OBJECT_STORE_BYTES,
-                                      "include_dashboard": False})
-    try:
-        for _ in range(nodes - 1):
-            cluster.add_node(num_cpus=per_node, object_store_memory=OBJECT_STORE_BYTES)
-        cluster.wait_for_nodes()
+            cluster = Cluster(initialize_head=True, connect=True,
+                              head_node_args={"num_cpus": per_node, "object_store_memory": OBJECT_STORE_BYTES,
+                                              "include_dashboard": False})
+            stack.callback(cluster.shutdown)  # after ray.shutdown (callbacks run last first)
+            stack.callback(ray.shutdown)
+            for _ in range(nodes - 1):
+                cluster.add_node(num_cpus=per_node, object_store_memory=OBJECT_STORE_BYTES)
+            cluster.wait_for_nodes()
         yield
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def run_driver(cfg: DemoConfig, world_size: int, *, on_iteration: Any = None) -> tuple[list[IterationStats], list[dict]]:
