@@ -151,3 +151,32 @@ MULTIMODAL = {
                      modules_not_synced=("model.vision_tower.", "model.mm_projector.")),
 }
 """Multimodal model types of MODELS: how their checkpoint is written and what of them is not synced."""
+
+
+def take_checkpoint(path) -> dict:
+    """Every tensor of the ``*.safetensors`` files ``save_pretrained`` wrote in ``path``, by name; the files
+    are removed (the caller writes the checkpoint it tests in their place)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from safetensors import torch as safetensors_torch  # noqa: PLC0415
+
+    names = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        names.update(safetensors_torch.load_file(f))
+        f.unlink()
+    return names
+
+
+def distinct_values(names: dict) -> dict:
+    """Tensors of ``names``' shapes holding a random permutation of 1..N (exact in fp32), in name order, so a
+    swapped row, expert or tensor cannot compare equal, and each value names one element of the checkpoint
+    (0 is padding)."""
+    import torch  # noqa: PLC0415
+
+    total = sum(t.numel() for t in names.values())
+    ids = (torch.randperm(total, generator=torch.Generator().manual_seed(1)) + 1).float()
+    weights, start = {}, 0
+    for n, t in sorted(names.items()):
+        weights[n] = ids[start:start + t.numel()].reshape(t.shape).clone()
+        start += t.numel()
+    return weights

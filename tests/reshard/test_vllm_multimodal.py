@@ -21,7 +21,7 @@ from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, shard, vllm_layout
 from hybridmem.testing.workers import WorkerPool
 from tests.reshard import _vllm_tasks
-from tests.reshard.families import COMMON, MODELS
+from tests.reshard.families import COMMON, MODELS, distinct_values, take_checkpoint
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -62,18 +62,10 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(0)
         path = tmp_path_factory.mktemp(model_id)
         transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(path)
-        names = {}
-        for f in sorted(path.glob("*.safetensors")):
-            names.update(safetensors_torch.load_file(f))
-            f.unlink()
+        names = take_checkpoint(path)
         assert any(n.startswith(TOWERS) for n in names)
         names = {n: t for n, t in names.items() if not (left_out and n.startswith(left_out))}
-        total = sum(t.numel() for t in names.values())
-        ids = (torch.randperm(total, generator=torch.Generator().manual_seed(1)) + 1).float()
-        weights, start = {}, 0
-        for n, t in sorted(names.items()):
-            weights[n] = ids[start:start + t.numel()].reshape(t.shape).clone()
-            start += t.numel()
+        weights = distinct_values(names)
         assert any(n.startswith(PREFIX) for n in weights)
         safetensors_torch.save_file(weights, path / "model.safetensors")
         config = json.loads((path / "config.json").read_text())

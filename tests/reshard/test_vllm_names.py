@@ -35,7 +35,7 @@ from hybridmem.reshard.vllm_versions import installed_vllm_version
 from hybridmem.testing.workers import WorkerError, WorkerPool
 from tests.reshard import _vllm_tasks
 from tests.reshard.families import COMMON as _COMMON
-from tests.reshard.families import MODELS, MULTIMODAL
+from tests.reshard.families import MODELS, MULTIMODAL, distinct_values, take_checkpoint
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -80,25 +80,14 @@ def checkpoints(tmp_path_factory):
         hf_model = transformers.AutoModelForCausalLM.from_config(text_cfg)
         path = tmp_path_factory.mktemp(model_id)
         hf_model.save_pretrained(path)
-        files = sorted(path.glob("*.safetensors"))
-        names = {}
-        for f in files:
-            names.update(safetensors_torch.load_file(f))
-            f.unlink()
+        names = take_checkpoint(path)
         if mm:
             names = {mm["checkpoint_prefix"] + n: t for n, t in names.items()}
             data = cfg.to_dict()
             data["architectures"] = [mm["architecture"]]
             data["text_config"]["model_type"] = mm["hub_text_model_type"]
             (path / "config.json").write_text(json.dumps(data))
-        # Distinct values everywhere (a random permutation of 1..N, exact in fp32), so a swapped row, expert or
-        # tensor cannot compare equal, and each value names one element of the checkpoint (0 is padding).
-        total = sum(t.numel() for t in names.values())
-        ids = (torch.randperm(total, generator=torch.Generator().manual_seed(1)) + 1).float()
-        weights, start = {}, 0
-        for n, t in sorted(names.items()):
-            weights[n] = ids[start:start + t.numel()].reshape(t.shape).clone()
-            start += t.numel()
+        weights = distinct_values(names)
         if family == "deepseek_v3" and kw.get("topk_method") != "noaux_tc":
             # vLLM builds no correction bias without noaux_tc routing and its loader has nowhere to put it.
             weights = {n: t for n, t in weights.items() if not n.endswith("e_score_correction_bias")}
