@@ -209,6 +209,13 @@ class Offloader(ABC):
     def tensors(self) -> Iterable[torch.Tensor]:
         """The tensors to move now (the set may change between switches, e.g. grads appearing)."""
 
+    def held_by_user(self, freed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors user code holds for ``freed`` (the tensors whose storages an offload freed), which
+        refuse reads until the onload: ``freed`` itself; an offloader over the local tensors of wrappers
+        (FSDP2's DTensors) adds the wrappers, whose ops reach their local tensors below
+        ``__torch_function__`` (see [Note: offloaded tensors refuse reads])."""
+        return freed
+
     @property
     def state(self) -> OffloadState:
         """Where the bytes are."""
@@ -327,7 +334,7 @@ class Offloader(ABC):
                     slot.storage.resize_(0)
                 else:
                     _rehome(slot)
-            self._guarded = guard(freed, self.kind.value)
+            self._guarded = guard(self.held_by_user(freed), self.kind.value)
         return self._stats("offload", slots, time.perf_counter() - start)
 
     def _mark_zero(self, slots: list[_Slot]) -> None:

@@ -21,10 +21,13 @@ one, so the references the optimizer, the model and hooks hold stay valid (torch
 back to the device (a switch to TRAIN, a rollback, ``recover()``) lifts the guard. hybridmem's own code
 reads offloaded tensors only through their storages (the offloader's slots), never through the tensors.
 
+A wrapper tensor (FSDP2's ``DTensor``) has no storage: its offloader moves its local tensor, and the ops a
+user calls on the wrapper reach the local tensor below ``__torch_function__``, where no guard sees them. So
+such an offloader names the wrappers too (:meth:`~hybridmem.offload.base.Offloader.held_by_user`), and each
+wrapper is guarded like its local tensor (``DTensor`` -> ``OffloadedDTensor``).
+
 Not covered: a tensor whose class cannot be changed (its layout differs from a plain subclass's; it is
-left as it was), and operations that reach a guarded tensor below ``__torch_function__`` (a wrapper
-tensor such as FSDP2's ``DTensor`` dispatches to its local tensor without it): those read freed memory as
-before.
+left as it was), and a wrapper whose offloader does not name it: those read freed memory as before.
 """
 
 from __future__ import annotations

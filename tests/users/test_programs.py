@@ -89,6 +89,22 @@ def test_reading_the_offloaded_training_state_is_one_error_naming_it(policy, tmp
                      rf"manager\.to_train\(\) / manager\.recover\(\)$", err), err
 
 
+# The same reads with FSDP2 (DTensor parameters, gradients and moments) did before the DTensors were guarded as
+# well as their local shards: SIGSEGV (139) for the norm, the gradient and the moment; exit 0 for the checkpoint.
+FSDP_READS = [("param_norm", "norm", "param"), ("checkpoint", "detach", "param"), ("grad", "abs", "grad"),
+              ("optimizer", "sum", "optimizer")]
+
+
+@pytest.mark.parametrize("read, op, kind", FSDP_READS, ids=[r[0] for r in FSDP_READS])
+def test_reading_the_offloaded_fsdp2_training_state_is_one_error_naming_it(policy, tmp_path, read, op, kind):
+    rc, out, err = run("reads_offloaded_fsdp_state", policy, tmp_path, read)
+    assert rc == 1, f"{read}: exit {rc} (a negative code is a signal):\n{err}"
+    assert out == "shape (256, 64)", out
+    assert re.search(rf"^(\[rank0\]: )?hybridmem\.errors\.OffloadedTensorError: cannot {op} a tensor of the training "
+                     rf"state \({kind}, shape \[\d+(, \d+)*\], torch\.float32\): hybridmem moved its bytes to host memory",
+                     err), err
+
+
 def _busy() -> subprocess.Popen:
     """A process keeping one core busy."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -5,7 +5,8 @@ view of FSDP2's padded shard storage (see [Note: FSDP2 shards] in :mod:`hybridme
 These offloaders hand the local tensors to the shared mechanism (see [Note: offload by storage] in
 :mod:`hybridmem.offload.base`), which moves each storage whole, padding included, and frees it with
 ``resize_(0)``: the DTensor objects, the optimizer's references to them and FSDP2's own views stay
-valid, and the bytes come back bitwise.
+valid, and the bytes come back bitwise. The DTensors themselves refuse reads while their shards are on the
+host, as the local tensors do (``held_by_user``).
 """
 
 from __future__ import annotations
@@ -31,11 +32,23 @@ def _locals(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
         yield local_tensor(t)
 
 
+def _with_wrappers(freed: list[torch.Tensor], held: Iterable[Any]) -> list[torch.Tensor]:
+    """``freed`` and the DTensors of ``held`` whose local tensor is one of them: what the user reads is the
+    DTensor, whose ops reach the local tensor below ``__torch_function__``, so both must refuse reads (see
+    [Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`)."""
+    keys = {id(t) for t in freed}
+    return [*freed, *(t for t in held if isinstance(t, DTensor) and id(t._local_tensor) in keys)]  # noqa: SLF001
+
+
 class FSDPParamOffloader(ParamOffloader):
     """:class:`~hybridmem.offload.ParamOffloader` over the local shards of DTensor parameters."""
 
     def tensors(self) -> Iterable[torch.Tensor]:
         return _locals(super().tensors())
+
+    def held_by_user(self, freed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The local shards and their DTensor parameters."""
+        return _with_wrappers(freed, super().tensors())
 
 
 class FSDPGradOffloader(GradOffloader):
@@ -57,10 +70,17 @@ class FSDPGradOffloader(GradOffloader):
         self.modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
 
     def tensors(self) -> Iterable[torch.Tensor]:
+        return _locals(self._grads())
+
+    def _grads(self) -> Iterator[torch.Tensor]:
         for module in self.modules:
             for p in module.parameters():
                 if p.grad is not None:
-                    yield local_tensor(p.grad)
+                    yield p.grad
+
+    def held_by_user(self, freed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The local shards and their DTensor gradients."""
+        return _with_wrappers(freed, self._grads())
 
 
 class FSDPOptimizerOffloader(OptimizerStateOffloader):
@@ -69,3 +89,7 @@ class FSDPOptimizerOffloader(OptimizerStateOffloader):
 
     def tensors(self) -> Iterable[torch.Tensor]:
         return _locals(super().tensors())
+
+    def held_by_user(self, freed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The local shards and their DTensor state."""
+        return _with_wrappers(freed, super().tensors())
