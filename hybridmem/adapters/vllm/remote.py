@@ -134,6 +134,29 @@ def _output(prompt: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[
                             finish_reason=finish_reason)
 
 
+ERROR_TEXT_CHARS = 2000
+"""How much of a response body that is not vLLM's JSON error an error quotes."""
+
+
+def error_text(response: Any) -> str:
+    """``HTTP <status>: <what the server said>`` for a failed response: the message of vLLM's JSON error
+    (``{"error": {"message": ...}}``, or FastAPI's ``{"detail": ...}``) whole, else the body's first
+    :data:`ERROR_TEXT_CHARS` characters."""
+    said = None
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        said = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+        if said is None and "detail" in body:
+            said = body["detail"] if isinstance(body["detail"], str) else str(body["detail"])
+    if not said:
+        said = response.text[:ERROR_TEXT_CHARS] + ("..." if len(response.text) > ERROR_TEXT_CHARS else "")
+    return f"HTTP {response.status_code}: {said}"
+
+
 class HTTPClient(VLLMClient):
     """A ``vllm serve`` (OpenAI server) with its RL endpoints (``VLLM_SERVER_DEV_MODE=1``).
 
@@ -188,8 +211,8 @@ class HTTPClient(VLLMClient):
         if response.status_code != 200:
             self._reconnect()  # the server may have closed this connection after the error (see _reconnect)
             gone = response.status_code == 503 or "EngineDeadError" in response.text or self._gone()
-            raise self._failure(name, start=start, deadline_s=timeout, cause=f"HTTP {response.status_code}: "
-                                f"{response.text[:300]}", fault=EngineFault.DEAD if gone else EngineFault.REFUSED)
+            raise self._failure(name, start=start, deadline_s=timeout, cause=error_text(response),
+                                fault=EngineFault.DEAD if gone else EngineFault.REFUSED)
         data = response.json() if response.content else {}
         if name == "weight_version":
             return data.get("weight_version")
@@ -280,7 +303,7 @@ class HTTPClient(VLLMClient):
         if response.status_code != 200:
             raise EngineProcessError("generate", where=self.where, deadline_s=self.generate_timeout_s,
                                      elapsed_s=time.monotonic() - start,
-                                     cause=f"HTTP {response.status_code}: {response.text[:300]}")
+                                     cause=error_text(response))
         return self._parse(path, prompt_ids, response.json(), bool(params.logprobs))
 
     def close(self) -> None:
