@@ -24,7 +24,7 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 - ``kv``: ``kv_release.py``: the ``torch`` and ``cuda-vmm`` KV allocators and torch_memory_saver,
   address stability and a CUDA graph replayed after resume.
 - ``demo``: the GRPO demo on the device, torch, Megatron and FSDP2 trainers (one process: one GPU), and the
-  torch trainer in a Ray worker actor holding the GPU's placement-group bundle (``--launcher ray``; where Ray is installed).
+  torch trainer in a Ray worker actor holding the GPU's placement-group bundle (``--launcher ray``; on a GPU where Ray is installed).
 
 The parent never touches the device, so each part's ``mem_get_info`` sees only its own process.
 Targets (GPU only): steady-state switch >= 0.9 of the raw pinned link both ways, first switch within 2x
@@ -153,7 +153,9 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
                             argv=(py, "-m", "hybridmem", "demo", "--device", device, "--trainer", trainer,
                                   "--world-size", "1", "--train-tp", "1", "--infer-tp", "1",
                                   "--iters", str(prof.demo_iters), "--out", str(out / f"demo_{trainer}"))))
-        if importlib.util.find_spec("ray") is not None:  # the ray extra
+        # On a GPU, where Ray is installed (the ray extra); the CPU dry run leaves it to tests/examples/test_grpo_ray.py,
+        # which runs this command's shape (one actor) and the other launchers'.
+        if device == "cuda" and importlib.util.find_spec("ray") is not None:
             jobs.append(Job(part="demo", label="demo --launcher ray", timeout_s=240, result="demo_ray/grpo.json",
                             argv=(py, "-m", "hybridmem", "demo", "--device", device, "--launcher", "ray",
                                   "--world-size", "1", "--train-tp", "1", "--infer-tp", "1",

@@ -3,7 +3,8 @@ driver over one worker actor per rank (trainer rank, engine, reference and rewar
 actor) learns with the reward of every iteration equal to the spawned demo's, on one raylet and on two
 raylets of this machine (Ray's test cluster, standing in for two nodes), with a reward model as with the
 rule; the reference and the reward model hold no device bytes outside their own tasks; every trainer and
-engine runs under it (vLLM in the actor's process, and vLLM's engine core in a process of its own)."""
+engine runs under it (vLLM in the actor's process, and vLLM's engine core in a process of its own), one actor
+alone too (the GPU suite's Ray run: one actor holding the GPU's bundle)."""
 
 from __future__ import annotations
 
@@ -96,10 +97,11 @@ FULL = os.environ.get("HYBRIDMEM_TESTS_FULL") == "1"
 vLLM in the actor's process and leaves that case to ``HYBRIDMEM_TESTS_FULL=1``."""
 
 
-@pytest.mark.parametrize("demo", [["--trainer", "megatron"], ["--trainer", "fsdp", "--infer-tp", "2"], ["--engine", "vllm"],
+@pytest.mark.parametrize("demo", [["--trainer", "megatron", "--engine", "vllm", "--world-size", "1", "--train-tp", "1"],
+                                  ["--trainer", "fsdp", "--infer-tp", "2"],
                                   pytest.param(["--engine", "vllm-server"], marks=pytest.mark.skipif(
                                       not FULL, reason="a minute and a half; HYBRIDMEM_TESTS_FULL=1 runs it"))],
-                         ids=["megatron", "fsdp", "vllm", "vllm-server"])
+                         ids=["megatron-vllm-one-actor", "fsdp", "vllm-server"])
 def test_every_trainer_and_engine_runs_on_ray(tmp_path, demo):
     if "megatron" in demo:
         pytest.importorskip("megatron.core")

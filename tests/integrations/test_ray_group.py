@@ -115,7 +115,12 @@ DEADLINE_S, MARGIN_S = 6.0, 10.0
 after it to roll back on a loaded machine."""
 
 
-@pytest.mark.parametrize("where", ["resume", "exchange"])
+FULL = os.environ.get("HYBRIDMEM_TESTS_FULL") == "1"
+
+
+# exchange: inside the weight sync (its first bucket); resume: before it (the engine taking its memory back).
+@pytest.mark.parametrize("where", ["exchange", pytest.param("resume", marks=pytest.mark.skipif(
+    not FULL, reason="the same fault one step earlier; HYBRIDMEM_TESTS_FULL=1 runs it"))])
 def test_an_actor_killed_during_train_to_infer_fails_the_others_by_the_deadline(local_ray, tmp_path, where):
     model_dir = save_tiny_qwen2(tmp_path / "qwen2")
     with HybridWorkerGroup(HybridWorker, WORLD, device="cpu", env_vars=ENV) as group:
