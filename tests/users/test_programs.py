@@ -75,34 +75,23 @@ def test_a_users_mistake_ends_in_one_line_and_no_signal(policy, tmp_path, progra
 
 # What a read of the offloaded training state inside ``inference()`` did before the guard: SIGSEGV (139)
 # for the norm, the gradient and AdamW's moment; exit 0 for the checkpoint, whose bytes were freed memory.
+# The same with FSDP2 (``fsdp``: DTensor parameters, gradients and moments) before the DTensors were guarded as
+# well as their local shards. Under torch.distributed the error's lines carry torch's ``[rank0]: `` prefix.
 READS = [("param_norm", "norm", "param"), ("checkpoint", "detach", "param"), ("grad", "abs", "grad"),
          ("optimizer", "sum", "optimizer"), ("print", "repr", "param")]
+CASES_READ = [(*r, "") for r in READS] + [(*r, "fsdp") for r in READS if r[0] != "print"]
 
 
-@pytest.mark.parametrize("read, op, kind", READS, ids=[r[0] for r in READS])
-def test_reading_the_offloaded_training_state_is_one_error_naming_it(policy, tmp_path, read, op, kind):
-    rc, out, err = run("reads_offloaded_state", policy, tmp_path, read)
+@pytest.mark.parametrize("read, op, kind, sharding", CASES_READ, ids=[f"{c[0]}{'-' + c[3] if c[3] else ''}"
+                                                                        for c in CASES_READ])
+def test_reading_the_offloaded_training_state_is_one_error_naming_it(policy, tmp_path, read, op, kind, sharding):
+    rc, out, err = run("reads_offloaded_state", policy, tmp_path, read, *([sharding] if sharding else []))
     assert rc == 1, f"{read}: exit {rc} (a negative code is a signal):\n{err}"
     assert out == "shape (256, 64)", out
-    assert re.search(rf"^hybridmem\.errors\.OffloadedTensorError: cannot {op} a tensor of the training state "
+    prefix = r"\[rank0\]: " if sharding else ""
+    assert re.search(rf"^{prefix}hybridmem\.errors\.OffloadedTensorError: cannot {op} a tensor of the training state "
                      rf"\({kind}, shape \[\d+(, \d+)*\], torch\.float32\): hybridmem moved its bytes to host memory .*"
                      rf"manager\.to_train\(\) / manager\.recover\(\)$", err), err
-
-
-# The same reads with FSDP2 (DTensor parameters, gradients and moments) did before the DTensors were guarded as
-# well as their local shards: SIGSEGV (139) for the norm, the gradient and the moment; exit 0 for the checkpoint.
-FSDP_READS = [("param_norm", "norm", "param"), ("checkpoint", "detach", "param"), ("grad", "abs", "grad"),
-              ("optimizer", "sum", "optimizer")]
-
-
-@pytest.mark.parametrize("read, op, kind", FSDP_READS, ids=[r[0] for r in FSDP_READS])
-def test_reading_the_offloaded_fsdp2_training_state_is_one_error_naming_it(policy, tmp_path, read, op, kind):
-    rc, out, err = run("reads_offloaded_fsdp_state", policy, tmp_path, read)
-    assert rc == 1, f"{read}: exit {rc} (a negative code is a signal):\n{err}"
-    assert out == "shape (256, 64)", out
-    assert re.search(rf"^(\[rank0\]: )?hybridmem\.errors\.OffloadedTensorError: cannot {op} a tensor of the training "
-                     rf"state \({kind}, shape \[\d+(, \d+)*\], torch\.float32\): hybridmem moved its bytes to host memory",
-                     err), err
 
 
 def _busy() -> subprocess.Popen:
