@@ -83,7 +83,7 @@ PROFILES = {
     # TRL import) would only cost time, so it collects the files made of CUDA tests.
     ("cpu", True): Profile(state_nbytes=(8e6, 16e6, 32e6), hidden=512, repeats=2, naive_repeats=1,
                            kv_gib=0.03, kv_cycles=2, demo_iters=2,
-                           test_paths=("tests/test_cuda_memory.py", "tests/kv", "tests/test_host_pool.py",
+                           test_paths=("tests/test_cuda_memory.py", "tests/kv", "tests/offload/test_host_pool.py",
                                        "tests/megatron/test_cuda.py")),
 }
 
@@ -240,7 +240,7 @@ def cuda_unavailable() -> str | None:
 
 
 def _gib(nbytes: float | None) -> str:
-    from hybridmem.memplan import format_nbytes  # noqa: PLC0415 - the parent imports no torch before it must
+    from hybridmem.switch.memplan import format_nbytes  # noqa: PLC0415 - the parent imports no torch before it must
 
     return "-" if nbytes is None else format_nbytes(nbytes)
 

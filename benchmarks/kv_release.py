@@ -36,7 +36,7 @@ from rich.table import Table
 
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.kv import KV_ALLOCATORS, CudaVmmKVAllocator
-from hybridmem.memplan import format_nbytes
+from hybridmem.switch.memplan import format_nbytes
 
 GIB = 1 << 30
 BLOCK_NBYTES = 2 << 20  # 16 tokens x 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes (bf16) = 2 MiB

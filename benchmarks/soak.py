@@ -28,7 +28,7 @@ import torch
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.accel import get_accelerator
 from hybridmem.engines import TorchCopyEngine
-from hybridmem.memplan import format_nbytes
+from hybridmem.switch.memplan import format_nbytes
 from hybridmem.testing.tiny import TinyNet, train_step
 
 WARMUP_CYCLES = 20

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.accel import Accelerator, get_accelerator
-from hybridmem.memplan import format_nbytes
+from hybridmem.switch.memplan import format_nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -22,12 +22,11 @@ import statistics
 import time
 
 import torch
-
-from hybridmem.accel import get_accelerator
-from hybridmem.memplan import format_nbytes
-
 from kv_release import import_torch_memory_saver  # noqa: E402  (a sibling script of benchmarks/)
 from switch_latency import DTYPES, build, device_tensors  # noqa: E402
+
+from hybridmem.accel import get_accelerator
+from hybridmem.switch.memplan import format_nbytes
 
 TAG = "train"
 

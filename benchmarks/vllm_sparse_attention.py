@@ -79,7 +79,14 @@ def _free_port() -> int:
 def check_family(model_type: str, root: Path) -> dict:
     """Build ``model_type``'s checkpoint with vLLM on the GPU and compare every loaded parameter."""
     import torch  # noqa: PLC0415
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed import parallel_state
     from vllm.model_executor.model_loader.utils import initialize_model
 

@@ -24,10 +24,10 @@ from hybridmem.errors import (
     WeightSyncError,
 )
 from hybridmem.manager import ShardingManager
-from hybridmem.memplan import MemoryPlan
-from hybridmem.phase import Direction, Phase
-from hybridmem.report import StepReport, SwitchReport
-from hybridmem.residency import ResidencyReport
+from hybridmem.switch.memplan import MemoryPlan
+from hybridmem.switch.phase import Direction, Phase
+from hybridmem.switch.report import StepReport, SwitchReport
+from hybridmem.switch.residency import ResidencyReport
 
 __all__ = [
     "ShardingManager",

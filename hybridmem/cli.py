@@ -2,7 +2,7 @@
 
 ``hybridmem demo`` runs the GRPO example on the embedded engine (CPU by default);
 ``hybridmem switch-loop`` the torch-only switch loop; ``hybridmem plan`` predicts a cluster's switches
-(:mod:`hybridmem.plan_command`); ``hybridmem --version`` prints the version.
+(:mod:`hybridmem.planner.command`); ``hybridmem --version`` prints the version.
 A mistake on the command line is reported in one line naming the option and what is allowed.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from hybridmem.examples.parsing import OneLineErrorParser
+from hybridmem.config.arguments import OneLineErrorParser
 
 __all__ = ["main", "OneLineErrorParser"]
 
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         switch_loop.main(rest)
     elif args.command == "plan":
-        from hybridmem import plan_command  # noqa: PLC0415
+        from hybridmem.planner import command as plan_command  # noqa: PLC0415
 
         return plan_command.main(rest)
     return 0

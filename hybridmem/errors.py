@@ -188,7 +188,7 @@ class MemoryPlanError(HybridMemError, MemoryError):
     :class:`HostMemoryPlanError` (so every raise site gets the host class without knowing of it).
 
     Attributes:
-        plan: The :class:`hybridmem.memplan.MemoryPlan` that did not fit; ``str(plan)`` is a table.
+        plan: The :class:`hybridmem.switch.memplan.MemoryPlan` that did not fit; ``str(plan)`` is a table.
     """
 
     def __new__(cls, plan: object, *args: object, **kwargs: object):
@@ -222,7 +222,7 @@ class HostMemoryBudgetError(HybridMemError, MemoryError):
 
 class HostMemoryPlanError(MemoryPlanError, HostMemoryBudgetError):
     """A switch was refused before it started because its offloads would grow the host buffer pool past
-    ``host_memory_budget_bytes`` (see [Note: host memory plan] in :mod:`hybridmem.memplan`); nothing was
+    ``host_memory_budget_bytes`` (see [Note: host memory plan] in :mod:`hybridmem.switch.memplan`); nothing was
     moved. Catch it as either base: ``except HostMemoryBudgetError`` catches a host budget overflow
     whether it is foreseen by the plan or met inside a switch.
 
@@ -340,7 +340,7 @@ class EngineProcessError(HybridMemError, RuntimeError):
 
 class PeerAbortError(HybridMemError, RuntimeError):
     """Other ranks of a multi-rank switch could not finish it and voted to roll back; this rank rolled back
-    too (see [Note: switch agreement] in hybridmem.agreement). The process group stays usable.
+    too (see [Note: switch agreement] in hybridmem.switch.agreement). The process group stays usable.
 
     Attributes:
         ranks: The ranks (of the weight sync's group) that voted no.

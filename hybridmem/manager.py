@@ -5,11 +5,11 @@
 ...     outputs = engine.generate(prompts)
 
 The manager is a facade over modules with one job each: the parts built from what the user passed
-(:mod:`hybridmem.parts`), the steps of a switch and their order (:mod:`hybridmem.steps`, [Note: step
-order]), the transaction that runs them, its journal and rollback with signals held (:mod:`hybridmem.txn`,
+(:mod:`hybridmem.parts`), the steps of a switch and their order (:mod:`hybridmem.switch.steps`, [Note: step
+order]), the transaction that runs them, its journal and rollback with signals held (:mod:`hybridmem.switch.transaction`,
 [Note: switch transactions]), who holds device memory and the memory plan's budget
-(:mod:`hybridmem.owners`), co-resident models (:mod:`hybridmem.colocate`), the state machine
-(:mod:`hybridmem.machine`) and the mechanism that moves bytes (:mod:`hybridmem.offload`).
+(:mod:`hybridmem.switch.owners`), co-resident models (:mod:`hybridmem.switch.colocate`), the state machine
+(:mod:`hybridmem.switch.machine`) and the mechanism that moves bytes (:mod:`hybridmem.offload`).
 """
 
 from __future__ import annotations
@@ -27,36 +27,40 @@ from typing import Any
 import torch
 
 from hybridmem.accel import Accelerator, MemoryFigures, get_accelerator
-from hybridmem.agreement import AgreeStep, SwitchAgreement, is_collective_loss
-from hybridmem.architecture import check_architecture
-from hybridmem.claims import Claims
-from hybridmem.colocate import CoResident, CoResidentState
 from hybridmem.config import HybridConfig, LoraBase
-from hybridmem.engine_contract import KV_CACHE, WEIGHTS, InferenceEngine, capabilities_of, check_kv_utilization
+from hybridmem.contract.engine import (
+    InferenceEngine,
+    capabilities_of,
+    check_kv_utilization,
+)
+from hybridmem.contract.kinds import KV_CACHE, WEIGHTS, StateKind
+from hybridmem.contract.training import TrainingState, training_capabilities_of
 from hybridmem.errors import MemoryPlanError, PhaseError, SwitchError, switch_error
-from hybridmem.guards import TrainingGuard
-from hybridmem.host_pool import HostBufferPool
-from hybridmem.kinds import StateKind
-from hybridmem.lora_base import (
+from hybridmem.offload import Offloader, OffloadState
+from hybridmem.offload.host_pool import HostBufferPool
+from hybridmem.parts import resolve_layouts, training_state_of
+from hybridmem.switch.agreement import AgreeStep, SwitchAgreement, is_collective_loss
+from hybridmem.switch.architecture import check_architecture
+from hybridmem.switch.claims import Claims
+from hybridmem.switch.colocate import CoResident, CoResidentState
+from hybridmem.switch.guards import TrainingGuard
+from hybridmem.switch.lora_base import (
     engine_tags_stay,
     hold_engine_weights,
     keep_frozen_on_device,
     lora_base_of,
     share_with_engine,
 )
-from hybridmem.machine import PhaseMachine, Trigger
-from hybridmem.memplan import MemoryPlan, StepEstimate
-from hybridmem.offload import Offloader, OffloadState
-from hybridmem.parts import resolve_layouts, training_state_of
-from hybridmem.phase import Direction, Phase
-from hybridmem.report import SwitchReport
-from hybridmem.residency import ResidencyReport
-from hybridmem.owners import DeviceOwners
-from hybridmem.steps import SwitchStep, WeightSyncStep, switch_steps
+from hybridmem.switch.machine import PhaseMachine, Trigger
+from hybridmem.switch.memplan import MemoryPlan, StepEstimate
+from hybridmem.switch.owners import DeviceOwners
+from hybridmem.switch.phase import Direction, Phase
+from hybridmem.switch.prewarm import ArenaPrewarmer
+from hybridmem.switch.report import SwitchReport
+from hybridmem.switch.residency import ResidencyReport
+from hybridmem.switch.steps import SwitchStep, WeightSyncStep, switch_steps
+from hybridmem.switch.transaction import HeldSignals, SwitchRun, roll_back, run_steps
 from hybridmem.weight_sync import WeightSync, default_weight_sync
-from hybridmem.prewarm import ArenaPrewarmer
-from hybridmem.training_state import TrainingState, training_capabilities_of
-from hybridmem.txn import HeldSignals, SwitchRun, roll_back, run_steps
 
 __all__ = ["ShardingManager"]
 
@@ -64,7 +68,7 @@ log = logging.getLogger(__name__)
 
 def _weak_phase(manager: ShardingManager) -> Callable[[], Phase]:
     """``manager.phase`` without keeping the manager alive: an engine outlives the managers built on it
-    ([Note: one manager per model] in hybridmem.claims); ``CLOSED`` once the manager is gone."""
+    ([Note: one manager per model] in hybridmem.switch.claims); ``CLOSED`` once the manager is gone."""
     ref = weakref.ref(manager)
 
     def phase() -> Phase:
@@ -106,9 +110,9 @@ class ShardingManager:
     Args:
         model: The training model: a ``torch.nn.Module`` (with ``fully_shard`` applied or not; an FSDP2
             model gets :class:`~hybridmem.adapters.fsdp.FSDPTrainingState`), a list of module chunks, or
-            an object implementing :class:`~hybridmem.training_state.TrainingState` (e.g. the Megatron
+            an object implementing :class:`~hybridmem.contract.training.TrainingState` (e.g. the Megatron
             adapter).
-        engine: The inference engine (see :class:`~hybridmem.engine_contract.InferenceEngine`), or
+        engine: The inference engine (see :class:`~hybridmem.contract.engine.InferenceEngine`), or
             ``None`` to only offload training state.
         optimizer: The optimizer(s) whose state to offload (plain PyTorch models only; adapters carry
             their own).
@@ -157,7 +161,7 @@ class ShardingManager:
         self.created_at = _caller()
         """``file:line`` of the user's code that built this manager (named when another manager is refused)."""
         self._claims: Claims | None = None
-        """What this manager holds alone ([Note: one manager per model] in hybridmem.claims)."""
+        """What this manager holds alone ([Note: one manager per model] in hybridmem.switch.claims)."""
         try:
             self._build(config, engine, weight_sync=weight_sync, model_spec=model_spec, group=group)
         except BaseException:
@@ -202,7 +206,7 @@ class ShardingManager:
         self.weight_sync = weight_sync
         self.lora_base = lora_base_of(weight_sync, self.config)
         """Where a LoRA model's base stays when only its adapters are synced; ``None`` otherwise ([Note: lora
-        base] in hybridmem.lora_base)."""
+        base] in hybridmem.switch.lora_base)."""
         self.engine_tags_stay = engine_tags_stay(self.lora_base, engine)
         """The engine's tags that stay on the device through TRAIN ([Note: lora base])."""
         if self.lora_base is not None:
@@ -229,7 +233,7 @@ class ShardingManager:
         """Co-resident models by name (see [Note: co-resident phases])."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
                                    self.config.device_memory_budget_bytes, engine_tags_stay=self.engine_tags_stay)
-        """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.owners`)."""
+        """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.switch.owners`)."""
         self.last_reports: dict[Direction, SwitchReport] = {}
         """The latest report of each direction."""
         self.last_report: SwitchReport | None = None
@@ -241,7 +245,7 @@ class ShardingManager:
         self._release_engine_memory()
         self.prewarmer = (ArenaPrewarmer(self.pool, self.offloaders, self._enabled, optimizers)
                           if self.config.prewarm_host_buffers else None)
-        """Allocates the host arenas in the background ([Note: prewarmed arenas] in hybridmem.host_pool)."""
+        """Allocates the host arenas in the background ([Note: prewarmed arenas] in hybridmem.offload.host_pool)."""
 
     def _release_engine_memory(self) -> None:
         """The manager starts in TRAIN, where the engine holds no memory: an engine handed over awake (a
@@ -258,12 +262,12 @@ class ShardingManager:
     # Introspection --------------------------------------------------------------------------------
     @property
     def phase(self) -> Phase:
-        """The current :class:`~hybridmem.phase.Phase`."""
+        """The current :class:`~hybridmem.switch.phase.Phase`."""
         return self._machine.phase
 
     def register_step(self, direction: Direction, step: SwitchStep, order: int) -> None:
         """Add a step to every later switch of ``direction``, sorted by ``order`` among the built-in
-        steps (:class:`~hybridmem.steps.ToInferOrder` / :class:`~hybridmem.steps.ToTrainOrder`)."""
+        steps (:class:`~hybridmem.switch.steps.ToInferOrder` / :class:`~hybridmem.switch.steps.ToTrainOrder`)."""
         self._check_phase("register a step", Phase.TRAIN)
         self._extra_steps[Direction(direction)].append((int(order), step))
 
@@ -482,7 +486,7 @@ class ShardingManager:
     def close(self) -> None:
         """Let the model, optimizer and engine go: the phase becomes CLOSED, the host arenas are dropped,
         hooks removed, and another manager may be built on them ([Note: one manager per model] in
-        :mod:`hybridmem.claims`). Only in TRAIN (CLOSED: a no-op); co-resident models are onloaded first
+        :mod:`hybridmem.switch.claims`). Only in TRAIN (CLOSED: a no-op); co-resident models are onloaded first
         so nothing is lost."""
         if self.phase is Phase.CLOSED:
             return
@@ -500,7 +504,7 @@ class ShardingManager:
     # Internals ------------------------------------------------------------------------------------
     def _vote_no(self, run: SwitchRun) -> None:
         """Tell the peers this rank rolls back, where they wait for its vote: its weight sync completed and
-        its group is usable ([Note: switch agreement] in hybridmem.agreement)."""
+        its group is usable ([Note: switch agreement] in hybridmem.switch.agreement)."""
         if self.agreement is None or isinstance(run.failed_step, AgreeStep) or is_collective_loss(run.error):
             return
         synced = [s for s in run.entered if isinstance(s, WeightSyncStep) and s is not run.failed_step]

@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hybridmem.adapters.torch import TorchTrainingState
 from hybridmem.config import HybridConfig, ParallelLayout
-from hybridmem.engine_contract import capabilities_of
+from hybridmem.contract.engine import capabilities_of
+from hybridmem.contract.training import TrainingState, training_capabilities_of
 from hybridmem.errors import ConfigError
-from hybridmem.training_state import TorchTrainingState, TrainingState, training_capabilities_of
 
 __all__ = ["training_state_of", "resolve_layouts", "TRAIN_LAYOUT_KEYS", "INFER_LAYOUT_KEYS"]
 

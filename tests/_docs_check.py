@@ -181,7 +181,6 @@ def install() -> None:
     engines = [ReferenceEngine]
     try:
         from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415 - never imports vLLM itself
-
         from hybridmem.adapters.vllm.server import VLLMServerEngine  # noqa: PLC0415 - nor does this
 
         engines += [VLLMEngine, VLLMServerEngine]

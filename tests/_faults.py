@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hybridmem.accel import cpu as cpu_accel
-from hybridmem.host_pool import HostBufferPool
+from hybridmem.offload.host_pool import HostBufferPool
 
 __all__ = ["FaultInjector", "Injected", "sample_points", "FULL"]
 

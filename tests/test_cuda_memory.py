@@ -7,8 +7,8 @@ import torch
 
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.accel import get_accelerator
-from hybridmem.host_pool import HostBufferPool
 from hybridmem.offload import ParamOffloader
+from hybridmem.offload.host_pool import HostBufferPool
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

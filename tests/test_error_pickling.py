@@ -9,8 +9,8 @@ import pickle
 import pytest
 
 from hybridmem import errors
-from hybridmem.memplan import StepEstimate, plan_switch
-from hybridmem.phase import Direction, Phase
+from hybridmem.switch.memplan import StepEstimate, plan_switch
+from hybridmem.switch.phase import Direction, Phase
 
 
 def _plan(host_budget: int | None):

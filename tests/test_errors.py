@@ -79,7 +79,7 @@ def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_t
 
 def test_a_budget_overflow_outside_a_switch_is_the_plain_class():
     from hybridmem.accel import get_accelerator
-    from hybridmem.host_pool import HostBufferPool
+    from hybridmem.offload.host_pool import HostBufferPool
 
     pool = HostBufferPool(get_accelerator("cpu"), budget_nbytes=16)
     with pytest.raises(HostMemoryBudgetError) as info:

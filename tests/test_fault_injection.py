@@ -26,9 +26,18 @@ from typing import Any
 
 import pytest
 import torch
-
-from _faults import FULL, TORCH_SEAMS, FaultInjector, Injected, engine_seams, inject, leftovers, sample_points
+from _faults import (
+    FULL,
+    TORCH_SEAMS,
+    FaultInjector,
+    Injected,
+    engine_seams,
+    inject,
+    leftovers,
+    sample_points,
+)
 from _foreign import make_foreign
+
 from hybridmem import HybridConfig, Phase, ShardingManager
 from hybridmem.engines import TorchCopyEngine
 from hybridmem.testing.tiny import TinyNet, assert_bitwise_equal, snapshot, train_step

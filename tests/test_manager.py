@@ -19,7 +19,13 @@ from hybridmem import (
 from hybridmem.accel import CpuAccelerator
 from hybridmem.engines import TorchCopyEngine
 from hybridmem.offload import OffloadState
-from hybridmem.testing.tiny import TinyNet, assert_bitwise_equal, make_batch, snapshot, train_step
+from hybridmem.testing.tiny import (
+    TinyNet,
+    assert_bitwise_equal,
+    make_batch,
+    snapshot,
+    train_step,
+)
 
 KV_NBYTES = 1 << 16
 

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from hybridmem import ConfigError, HybridConfig, ShardingManager
 from hybridmem.engines import ReferenceEngine, SamplingParams
 from hybridmem.reshard import ModelSpec
-from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
+from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
 from tests.reshard.reference import vllm_shard
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,9 +1,14 @@
-"""Inference engines hybridmem ships, and the contract's names (defined in :mod:`hybridmem.engine_contract`)."""
+"""Inference engines hybridmem ships, and the contract's names (defined in :mod:`hybridmem.contract.engine`)."""
 
 from __future__ import annotations
 
-from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, InferenceEngine, check_kv_utilization
-from hybridmem.engines.reference import GenerationOutput, ReferenceEngine, SamplingParams
+from hybridmem.contract.engine import InferenceEngine, check_kv_utilization
+from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
+from hybridmem.engines.reference import (
+    GenerationOutput,
+    ReferenceEngine,
+    SamplingParams,
+)
 from hybridmem.engines.torch_copy import EngineMemoryState, TorchCopyEngine
 
 __all__ = [

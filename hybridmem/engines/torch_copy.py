@@ -1,6 +1,6 @@
 """TorchCopyEngine: an inference "engine" that is a same-layout copy of a torch module.
 
-It is the simplest engine that honours the :class:`~hybridmem.engine_contract.InferenceEngine`
+It is the simplest engine that honours the :class:`~hybridmem.contract.engine.InferenceEngine`
 contract for real: its weights are storage that is released and resumed, ``load_weights`` writes the
 training weights into it by name, and an optional KV-cache pool is released and re-taken on every
 switch. It runs the copied module's ``forward`` for inference. Use it for models whose inference layout
@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
+from hybridmem.contract.engine import EngineCapabilities, check_tags
+from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import PhaseError
 
 __all__ = ["TorchCopyEngine", "EngineMemoryState"]
@@ -29,16 +30,6 @@ class EngineMemoryState(Enum):
     """The tag's storages hold device memory."""
     RELEASED = "released"
     """The tag's storages are resized to 0 bytes; contents are gone (see [Note: engine memory tags])."""
-
-
-def check_tags(tags: Sequence[str]) -> list[str]:
-    """Validate engine memory tags; raises ``ValueError`` naming a bad one."""
-    if isinstance(tags, str):
-        raise TypeError(f"tags must be a sequence of tags, got the string {tags!r}; use [{tags!r}]")
-    for tag in tags:
-        if tag not in ENGINE_TAGS:
-            raise ValueError(f"unknown engine memory tag {tag!r}; expected one of {ENGINE_TAGS}")
-    return list(tags)
 
 
 class TorchCopyEngine:
@@ -55,7 +46,7 @@ class TorchCopyEngine:
     so the default weight sync streams the training state's ``named_weights()`` into it as they are."""
     capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
                                       loads_training_names=True, binds_phase=True)
-    """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
+    """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
 
     def __init__(self, module: torch.nn.Module, *, kv_cache_nbytes: int = 0):
         if kv_cache_nbytes < 0:
@@ -100,7 +91,7 @@ class TorchCopyEngine:
 
     def release(self, tags: Sequence[str]) -> None:
         """Free every storage of ``tags``, whatever state the tag is in (an interrupted resume may have
-        grown some; see [Note: switch transactions] in hybridmem.txn). Idempotent."""
+        grown some; see [Note: switch transactions] in hybridmem.switch.transaction). Idempotent."""
         for tag in check_tags(tags):
             for storage, _ in self._storages(tag):
                 storage.resize_(0)

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from hybridmem import Direction, HybridConfig, ShardingManager
 from hybridmem.engines import TorchCopyEngine
-from hybridmem.memplan import format_nbytes
+from hybridmem.switch.memplan import format_nbytes
 from hybridmem.testing.tiny import TinyNet, make_batch, train_step
 
 __all__ = ["main", "run"]
@@ -69,7 +69,7 @@ def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Conso
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``hybridmem switch-loop``: parse and check arguments, then run."""
-    from hybridmem.examples.parsing import OneLineErrorParser  # noqa: PLC0415
+    from hybridmem.config.arguments import OneLineErrorParser  # noqa: PLC0415
 
     parser = OneLineErrorParser(
         prog="hybridmem switch-loop",

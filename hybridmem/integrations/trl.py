@@ -53,8 +53,8 @@ from typing import Any
 import torch
 
 from hybridmem.config import HybridConfig
-from hybridmem.phase import Direction
-from hybridmem.report import SwitchReport
+from hybridmem.switch.phase import Direction
+from hybridmem.switch.report import SwitchReport
 from hybridmem.weight_sync.lora import LoraRoute, merged_lora_weights
 
 try:

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 import torch
 
 from hybridmem.accel import Accelerator
+from hybridmem.contract.kinds import KV_CACHE
 from hybridmem.errors import KVStateError
-from hybridmem.kinds import KV_CACHE
 from hybridmem.kv.base import KVCacheAllocator, KVState, register_kv_allocator
 
 __all__ = ["VLLMSleepKVAllocator"]

@@ -21,7 +21,11 @@ import torch
 from hybridmem.accel import Accelerator
 from hybridmem.errors import KVResumeError
 from hybridmem.kv.base import KVCacheAllocator, register_kv_allocator
-from hybridmem.kv.cuda_driver import CudaDriver, CudaDriverError, cuda_bindings_available
+from hybridmem.kv.cuda_driver import (
+    CudaDriver,
+    CudaDriverError,
+    cuda_bindings_available,
+)
 
 __all__ = ["CudaVmmKVAllocator", "VmmMapping", "VmmDriver", "DEFAULT_CHUNK_NBYTES"]
 

@@ -30,7 +30,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridmem.nn.functional import apply_rope, rms_norm, rope_cos_sin, swiglu
-from hybridmem.nn.tp import copy_to_group, gather_last_dim, group_size, reduce_from_group, vocab_parallel_embedding
+from hybridmem.nn.tp import (
+    copy_to_group,
+    gather_last_dim,
+    group_size,
+    reduce_from_group,
+    vocab_parallel_embedding,
+)
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["MegatronLayoutGPT", "init_hf_weights", "allreduce_grads"]

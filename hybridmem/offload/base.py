@@ -30,7 +30,7 @@ the copy writes the same bytes back). Once every storage is freed, the tensors o
 until the onload ([Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`). Onload is
 just as re-runnable: it keeps the record until every copy has completed, so an onload interrupted at any
 point is finished by calling it again. Nothing decides what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
-and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.txn`).
+and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`).
 
 A held arena is never handed out for a new offload or dropped (``HostBufferPool`` refuses), so an
 arena holding the only copy of some bytes cannot be overwritten whatever state an offloader believes
@@ -68,9 +68,9 @@ import torch
 from torch.profiler import record_function
 
 from hybridmem.accel import Accelerator
-from hybridmem.host_pool import HostBufferPool
-from hybridmem.kinds import StateKind
+from hybridmem.contract.kinds import StateKind
 from hybridmem.offload.guard import guard, unguard
+from hybridmem.offload.host_pool import HostBufferPool
 
 __all__ = ["OffloadState", "Offloader", "TransferStats", "is_foreign", "storage_view"]
 
@@ -253,7 +253,7 @@ class Offloader(ABC):
     def arena_needs(self) -> dict[torch.dtype, int]:
         """Host arena elements per dtype the next offload would ask for at most (every live storage
         copied); empty when the bytes are on host already. What the pool prewarms (see [Note: prewarmed
-        arenas] in :mod:`hybridmem.host_pool`)."""
+        arenas] in :mod:`hybridmem.offload.host_pool`)."""
         if self._state is OffloadState.ON_HOST:
             return {}
         totals: dict[torch.dtype, int] = {}
@@ -264,7 +264,7 @@ class Offloader(ABC):
     def arena_growth_nbytes(self) -> int:
         """Host bytes the pool's arenas would grow by for the next offload: per dtype, what it would copy
         (:meth:`arena_needs`) beyond this owner's arena held or being prewarmed; 0 when the bytes are on
-        host already (see [Note: host memory plan] in :mod:`hybridmem.memplan`)."""
+        host already (see [Note: host memory plan] in :mod:`hybridmem.switch.memplan`)."""
         total = 0
         for dtype, numel in self.arena_needs().items():
             nbytes = numel * torch.empty((), dtype=dtype).element_size()

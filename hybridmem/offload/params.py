@@ -8,10 +8,10 @@ from typing import ClassVar
 import torch
 
 from hybridmem.accel import Accelerator
-from hybridmem.host_pool import HostBufferPool
-from hybridmem.kinds import StateKind
+from hybridmem.contract.kinds import StateKind
 from hybridmem.offload.base import Offloader
 from hybridmem.offload.engine_owned import is_engine_owned
+from hybridmem.offload.host_pool import HostBufferPool
 
 __all__ = ["ParamOffloader"]
 

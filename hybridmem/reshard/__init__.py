@@ -17,15 +17,33 @@ this package.
 from __future__ import annotations
 
 from hybridmem.reshard.checksum import CellChecksums, verify_offline
+from hybridmem.reshard.conventions import (
+    HFConvention,
+    MegatronConvention,
+    Side,
+    VLLMConvention,
+)
 from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
 from hybridmem.reshard.execute import TransferStats, iter_full_tensors, run_plan
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout
-from hybridmem.reshard.conventions import HFConvention, MegatronConvention, Side, VLLMConvention
-from hybridmem.reshard.layouts import ShardLayout, hf_layout, megatron_layout, vllm_layout
-from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, ReshardPlan, Transfer, build_plan
+from hybridmem.reshard.layouts import (
+    ShardLayout,
+    hf_layout,
+    megatron_layout,
+    vllm_layout,
+)
+from hybridmem.reshard.plan import (
+    DEFAULT_BUCKET_NBYTES,
+    ReshardPlan,
+    Transfer,
+    build_plan,
+)
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.stages import megatron_stage_layers, vllm_stage_layers
-from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS, resolve_vllm_version
+from hybridmem.reshard.vllm_versions import (
+    SUPPORTED_VLLM_VERSIONS,
+    resolve_vllm_version,
+)
 
 __all__ = [
     "ModelSpec",

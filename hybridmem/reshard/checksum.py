@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.errors import WeightSyncError
-from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.deadline import Bound, exchange, global_rank, wait_all
+from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import Box, piece_view
 
 __all__ = ["box_checksum", "CellChecksums", "verify_offline"]

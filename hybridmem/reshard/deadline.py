@@ -65,7 +65,7 @@ def wait_all(works: Sequence[tuple[Any, tuple[int, ...]]], bound: Bound | None, 
 def wait_to_deadline(work: Any, peers: tuple[int, ...], bound: Bound, what: str, *, after: str = "") -> None:
     """Wait for ``work`` until ``bound``'s deadline even if a wait fails on this rank: a collective this rank
     has posted may have completed on its peers, so its outcome must be learned, not guessed (see [Note:
-    switch agreement] in :mod:`hybridmem.agreement`). Up to :data:`RETRIES_AFTER_POST` more waits while
+    switch agreement] in :mod:`hybridmem.switch.agreement`). Up to :data:`RETRIES_AFTER_POST` more waits while
     time is left; then ``CollectiveTimeoutError`` as :func:`wait_all` raises, with ``after`` appended to
     its cause."""
     start = bound[0]

@@ -43,8 +43,14 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
-from hybridmem.reshard.deadline import Bound, deadline_bound, exchange, global_rank, wait_all
 from hybridmem.reshard.conventions import Side
+from hybridmem.reshard.deadline import (
+    Bound,
+    deadline_bound,
+    exchange,
+    global_rank,
+    wait_all,
+)
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import piece_view
 

@@ -33,7 +33,13 @@ from enum import Enum
 from typing import Any
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard.conventions import HFConvention, MegatronConvention, RankCoords, Side, VLLMConvention
+from hybridmem.reshard.conventions import (
+    HFConvention,
+    MegatronConvention,
+    RankCoords,
+    Side,
+    VLLMConvention,
+)
 from hybridmem.reshard.rules import (
     EXPERT_KINDS,
     LAYER_RULES,

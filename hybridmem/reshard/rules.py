@@ -10,9 +10,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridmem.reshard.conventions import HFConvention, MegatronConvention, RankCoords, Side, VLLMConvention
+from hybridmem.reshard.conventions import (
+    HFConvention,
+    MegatronConvention,
+    RankCoords,
+    Side,
+    VLLMConvention,
+)
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.reshard.transforms import LocalTensor, Piece, block, chunk, concat, replicate, split, stack
+from hybridmem.reshard.transforms import (
+    LocalTensor,
+    Piece,
+    block,
+    chunk,
+    concat,
+    replicate,
+    split,
+    stack,
+)
 
 __all__ = ["LayerRule", "LAYER_RULES", "EXPERT_KINDS", "Shapes", "build_rule", "expert_range", "rotary_permuted",
            "vocab_rows", "vllm_loaded_hf_names"]

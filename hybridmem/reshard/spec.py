@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from hybridmem.models import FAMILIES as _FAMILY_TABLE
-from hybridmem.models import Family, RouterBias, TextModelNames, family_name, get_family, getter, model_type_of
+from hybridmem.models import (
+    Family,
+    RouterBias,
+    TextModelNames,
+    family_name,
+    get_family,
+    getter,
+    model_type_of,
+)
 
 __all__ = ["ModelSpec", "FAMILIES", "Placement"]
 

@@ -14,7 +14,6 @@ contract only; it proves nothing about vLLM itself.
 from __future__ import annotations
 
 import os
-
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field

@@ -223,7 +223,10 @@ def build_megatron_gpt(spec: TinyGPTSpec, *, device: str = "cpu") -> tuple[list[
     Returns:
         ``([ddp_model_chunk], optimizer)``.
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = transformer_config(spec)
@@ -331,7 +334,10 @@ def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 

@@ -6,7 +6,7 @@ parallel layout in the same processes (Megatron layout -> Megatron layout only).
 a pair on CPU (gloo) under :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`, fills the source from
 seeded full tensors through hybridmem's Megatron layout, runs Megatron's refit, and runs hybridmem's
 plan for the same layout pair, so that the two can be compared byte for byte:
-``benchmarks/reshard.py`` reports it as case (c), and ``tests/reshard/test_megatron_refit.py`` checks
+``benchmarks/reshard.py`` reports it as case (c), and ``tests/megatron/test_reshard_vs_megatron_refit.py`` checks
 that both give the target layout's reference slices.
 
 [Note: Megatron refit needs initialised embeddings]

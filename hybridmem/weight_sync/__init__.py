@@ -27,7 +27,14 @@ engine tensor the plan does not fill. An engine without ``unwritten_weights()`` 
 
 from __future__ import annotations
 
-from hybridmem.weight_sync.base import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
+from hybridmem.weight_sync.base import (
+    SyncStats,
+    WeightSync,
+    dominant_dtype,
+    dtype_note,
+    engine_dtypes,
+    engine_unwritten,
+)
 from hybridmem.weight_sync.choice import default_weight_sync, model_spec_of
 from hybridmem.weight_sync.lora import LoraRoute, LoraSync, merged_lora_weights
 from hybridmem.weight_sync.resharding import ReshardSync

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.engine_contract import capabilities_of
+from hybridmem.contract.engine import capabilities_of
 from hybridmem.reshard import TransferStats
 
 __all__ = ["SyncStats", "WeightSync", "engine_unwritten", "dominant_dtype", "dtype_note", "engine_dtypes"]
@@ -86,7 +86,7 @@ class WeightSync(ABC):
 
     def collective(self) -> tuple[Any, float] | None:
         """``(group, deadline_s)`` when a sync spans several ranks, which then vote on each switch's
-        outcome over ``group`` ([Note: switch agreement] in hybridmem.agreement); ``None`` (default): this
+        outcome over ``group`` ([Note: switch agreement] in hybridmem.switch.agreement); ``None`` (default): this
         rank's sync involves no other rank."""
         return None
 

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
-from hybridmem.engine_contract import InferenceEngine, capabilities_of
+from hybridmem.contract.engine import InferenceEngine, capabilities_of
+from hybridmem.contract.training import training_capabilities_of
 from hybridmem.reshard import ModelSpec
-from hybridmem.training_state import training_capabilities_of
 from hybridmem.weight_sync.base import WeightSync
 from hybridmem.weight_sync.resharding import ReshardSync
 from hybridmem.weight_sync.streamed import LoadWeightsSync
@@ -33,7 +33,7 @@ def _source_layout(training: Any, spec: Any, group: Any) -> Any:
 
 def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
     """The resharding engine's spec of the training model, derived from the model itself, as the training
-    state's capabilities say ([Note: training capabilities] in :mod:`hybridmem.training_state`): its
+    state's capabilities say ([Note: training capabilities] in :mod:`hybridmem.contract.training`): its
     ``model_spec_dict()`` (``describes_model``: the Megatron and FSDP2 adapters), or the transformers config
     of a plain model (``has_hf_config``). ``None`` when the model says nothing, or its family is not one
     the resharding engine knows (the weights are then streamed as a checkpoint names them). A state that
@@ -92,7 +92,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
 
     Args:
         training: The training state (``named_weights()``, and what its capabilities declare, see
-            [Note: training capabilities] in :mod:`hybridmem.training_state`).
+            [Note: training capabilities] in :mod:`hybridmem.contract.training`).
         engine: The inference engine.
         config: The :class:`~hybridmem.config.HybridConfig`, its layouts resolved (see
             :func:`hybridmem.parts.resolve_layouts`).

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
-from hybridmem.engine_contract import capabilities_of
+from hybridmem.contract.engine import capabilities_of
 from hybridmem.reshard import (
     DEFAULT_BUCKET_NBYTES,
     CellChecksums,
@@ -37,10 +37,17 @@ from hybridmem.reshard import (
 )
 from hybridmem.reshard.deadline import deadline_bound
 from hybridmem.reshard.hf_source import looks_hf_named
-from hybridmem.weight_sync.base import SyncStats, WeightSync, dominant_dtype, dtype_note, engine_dtypes, engine_unwritten
+from hybridmem.weight_sync.base import (
+    SyncStats,
+    WeightSync,
+    dominant_dtype,
+    dtype_note,
+    engine_dtypes,
+    engine_unwritten,
+)
 
 if TYPE_CHECKING:
-    from hybridmem.engine_contract import InferenceEngine
+    from hybridmem.contract.engine import InferenceEngine
 
 __all__ = ["ReshardSync", "default_deadline_s"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hybridmem.config import ParallelLayout
-from hybridmem.engine_contract import capabilities_of
+from hybridmem.contract.engine import capabilities_of
 from hybridmem.offload.engine_owned import is_engine_owned, mark_engine_owned
 from hybridmem.reshard import ModelSpec, vllm_layout
 from hybridmem.reshard.transforms import piece_view

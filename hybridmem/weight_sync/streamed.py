@@ -19,10 +19,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridmem.weight_sync.base import SyncStats, WeightSync, dtype_note, engine_dtypes, engine_unwritten
+from hybridmem.weight_sync.base import (
+    SyncStats,
+    WeightSync,
+    dtype_note,
+    engine_dtypes,
+    engine_unwritten,
+)
 
 if TYPE_CHECKING:
-    from hybridmem.engine_contract import InferenceEngine
+    from hybridmem.contract.engine import InferenceEngine
 
 __all__ = ["LoadWeightsSync"]
 

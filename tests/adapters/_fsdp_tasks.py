@@ -29,7 +29,7 @@ from transformers import (
 from hybridmem import HybridConfig, PhaseError, ShardingManager
 from hybridmem.engines import ReferenceEngine, SamplingParams
 from hybridmem.offload import optimizer_state_tensors
-from hybridmem.phase import Direction
+from hybridmem.switch.phase import Direction
 
 _COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -233,9 +233,13 @@ def buffers_task(ctx):
     """FSDP2 on CUDA keeps the last all-gather result and reduce-scatter input in its communication
     context (on CPU it keeps none): put such buffers there, as FSDP2's own records, and release."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import AllGatherState, ReduceScatterState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import (
+        AllGatherState,
+        ReduceScatterState,
+    )
 
-    from hybridmem.adapters.fsdp import FSDPTrainingState, ReleaseFSDPBuffersStep
+    from hybridmem.adapters.fsdp import FSDPTrainingState
+    from hybridmem.switch.steps import FSDP_BUFFERS, ReleaseBuffersStep
 
     _, model = build("qwen2", fsdp=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -252,7 +256,7 @@ def buffers_task(ctx):
     comm.all_gather_state = AllGatherState(AllGatherResult(gathered, None, None, [], [], []), None)
     comm.reduce_scatter_states.append(ReduceScatterState(scattered, None))
     with_comm = state.unsharded_nbytes()
-    step = ReleaseFSDPBuffersStep(state.buffers)
+    step = ReleaseBuffersStep(state.buffers, FSDP_BUFFERS)
     planned = step.estimate().free_nbytes
     result = step.run()
     return {"after_backward": root_unsharded, "after_eval": after_eval, "with_comm": with_comm, "planned": planned,

@@ -15,7 +15,10 @@ import os
 import sys
 import tempfile
 
-from _vllm_real_tasks import LLM_KWARGS, VLLM_ENV  # this script's own folder is first on sys.path
+from _vllm_real_tasks import (  # this script's own folder is first on sys.path
+    LLM_KWARGS,
+    VLLM_ENV,
+)
 
 RENAMED_FROM = "model.layers.0.self_attn.o_proj.weight"
 RENAMED_TO = "model.layers.0.self_attn.out_proj.weight"

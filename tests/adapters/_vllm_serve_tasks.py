@@ -14,7 +14,14 @@ import tempfile
 import time
 import urllib.request
 
-from _vllm_server_tasks import MAX_TOKENS, PROMPTS, VLLM_ENV, hf_greedy, lm_step, save_policy
+from _vllm_server_tasks import (
+    MAX_TOKENS,
+    PROMPTS,
+    VLLM_ENV,
+    hf_greedy,
+    lm_step,
+    save_policy,
+)
 
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0"]
 CORRUPTED = "model.layers.1.mlp.down_proj.weight"

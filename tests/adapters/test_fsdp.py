@@ -17,6 +17,7 @@ from hybridmem.testing.workers import WorkerPool
 transformers = pytest.importorskip("transformers")
 
 import _fsdp_tasks as tasks  # noqa: E402
+
 from tests.reshard.hf_reference import fsdp_to_vllm_lacking, unfused  # noqa: E402
 from tests.reshard.reference import vllm_shard  # noqa: E402
 

@@ -26,9 +26,13 @@ from hybridmem.engines import SamplingParams
 GREEDY_N = lambda n: SamplingParams(max_tokens=n, temperature=0.0, logprobs=True)  # noqa: E731
 from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
 from hybridmem.errors import PhaseError, SwitchError
-from hybridmem.weight_sync import SyncStats, WeightSync
-from hybridmem.testing.fake_vllm import FakeDeviceAccelerator, FakeLLM, make_fake_vllm_module
+from hybridmem.testing.fake_vllm import (
+    FakeDeviceAccelerator,
+    FakeLLM,
+    make_fake_vllm_module,
+)
 from hybridmem.testing.tiny import TinyNet, train_step
+from hybridmem.weight_sync import SyncStats, WeightSync
 
 KV_NBYTES = 1 << 16
 

@@ -7,7 +7,11 @@ import logging
 
 import torch
 
-from hybridmem.adapters.vllm.logs import FAILED_TO_LOAD, LAYERWISE_LOGGER, quiet_buffer_only_reload
+from hybridmem.adapters.vllm.logs import (
+    FAILED_TO_LOAD,
+    LAYERWISE_LOGGER,
+    quiet_buffer_only_reload,
+)
 from hybridmem.adapters.vllm.worker import buffer_only_classes
 
 

@@ -93,7 +93,7 @@ def _group_alive(pgid: int) -> bool:
 
 # Per-record checks -------------------------------------------------------------------------------------------
 def expected_step(direction: str, labels: list[str], point: int) -> str:
-    """The switch step whose call ``labels[point - 1]`` is (see [Note: step order] in hybridmem.steps)."""
+    """The switch step whose call ``labels[point - 1]`` is (see [Note: step order] in hybridmem.switch.steps)."""
     label = labels[point - 1]
     earlier = labels[:point - 1].count(label)
     if direction == "to_infer":

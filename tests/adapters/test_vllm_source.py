@@ -14,7 +14,11 @@ import pytest
 
 from hybridmem.adapters.vllm import VLLMEngine
 from hybridmem.adapters.vllm.source import TOKENIZER_FILES, check_model_source
-from hybridmem.testing.fake_vllm import FakeDeviceAccelerator, FakeLLM, make_fake_vllm_module
+from hybridmem.testing.fake_vllm import (
+    FakeDeviceAccelerator,
+    FakeLLM,
+    make_fake_vllm_module,
+)
 from hybridmem.testing.tiny import TinyNet
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ n)``: an ``Exception`` raised before the n-th call of that kind on that rank (on
 n-th call where it makes one). For each point the test checks, on every rank:
 
 - every rank ends the switch in the same phase (the ranks' vote, [Note: switch agreement] in
-  hybridmem.agreement): all in TRAIN, rolled back, or all in INFER, committed. All commit only where the
+  hybridmem.switch.agreement): all in TRAIN, rolled back, or all in INFER, committed. All commit only where the
   fault came at the vote's own wait, which a rank that posted its vote waits out again;
 - where they rolled back: the faulted rank raised with the fault among the error's causes; a rank the
   fault did not reach raised ``CollectiveTimeoutError`` (as ``SwitchCollectiveTimeoutError``) naming the
@@ -168,7 +168,7 @@ def outcome(records: list[dict | None]) -> str:
 
 def _is_vote_wait(kind: str, n: int, counts: dict[str, int]) -> bool:
     """Whether call ``n`` of ``kind`` on a rank making ``counts`` calls is the wait of the ranks' vote: the
-    last ``all_reduce`` of TRAIN->INFER ([Note: switch agreement] in hybridmem.agreement)."""
+    last ``all_reduce`` of TRAIN->INFER ([Note: switch agreement] in hybridmem.switch.agreement)."""
     return kind == "all_reduce" + WAIT and n == counts.get(kind)
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hybridmem import HybridConfig, ShardingManager
+from hybridmem.contract.engine import EngineCapabilities, capabilities_of
 from hybridmem.engines import TorchCopyEngine
-from hybridmem.engine_contract import EngineCapabilities, capabilities_of
 
 
 class _Minimal:

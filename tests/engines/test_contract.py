@@ -11,8 +11,13 @@ import pytest
 import torch
 from engine_cases import MAX_TOKENS, PROMPTS, build_hf
 
-from hybridmem.engines import ENGINE_TAGS, InferenceEngine, ReferenceEngine, SamplingParams
-from hybridmem.engine_contract import capabilities_of
+from hybridmem.contract.engine import capabilities_of
+from hybridmem.engines import (
+    ENGINE_TAGS,
+    InferenceEngine,
+    ReferenceEngine,
+    SamplingParams,
+)
 
 
 def reference_factory(config):
@@ -23,7 +28,9 @@ def vllm_factory(config):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("vLLM needs a CUDA device")
-    from hybridmem.adapters.vllm import VLLMEngine  # lazy: the adapter imports vLLM itself
+    from hybridmem.adapters.vllm import (
+        VLLMEngine,  # lazy: the adapter imports vLLM itself
+    )
 
     return VLLMEngine.create(config, tensor_parallel_size=1, gpu_memory_utilization=0.3,
                              distributed_executor_backend=None, dtype="float32", enforce_eager=True,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from engine_cases import MAX_TOKENS, PROMPTS, build_hf, greedy, hf_logprobs
 
-from hybridmem.engines import ReferenceEngine, SamplingParams
-from hybridmem.engines.reference import KVBlocksExhaustedError, param_shapes
 from hybridmem.accel import get_accelerator
 from hybridmem.accel.base import MemoryFigures
+from hybridmem.engines import ReferenceEngine, SamplingParams
+from hybridmem.engines.reference import KVBlocksExhaustedError, param_shapes
 from hybridmem.errors import PhaseError
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,10 +15,10 @@ from hybridmem.engines.reference import (
     tp_shard,
 )
 from hybridmem.engines.reference.layout import param_shapes, place_hf_weight
-from hybridmem.reshard.transforms import piece_view
 from hybridmem.engines.reference.sampling import make_generator, sample_next
 from hybridmem.nn.config import embedded_spec
 from hybridmem.reshard import ModelSpec
+from hybridmem.reshard.transforms import piece_view
 
 
 def _spec(**kw) -> ModelSpec:

@@ -12,13 +12,19 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hybridmem import HybridConfig, Phase, ShardingManager, SwitchError, WeightCoverageError
+from hybridmem import (
+    HybridConfig,
+    Phase,
+    ShardingManager,
+    SwitchError,
+    WeightCoverageError,
+)
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams
 from hybridmem.nn.gpt import MegatronLayoutGPT
 from hybridmem.offload import OffloadState
 from hybridmem.reshard import ModelSpec, megatron_layout, shard
-from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
+from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
 
 DIMS = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)

@@ -12,11 +12,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from _faults import TORCH_SEAMS, FaultInjector, Injected, engine_seams, inject, leftovers, sample_points
+from _faults import (
+    TORCH_SEAMS,
+    FaultInjector,
+    Injected,
+    engine_seams,
+    inject,
+    leftovers,
+    sample_points,
+)
 from _megatron_tasks import _copy_engine, _optimizer_tensors, megatron_worker
+
 from hybridmem import HybridConfig, Phase, ShardingManager
-from hybridmem.adapters.megatron import MegatronTrainingState, ddp_buffers, leaf_optimizers, unwrap_model
+from hybridmem.adapters.megatron import (
+    MegatronTrainingState,
+    ddp_buffers,
+    leaf_optimizers,
+    unwrap_model,
+)
 from hybridmem.testing import megatron_models as mm
 
 EXCEPTIONS: dict[str, Callable[[], BaseException]] = {

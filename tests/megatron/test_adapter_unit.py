@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmem.adapters.megatron import MegatronTrainingState, leaf_optimizers, megatron_model_spec_dict
+from hybridmem.adapters.megatron import (
+    MegatronTrainingState,
+    leaf_optimizers,
+    megatron_model_spec_dict,
+)
 
 pytestmark = pytest.mark.megatron
 

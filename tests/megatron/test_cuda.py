@@ -5,13 +5,12 @@ Run on the GPU box: ``pytest -m "megatron and cuda" tests/megatron``.
 
 from __future__ import annotations
 
+import _megatron_tasks as tasks
 import pytest
 import torch
 
 from hybridmem.testing.megatron_models import TinyGPTSpec
 from hybridmem.testing.workers import WorkerPool
-
-import _megatron_tasks as tasks
 
 pytestmark = [
     pytest.mark.megatron,

@@ -12,10 +12,10 @@ next two losses equal to the uninterrupted run's. Before that, it checks that Me
 
 from __future__ import annotations
 
-import pytest
-
 import _fault_tasks
+import pytest
 from _faults import FULL
+
 from hybridmem.testing.megatron_models import TinyGPTSpec
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]

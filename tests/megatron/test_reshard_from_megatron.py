@@ -10,11 +10,10 @@ themselves checked against every rank's actual Megatron tensors through the same
 
 from __future__ import annotations
 
+import _megatron_tasks as tasks
 import pytest
 
 from hybridmem.testing.megatron_models import TinyGPTSpec
-
-import _megatron_tasks as tasks
 
 pytestmark = pytest.mark.megatron
 

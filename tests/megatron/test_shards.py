@@ -7,12 +7,11 @@ spec's ``partition_dim`` in ``shard_index`` order must give the TP1 tensor bitwi
 
 from __future__ import annotations
 
+import _megatron_tasks as tasks
 import pytest
 import torch
 
 from hybridmem.testing.megatron_models import TinyGPTSpec
-
-import _megatron_tasks as tasks
 
 pytestmark = pytest.mark.megatron
 

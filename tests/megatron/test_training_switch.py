@@ -7,11 +7,10 @@ must be 0 bytes inside INFER, and buffers and optimizer state must round-trip bi
 
 from __future__ import annotations
 
+import _megatron_tasks as tasks
 import pytest
 
 from hybridmem.testing.megatron_models import TinyGPTSpec
-
-import _megatron_tasks as tasks
 
 pytestmark = pytest.mark.megatron
 

@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
-
 from _foreign import KINDS, foreign_copy, make_foreign
+
 from hybridmem import Direction, ShardingManager
 from hybridmem.engines import TorchCopyEngine
 from hybridmem.testing.tiny import TinyNet, assert_bitwise_equal, snapshot, train_step

@@ -6,8 +6,8 @@ import torch
 
 from hybridmem import ShardingManager
 from hybridmem.accel import get_accelerator
-from hybridmem.host_pool import HostBufferPool
 from hybridmem.offload import GradOffloader
+from hybridmem.offload.host_pool import HostBufferPool
 
 
 def _megatron_style_module():

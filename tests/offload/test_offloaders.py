@@ -5,8 +5,13 @@ import torch
 
 from hybridmem import HostMemoryBudgetError
 from hybridmem.accel import get_accelerator
-from hybridmem.host_pool import HostBufferPool
-from hybridmem.offload import GradOffloader, OffloadState, OptimizerStateOffloader, ParamOffloader
+from hybridmem.offload import (
+    GradOffloader,
+    OffloadState,
+    OptimizerStateOffloader,
+    ParamOffloader,
+)
+from hybridmem.offload.host_pool import HostBufferPool
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot, train_step
 
 

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import uuid
 
-
 _BUILT: list = []
 """Every model this worker built (see the id note in :func:`vllm_loaded_parameters`)."""
 
@@ -137,7 +136,14 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
     _environment()
     import safetensors.torch
     import torch
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed import parallel_state
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -239,7 +245,13 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
     transformers' own model of ``model_dir`` (``from_pretrained``, its module names) chunked as FSDP2 shards
     dim 0 (``torch.chunk`` over the pool). What the in-place sync writes into vLLM's parameters."""
     from hybridmem.config import ParallelLayout  # noqa: PLC0415
-    from hybridmem.reshard import ModelSpec, build_plan, hf_source_layout, run_plan, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import (  # noqa: PLC0415
+        ModelSpec,
+        build_plan,
+        hf_source_layout,
+        run_plan,
+        vllm_layout,
+    )
 
     model, tensors, bias = transformers_model(model_dir)
     spec = ModelSpec.from_hf_config(model.config)
@@ -274,7 +286,10 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
         set_current_vllm_config,
     )
     from vllm.distributed import parallel_state  # noqa: PLC0415
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading  # noqa: PLC0415
+    from vllm.model_executor.model_loader.utils import (  # noqa: PLC0415
+        initialize_model,
+        process_weights_after_loading,
+    )
     from vllm.model_executor.models import registry  # noqa: PLC0415
 
     from hybridmem.adapters.vllm.names import sync_rule  # noqa: PLC0415

@@ -8,7 +8,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, reshard_offline, vllm_layout
+from hybridmem.reshard import (
+    ModelSpec,
+    build_plan,
+    megatron_layout,
+    reshard_offline,
+    vllm_layout,
+)
 from hybridmem.testing.workers import WorkerPool
 from tests.reshard import _tasks
 from tests.reshard.reference import megatron_shard, random_full, vllm_shard

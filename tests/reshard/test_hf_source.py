@@ -14,7 +14,13 @@ from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, vllm_layout
 from hybridmem.reshard.hf_source import fsdp_rows, hf_source_layout, looks_hf_named
 from hybridmem.reshard.transforms import build_local, piece_view
-from tests.reshard.hf_reference import chunk_rows, element_ids, fsdp_to_vllm_lacking, fused, unfused
+from tests.reshard.hf_reference import (
+    chunk_rows,
+    element_ids,
+    fsdp_to_vllm_lacking,
+    fused,
+    unfused,
+)
 from tests.reshard.reference import vllm_shard
 from tests.reshard.test_spec import _config
 

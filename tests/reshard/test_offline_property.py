@@ -8,7 +8,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard import MegatronConvention, ModelSpec, build_plan, megatron_layout, reshard_offline, shard, unshard, vllm_layout
+from hybridmem.reshard import (
+    MegatronConvention,
+    ModelSpec,
+    build_plan,
+    megatron_layout,
+    reshard_offline,
+    shard,
+    unshard,
+    vllm_layout,
+)
 from tests.reshard.reference import megatron_shard, random_full, vllm_shard
 
 

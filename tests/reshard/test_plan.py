@@ -7,7 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard import ModelSpec, build_plan, hf_layout, megatron_layout, vllm_layout
+from hybridmem.reshard import (
+    ModelSpec,
+    build_plan,
+    hf_layout,
+    megatron_layout,
+    vllm_layout,
+)
 from tests.reshard.reference import megatron_shard, vllm_shard
 from tests.reshard.test_offline_property import dense_case
 

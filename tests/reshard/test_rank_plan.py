@@ -13,7 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridmem.config import ParallelLayout
-from hybridmem.reshard import ModelSpec, build_plan, hf_layout, hf_source_layout, megatron_layout, vllm_layout
+from hybridmem.reshard import (
+    ModelSpec,
+    build_plan,
+    hf_layout,
+    hf_source_layout,
+    megatron_layout,
+    vllm_layout,
+)
 from hybridmem.reshard.plan import Transfer
 from tests.reshard.families import COMMON, MODELS
 from tests.reshard.test_offline_property import deepseek_case, dense_case, moe_case

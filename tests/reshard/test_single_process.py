@@ -7,7 +7,15 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.errors import WeightSyncError
-from hybridmem.reshard import MegatronConvention, ModelSpec, build_plan, megatron_layout, shard, unshard, vllm_layout
+from hybridmem.reshard import (
+    MegatronConvention,
+    ModelSpec,
+    build_plan,
+    megatron_layout,
+    shard,
+    unshard,
+    vllm_layout,
+)
 from hybridmem.reshard.checksum import verify_offline
 from hybridmem.reshard.execute import run_plan
 from hybridmem.weight_sync import ReshardSync

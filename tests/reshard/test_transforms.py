@@ -6,7 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmem.reshard.transforms import block, build_local, concat, pad_rows, replicate, scatter_local, split, stack
+from hybridmem.reshard.transforms import (
+    block,
+    build_local,
+    concat,
+    pad_rows,
+    replicate,
+    scatter_local,
+    split,
+    stack,
+)
 
 
 def _full():

@@ -29,7 +29,14 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.models import get_family
-from hybridmem.reshard import ModelSpec, build_plan, hf_layout, hf_source_layout, shard, vllm_layout
+from hybridmem.reshard import (
+    ModelSpec,
+    build_plan,
+    hf_layout,
+    hf_source_layout,
+    shard,
+    vllm_layout,
+)
 from hybridmem.reshard.transforms import build_local
 from hybridmem.reshard.vllm_versions import installed_vllm_version
 from hybridmem.testing.workers import WorkerError, WorkerPool

@@ -16,7 +16,10 @@ import pytest
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, VLLMConvention, megatron_layout, vllm_layout
 from hybridmem.reshard import vllm_versions as versions_module
-from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS, resolve_vllm_version
+from hybridmem.reshard.vllm_versions import (
+    SUPPORTED_VLLM_VERSIONS,
+    resolve_vllm_version,
+)
 
 MOE = ModelSpec(family="qwen3_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 intermediate_size=0, num_hidden_layers=2, vocab_size=200, qk_norm=True, num_experts=4,

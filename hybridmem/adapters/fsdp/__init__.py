@@ -12,13 +12,11 @@ from hybridmem.adapters.fsdp.offload import (
 from hybridmem.adapters.fsdp.state import (
     UNSHARDED_OWNER,
     FSDPTrainingState,
-    ReleaseFSDPBuffersStep,
     is_fsdp_model,
 )
 
 __all__ = [
     "FSDPTrainingState",
-    "ReleaseFSDPBuffersStep",
     "UNSHARDED_OWNER",
     "is_fsdp_model",
     "FSDPParamOffloader",

@@ -27,7 +27,6 @@ nothing to undo. :meth:`FSDPTrainingState.unsharded_nbytes` counts what is left 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -43,18 +42,22 @@ from hybridmem.adapters.fsdp.offload import (
     FSDPParamOffloader,
     local_tensor,
 )
+from hybridmem.adapters.torch import check_optimizer_owns
 from hybridmem.config import HybridConfig
-from hybridmem.host_pool import HostBufferPool
-from hybridmem.kinds import StateKind
-from hybridmem.memplan import StepEstimate
+from hybridmem.contract.kinds import StateKind
+from hybridmem.contract.training import TrainingCapabilities
 from hybridmem.offload import Offloader
-from hybridmem.phase import Direction, Phase
-from hybridmem.reshard.hf_source import HFSourceLayout, hf_module_tensors, hf_source_layout
+from hybridmem.offload.host_pool import HostBufferPool
+from hybridmem.reshard.hf_source import (
+    HFSourceLayout,
+    hf_module_tensors,
+    hf_source_layout,
+)
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.steps import StepResult, SwitchStep, ToInferOrder
-from hybridmem.training_state import TrainingCapabilities, check_optimizer_owns
+from hybridmem.switch.phase import Direction, Phase
+from hybridmem.switch.steps import FSDP_BUFFERS, ReleaseBuffersStep
 
-__all__ = ["FSDPTrainingState", "ReleaseFSDPBuffersStep", "is_fsdp_model", "UNSHARDED_OWNER"]
+__all__ = ["FSDPTrainingState", "is_fsdp_model", "UNSHARDED_OWNER"]
 
 UNSHARDED_OWNER = "fsdp unsharded"
 """Residency owner of FSDP2's unsharded parameters and communication buffers (empty in INFER)."""
@@ -144,28 +147,9 @@ class _FSDPBuffers:
         return before - self.nbytes()
 
 
-class ReleaseFSDPBuffersStep(SwitchStep):
-    """TRAIN->INFER step dropping FSDP2's unsharded parameters and communication buffers (first, so the
-    weight sync reads the sharded parameters); no undo (see [Note: FSDP2 buffers in INFER])."""
-
-    def __init__(self, buffers: _FSDPBuffers):
-        self.buffers = buffers
-        self.name = "release fsdp buffers"
-        self.kind = None
-
-    def estimate(self) -> StepEstimate:
-        return StepEstimate(free_nbytes=self.buffers.nbytes())
-
-    def run(self) -> StepResult:
-        start = time.perf_counter()
-        nbytes = self.buffers.release()
-        return StepResult(zero_nbytes=nbytes, seconds=time.perf_counter() - start,
-                          extra={"released_nbytes": nbytes})
-
-
 class FSDPTrainingState:
     """An FSDP2 model (``fully_shard`` applied) and its optimizer(s), as a
-    :class:`~hybridmem.training_state.TrainingState`.
+    :class:`~hybridmem.contract.training.TrainingState`.
 
     Weights keep transformers' names; each rank holds the ``Shard(0)`` local part of every DTensor
     parameter. Parameters no ``fully_shard`` reached, and buffers, are held whole on every rank.
@@ -216,8 +200,7 @@ class FSDPTrainingState:
         ``ShardingManager`` calls it for a state it builds or is given."""
         if id(manager) in self._attached:
             return
-        step = ReleaseFSDPBuffersStep(self.buffers)
-        manager.register_step(Direction.TO_INFER, step, ToInferOrder.OPTIMIZER - 5)
+        manager.register_step(Direction.TO_INFER, ReleaseBuffersStep(self.buffers, FSDP_BUFFERS), FSDP_BUFFERS.order)
         manager.register_owner(UNSHARDED_OWNER, self.buffers.nbytes, empty_in=(Phase.INFER,))
         self._attached.add(id(manager))
 

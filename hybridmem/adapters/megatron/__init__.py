@@ -26,7 +26,6 @@ from hybridmem.adapters.megatron.state import (
     WORKSPACE_OWNER,
     MegatronTrainingState,
     MegatronWorkspaces,
-    ReleaseWorkspacesStep,
 )
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "MEGATRON_CPU_HARNESS",
     "MegatronTrainingState",
     "MegatronWorkspaces",
-    "ReleaseWorkspacesStep",
     "WORKSPACE_OWNER",
     "MegatronParamOffloader",
     "MegatronGradOffloader",

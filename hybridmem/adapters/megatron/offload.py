@@ -28,9 +28,9 @@ from typing import Any, ClassVar
 import torch
 
 from hybridmem.accel import Accelerator
-from hybridmem.host_pool import HostBufferPool
-from hybridmem.kinds import StateKind
+from hybridmem.contract.kinds import StateKind
 from hybridmem.offload.base import Offloader
+from hybridmem.offload.host_pool import HostBufferPool
 from hybridmem.offload.optimizer import optimizer_state_tensors
 
 __all__ = [

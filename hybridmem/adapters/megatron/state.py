@@ -12,7 +12,6 @@ before the next forward), as for plain PyTorch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,15 +34,14 @@ from hybridmem.adapters.megatron.shards import (
     unwrap_model,
 )
 from hybridmem.config import HybridConfig
-from hybridmem.host_pool import HostBufferPool
-from hybridmem.kinds import StateKind
-from hybridmem.memplan import StepEstimate
+from hybridmem.contract.kinds import StateKind
+from hybridmem.contract.training import TrainingCapabilities
 from hybridmem.offload import Offloader
-from hybridmem.phase import Direction, Phase
-from hybridmem.steps import StepResult, SwitchStep, ToInferOrder
-from hybridmem.training_state import TrainingCapabilities
+from hybridmem.offload.host_pool import HostBufferPool
+from hybridmem.switch.phase import Direction, Phase
+from hybridmem.switch.steps import MEGATRON_WORKSPACES, ReleaseBuffersStep
 
-__all__ = ["MegatronTrainingState", "MegatronWorkspaces", "ReleaseWorkspacesStep", "WORKSPACE_OWNER"]
+__all__ = ["MegatronTrainingState", "MegatronWorkspaces", "WORKSPACE_OWNER"]
 
 WORKSPACE_OWNER = "megatron workspaces"
 """The residency report's owner name for what :class:`MegatronWorkspaces` counts."""
@@ -91,7 +89,7 @@ class MegatronWorkspaces:
                 if isinstance(t, torch.Tensor):
                     yield t
 
-    def resident_nbytes(self) -> int:
+    def nbytes(self) -> int:
         """Device bytes the caches hold now (each storage counted once)."""
         seen: dict[int, int] = {}
         for t in self.tensors():
@@ -102,7 +100,7 @@ class MegatronWorkspaces:
 
     def release(self) -> int:
         """Drop every cache; returns the device bytes they held."""
-        nbytes = self.resident_nbytes()
+        nbytes = self.nbytes()
         buf = self._global_buffer()
         if buf is not None and isinstance(getattr(buf, "buffer", None), dict):
             buf.buffer.clear()
@@ -115,26 +113,9 @@ class MegatronWorkspaces:
         return nbytes
 
 
-class ReleaseWorkspacesStep(SwitchStep):
-    """TRAIN->INFER step dropping :class:`MegatronWorkspaces` (no undo: Megatron re-creates lazily)."""
-
-    def __init__(self, workspaces: MegatronWorkspaces):
-        self.workspaces = workspaces
-        self.name = "release megatron workspaces"
-        self.kind = None
-
-    def estimate(self) -> StepEstimate:
-        return StepEstimate(free_nbytes=self.workspaces.resident_nbytes())
-
-    def run(self) -> StepResult:
-        start = time.perf_counter()
-        nbytes = self.workspaces.release()
-        return StepResult(seconds=time.perf_counter() - start, extra={"released_nbytes": nbytes})
-
-
 class MegatronTrainingState:
     """Megatron-core DDP model chunks and their optimizer, as a
-    :class:`~hybridmem.training_state.TrainingState`.
+    :class:`~hybridmem.contract.training.TrainingState`.
 
     Args:
         model_chunks: The DDP-wrapped chunks of this rank (one per virtual pipeline stage), or one chunk.
@@ -209,8 +190,9 @@ class MegatronTrainingState:
         self._attached.add(id(manager))
         if self.workspaces is None:
             self.workspaces = MegatronWorkspaces(manager.accel.device.type)
-        manager.register_step(Direction.TO_INFER, ReleaseWorkspacesStep(self.workspaces), ToInferOrder.EMPTY_CACHE - 1)
-        manager.register_owner(WORKSPACE_OWNER, self.workspaces.resident_nbytes, empty_in=(Phase.INFER,))
+        manager.register_step(Direction.TO_INFER, ReleaseBuffersStep(self.workspaces, MEGATRON_WORKSPACES),
+                              MEGATRON_WORKSPACES.order)
+        manager.register_owner(WORKSPACE_OWNER, self.workspaces.nbytes, empty_in=(Phase.INFER,))
 
     def guard_targets(self) -> tuple[list[Any], list[Any]]:
         """The DDP-wrapped chunks and the Megatron optimizer (see [Note: misuse guards])."""

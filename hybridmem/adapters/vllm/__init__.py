@@ -8,7 +8,13 @@ paths (sleep mode, in-place writes); see docs/vllm.md. Importing this package do
 from __future__ import annotations
 
 from hybridmem.adapters.vllm.compat import VLLM_API_COMMIT, import_vllm
-from hybridmem.adapters.vllm.engine import KVOnlyRelease, LoadStats, TagState, VLLMEngine, bucket_weights
+from hybridmem.adapters.vllm.engine import (
+    KVOnlyRelease,
+    LoadStats,
+    TagState,
+    VLLMEngine,
+    bucket_weights,
+)
 from hybridmem.adapters.vllm.outputs import GREEDY
 
 __all__ = [

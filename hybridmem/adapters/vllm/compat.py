@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-
 from typing import Any
 
 __all__ = [

@@ -62,21 +62,43 @@ from typing import Any
 import torch
 
 from hybridmem.accel import Accelerator, get_accelerator
-from hybridmem.adapters.vllm.compat import engine_core_in_process, import_vllm, platform_is_cpu
+from hybridmem.adapters.vllm.compat import (
+    engine_core_in_process,
+    import_vllm,
+    platform_is_cpu,
+)
 from hybridmem.adapters.vllm.launch import AUTO, cpu_kv_default, launching, plan_launch
 from hybridmem.adapters.vllm.logs import quiet_buffer_only_reload
-from hybridmem.adapters.vllm.lora import IN_MEMORY_PATH, LoraInfo, LoraInstall, install_lora, probe_lora, remove_loras
-from hybridmem.adapters.vllm.names import check_weight_names, engine_layout_shapes, not_synced_prefixes, synced_tensors
-from hybridmem.adapters.vllm.source import check_model_source
+from hybridmem.adapters.vllm.lora import (
+    IN_MEMORY_PATH,
+    LoraInfo,
+    LoraInstall,
+    install_lora,
+    probe_lora,
+    remove_loras,
+)
+from hybridmem.adapters.vllm.names import (
+    check_weight_names,
+    engine_layout_shapes,
+    not_synced_prefixes,
+    synced_tensors,
+)
 from hybridmem.adapters.vllm.outputs import (
     GREEDY,
     from_request_output,
     to_vllm_sampling_kwargs,
 )
-from hybridmem.adapters.vllm.worker import identity, load_bucket, probe_worker, reprocess_weights, unwrapped_name
-from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
-from hybridmem.engines.reference.sampling import GenerationOutput
-from hybridmem.engines.torch_copy import check_tags
+from hybridmem.adapters.vllm.source import check_model_source
+from hybridmem.adapters.vllm.worker import (
+    identity,
+    load_bucket,
+    probe_worker,
+    reprocess_weights,
+    unwrapped_name,
+)
+from hybridmem.contract.engine import EngineCapabilities, check_tags
+from hybridmem.contract.generation import GenerationOutput
+from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import PhaseError
 
 __all__ = ["VLLMEngine", "TagState", "KVOnlyRelease", "LoadStats", "bucket_weights"]
@@ -171,7 +193,7 @@ def _attr_path(obj: Any, path: str) -> Any:
 
 
 class VLLMEngine:
-    """A ``vllm.LLM`` as a hybridmem :class:`~hybridmem.engine_contract.InferenceEngine`.
+    """A ``vllm.LLM`` as a hybridmem :class:`~hybridmem.contract.engine.InferenceEngine`.
 
     Args:
         llm: A ``vllm.LLM`` whose engine core runs in this process (see [Note: vllm co-location]),
@@ -257,7 +279,7 @@ class VLLMEngine:
             sizes_kv_by_share=True,
             releases_kv_alone=not self.frees_memory,  # a sleep unmaps the weights too ([Note: vllm sleep granularity])
         )
-        """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`; ``writes_in_place`` is off
+        """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`; ``writes_in_place`` is off
         where the backend repacks its parameters after loading (vLLM's CPU build); ``releases_kv_alone`` only
         without a sleep mode, where a release frees nothing."""
         hint = dict(nbytes_hint or {}) if self.frees_memory else {}

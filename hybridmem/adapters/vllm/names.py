@@ -7,7 +7,7 @@ vLLM turns into the same parameters. A table that disagrees with the installed v
 parameter, a tensor built on more pipeline stages than the table says) would otherwise fail halfway
 through the first sync, or silently leave a parameter unwritten. So when the adapter attaches it reads
 the worker's own ``named_parameters()`` (names and shapes) and compares them with the layout for the
-worker's rank; :class:`~hybridmem.reshard.ReshardSync` repeats the check with the layout it will
+worker's rank; :class:`~hybridmem.weight_sync.ReshardSync` repeats the check with the layout it will
 really write (its ``infer_layout``). A mismatch raises before any tensor moves, naming both sides.
 
 A persistent buffer of the model that the layout names is a weight vLLM's loader fills (Gemma 4's

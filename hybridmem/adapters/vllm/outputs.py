@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams
+from hybridmem.contract.generation import GenerationOutput, SamplingParams
 
 __all__ = ["GREEDY", "to_vllm_sampling_kwargs", "from_request_output"]
 

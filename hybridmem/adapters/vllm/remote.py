@@ -32,7 +32,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
-from hybridmem.engines.reference.sampling import GenerationOutput
+from hybridmem.contract.generation import GenerationOutput
 from hybridmem.errors import EngineFault, EngineProcessError
 
 __all__ = ["VLLMClient", "HTTPClient", "AsyncLLMClient", "PAUSE_MODES"]

@@ -103,9 +103,9 @@ from hybridmem.adapters.vllm.names import sync_rule
 from hybridmem.adapters.vllm.outputs import GREEDY
 from hybridmem.adapters.vllm.remote import VLLMClient
 from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
-from hybridmem.engine_contract import ENGINE_TAGS, KV_CACHE, WEIGHTS, EngineCapabilities
-from hybridmem.engines.reference.sampling import GenerationOutput
-from hybridmem.engines.torch_copy import check_tags
+from hybridmem.contract.engine import EngineCapabilities, check_tags
+from hybridmem.contract.generation import GenerationOutput
+from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError
 from hybridmem.reshard.deadline import deadline_bound, wait_all
 
@@ -187,7 +187,7 @@ class VLLMServerEngine:
             reports_residency=True, stages_weights=True, checks_weights=True, describes_weights=True,
             reports_model_type=True, reports_layout=True,
         )
-        """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
+        """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
         self.directory = self._shared_directory(staging_dir)
         self.layout = self._worker_layout()
         entries, nbytes = layout_entries((n, shape, dtype) for n, (shape, dtype) in self.layout.items())
@@ -263,7 +263,10 @@ class VLLMServerEngine:
                 ``launch`` sets itself.
             EngineProcessError: The server exited or did not answer in time (its log's last lines shown).
         """
-        from hybridmem.adapters.vllm.serve import DEFAULT_STARTUP_TIMEOUT_S, launch_server  # noqa: PLC0415
+        from hybridmem.adapters.vllm.serve import (  # noqa: PLC0415
+            DEFAULT_STARTUP_TIMEOUT_S,
+            launch_server,
+        )
 
         _, size = _rank_and_size(group)
         if size != tensor_parallel_size:

@@ -74,8 +74,14 @@ try:
         WeightTransferUpdateInfo,
     )
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-    from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors, get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _copy_and_restore_kernel_tensors,
+        get_layerwise_info,
+    )
+    from vllm.model_executor.model_loader.reload.meta import (
+        materialize_layer,
+        restore_layer_on_meta,
+    )
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
 except ImportError as exc:  # pragma: no cover - another vLLM
     raise ImportError(

@@ -7,10 +7,10 @@ weight layout and HF->shard placement), :mod:`.blocks` (KV block tables), :mod:`
 
 from __future__ import annotations
 
+from hybridmem.contract.generation import GenerationOutput, SamplingParams
 from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError
 from hybridmem.engines.reference.engine import DEFAULT_NUM_KV_BLOCKS, ReferenceEngine
 from hybridmem.engines.reference.layout import param_shapes, place_hf_weight
-from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams
 from hybridmem.engines.reference.spec import TPShard, pad_vocab, tp_shard
 
 __all__ = [

@@ -1,6 +1,6 @@
 """ReferenceEngine: a small tensor-parallel inference engine for Llama/Qwen2 that hybridmem can switch.
 
-It implements :class:`hybridmem.engine_contract.InferenceEngine` for real: weights in vLLM's per-rank
+It implements :class:`hybridmem.contract.engine.InferenceEngine` for real: weights in vLLM's per-rank
 layout ([Note: vLLM per-rank layout]) released by storage resize and rewritten by the weight sync, a
 paged KV cache whose pool comes from a :mod:`hybridmem.kv` allocator, batched prefill + decode, greedy
 and temperature/top-p sampling with a seed, and per-token log-probs.
@@ -21,18 +21,28 @@ import torch
 import torch.distributed as dist
 
 from hybridmem.accel import get_accelerator
-from hybridmem.engine_contract import KV_CACHE, WEIGHTS, EngineCapabilities
-from hybridmem.engines.reference.blocks import BlockManager, KVBlocksExhaustedError, blocks_needed
-from hybridmem.engines.reference.layout import place_hf_weight, rank_tensors, split_fused_hf
+from hybridmem.contract.engine import EngineCapabilities, check_tags
+from hybridmem.contract.generation import GenerationOutput, SamplingParams
+from hybridmem.contract.kinds import KV_CACHE, WEIGHTS
+from hybridmem.engines.reference.blocks import (
+    BlockManager,
+    KVBlocksExhaustedError,
+    blocks_needed,
+)
+from hybridmem.engines.reference.layout import (
+    place_hf_weight,
+    rank_tensors,
+    split_fused_hf,
+)
 from hybridmem.engines.reference.model import Chunk, ReferenceModel
-from hybridmem.engines.reference.sampling import GenerationOutput, SamplingParams, make_generator, sample_next
+from hybridmem.engines.reference.sampling import make_generator, sample_next
 from hybridmem.engines.reference.spec import tp_shard
-from hybridmem.nn.config import embedded_spec
-from hybridmem.reshard.transforms import Piece, piece_view, src_index
-from hybridmem.engines.torch_copy import EngineMemoryState, check_tags
+from hybridmem.engines.torch_copy import EngineMemoryState
 from hybridmem.errors import PhaseError
 from hybridmem.kv import blocks_for_utilization, get_kv_allocator
+from hybridmem.nn.config import embedded_spec
 from hybridmem.nn.tp import group_rank, group_size
+from hybridmem.reshard.transforms import Piece, piece_view, src_index
 
 __all__ = ["ReferenceEngine", "DEFAULT_NUM_KV_BLOCKS"]
 
@@ -78,7 +88,7 @@ class ReferenceEngine:
     capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
                                       binds_phase=True, describes_decoder=True, describes_weights=True,
                                       reports_layout=True, sizes_kv_by_share=True, releases_kv_alone=True)
-    """See [Note: engine capabilities] in :mod:`hybridmem.engine_contract`."""
+    """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
 
     def __init__(
         self,

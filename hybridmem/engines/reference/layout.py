@@ -42,8 +42,8 @@ from hybridmem.engines.reference.spec import VOCAB_PADDING, TPShard
 from hybridmem.models import FAMILIES
 from hybridmem.models.llama import LLAMA
 from hybridmem.reshard import ModelSpec, VLLMConvention, vllm_layout
-from hybridmem.reshard.vllm_versions import DEFAULT_VLLM_VERSION
 from hybridmem.reshard.transforms import LocalTensor, Piece
+from hybridmem.reshard.vllm_versions import DEFAULT_VLLM_VERSION
 
 __all__ = ["layout_spec", "param_shapes", "rank_tensors", "place_hf_weight", "split_fused_hf"]
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridmem.examples.parsing import OneLineErrorParser
+from hybridmem.config.arguments import OneLineErrorParser
 
 __all__ = ["main", "check_args", "demo_policy", "have_matplotlib", "widen_for_tp"]
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from hybridmem.examples.grpo.loop import DemoConfig, IterationStats
-from hybridmem.memplan import format_nbytes
+from hybridmem.switch.memplan import format_nbytes
 
 __all__ = ["RankZeroReporter"]
 
