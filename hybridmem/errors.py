@@ -39,6 +39,7 @@ __all__ = [
     "SwitchPeerAbortError",
     "SwitchEngineProcessError",
     "switch_error",
+    "add_note",
 ]
 
 
@@ -448,3 +449,10 @@ def switch_error(message: str, *, direction: str, step: str, phase_after: object
         if isinstance(cause, cause_cls):
             return cls(message, direction=direction, step=step, phase_after=phase_after, cause=cause)
     return SwitchError(message, direction=direction, step=step, phase_after=phase_after)
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Append ``note`` to ``exc``'s traceback text (PEP 678; a no-op before Python 3.11)."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)

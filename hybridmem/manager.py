@@ -35,7 +35,13 @@ from hybridmem.contract.engine import (
 )
 from hybridmem.contract.kinds import KV_CACHE, WEIGHTS, StateKind
 from hybridmem.contract.training import TrainingState, training_capabilities_of
-from hybridmem.errors import MemoryPlanError, PhaseError, SwitchError, switch_error
+from hybridmem.errors import (
+    MemoryPlanError,
+    PhaseError,
+    SwitchError,
+    add_note,
+    switch_error,
+)
 from hybridmem.offload import Offloader, OffloadState
 from hybridmem.offload.host_pool import HostBufferPool
 from hybridmem.parts import resolve_layouts, training_state_of
@@ -51,7 +57,7 @@ from hybridmem.switch.lora_base import (
     lora_base_of,
     share_with_engine,
 )
-from hybridmem.switch.machine import PhaseMachine, Trigger
+from hybridmem.switch.machine import PhaseMachine, Trigger, wrong_phase
 from hybridmem.switch.memplan import MemoryPlan, StepEstimate
 from hybridmem.switch.owners import DeviceOwners
 from hybridmem.switch.phase import Direction, Phase
@@ -96,12 +102,6 @@ def _caller() -> str:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
         frame = frame.f_back
     return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    add = getattr(exc, "add_note", None)  # Python >= 3.11
-    if add is not None:
-        add(note)
 
 
 class ShardingManager:
@@ -479,7 +479,7 @@ class ShardingManager:
             try:
                 self.to_train()
             except Exception as switch_exc:  # noqa: BLE001 - reported on the user's exception
-                _add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; phase {self.phase.name}")
+                add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; phase {self.phase.name}")
             raise
         self.to_train()
 
@@ -513,10 +513,8 @@ class ShardingManager:
             self.agreement.vote_no(f"{failed} failed")
 
     def _check_phase(self, operation: str, *phases: Phase) -> None:
-        if self.phase is Phase.CLOSED and Phase.CLOSED not in phases:
-            raise PhaseError(operation, self.phase, "the manager was closed; build a new ShardingManager")
         if self.phase not in phases:
-            raise PhaseError(operation, self.phase, f"it needs phase {'/'.join(p.name for p in phases)}")
+            raise wrong_phase(operation, self.phase, phases)
 
     def _check_coresidents_offloaded(self, operation: str) -> None:
         onloaded = [n for n, co in self.coresidents.items() if co.state is CoResidentState.ONLOADED]

@@ -17,21 +17,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridmem.accel.group import rank_and_size
+
 __all__ = ["group_size", "group_rank", "copy_to_group", "reduce_from_group", "gather_last_dim", "vocab_parallel_embedding"]
 
 
 def group_size(group: Any) -> int:
-    """Size of ``group`` (1 when ``torch.distributed`` is not initialised and ``group`` is ``None``)."""
-    if group is None and not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
+    """Size of ``group`` (1 without ``torch.distributed``)."""
+    return rank_and_size(group)[1]
 
 
 def group_rank(group: Any) -> int:
     """This process's rank in ``group`` (0 without ``torch.distributed``)."""
-    if group is None and not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
+    return rank_and_size(group)[0]
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:

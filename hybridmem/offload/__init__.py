@@ -17,14 +17,6 @@ __all__ = [
     "ParamOffloader",
     "GradOffloader",
     "OptimizerStateOffloader",
-    "OFFLOADERS",
     "optimizer_state_tensors",
     "storage_view",
 ]
-
-OFFLOADERS: dict[str, type[Offloader]] = {
-    "param": ParamOffloader,
-    "grad": GradOffloader,
-    "optimizer": OptimizerStateOffloader,
-}
-"""Offloader classes by name; adapters register theirs here (e.g. Megatron's buffer offloaders)."""

@@ -28,6 +28,7 @@ offloaded bytes against a run of the manager.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from hybridmem.config import LoraBase, ParallelLayout
@@ -113,7 +114,7 @@ def plan_lora(spec: ModelSpec, lora: LoraSetup, *, param_bytes: int, infer_bytes
     """
     shapes = adapter_shapes(spec, lora)
     adapter_elements = sum(a[0] * a[1] + b[0] * b[1] for a, b in shapes.values())
-    base = sum(_numel(s) for s in spec.full_shapes().values()) * param_bytes
+    base = sum(math.prod(s) for s in spec.full_shapes().values()) * param_bytes
     a = adapter_elements * lora.adapter_bytes
     g = a
     o = 2 * a + 4 * 2 * len(shapes)  # AdamW: two moments per element, a 4-byte step per adapter tensor
@@ -133,13 +134,6 @@ def plan_lora(spec: ModelSpec, lora: LoraSetup, *, param_bytes: int, infer_bytes
     return [LoraRoutePlan(route, train, infer, host, write, device_nbytes - (infer - kv_nbytes),
                           max(train, infer) <= device_nbytes)
             for route, train, infer, host, write in rows]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def to_dicts(plans: list[LoraRoutePlan]) -> list[dict]:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridmem.accel.group import rank_and_size
 from hybridmem.errors import CollectiveTimeoutError, PeerAbortError
 from hybridmem.reshard.deadline import deadline_bound, post, wait_to_deadline
 from hybridmem.switch.memplan import StepEstimate
@@ -61,8 +62,7 @@ class SwitchAgreement:
             raise ValueError(f"deadline_s={deadline_s} must be > 0")
         self.group = group
         self.deadline_s = float(deadline_s)
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size = rank_and_size(group)
         self.device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(device)
 
     def vote(self, ok: bool) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ does fallible work after a state change, because ``transitions`` has no rollback
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 
 from transitions import Machine, MachineError
@@ -27,7 +28,7 @@ from transitions import Machine, MachineError
 from hybridmem.errors import PhaseError
 from hybridmem.switch.phase import Phase
 
-__all__ = ["PhaseMachine", "TRANSITIONS", "Trigger"]
+__all__ = ["PhaseMachine", "TRANSITIONS", "Trigger", "wrong_phase"]
 
 
 class Trigger(str, Enum):
@@ -92,7 +93,11 @@ class PhaseMachine:
         try:
             self.trigger(trigger.value)
         except MachineError:
-            names = "/".join(p.name for p in allowed[0])
-            if self.state is Phase.CLOSED:
-                raise PhaseError(operation, self.state, "the manager was closed; build a new ShardingManager") from None
-            raise PhaseError(operation, self.state, f"it needs phase {names}") from None
+            raise wrong_phase(operation, self.state, allowed[0]) from None
+
+
+def wrong_phase(operation: str, phase: Phase, needed: Iterable[Phase]) -> PhaseError:
+    """The error for ``operation`` tried in ``phase`` while it needs one of ``needed``."""
+    if phase is Phase.CLOSED:
+        return PhaseError(operation, phase, "the manager was closed; build a new ShardingManager")
+    return PhaseError(operation, phase, f"it needs phase {'/'.join(p.name for p in needed)}")

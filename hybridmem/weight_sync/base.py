@@ -72,7 +72,7 @@ class WeightSync(ABC):
     @property
     def adapters_only(self) -> bool:
         """The sync moves a LoRA model's adapters alone: the engine's base weights stay valid from one switch
-        to the next, and the trainer's frozen base is not what moves ([Note: lora base] in hybridmem.manager).
+        to the next, and the trainer's frozen base is not what moves ([Note: lora base] in hybridmem.switch.lora_base).
         ``False`` (default): every sync writes the whole model."""
         return False
 

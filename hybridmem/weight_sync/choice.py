@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
+from hybridmem.accel.group import rank_and_size
 from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.contract.training import training_capabilities_of
 from hybridmem.reshard import ModelSpec
@@ -25,10 +26,7 @@ def _source_layout(training: Any, spec: Any, group: Any) -> Any:
     ``config.train_layout`` (transformers' names held whole on every rank, or Megatron-core's layout)."""
     if not training_capabilities_of(training).shards_weights:
         return None
-    import torch.distributed as dist  # noqa: PLC0415
-
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    return training.hf_source_layout(spec, world, group=group)
+    return training.hf_source_layout(spec, rank_and_size(group)[1], group=group)
 
 
 def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:

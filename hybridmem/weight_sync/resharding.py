@@ -14,8 +14,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from hybridmem.accel.group import rank_and_size
 from hybridmem.config import ParallelLayout
 from hybridmem.contract.engine import capabilities_of
 from hybridmem.reshard import (
@@ -102,10 +102,7 @@ class ReshardSync(WeightSync):
                  megatron: MegatronConvention | None = None, vllm: VLLMConvention | None = None,
                  deadline_s: float | None = None):
         self.group = group
-        if dist.is_available() and dist.is_initialized():
-            self.rank, world = dist.get_rank(group), dist.get_world_size(group)
-        else:
-            self.rank, world = 0, 1
+        self.rank, world = rank_and_size(group)
         self.source = source
         self.engine = engine
         self.verify = verify
