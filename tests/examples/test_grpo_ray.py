@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from hybridmem.examples import grpo
+from tests._full import TESTS_FULL
 
 pytest.importorskip("ray")
 
@@ -92,7 +93,7 @@ def test_the_spawned_demo_with_a_reward_model_learns_as_with_the_rule(tmp_path, 
         assert (owners["reward"] > 0) == (phase == "reward"), (phase, owners)
 
 
-FULL = os.environ.get("HYBRIDMEM_TESTS_FULL") == "1"
+FULL = TESTS_FULL
 """vLLM's engine core in a process of its own per actor takes a minute and a half on a 2-core machine; CI runs
 vLLM in the actor's process and leaves that case to ``HYBRIDMEM_TESTS_FULL=1``."""
 

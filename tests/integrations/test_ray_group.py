@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._full import TESTS_FULL
+
 ray = pytest.importorskip("ray")
 
 from hybridmem.errors import ConfigError  # noqa: E402
@@ -115,7 +117,7 @@ DEADLINE_S, MARGIN_S = 6.0, 10.0
 after it to roll back on a loaded machine."""
 
 
-FULL = os.environ.get("HYBRIDMEM_TESTS_FULL") == "1"
+FULL = TESTS_FULL
 
 
 # exchange: inside the weight sync (its first bucket); resume: before it (the engine taking its memory back).
