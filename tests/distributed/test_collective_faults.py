@@ -34,7 +34,8 @@ A failure after the weight sync on one rank (its KV cache cannot be resumed) mak
 roll back at once with ``PeerAbortError`` naming it, and the group stays usable.
 
 CI injects at a deterministic sample: the first, middle and last call of each kind on every rank at
-once, and the same on one rank, the ranks taking turns from kind to kind. ``HYBRIDMEM_FAULTS_FULL=1``
+once, and the first and last on one rank, the ranks taking turns from kind to kind (a one-rank point
+waits for the whole deadline). ``HYBRIDMEM_FAULTS_FULL=1``
 injects at every point: every call of every kind on every rank, and every n on all ranks.
 ``python tests/distributed/test_collective_faults.py`` prints the dry run and the number of points;
 with ``--full`` it injects at all of them (``--full one-rank`` or ``--full every-rank``: one set), and
@@ -83,9 +84,12 @@ ROUNDS_PER_TASK = 24
 COMMON = {"deadline_s": DEADLINE_S, "bucket_bytes": BUCKET_BYTES}
 
 
-def _spread(count: int) -> list[int]:
-    """The calls of a kind a sample injects at, of ``count`` (1-based): first, middle, last; all when FULL."""
-    return list(range(1, count + 1)) if FULL else sorted({1, (count + 1) // 2, count} - {0})
+def _spread(count: int, *, middle: bool = True) -> list[int]:
+    """The calls of a kind a sample injects at, of ``count`` (1-based): first, middle (unless told not to),
+    last; all when FULL."""
+    if FULL:
+        return list(range(1, count + 1))
+    return sorted(({1, count} | ({(count + 1) // 2} if middle else set())) - {0})
 
 
 def every_rank_points(counts: list[dict[str, int]]) -> list[Point]:
@@ -101,7 +105,7 @@ def one_rank_points(counts: list[dict[str, int]]) -> list[Point]:
     points: list[Point] = []
     for k, kind in enumerate(kinds):
         ranks = range(WORLD) if FULL else [next(r % WORLD for r in range(k, k + WORLD) if counts[r % WORLD].get(kind))]
-        points += [(rank, kind, n) for rank in ranks for n in _spread(counts[rank].get(kind, 0))]
+        points += [(rank, kind, n) for rank in ranks for n in _spread(counts[rank].get(kind, 0), middle=False)]
     return points
 
 

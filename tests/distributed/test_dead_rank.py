@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.testing.workers import WorkerError, WorkerPool
+from tests._full import full_only
 from tests.distributed import _dead_rank_tasks as tasks
 from tests.distributed.fsdp_job import save_tiny_qwen2
 
@@ -49,15 +50,17 @@ def _run(pool, model_dir, **kwargs) -> dict[int, dict]:
         return exc.results
 
 
+_EACH_ONCE = "a stall and a kill each run once in CI, at the other point"
 CASES = [  # (how, where, call): where in TRAIN->INFER the bad rank misbehaves
     ("stall", "resume", 1),    # before the weight sync: the others wait for it in the first bucket
-    ("kill", "resume", 1),
-    ("stall", "exchange", 1),  # at its first bucket of the plan: mid-sync
+    pytest.param("kill", "resume", 1, marks=full_only(_EACH_ONCE)),
+    pytest.param("stall", "exchange", 1, marks=full_only(_EACH_ONCE)),  # at its first bucket: mid-sync
     ("kill", "exchange", 1),
 ]
 
 
-@pytest.mark.parametrize("how,where,call", CASES, ids=[f"{h}-{w}" for h, w, _ in CASES])
+@pytest.mark.parametrize("how,where,call", CASES,
+                         ids=["stall-resume", "kill-resume", "stall-exchange", "kill-exchange"])
 def test_survivors_raise_within_the_deadline_with_nothing_lost(pool, model_dir, how, where, call):
     results = _run(pool, model_dir, how=how, where=where, call=call, direction="to_infer")
     survivors = [r for r in range(WORLD) if r != BAD]
@@ -77,6 +80,8 @@ def test_survivors_raise_within_the_deadline_with_nothing_lost(pool, model_dir, 
         assert r["collective"] and r["phase"] == "TRAIN" and r["state_intact"], r
 
 
+@full_only("the fault harness's every-rank sample injects before the first exchange too "
+           "(tests/distributed/test_collective_faults.py)")
 def test_a_fault_on_every_rank_before_a_collective_keeps_the_group_and_the_run(pool, model_dir):
     """Every rank fails on its way into the first bucket's exchange (before anything is posted): each rolls
     back with the fault named, the group stays usable, and the next switch and training step give the
@@ -97,6 +102,8 @@ SMALL_BUCKETS = 16 * 2**10
 """Several buckets per sync (a rank receives about 1 MB), so a sync makes several exchanges."""
 
 
+@full_only("the fault harness's every-rank sample covers the first, middle and last exchange "
+           "(tests/distributed/test_collective_faults.py)")
 def test_a_fault_on_every_rank_at_each_exchange_keeps_the_group_and_the_run(pool, model_dir):
     """The fault harness's rule over the collectives of a multi-rank sync: a fault on every rank on the way
     into the first, middle and last step of the plan (each rank at its first step at or after that step's
@@ -118,7 +125,8 @@ def test_a_fault_on_every_rank_at_each_exchange_keeps_the_group_and_the_run(pool
             assert f["next_loss"] == c["next_loss"], (key, rank, f["next_loss"], c["next_loss"])
 
 
-@pytest.mark.parametrize("call", [1, 3])
+@pytest.mark.parametrize("call", [pytest.param(1, marks=full_only("the third exchange runs the same path")),
+                                  3])
 def test_a_fault_on_one_rank_at_an_exchange_fails_the_others_by_the_deadline(pool, model_dir, call):
     """Rank 3 fails on its way into its ``call``-th exchange; it rolls back at once, the others wait for it
     until the deadline and roll back; every rank keeps its training state."""
