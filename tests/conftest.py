@@ -37,6 +37,8 @@ def _restore_environment(saved: dict[str, str]) -> None:
 
 
 ONE_WORKER_MODULES = frozenset({
+    # engines a module-scoped fixture starts (a ``vllm serve``, an AsyncLLM, a vLLM per rank, a TRL run):
+    # 30 s to 4 min each on a 2-core machine
     "tests/adapters/test_vllm_serve.py",
     "tests/adapters/test_vllm_server_faults.py",
     "tests/adapters/test_vllm_server.py",
@@ -48,9 +50,28 @@ ONE_WORKER_MODULES = frozenset({
     "tests/integrations/test_trl.py",
     "tests/adapters/test_fsdp.py",
     "tests/integrations/test_ray_group.py",
+    # worker pools a module-scoped fixture starts (4 processes importing torch, some vLLM's model classes:
+    # 10-40 s each)
+    "tests/reshard/test_vllm_names.py",
+    "tests/reshard/test_vllm_multimodal.py",
+    "tests/reshard/test_distributed.py",
+    "tests/reshard/test_megatron_names.py",
+    "tests/distributed/test_collective_faults.py",
+    "tests/engines/test_reference_tp.py",
+    "tests/engines/test_reshard_into_engine.py",
+    "tests/nn/test_gpt.py",
 })
-"""Modules whose tests share engines their module-scoped fixtures start (a ``vllm serve``, an AsyncLLM, a vLLM
-per rank, a TRL run: 30 s to 4 min each on a 2-core machine); see :func:`pytest_xdist_make_scheduler`."""
+"""Modules whose tests share what their module-scoped fixtures start; see :func:`pytest_xdist_make_scheduler`."""
+ONE_WORKER_FOLDERS = ("tests/megatron/",)
+"""Folders whose modules share session-scoped worker pools (tests/megatron/conftest.py): one worker runs
+them all, so each pool starts once per run."""
+
+
+def _one_worker_scope(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    if path in ONE_WORKER_MODULES:
+        return path
+    return next((folder for folder in ONE_WORKER_FOLDERS if path.startswith(folder)), nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -67,8 +88,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class OneWorkerModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return path if path in ONE_WORKER_MODULES else nodeid
+            return _one_worker_scope(nodeid)
 
     return OneWorkerModules(config, log)
 

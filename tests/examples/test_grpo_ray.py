@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from hybridmem.examples import grpo
-from tests._full import TESTS_FULL
+from tests._full import full_only
 
 pytest.importorskip("ray")
 
@@ -93,16 +93,14 @@ def test_the_spawned_demo_with_a_reward_model_learns_as_with_the_rule(tmp_path, 
         assert (owners["reward"] > 0) == (phase == "reward"), (phase, owners)
 
 
-FULL = TESTS_FULL
-"""vLLM's engine core in a process of its own per actor takes a minute and a half on a 2-core machine; CI runs
-vLLM in the actor's process and leaves that case to ``HYBRIDMEM_TESTS_FULL=1``."""
-
-
-@pytest.mark.parametrize("demo", [["--trainer", "megatron", "--engine", "vllm", "--world-size", "1", "--train-tp", "1"],
-                                  ["--trainer", "fsdp", "--infer-tp", "2"],
-                                  pytest.param(["--engine", "vllm-server"], marks=pytest.mark.skipif(
-                                      not FULL, reason="a minute and a half; HYBRIDMEM_TESTS_FULL=1 runs it"))],
-                         ids=["megatron-vllm-one-actor", "fsdp", "vllm-server"])
+@pytest.mark.parametrize("demo", [
+    ["--trainer", "megatron", "--engine", "vllm", "--world-size", "1", "--train-tp", "1"],
+    # Two actors resharding into the engine's layout run in the learning tests above, and FSDP2 in
+    # tests/examples/test_grpo_demo.py and test_grpo_torchrun.py.
+    pytest.param(["--trainer", "fsdp", "--infer-tp", "2"], marks=full_only("two actors run in the tests above")),
+    # vLLM's engine core in a process of its own per actor: a minute and a half on a 2-core machine.
+    pytest.param(["--engine", "vllm-server"], marks=full_only("vLLM runs in the actor's process in CI")),
+], ids=["megatron-vllm-one-actor", "fsdp", "vllm-server"])
 def test_every_trainer_and_engine_runs_on_ray(tmp_path, demo):
     if "megatron" in demo:
         pytest.importorskip("megatron.core")

@@ -1,9 +1,11 @@
-"""Fixtures of the Megatron tests: spawned gloo workers, one pool at a time.
+"""Fixtures of the Megatron tests: spawned gloo workers, one pool per world size.
 
 Megatron's ``initialize_model_parallel`` creates its groups with ``torch.distributed.new_group`` over
-the whole default group, so a task's world size must equal the pool's. The fixture keeps one pool of
-the size last asked for and replaces it when another size is needed (never more than 4 workers
-alive); the test configurations are ordered so that each size is started once.
+the whole default group, so a task's world size must equal the pool's. The fixture keeps a pool of each
+size asked for (1, 2 and 4: seven workers at most) for the whole session: the tests run in random order,
+and a pool replaced at every change of size was started again and again (a 4-rank pool takes 10-20 s
+on a 2-core machine). conftest.py runs every module of this folder on one xdist worker, so each size
+starts once per run.
 """
 
 from __future__ import annotations
@@ -17,18 +19,16 @@ from hybridmem.testing.workers import WorkerPool  # noqa: E402
 
 class _PoolBySize:
     def __init__(self) -> None:
-        self.pool: WorkerPool | None = None
+        self.pools: dict[int, WorkerPool] = {}
 
     def get(self, world_size: int) -> WorkerPool:
-        if self.pool is None or self.pool.max_world_size != world_size:
-            self.close()
-            self.pool = WorkerPool(world_size, timeout_s=300.0)
-        return self.pool
+        if world_size not in self.pools:
+            self.pools[world_size] = WorkerPool(world_size, timeout_s=300.0)
+        return self.pools[world_size]
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        while self.pools:
+            self.pools.popitem()[1].close()
 
 
 @pytest.fixture(scope="session")
