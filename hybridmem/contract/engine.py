@@ -28,11 +28,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hybridmem.contract.capabilities import declared_capabilities
-from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
+from hybridmem.contract.kinds import ENGINE_TAGS
 from hybridmem.errors import ConfigError
 
-__all__ = ["InferenceEngine", "EngineCapabilities", "capabilities_of", "WEIGHTS", "KV_CACHE", "ENGINE_TAGS",
-           "check_kv_utilization", "check_tags"]
+__all__ = ["InferenceEngine", "EngineCapabilities", "capabilities_of", "check_kv_utilization", "check_tags"]
 
 
 @runtime_checkable
