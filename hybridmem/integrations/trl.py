@@ -48,6 +48,7 @@ TRL outside the tested range is refused (:mod:`hybridmem.integrations.trl_compat
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +69,8 @@ log = logging.getLogger(__name__)
 
 _TRL = import_trl()  # refuses a TRL outside the tested range or without a hook: [Note: TRL hooks]
 GRPOTrainer = _TRL["trl.trainer.grpo_trainer"].GRPOTrainer
+_TRL_INIT = inspect.Signature(list(inspect.signature(GRPOTrainer.__init__).parameters.values())[1:])
+"""``trl.GRPOTrainer.__init__``'s parameters but ``self``: its arguments are read by name, however passed."""
 
 REFERENCE_OWNER = "reference"
 """The co-resident name of TRL's reference model."""
@@ -102,6 +105,18 @@ class GenerationSwitches:
         return next((s.extra.get("route", "") for s in self.to_infer.steps if s.name == "weight sync"), "")
 
 
+def _bind_trl_arguments(args: tuple, kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    """``trl.GRPOTrainer``'s arguments by name, however they were passed.
+
+    Raises:
+        TypeError: Arguments ``trl.GRPOTrainer`` does not take.
+    """
+    try:
+        return _TRL_INIT.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"HybridGRPOTrainer takes trl.GRPOTrainer's arguments: {exc}") from None
+
+
 def _check_args(args: Any) -> None:
     if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
         got = (getattr(args, "use_vllm", None), getattr(args, "vllm_mode", None))
@@ -122,9 +137,9 @@ class HybridGRPOTrainer(GRPOTrainer):
     [Note: TRL colocate through hybridmem]).
 
     Args:
-        *args, **kwargs: Those of ``trl.GRPOTrainer``; ``args`` must have ``use_vllm=True`` and
-            ``vllm_mode="colocate"``. ``vllm_enable_sleep_mode`` is decided here (on where vLLM has a
-            sleep mode, off on its CPU build): hybridmem sleeps and wakes the engine itself.
+        *args, **kwargs: Those of ``trl.GRPOTrainer``, by position or keyword; ``args`` must have
+            ``use_vllm=True`` and ``vllm_mode="colocate"``. ``vllm_enable_sleep_mode`` is decided here (on
+            where vLLM has a sleep mode, off on its CPU build): hybridmem sleeps and wakes the engine itself.
         hybrid_config: The manager's :class:`~hybridmem.HybridConfig` (``None``: defaults).
         vllm_dtype: The dtype vLLM holds the weights in (``None``: the trainer model's).
         lora_sync: How a PEFT LoRA model reaches vLLM: ``"adapters"`` (default; :class:`~hybridmem.
@@ -133,6 +148,7 @@ class HybridGRPOTrainer(GRPOTrainer):
 
     Raises:
         ValueError: ``args`` without co-located vLLM; an unknown ``lora_sync``.
+        TypeError: An argument ``trl.GRPOTrainer`` does not take.
 
     Attributes:
         hybrid_manager: The :class:`~hybridmem.ShardingManager` (``None`` until the optimizer exists).
@@ -142,7 +158,8 @@ class HybridGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args: Any, hybrid_config: HybridConfig | None = None, vllm_dtype: Any = None,
                  lora_sync: LoraRoute | str = LoraRoute.ADAPTERS, **kwargs: Any):
-        grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        bound = _bind_trl_arguments(args, kwargs)
+        grpo_args = bound.arguments.get("args")
         _check_args(grpo_args)
         try:
             self.hybrid_lora_sync = LoraRoute(lora_sync)
@@ -150,20 +167,17 @@ class HybridGRPOTrainer(GRPOTrainer):
             raise ValueError(f"lora_sync={lora_sync!r}: use one of {[r.value for r in LoraRoute]}") from None
         grpo_args = copy.copy(grpo_args)  # the caller's config object is left as it was
         grpo_args.vllm_enable_sleep_mode = _vllm_has_sleep_mode()
-        if "args" in kwargs or len(args) <= 2:
-            kwargs["args"] = grpo_args
-        else:
-            args = (*args[:2], grpo_args, *args[3:])
+        bound.arguments["args"] = grpo_args
         self.hybrid_config = HybridConfig() if hybrid_config is None else hybrid_config
         self.hybrid_manager: Any = None
         self.hybrid_reports: list[GenerationSwitches] = []
-        model = kwargs.get("model", args[0] if args else None)
+        model = bound.arguments.get("model")
         if vllm_dtype is None and isinstance(model, torch.nn.Module):
             vllm_dtype = next(model.parameters()).dtype
-        rank = _lora_rank(kwargs.get("peft_config", args[10] if len(args) > 10 else None), model)
+        rank = _lora_rank(bound.arguments.get("peft_config"), model)
         lora_rank = rank if rank and self.hybrid_lora_sync is LoraRoute.ADAPTERS else None
         with _building_llm(vllm_dtype, lora_rank):
-            super().__init__(*args, **kwargs)
+            super().__init__(*bound.args, **bound.kwargs)
         self.hybrid_engine = self._wrap_engine()
 
     # Building the parts -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The TRL integration's import-time check ([Note: TRL hooks] in hybridmem/integrations/trl_compat.py) and
-TRL's vLLM-range warning, against the installed TRL. Other TRL releases are stood in for by copies of the
-installed modules with one hook taken out."""
+"""The TRL integration's import-time check ([Note: TRL hooks] in hybridmem/integrations/trl_compat.py), its
+reading of ``trl.GRPOTrainer``'s arguments, and TRL's vLLM-range warning, against the installed TRL. Other
+TRL releases are stood in for by copies of the installed modules with one hook taken out."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pathlib
 import subprocess
 import sys
 import types
+from contextlib import contextmanager
 
 import pytest
+import torch
 
 trl = pytest.importorskip("trl", reason="needs Hugging Face TRL (README install: the trl extra)")
 
@@ -106,6 +108,54 @@ def test_a_trl_outside_the_tested_range_is_refused_naming_its_version_and_the_ra
 @pytest.mark.parametrize("version", ["1.16.0", "1.16.3", "1.16.1+local", "1.16.0.dev0"])
 def test_patch_releases_of_the_series_the_hooks_were_read_from_are_accepted(version):
     check_trl(version, {})
+
+
+class _Built(Exception):
+    """Raised by the stand-in for ``trl.GRPOTrainer.__init__``: what came before it is under test."""
+
+
+def test_the_trainer_reads_model_args_and_peft_config_by_position_or_keyword(monkeypatch, tmp_path):
+    from trl import GRPOConfig
+
+    from hybridmem.integrations import trl as integration
+
+    seen: dict = {}
+
+    def trl_init(self, *args, **kwargs):
+        seen["bound"] = integration._TRL_INIT.bind(*args, **kwargs).arguments
+        raise _Built
+
+    @contextmanager
+    def building_llm(dtype, lora_rank):
+        seen["llm"] = (dtype, lora_rank)
+        yield
+
+    monkeypatch.setattr(integration.GRPOTrainer, "__init__", trl_init)
+    monkeypatch.setattr(integration, "_building_llm", building_llm)
+    monkeypatch.setattr(integration, "_vllm_has_sleep_mode", lambda: True)
+    model = torch.nn.Linear(2, 2, dtype=torch.float64)
+    peft_config = types.SimpleNamespace(r=8, rank_pattern={"proj": 24})
+    config = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", use_cpu=True,
+                        report_to="none")
+    by_position = (model, None, config, None, None, None, None, None, (None, None), None, peft_config)
+    calls = [(by_position, {}),
+             ((), {"model": model, "args": config, "peft_config": peft_config}),
+             ((model, None), {"peft_config": peft_config, "args": config})]
+    for args, kwargs in calls:
+        seen.clear()
+        with pytest.raises(_Built):
+            integration.HybridGRPOTrainer(*args, **kwargs)
+        assert seen["llm"] == (torch.float64, 24)  # the model's dtype, the adapter's largest rank
+        bound = seen["bound"]
+        assert bound["model"] is model and bound["peft_config"] is peft_config
+        assert bound["args"] is not config and bound["args"].vllm_enable_sleep_mode is True
+    assert config.vllm_enable_sleep_mode is False  # the caller's config is left as it was
+
+    off = GRPOConfig(output_dir=str(tmp_path), use_vllm=False, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="use_vllm=False"):
+        integration.HybridGRPOTrainer(model, None, off)
+    with pytest.raises(TypeError, match="trl.GRPOTrainer's arguments.*peft_confg"):
+        integration.HybridGRPOTrainer(model=model, args=config, peft_confg=peft_config)
 
 
 def test_trls_vllm_range_warning_prints_once_and_other_warnings_still_print():
