@@ -15,8 +15,7 @@ code that sets or reads it (:attr:`HookKind.USED_BY`).
 TRL 1.16.0 declares vLLM 0.22.0 to 0.31.0 and warns from every module that asks (five at import, one when
 it builds its ``LLM``); hybridmem is tested with vLLM 0.32. :func:`vllm_range_warning_once` prints that
 warning once per process and leaves every other warning, and the user's own filters, alone. (A ``"once"``
-filter would not do: CPython's C ``warnings`` keeps "once" per calling module, so TRL's warning from five
-modules still prints several times.)
+filter does not do it: under CPython 3.11's C ``warnings`` TRL's import still printed it four times.)
 """
 
 from __future__ import annotations
