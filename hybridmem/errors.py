@@ -30,6 +30,7 @@ __all__ = [
     "WeightCoverageError",
     "KVStateError",
     "KVResumeError",
+    "UnsupportedLibraryError",
     "PeerAbortError",
     "EngineProcessError",
     "EngineFault",
@@ -95,7 +96,8 @@ class ConfigError(HybridMemError, ValueError):
 
     suggestions: tuple[str, ...] = ()
 
-    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None, message: str | None = None):
+    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None,
+                 message: str | None = None):
         self.key = key
         self.value = value
         self.allowed = allowed
@@ -151,9 +153,10 @@ class OffloadedTensorError(PhaseError):
         self.current = "offloaded"
         HybridMemError.__init__(
             self,
-            f"cannot {operation} a tensor of the training state ({kind}, shape {list(shape)}, {dtype}): hybridmem "
-            f"moved its bytes to host memory (the manager is in INFER, or FAILED after a switch failed); read it "
-            f"in TRAIN, after `with manager.inference()` ends or after manager.to_train() / manager.recover()",
+            f"cannot {operation} a tensor of the training state ({kind}, shape {list(shape)}, {dtype}): "
+            f"hybridmem moved its bytes to host memory (the manager is in INFER, or FAILED after a switch "
+            f"failed); read it in TRAIN, after `with manager.inference()` ends or after manager.to_train() / "
+            f"manager.recover()",
         )
 
 
@@ -193,14 +196,16 @@ class MemoryPlanError(HybridMemError, MemoryError):
     """
 
     def __new__(cls, plan: object, *args: object, **kwargs: object):
-        if cls is MemoryPlanError and getattr(plan, "device_fits", True) and not getattr(plan, "host_fits", True):
+        host_only = getattr(plan, "device_fits", True) and not getattr(plan, "host_fits", True)
+        if cls is MemoryPlanError and host_only:
             cls = HostMemoryPlanError
         return HybridMemError.__new__(cls, plan, *args, **kwargs)
 
     def __init__(self, plan: object):
         self.plan = plan
-        over = [what for what, fits in (("the device budget", getattr(plan, "device_fits", False)),
-                                        ("host_memory_budget_bytes", getattr(plan, "host_fits", True))) if not fits]
+        budgets = (("the device budget", getattr(plan, "device_fits", False)),
+                   ("host_memory_budget_bytes", getattr(plan, "host_fits", True)))
+        over = [what for what, fits in budgets if not fits]
         # Not super(): a HostMemoryPlanError's next base is HostMemoryBudgetError, whose arguments differ.
         HybridMemError.__init__(self, f"switch refused, predicted peak exceeds "
                                       f"{' and '.join(over)}:\n{plan}")
@@ -223,8 +228,8 @@ class HostMemoryBudgetError(HybridMemError, MemoryError):
 
 class HostMemoryPlanError(MemoryPlanError, HostMemoryBudgetError):
     """A switch was refused before it started because its offloads would grow the host buffer pool past
-    ``host_memory_budget_bytes`` (see [Note: host memory plan] in :mod:`hybridmem.switch.memplan`); nothing was
-    moved. Catch it as either base: ``except HostMemoryBudgetError`` catches a host budget overflow
+    ``host_memory_budget_bytes`` (see [Note: host memory plan] in :mod:`hybridmem.switch.memplan`); nothing
+    was moved. Catch it as either base: ``except HostMemoryBudgetError`` catches a host budget overflow
     whether it is foreseen by the plan or met inside a switch.
 
     Attributes:
@@ -240,7 +245,8 @@ class HostMemoryPlanError(MemoryPlanError, HostMemoryBudgetError):
         held = plan.host_start_nbytes
         for step in plan.steps:
             if step.host_nbytes > plan.host_budget_nbytes:
-                self.key, self.requested_nbytes, self.held_nbytes = step.name, step.estimate.host_alloc_nbytes, held
+                self.key, self.held_nbytes = step.name, held
+                self.requested_nbytes = step.estimate.host_alloc_nbytes
                 break
             held = step.host_nbytes
         else:  # the pool starts over its budget (not reachable through the pool, which refuses that)
@@ -253,7 +259,8 @@ class WeightSyncError(HybridMemError, RuntimeError):
 
 
 class WeightCoverageError(WeightSyncError):
-    """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in hybridmem.weight_sync.
+    """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in
+    hybridmem.weight_sync.
 
     Attributes:
         unwritten: The engine tensors of this rank not entirely written.
@@ -261,13 +268,15 @@ class WeightCoverageError(WeightSyncError):
 
     def __init__(self, unwritten: list[str] | tuple[str, ...], *, engine: str = "engine"):
         self.unwritten = tuple(unwritten)
-        shown = ", ".join(self.unwritten[:8]) + (f", ... ({len(self.unwritten)} in all)" if len(self.unwritten) > 8 else "")
+        more = f", ... ({len(self.unwritten)} in all)" if len(self.unwritten) > 8 else ""
+        shown = ", ".join(self.unwritten[:8]) + more
         lora = any(".lora_A." in n or ".lora_B." in n for n in self.unwritten)
-        why = ("the engine's LoRA slots do not hold these adapter tensors as the trainer has them (vLLM did not take "
-               "the module, or took other values)" if lora else
+        why = ("the engine's LoRA slots do not hold these adapter tensors as the trainer has them (vLLM did "
+               "not take the module, or took other values)" if lora else
                "the training model has no weights for them (is the engine built for another architecture?)")
         super().__init__(
-            f"the weight sync did not write every byte of {len(self.unwritten)} {engine} tensor(s): {shown}; {why}"
+            f"the weight sync did not write every byte of {len(self.unwritten)} {engine} tensor(s): {shown}; "
+            f"{why}"
         )
 
 
@@ -288,8 +297,8 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
         self.group_usable = False
         super().__init__(
             f"{what}: rank(s) {list(self.peers)} did not complete within the {deadline_s:.1f} s deadline "
-            f"(waited {elapsed_s:.1f} s: {cause}); the process group is no longer usable (its connections are "
-            f"closed): destroy and re-create it, or restart the job"
+            f"(waited {elapsed_s:.1f} s: {cause}); the process group is no longer usable (its connections "
+            f"are closed): destroy and re-create it, or restart the job"
         )
 
 
@@ -325,12 +334,13 @@ class EngineProcessError(HybridMemError, RuntimeError):
         self.fault = EngineFault(fault)
         advice = {
             EngineFault.REFUSED: "the engine answered with this error",
-            EngineFault.STALLED: "its process is still there but does not answer: stopped, hung or overloaded",
+            EngineFault.STALLED: "its process is still there but does not answer: stopped, hung or "
+                                 "overloaded",
             EngineFault.DEAD: "its process is gone, and its memory with it (its log says why it stopped)",
         }[self.fault]
         super().__init__(
-            f"the vLLM engine at {where} did not complete {call!r} (waited {elapsed_s:.1f} s of {deadline_s:.1f} s: "
-            f"{cause}); {self.fault.value}: {advice}"
+            f"the vLLM engine at {where} did not complete {call!r} (waited {elapsed_s:.1f} s of "
+            f"{deadline_s:.1f} s: {cause}); {self.fault.value}: {advice}"
         )
 
     @property
@@ -388,6 +398,36 @@ class KVResumeError(HybridMemError, MemoryError):
         super().__init__(message)
 
 
+class UnsupportedLibraryError(HybridMemError, ImportError):
+    """An integration refuses the installed version of a library whose internals it patches: outside the
+    tested range, or without a hook it relies on (raised at import).
+
+    Attributes:
+        library: The library's distribution name (``"trl"``).
+        installed: Its installed version.
+        tested: The versions the integration accepts (a PEP 440 specifier).
+        read_from: The release the integration's hooks were read from.
+        missing: Each missing hook, named with where the library was expected to have it.
+    """
+
+    def __init__(self, library: str, installed: str, tested: str, *, read_from: str, in_range: bool = True,
+                 missing: Sequence[str] = ()):
+        self.library = library
+        self.installed = installed
+        self.tested = tested
+        self.read_from = read_from
+        self.missing = tuple(missing)
+        problems = []
+        if not in_range:
+            problems.append(f"{library} {installed} is outside the tested range {library}{tested}")
+        if self.missing:
+            problems.append(f"{library} {installed} lacks {len(self.missing)} hook(s) the integration "
+                            f"patches or relies on: {'; '.join(self.missing)}")
+        super().__init__(f"hybridmem's {library} integration refuses the installed {library}: "
+                         f"{', and '.join(problems)} (hooks read from {library} {read_from}); install the "
+                         f'tested release: pip install "{library}=={read_from}"')
+
+
 class _SwitchFailedWith(SwitchError):
     """A :class:`SwitchError` that is also the documented class of the step's error (second base).
 
@@ -425,7 +465,8 @@ class SwitchEngineProcessError(_SwitchFailedWith, EngineProcessError):
 
 
 class SwitchPeerAbortError(_SwitchFailedWith, PeerAbortError):
-    """Other ranks could not finish a multi-rank switch, so this rank rolled back too; catch it as either base."""
+    """Other ranks could not finish a multi-rank switch, so this rank rolled back too; catch it as either
+    base."""
 
 
 _SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...] = (
@@ -438,7 +479,8 @@ _SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...
 )
 
 
-def switch_error(message: str, *, direction: str, step: str, phase_after: object, cause: BaseException) -> SwitchError:
+def switch_error(message: str, *, direction: str, step: str, phase_after: object,
+                 cause: BaseException) -> SwitchError:
     """The :class:`SwitchError` to raise for a step that failed with ``cause``.
 
     Returns an instance of ``SwitchHostMemoryBudgetError`` / ``SwitchWeightSyncError`` /

@@ -33,17 +33,22 @@ model's ``load_weights``. :class:`HybridGRPOTrainer` keeps TRL's loop, data, rew
   with ``enable_lora=True``, ``max_lora_rank`` the adapter's rank (rounded up to one vLLM offers) and
   ``max_loras=1``; the base goes to vLLM once, then only the adapters move, and TRL's ``llm.generate``
   calls run with the adapter's latest version (the engine gives it to every call naming no adapter, see
-  [Note: vllm lora from memory] in :mod:`hybridmem.adapters.vllm.lora`). ``lora_sync="merged"`` streams the base weights plus each
-  LoRA layer's delta, computed out of place (:func:`merged_lora_weights`), every switch, as a model without
-  LoRA; so does the adapter sync where vLLM cannot serve the adapter, saying why in the reports.
+  [Note: vllm lora from memory] in :mod:`hybridmem.adapters.vllm.lora`). ``lora_sync="merged"`` streams
+  the base weights plus each LoRA layer's delta, computed out of place (:func:`merged_lora_weights`),
+  every switch, as a model without LoRA; so does the adapter sync where vLLM cannot serve the adapter,
+  saying why in the reports.
 
 Each generation's two switch reports are kept in ``trainer.hybrid_reports`` and summarised in TRL's
 logged metrics (``hybridmem/...``).
+
+The TRL internals this relies on, read from TRL 1.16.0, are checked when this module is imported, and a
+TRL outside the tested range is refused (:mod:`hybridmem.integrations.trl_compat`, [Note: TRL hooks]).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,20 +58,19 @@ from typing import Any
 import torch
 
 from hybridmem.config import HybridConfig
+from hybridmem.integrations.trl_compat import import_trl
 from hybridmem.switch.phase import Direction
 from hybridmem.switch.report import SwitchReport
 from hybridmem.weight_sync.lora import LoraRoute, merged_lora_weights
 
-try:
-    from trl import GRPOTrainer
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        f"hybridmem.integrations.trl needs Hugging Face TRL ({exc}); install it with `pip install hybridmem[trl]`"
-    ) from exc
-
 __all__ = ["HybridGRPOTrainer", "GenerationSwitches", "REFERENCE_OWNER", "LoraRoute", "merged_lora_weights"]
 
 log = logging.getLogger(__name__)
+
+_TRL = import_trl()  # refuses a TRL outside the tested range or without a hook: [Note: TRL hooks]
+GRPOTrainer = _TRL["trl.trainer.grpo_trainer"].GRPOTrainer
+_TRL_INIT = inspect.Signature(list(inspect.signature(GRPOTrainer.__init__).parameters.values())[1:])
+"""``trl.GRPOTrainer.__init__``'s parameters but ``self``: its arguments are read by name, however passed."""
 
 REFERENCE_OWNER = "reference"
 """The co-resident name of TRL's reference model."""
@@ -86,7 +90,8 @@ class GenerationSwitches:
     @property
     def offloaded_nbytes(self) -> dict[str, int]:
         """Bytes each offload step of the TRAIN->INFER switch moved or released, by step name."""
-        return {s.name: s.copied_nbytes + s.zero_nbytes for s in self.to_infer.steps if s.name.startswith("offload")}
+        return {s.name: s.copied_nbytes + s.zero_nbytes for s in self.to_infer.steps
+                if s.name.startswith("offload")}
 
     @property
     def synced_nbytes(self) -> int:
@@ -100,12 +105,24 @@ class GenerationSwitches:
         return next((s.extra.get("route", "") for s in self.to_infer.steps if s.name == "weight sync"), "")
 
 
+def _bind_trl_arguments(args: tuple, kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    """``trl.GRPOTrainer``'s arguments by name, however they were passed.
+
+    Raises:
+        TypeError: Arguments ``trl.GRPOTrainer`` does not take.
+    """
+    try:
+        return _TRL_INIT.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"HybridGRPOTrainer takes trl.GRPOTrainer's arguments: {exc}") from None
+
+
 def _check_args(args: Any) -> None:
     if args is None or not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
         got = (getattr(args, "use_vllm", None), getattr(args, "vllm_mode", None))
         raise ValueError(
-            f"HybridGRPOTrainer drives TRL's co-located vLLM: set GRPOConfig(use_vllm=True, vllm_mode='colocate') "
-            f"(got use_vllm={got[0]!r}, vllm_mode={got[1]!r})"
+            f"HybridGRPOTrainer drives TRL's co-located vLLM: set GRPOConfig(use_vllm=True, "
+            f"vllm_mode='colocate') (got use_vllm={got[0]!r}, vllm_mode={got[1]!r})"
         )
 
 
@@ -120,9 +137,9 @@ class HybridGRPOTrainer(GRPOTrainer):
     [Note: TRL colocate through hybridmem]).
 
     Args:
-        *args, **kwargs: Those of ``trl.GRPOTrainer``; ``args`` must have ``use_vllm=True`` and
-            ``vllm_mode="colocate"``. ``vllm_enable_sleep_mode`` is decided here (on where vLLM has a
-            sleep mode, off on its CPU build): hybridmem sleeps and wakes the engine itself.
+        *args, **kwargs: Those of ``trl.GRPOTrainer``, by position or keyword; ``args`` must have
+            ``use_vllm=True`` and ``vllm_mode="colocate"``. ``vllm_enable_sleep_mode`` is decided here (on
+            where vLLM has a sleep mode, off on its CPU build): hybridmem sleeps and wakes the engine itself.
         hybrid_config: The manager's :class:`~hybridmem.HybridConfig` (``None``: defaults).
         vllm_dtype: The dtype vLLM holds the weights in (``None``: the trainer model's).
         lora_sync: How a PEFT LoRA model reaches vLLM: ``"adapters"`` (default; :class:`~hybridmem.
@@ -131,6 +148,7 @@ class HybridGRPOTrainer(GRPOTrainer):
 
     Raises:
         ValueError: ``args`` without co-located vLLM; an unknown ``lora_sync``.
+        TypeError: An argument ``trl.GRPOTrainer`` does not take.
 
     Attributes:
         hybrid_manager: The :class:`~hybridmem.ShardingManager` (``None`` until the optimizer exists).
@@ -140,7 +158,8 @@ class HybridGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args: Any, hybrid_config: HybridConfig | None = None, vllm_dtype: Any = None,
                  lora_sync: LoraRoute | str = LoraRoute.ADAPTERS, **kwargs: Any):
-        grpo_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        bound = _bind_trl_arguments(args, kwargs)
+        grpo_args = bound.arguments.get("args")
         _check_args(grpo_args)
         try:
             self.hybrid_lora_sync = LoraRoute(lora_sync)
@@ -148,20 +167,17 @@ class HybridGRPOTrainer(GRPOTrainer):
             raise ValueError(f"lora_sync={lora_sync!r}: use one of {[r.value for r in LoraRoute]}") from None
         grpo_args = copy.copy(grpo_args)  # the caller's config object is left as it was
         grpo_args.vllm_enable_sleep_mode = _vllm_has_sleep_mode()
-        if "args" in kwargs or len(args) <= 2:
-            kwargs["args"] = grpo_args
-        else:
-            args = (*args[:2], grpo_args, *args[3:])
+        bound.arguments["args"] = grpo_args
         self.hybrid_config = HybridConfig() if hybrid_config is None else hybrid_config
         self.hybrid_manager: Any = None
         self.hybrid_reports: list[GenerationSwitches] = []
-        model = kwargs.get("model", args[0] if args else None)
+        model = bound.arguments.get("model")
         if vllm_dtype is None and isinstance(model, torch.nn.Module):
             vllm_dtype = next(model.parameters()).dtype
-        rank = _lora_rank(kwargs.get("peft_config", args[10] if len(args) > 10 else None), model)
+        rank = _lora_rank(bound.arguments.get("peft_config"), model)
         lora_rank = rank if rank and self.hybrid_lora_sync is LoraRoute.ADAPTERS else None
         with _building_llm(vllm_dtype, lora_rank):
-            super().__init__(*args, **kwargs)
+            super().__init__(*bound.args, **bound.kwargs)
         self.hybrid_engine = self._wrap_engine()
 
     # Building the parts -----------------------------------------------------------------------------
@@ -197,7 +213,7 @@ class HybridGRPOTrainer(GRPOTrainer):
         from hybridmem.weight_sync import LoadWeightsSync, LoraSync  # noqa: PLC0415
 
         model = self.accelerator.unwrap_model(self.model)
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper keeps the torch optimizer inside
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
         weight_sync = None
         if is_peft_model(model) and self.hybrid_engine.lora_enabled:
             weight_sync = LoraSync(model, self.hybrid_engine)
@@ -212,16 +228,16 @@ class HybridGRPOTrainer(GRPOTrainer):
     # Generation inside a switch ---------------------------------------------------------------------
     @contextmanager
     def hybrid_inference(self) -> Iterator[Any]:
-        """``hybrid_manager.inference(retries=1)``: a TRAIN->INFER switch that rolled back is tried once more."""
+        """``hybrid_manager.inference(retries=1)``: a TRAIN->INFER switch that rolled back is tried again."""
         manager = self.hybrid_manager
         if manager is None:
-            raise RuntimeError("HybridGRPOTrainer generated before its optimizer existed (create_optimizer builds "
-                               "the manager); call trainer.train()")
+            raise RuntimeError("HybridGRPOTrainer generated before its optimizer existed (create_optimizer "
+                               "builds the manager); call trainer.train()")
         with manager.inference(retries=1) as engine:
             to_infer = manager.last_reports[Direction.TO_INFER]
             yield engine
-        record = GenerationSwitches(int(self.state.global_step), to_infer, manager.last_reports[Direction.TO_TRAIN],
-                                    manager.last_rollbacks > 0)
+        record = GenerationSwitches(int(self.state.global_step), to_infer,
+                                    manager.last_reports[Direction.TO_TRAIN], manager.last_rollbacks > 0)
         self.hybrid_reports.append(record)
         self._log_switches(record)
 
@@ -239,7 +255,8 @@ class HybridGRPOTrainer(GRPOTrainer):
     # The reference model, on the device only while it scores ---------------------------------------
     def _get_per_token_logps_and_entropies(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         manager = self.hybrid_manager
-        if manager is not None and REFERENCE_OWNER in manager.coresidents and model is getattr(self, "ref_model", None):
+        reference = getattr(self, "ref_model", None)
+        if manager is not None and REFERENCE_OWNER in manager.coresidents and model is reference:
             with manager.onloaded(REFERENCE_OWNER):
                 return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
@@ -289,7 +306,8 @@ def _building_llm(dtype: Any, lora_rank: int | None = None) -> Iterator[None]:
         if dtype is not None:
             kwargs.setdefault("dtype", str(dtype).removeprefix("torch."))
         if on_cpu:
-            kwargs.update(cpu_kv_default(kwargs["model"], kwargs, float(kwargs.get("gpu_memory_utilization", 0.9))))
+            utilization = float(kwargs.get("gpu_memory_utilization", 0.9))
+            kwargs.update(cpu_kv_default(kwargs["model"], kwargs, utilization))
         if lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=_vllm_lora_rank(lora_rank), max_loras=1)
         return build(**kwargs)
