@@ -7,6 +7,14 @@ and where the training state is now; when the step's own error is one hybridmem 
 (:class:`HostMemoryBudgetError`, :class:`WeightSyncError`, :class:`KVResumeError`), the raised error is
 also an instance of that class (:func:`switch_error`), so ``except HostMemoryBudgetError`` catches a
 budget overflow whether it happens in a direct call or inside a switch.
+
+[Note: errors cross processes]
+A hybridmem error raised in a worker process (a Ray actor, a multiprocessing pool, a spawned test worker) is
+pickled to reach the caller. ``Exception`` pickles as ``cls(*self.args)``, which fails for errors whose
+constructors take other or keyword-only arguments (``SwitchError(message, direction=..., ...)``): the caller
+would get a deserialization failure instead of the named error. So every hybridmem error class's
+``__init__`` records the arguments the outermost call got, and the error is rebuilt from them, then given
+the attributes it had when pickled (tests/test_error_pickling.py round-trips every class).
 """
 
 from __future__ import annotations
@@ -45,14 +53,6 @@ __all__ = [
 
 _INIT = "_hybridmem_init"
 """Where an error keeps the arguments it was built with (see [Note: errors cross processes])."""
-
-# [Note: errors cross processes]
-# A hybridmem error raised in a worker process (a Ray actor, a multiprocessing pool, a spawned test worker) is
-# pickled to reach the caller. ``Exception`` pickles as ``cls(*self.args)``, which fails for errors whose
-# constructors take other or keyword-only arguments (``SwitchError(message, direction=..., ...)``): the caller
-# would get a deserialization failure instead of the named error. So every hybridmem error class's
-# ``__init__`` records the arguments the outermost call got, and the error is rebuilt from them, then given
-# the attributes it had when pickled (tests/test_error_pickling.py round-trips every class).
 
 
 def _rebuild(cls: type, args: tuple, kwargs: dict, state: dict) -> BaseException:

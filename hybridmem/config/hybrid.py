@@ -4,6 +4,21 @@ Keys keep MindSpeed-RL's names so a user's existing YAML file drives hybridmem u
 (``actor_config:`` holds the training layout, ``generate_config:`` the inference layout, the
 ``offload_train_*`` switches and ``gpu_memory_utilization``). Keys hybridmem adds live in an optional
 ``hybridmem:`` section. Unknown keys and sections are errors that suggest the closest known name.
+
+[Note: YAML sections]
+A MindSpeed-RL file has top-level sections (mindspeed.SECTIONS) plus an optional ``hybridmem:``.
+hybridmem reads its keys from these places; a later row wins over an earlier one:
+
+  megatron_training  training layout (MindSpeed-RL merges it under actor_config)
+  actor_config       training layout
+  generate_config    offload switches, inference layout, gpu_memory_utilization
+  hybridmem          any HybridConfig key
+
+Every other key of those sections (and every key of rl_config) must be one that some MindSpeed-RL
+release defines there (mindspeed holds the union over releases, so a file written for any of them
+loads): its config classes reject anything else, so an unknown key is a typo and raises with a
+suggestion. A top-level section outside SECTIONS raises the same way. Sections hybridmem does not read
+(ref_config, profiler_config, ...) are not checked: they belong to the user's framework.
 """
 
 from __future__ import annotations
@@ -296,20 +311,6 @@ def _keyword_checked(init: Any) -> Any:
 HybridConfig.__init__ = _keyword_checked(HybridConfig.__init__)  # type: ignore[method-assign]
 
 
-# [Note: YAML sections]
-# A MindSpeed-RL file has top-level sections (mindspeed.SECTIONS) plus an optional ``hybridmem:``.
-# hybridmem reads its keys from these places; a later row wins over an earlier one:
-#
-#   megatron_training  training layout (MindSpeed-RL merges it under actor_config)
-#   actor_config       training layout
-#   generate_config    offload switches, inference layout, gpu_memory_utilization
-#   hybridmem          any HybridConfig key
-#
-# Every other key of those sections (and every key of rl_config) must be one that some MindSpeed-RL
-# release defines there (mindspeed holds the union over releases, so a file written for any of them
-# loads): its config classes reject anything else, so an unknown key is a typo and raises with a
-# suggestion. A top-level section outside SECTIONS raises the same way. Sections hybridmem does not read
-# (ref_config, profiler_config, ...) are not checked: they belong to the user's framework.
 _TRAIN_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 _GENERATE_KEYS = (
     "offload_train_param", "offload_train_grad", "offload_train_optimizer", "infer_tensor_parallel_size",

@@ -17,6 +17,13 @@ An engine's device memory is split by tag, as vLLM's sleep mode splits it:
 the switch's rollback sees the engine exactly as before the call. ``release`` must free every storage
 of a tag whatever state the engine believes the tag is in: a rollback calls it after a resume that was
 interrupted at any point (see [Note: switch transactions] in hybridmem.switch.transaction).
+
+[Note: engine capabilities]
+What an engine can do beyond the three methods is declared, not probed: an engine's ``capabilities``
+attribute is an EngineCapabilities, and every caller (the steps, the weight syncs, the residency
+report) reads capabilities_of(engine). A declared capability whose method is missing is a TypeError
+naming both, raised when the manager is built. An engine that declares nothing (a third-party object
+implementing the protocol) gets its capabilities read once from the methods it has.
 """
 
 from __future__ import annotations
@@ -53,14 +60,6 @@ class InferenceEngine(Protocol):
 
     def resume(self, tags: Sequence[str]) -> None:
         """Take back the device memory of ``tags``; all-or-nothing."""
-
-
-# [Note: engine capabilities]
-# What an engine can do beyond the three methods is declared, not probed: an engine's ``capabilities``
-# attribute is an EngineCapabilities, and every caller (the steps, the weight syncs, the residency
-# report) reads capabilities_of(engine). A declared capability whose method is missing is a TypeError
-# naming both, raised when the manager is built. An engine that declares nothing (a third-party object
-# implementing the protocol) gets its capabilities read once from the methods it has.
 
 
 _METHODS = {

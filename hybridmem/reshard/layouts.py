@@ -20,6 +20,17 @@ layout follows, [Note: vLLM versions]), :mod:`~hybridmem.reshard.conventions` (e
 rank's coordinates), :mod:`~hybridmem.reshard.stages` (layers per pipeline stage, [Note: uneven stages]),
 :mod:`~hybridmem.reshard.rules` (the table and its kinds); this module assembles a rank's tensors from them and
 checks that a layout is valid.
+
+[Note: layout parts]
+A rank's tensors are two parts that depend on different coordinates: the dense part (embedding,
+attention, dense MLP, norms, head) on the tp rank and the stage, the expert part (routed experts) on
+the expert-parallel and expert-tp ranks and the stage. Ranks with equal coordinates for a part hold
+the same tensors of it, so a plan can learn who holds a tensor from one build per group of such ranks
+(:meth:`ShardLayout.part_groups`) instead of one per rank: a few dense groups and, for a MoE model,
+the expert groups of the experts it asks about. ``_tensors`` is the union of the two parts, built by
+the same function (``_part_tensors``); tests/reshard/test_rank_plan.py checks they agree. An HF layout
+has one part (each stage holds whole tensors). Layouts of other kinds (the HF source layouts of
+FSDP2) give one part grouped their own way; a plan uses only ``part_groups``.
 """
 
 from __future__ import annotations
@@ -135,26 +146,12 @@ def _expert_keys(spec: ModelSpec, by_expert: Mapping[int, list[RankCoords]], hf_
     return list(keys)
 
 
-# [Note: layout parts]
-# A rank's tensors are two parts that depend on different coordinates: the dense part (embedding,
-# attention, dense MLP, norms, head) on the tp rank and the stage, the expert part (routed experts) on
-# the expert-parallel and expert-tp ranks and the stage. Ranks with equal coordinates for a part hold
-# the same tensors of it, so a plan can learn who holds a tensor from one build per group of such ranks
-# (:meth:`ShardLayout.part_groups`) instead of one per rank: a few dense groups and, for a MoE model,
-# the expert groups of the experts it asks about. ``_tensors`` is the union of the two parts, built by
-# the same function (``_part_tensors``); tests/reshard/test_rank_plan.py checks they agree. An HF layout
-# has one part (each stage holds whole tensors). Layouts of other kinds (the HF source layouts of
-# FSDP2) give one part grouped their own way; a plan uses only ``part_groups``.
-
-
 class Part(Enum):
     """Which of a rank's tensors to build (see [Note: layout parts])."""
 
     ALL = "all"
     DENSE = "dense"
     EXPERTS = "experts"
-
-
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,14 +1,14 @@
 """How many consecutive decoder layers each pipeline stage holds, as Megatron-core and vLLM split them.
 
-# [Note: uneven stages]
-# A pipeline stage holds a run of consecutive layers; how many each stage holds is part of a layout. Real
-# models need uneven splits: DeepSeek-V3's 61 layers split over 4 or 8 stages only unevenly. Megatron-core
-# gives the first and the last stage their own counts (``num_layers_in_first_pipeline_stage``,
-# ``num_layers_in_last_pipeline_stage``) and splits the rest evenly over the middle stages
-# (:func:`megatron_stage_layers`; MindSpeed-RL's ``num_layer_list`` names every stage's count); vLLM
-# splits evenly with the remainder on the stages before the last (:func:`vllm_stage_layers`), or as
-# ``VLLM_PP_LAYER_PARTITION`` says. A layout takes the counts from its convention (``stage_layers``);
-# Megatron's names number layers from 0 on each stage, vLLM's and HF's globally.
+[Note: uneven stages]
+A pipeline stage holds a run of consecutive layers; how many each stage holds is part of a layout. Real
+models need uneven splits: DeepSeek-V3's 61 layers split over 4 or 8 stages only unevenly. Megatron-core
+gives the first and the last stage their own counts (``num_layers_in_first_pipeline_stage``,
+``num_layers_in_last_pipeline_stage``) and splits the rest evenly over the middle stages
+(:func:`megatron_stage_layers`; MindSpeed-RL's ``num_layer_list`` names every stage's count); vLLM
+splits evenly with the remainder on the stages before the last (:func:`vllm_stage_layers`), or as
+``VLLM_PP_LAYER_PARTITION`` says. A layout takes the counts from its convention (``stage_layers``);
+Megatron's names number layers from 0 on each stage, vLLM's and HF's globally.
 """
 
 from __future__ import annotations

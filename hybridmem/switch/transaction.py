@@ -16,6 +16,20 @@ switch running in another thread is never interrupted by one; the main thread ge
 ``KeyboardInterrupt`` while the switch finishes (or rolls back) on its own. Synchronous exceptions
 raised by the code a step calls (a torch call, an engine, the host pool) are not signals: they fail the
 step and are undone as in [Note: switch transactions].
+
+[Note: switch transactions]
+A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
+journal (``SwitchRun.entered``); the step then records its own irreversible acts before doing them (an
+offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
+journal] in hybridmem.offload.base; an engine's release frees every storage of a tag whatever state it
+believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
+KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] above),
+every entered step is undone in reverse, the failed one included, and each undo works
+from whatever part of its step was done: nothing is undone from what a step was *supposed* to have
+done. INFER->TRAIN steps are re-runnable from any partial state, so a failure there leaves FAILED and
+``recover()`` runs them all again. The whole switch runs with SIGINT/SIGTERM held, so no undo is itself
+interrupted by one. tests/test_fault_injection.py injects a failure at every call a switch makes into
+torch, the host pool and the engine, and checks the training state after each.
 """
 
 from __future__ import annotations
@@ -40,19 +54,6 @@ from hybridmem.switch.steps import SwitchStep
 
 __all__ = ["HeldSignals", "HELD_SIGNALS", "SwitchRun", "run_steps", "roll_back"]
 
-# [Note: switch transactions]
-# A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
-# journal (``SwitchRun.entered``); the step then records its own irreversible acts before doing them (an
-# offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
-# journal] in hybridmem.offload.base; an engine's release frees every storage of a tag whatever state it
-# believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
-# KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] above),
-# every entered step is undone in reverse, the failed one included, and each undo works
-# from whatever part of its step was done: nothing is undone from what a step was *supposed* to have
-# done. INFER->TRAIN steps are re-runnable from any partial state, so a failure there leaves FAILED and
-# ``recover()`` runs them all again. The whole switch runs with SIGINT/SIGTERM held, so no undo is itself
-# interrupted by one. tests/test_fault_injection.py injects a failure at every call a switch makes into
-# torch, the host pool and the engine, and checks the training state after each.
 
 HELD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 """The asynchronous signals a switch holds (see [Note: held signals])."""

@@ -1,5 +1,15 @@
 """The weight-sync interface: :class:`WeightSync`, what one sync did (:class:`SyncStats`), and the helpers
-every sync uses to say what it wrote (coverage, element types)."""
+every sync uses to say what it wrote (coverage, element types).
+
+[Note: no silent dtype change]
+A weight the engine holds in another element type than the trainer differs from it (an fp32 trainer into
+a bf16 engine: by up to 2^-9 relative), and in RL that is an error in the importance ratio the user cannot
+see. So nothing converts on its own: the resharding engine's wire dtype defaults to the trainer's
+(``ReshardSync(dtype=None)``), and with equal dtypes the engine's weights are the trainer's bit for bit.
+A conversion happens only where the engine was built in another dtype (what the user asked for) or a
+wire dtype was given; every sync then says so in ``SyncStats.dtype_note``, which the switch report shows
+in its caption, and the first one logs a warning.
+"""
 
 from __future__ import annotations
 
@@ -31,16 +41,6 @@ class SyncStats(TransferStats):
     route: str = ""
     """How the weights went, where a sync has several ways (a LoRA sync: the adapters only, or merged
     weights and why, see [Note: lora sync] in :mod:`hybridmem.weight_sync.lora`); the switch report shows it."""
-
-
-# [Note: no silent dtype change]
-# A weight the engine holds in another element type than the trainer differs from it (an fp32 trainer into
-# a bf16 engine: by up to 2^-9 relative), and in RL that is an error in the importance ratio the user cannot
-# see. So nothing converts on its own: the resharding engine's wire dtype defaults to the trainer's
-# (``ReshardSync(dtype=None)``), and with equal dtypes the engine's weights are the trainer's bit for bit.
-# A conversion happens only where the engine was built in another dtype (what the user asked for) or a
-# wire dtype was given; every sync then says so in ``SyncStats.dtype_note``, which the switch report shows
-# in its caption, and the first one logs a warning.
 
 
 def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
