@@ -1,14 +1,14 @@
-"""LoRA on one GPU with vLLM: the base kept resident in the engine, then shared with the trainer (the GPU suite's
-``lora``).
+"""LoRA on one GPU with vLLM: the base kept resident in the engine, then shared with the trainer (the GPU
+suite's ``lora``).
 
     python benchmarks/lora_shared_base.py --device cuda --json lora.json
 
-A small Qwen2 checkpoint (bf16, ``save_pretrained``) is served by vLLM with LoRA (``enable_lora``) at TP 1, and
-a PEFT LoRA model of the same checkpoint (adapters on q/k/v/o and gate/up/down) trains for three optimizer
+A small Qwen2 checkpoint (bf16, ``save_pretrained``) is served by vLLM with LoRA (``enable_lora``) at TP 1,
+and a PEFT LoRA model of the same checkpoint (adapters on q/k/v/o and gate/up/down) trains for three optimizer
 steps under a ShardingManager with the adapter sync (``LoraSync``), first with ``lora_base="engine_resident"``
 (two copies of the base on the device), then, with a fresh PEFT model on the same engine, with
 ``lora_base="shared"`` (the trainer's base as views of vLLM's weights, one copy; [Note: shared base] in
-hybridmem/weight_sync/shared_base.py). After every step it records the bytes the weight sync moved (the
+:mod:`hybridmem.weight_sync.shared_base`). After every step it records the bytes the weight sync moved (the
 adapters' after the first switch), the switch times, the device memory in use in TRAIN and in INFER
 (``torch.cuda.mem_get_info``: vLLM's pools included), and whether vLLM's greedy tokens with the adapter equal
 PEFT's. Figures are reported, not asserted; ``ok`` says whether the adapter bytes and the one copy held.

@@ -139,7 +139,7 @@ class PhaseError(HybridMemError, RuntimeError):
 
 class OffloadedTensorError(PhaseError):
     """A tensor whose bytes hybridmem moved to host memory was read or written (see [Note: offloaded
-    tensors refuse reads] in hybridmem.offload.guard).
+    tensors refuse reads] in :mod:`hybridmem.offload.guard`).
 
     Attributes:
         kind: What the tensor is (``"params"``, ``"grads"``, ``"optimizer"``).
@@ -223,8 +223,8 @@ class HostMemoryBudgetError(HybridMemError, MemoryError):
 
 class HostMemoryPlanError(MemoryPlanError, HostMemoryBudgetError):
     """A switch was refused before it started because its offloads would grow the host buffer pool past
-    ``host_memory_budget_bytes`` (see [Note: host memory plan] in :mod:`hybridmem.switch.memplan`); nothing was
-    moved. Catch it as either base: ``except HostMemoryBudgetError`` catches a host budget overflow
+    ``host_memory_budget_bytes`` (see [Note: host memory plan] in :mod:`hybridmem.switch.memplan`); nothing
+    was moved. Catch it as either base: ``except HostMemoryBudgetError`` catches a host budget overflow
     whether it is foreseen by the plan or met inside a switch.
 
     Attributes:
@@ -253,7 +253,8 @@ class WeightSyncError(HybridMemError, RuntimeError):
 
 
 class WeightCoverageError(WeightSyncError):
-    """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in hybridmem.weight_sync.
+    """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in
+    :mod:`hybridmem.weight_sync`.
 
     Attributes:
         unwritten: The engine tensors of this rank not entirely written.
@@ -273,7 +274,7 @@ class WeightCoverageError(WeightSyncError):
 
 class CollectiveTimeoutError(HybridMemError, TimeoutError):
     """A collective of a multi-rank weight sync did not complete by the switch's deadline, or a peer left it
-    (see [Note: collective deadlines] in hybridmem.reshard.execute).
+    (see [Note: collective deadlines] in :mod:`hybridmem.reshard.execute`).
 
     Attributes:
         peers: Ranks (of the sync's group) this rank was waiting for.
@@ -295,7 +296,7 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
 
 class EngineFault(Enum):
     """How a call into an inference engine in its own process failed, and so where its memory is now (see
-    [Note: vllm engine failures] in hybridmem.adapters.vllm.server)."""
+    [Note: vllm engine failures] in :mod:`hybridmem.adapters.vllm.server`)."""
 
     REFUSED = "refused"
     """The engine answered with an error: its process is alive and holds its memory."""
@@ -308,7 +309,7 @@ class EngineFault(Enum):
 
 class EngineProcessError(HybridMemError, RuntimeError):
     """An inference engine in its own process did not answer a call in time, answered with an error, or is
-    gone (see [Note: vllm engine process] in hybridmem.adapters.vllm.remote).
+    gone (see [Note: vllm engine process] in :mod:`hybridmem.adapters.vllm.remote`).
 
     Attributes:
         call: The call (``"update_weights"``, ``"wake_up"``, ...).
@@ -341,7 +342,7 @@ class EngineProcessError(HybridMemError, RuntimeError):
 
 class PeerAbortError(HybridMemError, RuntimeError):
     """Other ranks of a multi-rank switch could not finish it and voted to roll back; this rank rolled back
-    too (see [Note: switch agreement] in hybridmem.switch.agreement). The process group stays usable.
+    too (see [Note: switch agreement] in :mod:`hybridmem.switch.agreement`). The process group stays usable.
 
     Attributes:
         ranks: The ranks (of the weight sync's group) that voted no.
@@ -425,7 +426,8 @@ class SwitchEngineProcessError(_SwitchFailedWith, EngineProcessError):
 
 
 class SwitchPeerAbortError(_SwitchFailedWith, PeerAbortError):
-    """Other ranks could not finish a multi-rank switch, so this rank rolled back too; catch it as either base."""
+    """Other ranks could not finish a multi-rank switch, so this rank rolled back too; catch it as either
+    base."""
 
 
 _SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...] = (

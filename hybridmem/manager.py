@@ -6,8 +6,9 @@
 
 The manager is a facade over modules with one job each: the parts built from what the user passed
 (:mod:`hybridmem.parts`), the steps of a switch and their order (:mod:`hybridmem.switch.steps`, [Note: step
-order]), the transaction that runs them, its journal and rollback with signals held (:mod:`hybridmem.switch.transaction`,
-[Note: switch transactions]), who holds device memory and the memory plan's budget
+order] in :mod:`hybridmem.switch.steps`), the transaction that runs them, its journal and rollback with
+signals held (:mod:`hybridmem.switch.transaction`, [Note: switch transactions] in
+:mod:`hybridmem.switch.transaction`), who holds device memory and the memory plan's budget
 (:mod:`hybridmem.switch.owners`), co-resident models (:mod:`hybridmem.switch.colocate`), the state machine
 (:mod:`hybridmem.switch.machine`) and the mechanism that moves bytes (:mod:`hybridmem.offload`).
 """
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 
 def _weak_phase(manager: ShardingManager) -> Callable[[], Phase]:
     """``manager.phase`` without keeping the manager alive: an engine outlives the managers built on it
-    ([Note: one manager per model] in hybridmem.switch.claims); ``CLOSED`` once the manager is gone."""
+    ([Note: one manager per model] in :mod:`hybridmem.switch.claims`); ``CLOSED`` once the manager is gone."""
     ref = weakref.ref(manager)
 
     def phase() -> Phase:
@@ -153,15 +154,17 @@ class ShardingManager:
         self.accel = get_accelerator(config.device if accel is None else accel)
         self.training: TrainingState = training_state_of(model, optimizer)
         self.training_capabilities = training_capabilities_of(self.training)
-        """What the training state declares it offers ([Note: training capabilities]); checked here."""
+        """What the training state declares it offers ([Note: training capabilities] in
+        :mod:`hybridmem.contract.training`); checked here."""
         if engine is not None and not isinstance(engine, InferenceEngine):
             missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
             raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
         self._machine = PhaseMachine()
         self.created_at = _caller()
-        """``file:line`` of the user's code that built this manager (named when another manager is refused)."""
+        """``file:line`` of the user's code that built this manager (named when another manager is
+        refused)."""
         self._claims: Claims | None = None
-        """What this manager holds alone ([Note: one manager per model] in hybridmem.switch.claims)."""
+        """What this manager holds alone ([Note: one manager per model] in :mod:`hybridmem.switch.claims`)."""
         try:
             self._build(config, engine, weight_sync=weight_sync, model_spec=model_spec, group=group)
         except BaseException:
@@ -170,7 +173,8 @@ class ShardingManager:
             raise
 
     def _claimed(self, engine: Any) -> list[tuple[str, Any]]:
-        """The objects this manager moves or drives, each named for an error ([Note: one manager per model])."""
+        """The objects this manager moves or drives, each named for an error ([Note: one manager per model] in
+        :mod:`hybridmem.switch.claims`)."""
         named: list[tuple[str, Any]] = [(f"training state {type(self.training).__name__}", self.training)]
         if self.training_capabilities.guards_misuse:
             modules, optimizers = self.training.guard_targets()
@@ -186,11 +190,13 @@ class ShardingManager:
     def _build(self, config: HybridConfig, engine: Any, *, weight_sync: WeightSync | None, model_spec: Any,
                group: Any) -> None:
         self.config = resolve_layouts(config, self.training, engine)
-        """The config, its layout keys resolved from the parts (see [Note: layouts from the parts])."""
+        """The config, its layout keys resolved from the parts (see [Note: layouts from the parts] in
+        :mod:`hybridmem.parts`)."""
         check_kv_utilization(engine, self.config)
         self.engine = engine
         self.engine_capabilities = capabilities_of(engine) if engine is not None else None
-        """What the engine declares it can do ([Note: engine capabilities]); checked against its methods here."""
+        """What the engine declares it can do ([Note: engine capabilities] in
+        :mod:`hybridmem.contract.engine`); checked against its methods here."""
         self.pool = HostBufferPool(
             self.accel, budget_nbytes=self.config.host_memory_budget_bytes, pin=self.config.pin_memory
         )
@@ -206,31 +212,36 @@ class ShardingManager:
         self.weight_sync = weight_sync
         self.lora_base = lora_base_of(weight_sync, self.config)
         """Where a LoRA model's base stays when only its adapters are synced; ``None`` otherwise ([Note: lora
-        base] in hybridmem.switch.lora_base)."""
+        base] in :mod:`hybridmem.switch.lora_base`)."""
         self.engine_tags_stay = engine_tags_stay(self.lora_base, engine)
-        """The engine's tags that stay on the device through TRAIN ([Note: lora base])."""
+        """The engine's tags that stay on the device through TRAIN ([Note: lora base] in
+        :mod:`hybridmem.switch.lora_base`)."""
         if self.lora_base is not None:
             keep_frozen_on_device(self.offloaders)
         collective = weight_sync.collective() if weight_sync is not None else None
         self.agreement = (SwitchAgreement(collective[0], deadline_s=collective[1], device=self.accel.device)
                           if collective is not None else None)
-        """The ranks' vote ending each multi-rank TRAIN->INFER switch ([Note: switch agreement])."""
+        """The ranks' vote ending each multi-rank TRAIN->INFER switch ([Note: switch agreement] in
+        :mod:`hybridmem.switch.agreement`)."""
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
         # Everything above only checks and reads; from here on the parts are changed (hooks, the engine's
-        # memory), so they must be this manager's alone ([Note: one manager per model]).
+        # memory), so they must be this manager's alone ([Note: one manager per model] in
+        # :mod:`hybridmem.switch.claims`).
         self._claims = Claims(self, self._claimed(engine))
         modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
         self.shared_base = None
-        """What ``lora_base="shared"`` made views of the engine's weights (:func:`~hybridmem.weight_sync.shared_base.share_base`)."""
+        """What ``lora_base="shared"`` made views of the engine's weights
+        (:func:`~hybridmem.weight_sync.shared_base.share_base`)."""
         hold_engine_weights(engine, self.engine_tags_stay)
         if self.lora_base is LoraBase.SHARED:
             self.shared_base = share_with_engine(self.training, engine, weight_sync)
         self._guard = TrainingGuard(_weak_phase(self), modules, optimizers, owner=self)
-        """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
+        """Refuses use of the training model outside TRAIN (see [Note: misuse guards] in
+        :mod:`hybridmem.switch.guards`)."""
         if self.engine_capabilities is not None and self.engine_capabilities.binds_phase:
             engine.bind_phase(_weak_phase(self))
         self.coresidents: dict[str, CoResident] = {}
-        """Co-resident models by name (see [Note: co-resident phases])."""
+        """Co-resident models by name (see [Note: co-resident phases] in :mod:`hybridmem.switch.colocate`)."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
                                    self.config.device_memory_budget_bytes, engine_tags_stay=self.engine_tags_stay)
         """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.switch.owners`)."""
@@ -245,7 +256,8 @@ class ShardingManager:
         self._release_engine_memory()
         self.prewarmer = (ArenaPrewarmer(self.pool, self.offloaders, self._enabled, optimizers)
                           if self.config.prewarm_host_buffers else None)
-        """Allocates the host arenas in the background ([Note: prewarmed arenas] in hybridmem.offload.host_pool)."""
+        """Allocates the host arenas in the background ([Note: prewarmed arenas] in
+        :mod:`hybridmem.offload.host_pool`)."""
 
     def _release_engine_memory(self) -> None:
         """The manager starts in TRAIN, where the engine holds no memory: an engine handed over awake (a
@@ -267,7 +279,8 @@ class ShardingManager:
 
     def register_step(self, direction: Direction, step: SwitchStep, order: int) -> None:
         """Add a step to every later switch of ``direction``, sorted by ``order`` among the built-in
-        steps (:class:`~hybridmem.switch.steps.ToInferOrder` / :class:`~hybridmem.switch.steps.ToTrainOrder`)."""
+        steps (:class:`~hybridmem.switch.steps.ToInferOrder` /
+        :class:`~hybridmem.switch.steps.ToTrainOrder`)."""
         self._check_phase("register a step", Phase.TRAIN)
         self._extra_steps[Direction(direction)].append((int(order), step))
 
@@ -276,7 +289,8 @@ class ShardingManager:
         self.owners.register(name, resident_nbytes, empty_in=empty_in)
 
     def steps(self, direction: Direction) -> list[SwitchStep]:
-        """The steps a switch in ``direction`` runs now, in order (see [Note: step order])."""
+        """The steps a switch in ``direction`` runs now, in order (see [Note: step order] in
+        :mod:`hybridmem.switch.steps`)."""
         direction = Direction(direction)
         agree = AgreeStep(self.agreement) if self.agreement is not None else None
         return switch_steps(direction, offloaders=self.offloaders, enabled=self._enabled, accel=self.accel,
@@ -301,7 +315,8 @@ class ShardingManager:
     def add_coresident(self, name: str, model: Any) -> CoResident:
         """Register a second model sharing the devices (e.g. the reference policy) and offload it.
 
-        It stays in host arenas except inside :meth:`onloaded` (see [Note: co-resident phases]).
+        It stays in host arenas except inside :meth:`onloaded` (see [Note: co-resident phases] in
+        :mod:`hybridmem.switch.colocate`).
 
         Raises:
             PhaseError: Not in TRAIN.
@@ -486,8 +501,8 @@ class ShardingManager:
     def close(self) -> None:
         """Let the model, optimizer and engine go: the phase becomes CLOSED, the host arenas are dropped,
         hooks removed, and another manager may be built on them ([Note: one manager per model] in
-        :mod:`hybridmem.switch.claims`). Only in TRAIN (CLOSED: a no-op); co-resident models are onloaded first
-        so nothing is lost."""
+        :mod:`hybridmem.switch.claims`). Only in TRAIN (CLOSED: a no-op); co-resident models are onloaded
+        first so nothing is lost."""
         if self.phase is Phase.CLOSED:
             return
         self._check_phase("close", Phase.TRAIN)
@@ -504,7 +519,7 @@ class ShardingManager:
     # Internals ------------------------------------------------------------------------------------
     def _vote_no(self, run: SwitchRun) -> None:
         """Tell the peers this rank rolls back, where they wait for its vote: its weight sync completed and
-        its group is usable ([Note: switch agreement] in hybridmem.switch.agreement)."""
+        its group is usable ([Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""
         if self.agreement is None or isinstance(run.failed_step, AgreeStep) or is_collective_loss(run.error):
             return
         synced = [s for s in run.entered if isinstance(s, WeightSyncStep) and s is not run.failed_step]

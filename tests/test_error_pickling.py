@@ -1,5 +1,6 @@
-"""Every hybridmem error survives pickling ([Note: errors cross processes] in hybridmem/errors.py): a worker
-process (a Ray actor, a spawned worker) hands the caller the same class with the same message and attributes."""
+"""Every hybridmem error survives pickling ([Note: errors cross processes] in :mod:`hybridmem.errors`): a
+worker process (a Ray actor, a spawned worker) hands the caller the same class with the same message and
+attributes."""
 
 from __future__ import annotations
 

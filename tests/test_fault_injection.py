@@ -102,7 +102,7 @@ def _trained(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if cfg.zero_grads:
         opt.zero_grad(set_to_none=False)  # all-zero grads: released without a copy, re-zeroed on onload
     if cfg.foreign:
-        make_foreign(model, opt)  # re-homed by the first offload (see [Note: foreign storages])
+        make_foreign(model, opt)  # re-homed by the first offload (see [Note: foreign storages] in :mod:`hybridmem.offload.base`)
     return model, opt
 
 
@@ -251,8 +251,8 @@ def test_every_undo_failing_once_then_recover_loses_nothing(name):
 
 def test_every_storage_view_call_of_a_foreign_switch_loses_nothing():
     """Re-homing a storage torch cannot resize re-points its tensors one ``set_`` at a time (see [Note:
-    foreign storages]); CI's sample of points may miss the middle of that, so every such call is
-    injected here, in the configuration where two parameters share one foreign storage."""
+    foreign storages] in :mod:`hybridmem.offload.base`); CI's sample of points may miss the middle of that, so
+    every such call is injected here, in the configuration where two parameters share one foreign storage."""
     cfg = CONFIGS["adamw-foreign"]
     labels = dry_run(cfg, "to_infer")
     points = [i for i, label in enumerate(labels, start=1) if label == "storage view"]

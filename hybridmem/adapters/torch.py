@@ -65,8 +65,8 @@ class TorchTrainingState:
 
     capabilities = TrainingCapabilities(guards_misuse=True, has_hf_config=True, lists_checkpoint_weights=True,
                                         reports_layout=True, holds_module=True)
-    """Misuse guards, the transformers config when there is one, checkpoint weights, its layout (a transformers
-    model's; ``None`` for others), its module."""
+    """Misuse guards, the transformers config when there is one, checkpoint weights, its layout (a
+    transformers model's; ``None`` for others), its module."""
 
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module], optimizer: Any = None):
         self.modules = [model] if isinstance(model, torch.nn.Module) else list(model)
@@ -88,7 +88,8 @@ class TorchTrainingState:
         return offloaders
 
     def guard_targets(self) -> tuple[list[torch.nn.Module], list[Any]]:
-        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards])."""
+        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards] in
+        :mod:`hybridmem.switch.guards`)."""
         opts = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
         return list(self.modules), [o for o in opts if o is not None]
 

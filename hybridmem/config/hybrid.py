@@ -42,9 +42,10 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 
 
 class LoraBase(Enum):
-    """Where a LoRA model's base weights stay when only its adapters are synced (:attr:`HybridConfig.lora_base`;
-    see [Note: lora base] in :mod:`hybridmem.manager`). In every mode the trainer's frozen base stays on the
-    device: only the adapters, their gradients and optimizer state are offloaded."""
+    """Where a LoRA model's base weights stay when only its adapters are synced
+    (:attr:`HybridConfig.lora_base`; see [Note: lora base] in :mod:`hybridmem.switch.lora_base`). In every
+    mode the trainer's frozen base stays on the device: only the adapters, their gradients and optimizer
+    state are offloaded."""
 
     ENGINE_SLEEPS = "engine_sleeps"
     """The engine releases its weights on leaving INFER, at its own sleep level (vLLM's level 1 keeps them in
@@ -182,7 +183,8 @@ class HybridConfig:
     collective_deadline_s: float | None = None
     """Seconds a multi-rank weight sync's collectives have on each rank before the switch fails with
     ``CollectiveTimeoutError`` and rolls back (a peer stuck or dead); ``None``: sized from the plan (120 s
-    plus the rank's bytes at 100 MB/s, see [Note: collective deadlines] in hybridmem.reshard.execute)."""
+    plus the rank's bytes at 100 MB/s, see [Note: collective deadlines] in
+    :mod:`hybridmem.reshard.execute`)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

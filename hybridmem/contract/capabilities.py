@@ -1,6 +1,6 @@
 """Capabilities a part declares: a frozen dataclass of flags on its ``capabilities`` attribute, each flag
-promising members of the part (see [Note: engine capabilities] in hybridmem.contract.engine and [Note:
-training capabilities] in hybridmem.contract.training)."""
+promising members of the part (see [Note: engine capabilities] in :mod:`hybridmem.contract.engine` and [Note:
+training capabilities] in :mod:`hybridmem.contract.training`)."""
 
 from __future__ import annotations
 

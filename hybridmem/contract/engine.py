@@ -16,7 +16,7 @@ An engine's device memory is split by tag, as vLLM's sleep mode splits it:
 ``resume`` must be all-or-nothing: if it fails halfway it gives back what it took and re-raises, so
 the switch's rollback sees the engine exactly as before the call. ``release`` must free every storage
 of a tag whatever state the engine believes the tag is in: a rollback calls it after a resume that was
-interrupted at any point (see [Note: switch transactions] in hybridmem.switch.transaction).
+interrupted at any point (see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`).
 
 [Note: engine capabilities]
 What an engine can do beyond the three methods is declared, not probed: an engine's ``capabilities``
@@ -94,9 +94,9 @@ class EngineCapabilities:
     reports_residency: bool = False
     """``resident_nbytes(tag)`` / ``planned_nbytes(tag)`` give its device bytes per tag."""
     releases_kv_alone: bool = False
-    """``release(["kv_cache"])`` leaves the weights resident, in place and with their values (False: vLLM's sleep
-    mode, which unmaps every pool at once); a LoRA base kept on the device needs it to free the KV cache in
-    TRAIN ([Note: lora base] in hybridmem.switch.lora_base)."""
+    """``release(["kv_cache"])`` leaves the weights resident, in place and with their values (False: vLLM's
+    sleep mode, which unmaps every pool at once); a LoRA base kept on the device needs it to free the KV cache
+    in TRAIN ([Note: lora base] in :mod:`hybridmem.switch.lora_base`)."""
     keeps_addresses: bool = False
     """Weight tensors keep their device addresses across ``release``/``resume`` (CuMemAllocator re-maps)."""
     loads_training_names: bool = False

@@ -6,8 +6,8 @@ the same :class:`TrainingState` protocol with offloaders that move their contigu
 
 [Note: training capabilities]
 What a training state offers beyond its two methods is declared, as an engine's is ([Note: engine
-capabilities] in hybridmem.contract.engine): its ``capabilities`` attribute is a TrainingCapabilities, and
-the manager, the architecture check and the weight-sync choice read training_capabilities_of(state)
+capabilities] in :mod:`hybridmem.contract.engine`): its ``capabilities`` attribute is a TrainingCapabilities,
+and the manager, the architecture check and the weight-sync choice read training_capabilities_of(state)
 instead of probing for methods. A declared capability whose method or attribute is missing is a
 TypeError naming both, raised when the manager is built. A state that declares nothing (a third-party
 object implementing the protocol) gets its capabilities read once from what it has.
@@ -57,7 +57,8 @@ class TrainingCapabilities:
     megatron_names: bool = False
     """``megatron_convention()`` gives the naming and vocab padding of its Megatron-named weights."""
     lists_checkpoint_weights: bool = False
-    """``checkpoint_weights()`` gives what a checkpoint holds: no non-persistent buffers, a tied tensor once."""
+    """``checkpoint_weights()`` gives what a checkpoint holds: no non-persistent buffers, a tied tensor
+    once."""
     reports_layout: bool = False
     """``parallel_layout``: the TP/PP/EP its weights are laid out in (unset layout keys of the config are read
     from it)."""

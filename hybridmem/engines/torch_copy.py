@@ -29,7 +29,8 @@ class EngineMemoryState(Enum):
     RESIDENT = "resident"
     """The tag's storages hold device memory."""
     RELEASED = "released"
-    """The tag's storages are resized to 0 bytes; contents are gone (see [Note: engine memory tags])."""
+    """The tag's storages are resized to 0 bytes; contents are gone (see [Note: engine memory tags] in
+    :mod:`hybridmem.contract.engine`)."""
 
 
 class TorchCopyEngine:
@@ -91,7 +92,7 @@ class TorchCopyEngine:
 
     def release(self, tags: Sequence[str]) -> None:
         """Free every storage of ``tags``, whatever state the tag is in (an interrupted resume may have
-        grown some; see [Note: switch transactions] in hybridmem.switch.transaction). Idempotent."""
+        grown some; see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`). Idempotent."""
         for tag in check_tags(tags):
             for storage, _ in self._storages(tag):
                 storage.resize_(0)
@@ -137,7 +138,7 @@ class TorchCopyEngine:
 
     def unwritten_weights(self) -> list[str]:
         """Weights not written by :meth:`load_weights` since the weights were last resumed (see
-        [Note: weight coverage] in hybridmem.weight_sync)."""
+        [Note: weight coverage] in :mod:`hybridmem.weight_sync`)."""
         return [name for name in self._tensors if name not in self._written]
 
     def bind_phase(self, phase: Any) -> None:

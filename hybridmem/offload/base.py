@@ -29,8 +29,9 @@ restores all of it whatever subset was freed (re-growing a storage that was neve
 the copy writes the same bytes back). Once every storage is freed, the tensors on them refuse to be read
 until the onload ([Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`). Onload is
 just as re-runnable: it keeps the record until every copy has completed, so an onload interrupted at any
-point is finished by calling it again. Nothing decides what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
-and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`).
+point is finished by calling it again. Nothing decides what to undo from what a step was *supposed* to have
+done: the manager undoes every step it entered, and each undo follows this record (see [Note: switch
+transactions] in :mod:`hybridmem.switch.transaction`).
 
 A held arena is never handed out for a new offload or dropped (``HostBufferPool`` refuses), so an
 arena holding the only copy of some bytes cannot be overwritten whatever state an offloader believes
@@ -202,7 +203,7 @@ class Offloader(ABC):
         self.skip_zero = skip_zero
         self._state = OffloadState.ON_DEVICE
         self._slots: list[_Slot] = []
-        self._guarded: list[torch.Tensor] = []  # [Note: offloaded tensors refuse reads]
+        self._guarded: list[torch.Tensor] = []  # [Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`
         self._copy_stream = None  # created lazily: no device work at construction
 
     @abstractmethod
@@ -213,7 +214,8 @@ class Offloader(ABC):
         """The tensors user code holds for ``freed`` (the tensors whose storages an offload freed), which
         refuse reads until the onload: ``freed`` itself; an offloader over the local tensors of wrappers
         (FSDP2's DTensors) adds the wrappers, whose ops reach their local tensors below
-        ``__torch_function__`` (see [Note: offloaded tensors refuse reads])."""
+        ``__torch_function__`` (see [Note: offloaded tensors refuse reads] in
+        :mod:`hybridmem.offload.guard`)."""
         return freed
 
     @property

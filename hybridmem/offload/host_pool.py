@@ -103,7 +103,7 @@ class HostBufferPool:
         """Arenas being prewarmed: key -> bytes (see [Note: prewarmed arenas])."""
         self._threads: list[threading.Thread] = []
 
-    # [Note: offload journal] in hybridmem.offload.base: an owner whose arenas hold the only copy of
+    # [Note: offload journal] in :mod:`hybridmem.offload.base`: an owner whose arenas hold the only copy of
     # some bytes is "held"; its arenas are neither replaced nor dropped until it is released.
     def hold(self, owner: str) -> None:
         """Record that ``owner``'s arenas hold the only copy of offloaded bytes."""

@@ -5,10 +5,10 @@ buffers, peak device memory, time, and whether it fits (``hybridmem plan``).
 Nothing here has its own idea of a switch. For each rank, stand-ins answer the questions the runtime's
 steps ask of real offloaders, engines and weight syncs (``live_nbytes``, ``planned_nbytes``,
 ``temp_nbytes``), with figures read from the same layouts the runtime reshards with; the runtime's
-:func:`~hybridmem.switch.steps.switch_steps` orders the steps and :func:`~hybridmem.switch.memplan.plan_switch` walks
-them, so a prediction and a run cannot drift apart. The weight sync's figures are the rank's own share
-of the resharding plan (``build_plan(..., rank=r)``): bytes sent and received, peers (same node or not),
-largest staging buffer. What the stand-ins hold per rank:
+:func:`~hybridmem.switch.steps.switch_steps` orders the steps and
+:func:`~hybridmem.switch.memplan.plan_switch` walks them, so a prediction and a run cannot drift apart. The
+weight sync's figures are the rank's own share of the resharding plan (``build_plan(..., rank=r)``): bytes
+sent and received, peers (same node or not), largest staging buffer. What the stand-ins hold per rank:
 
 - training parameters: the source layout's tensors of the rank (Megatron: its shards; FSDP2: the
   storage ``fully_shard`` gives it, every rank padded to ``ceil(rows / shards)`` rows, see [Note: FSDP2
@@ -85,7 +85,8 @@ class TrainingSetup:
     """How training holds its state on a rank."""
 
     kind: str = "megatron"
-    """``"megatron"`` (tp/pp/ep shards) or ``"fsdp2"`` (transformers' names, ``fully_shard`` over all ranks)."""
+    """``"megatron"`` (tp/pp/ep shards) or ``"fsdp2"`` (transformers' names, ``fully_shard`` over all
+    ranks)."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage (Megatron), first to last; ``None``: even."""
@@ -99,7 +100,8 @@ class TrainingSetup:
     """Module buffers every rank holds whole and offloads with the parameters (transformers' rotary
     ``inv_freq``, fp32; :func:`hf_buffer_nbytes` counts them)."""
     host_buffer_nbytes: int = 0
-    """The training framework's own host buffers per rank ([Note: host plan]); 0: none known."""
+    """The training framework's own host buffers per rank ([Note: host plan] in
+    :mod:`hybridmem.planner.host`); 0: none known."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("megatron", "fsdp2"):
@@ -131,7 +133,7 @@ class _Offloader:
         return 0
 
     def arena_growth_nbytes(self) -> int:
-        return 0  # the manager prewarms the arenas before the first switch ([Note: host plan])
+        return 0  # the manager prewarms the arenas before the first switch ([Note: host plan] in :mod:`hybridmem.planner.host`)
 
 
 @dataclass
@@ -295,7 +297,7 @@ def _train_layout(spec: ModelSpec, setup: TrainingSetup, world: int):
 
 def _fsdp2_storage_elements(layout) -> int:
     """Elements of every tensor's ``fully_shard`` storage on a rank, padded to ``ceil(rows / shards)`` rows
-    on every rank ([Note: FSDP2 shards])."""
+    on every rank ([Note: FSDP2 shards] in :mod:`hybridmem.reshard.hf_source`)."""
     shards, total = layout.shard_size, 0
     for name, full in hf_module_tensors(layout.spec, layout.fused_experts).items():
         rows, per_row = full.shape[0], math.prod(full.shape[1:])
@@ -315,14 +317,16 @@ class RankState:
 
 def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, *,
                 infer_bytes: int) -> list[RankState]:
-    """Every rank's :class:`RankState`, from one build per rank group of each layout ([Note: layout parts])."""
+    """Every rank's :class:`RankState`, from one build per rank group of each layout ([Note: layout parts] in
+    :mod:`hybridmem.reshard.layouts`)."""
     src, dst = _train_layout(spec, setup, world), vllm_layout(spec, infer, world)
     local, num_tensors, optimizer, weights = [0] * world, [0] * world, [0] * world, [0] * world
     for part in src.part_groups():
         for key, ranks in part.groups.items():
             tensors = part.build(key).values()
             n = sum(t.numel for t in tensors)
-            # Megatron's distributed optimizer divides a part's state over the ranks holding it ([Note: cluster plan]).
+            # Megatron's distributed optimizer divides a part's state over the ranks holding it ([Note:
+            # cluster plan]).
             share = n * setup.optimizer_bytes_per_param // (len(ranks) if setup.distributed_optimizer else 1)
             for r in ranks:
                 local[r] += n
@@ -414,7 +418,7 @@ def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync
         elif sleep_level == 1 and (isinstance(step, EngineResumeStep) and step.tag == WEIGHTS
                                    or isinstance(step, EngineReleaseStep) and step.tag == KV_CACHE):
             # A level-1 sleep copies the weights out at the first release (the KV cache's) and back at the
-            # weights' resume ([Note: host plan] in hybridmem.planner.host).
+            # weights' resume ([Note: host plan] in :mod:`hybridmem.planner.host`).
             host = engine.weights_nbytes
             seconds = host / accel.host_link_bps
         e = planned.estimate
@@ -429,8 +433,8 @@ _VOTE_STAND_IN = None
 
 def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> float:
     """The rank's local copies at the device's copy bandwidth, then per step of its share ([Note: plan
-    schedule]: one peer to send to, one to receive from) the slower of its two directions, each over the
-    link to that peer (full-duplex links), plus the step latency."""
+    schedule] in :mod:`hybridmem.reshard.schedule`: one peer to send to, one to receive from) the slower of
+    its two directions, each over the link to that peer (full-duplex links), plus the step latency."""
     domain = rank // accel.nvlink_domain
     total = sum(t.numel * plan.cell_itemsize(t.hf_name) for t in plan.local[rank]) / accel.device_copy_bps
     for bucket in plan.buckets:
@@ -444,7 +448,8 @@ def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> fl
 
 
 def _elements_per_rank(layout) -> list[int]:
-    """Elements each rank of ``layout`` holds, from one build per rank group ([Note: layout parts])."""
+    """Elements each rank of ``layout`` holds, from one build per rank group ([Note: layout parts] in
+    :mod:`hybridmem.reshard.layouts`)."""
     out = [0] * layout.world_size
     for part in layout.part_groups():
         for key, ranks in part.groups.items():

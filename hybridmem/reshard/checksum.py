@@ -1,12 +1,12 @@
 """Runtime check of a weight sync: per-cell checksums compared between sender and receiver.
 
-Every cell of a plan (a local copy or a transfer, see [Note: plan cells]) gets two float64 figures,
-computed once from the source tensor by the rank that sends it and once from the destination tensor by
-the rank that received it: the plain sum and a position-weighted sum ``u(row) @ X @ v(col)`` whose
-weights depend on the cell's position in the HF-full tensor, so swapped rows or columns (a wrong
-interleave) change it. Each sender passes its figures to the receiver of each cell (one message per
-peer, cells in plan order, so a rank's own share of the plan is enough), the receiver compares, and
-one ``all_reduce`` of one count per rank tells every rank whether any rank found a mismatch: every rank
+Every cell of a plan (a local copy or a transfer, see [Note: plan cells] in :mod:`hybridmem.reshard.plan`)
+gets two float64 figures, computed once from the source tensor by the rank that sends it and once from the
+destination tensor by the rank that received it: the plain sum and a position-weighted sum
+``u(row) @ X @ v(col)`` whose weights depend on the cell's position in the HF-full tensor, so swapped rows
+or columns (a wrong interleave) change it. Each sender passes its figures to the receiver of each cell (one
+message per peer, cells in plan order, so a rank's own share of the plan is enough), the receiver compares,
+and one ``all_reduce`` of one count per rank tells every rank whether any rank found a mismatch: every rank
 then raises :class:`~hybridmem.errors.WeightSyncError`, the finding rank naming the tensor, the slice
 and both ranks, the others naming the ranks that found it. Cost: one extra read of the weights in
 float64 chunks (bounded by ``_CHUNK_NUMEL``), ``2`` doubles per cell sent, and ``world`` doubles summed.

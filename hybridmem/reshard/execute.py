@@ -13,9 +13,9 @@ the end, so the results are ready for whatever is queued next.
 A receiver sizes its staging buffer from the plan in elements of the wire dtype, so every rank must
 use the same one: sources of another dtype (Megatron keeps some norms in fp32 beside bf16 weights)
 are cast to it when packed, and received slices are cast to each destination tensor's dtype when
-unpacked. ``hybridmem.weight_sync.ReshardSync`` passes its ``dtype`` on every rank; by default the dtype holding most of the
-training weights' bytes, which is the same on every rank of a real model (see [Note: no silent dtype
-change] in :mod:`hybridmem.weight_sync`).
+unpacked. ``hybridmem.weight_sync.ReshardSync`` passes its ``dtype`` on every rank; by default the dtype
+holding most of the training weights' bytes, which is the same on every rank of a real model (see [Note: no
+silent dtype change] in :mod:`hybridmem.weight_sync.base`).
 
 [Note: collective deadlines]
 A rank that dies or hangs mid-sync would leave every peer waiting in its ``batch_isend_irecv`` until the
@@ -199,7 +199,8 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
         dtype: The element type on the wire and of allocated destinations, the same on every rank
             (see [Note: wire dtype]); ``None``: the first source tensor's.
         written: When given, receives the number of elements written into each destination tensor,
-            counted at each copy (the weight-coverage proof, [Note: weight coverage] in hybridmem.weight_sync).
+            counted at each copy (the weight-coverage proof, [Note: weight coverage] in
+            :mod:`hybridmem.weight_sync`).
         deadline_s: Seconds from the call within which every collective must complete (see [Note:
             collective deadlines]); ``None``: no bound but the process group's own timeout.
 

@@ -2,10 +2,11 @@
 
 A :class:`ShardLayout` is (ModelSpec, ParallelLayout, world size, convention). ``layout.tensors(rank)``
 gives that rank's tensor names and, for each, a :class:`~hybridmem.reshard.transforms.LocalTensor`
-(see [Note: pieces]). The per-layer mapping is one table, :data:`LAYER_RULES`: each row names the HF
-tensors, the Megatron name, the vLLM name and the transform kind, over the canonical names of [Note:
-canonical names] in :mod:`hybridmem.models.family`; a family's own checkpoint and vLLM names come from its
-description, and pieces are rewritten to the checkpoint's names last (:func:`_to_checkpoint`).
+(see [Note: pieces] in :mod:`hybridmem.reshard.transforms`). The per-layer mapping is one table,
+:data:`LAYER_RULES`: each row names the HF tensors, the Megatron name, the vLLM name and the transform kind,
+over the canonical names of [Note: canonical names] in :mod:`hybridmem.models.family`; a family's own
+checkpoint and vLLM names come from its description, and pieces are rewritten to the checkpoint's names last
+(:func:`_to_checkpoint`).
 
 Rank order:
 
@@ -16,10 +17,11 @@ Rank order:
   ``ep_rank = (replica * tp + tp_rank) % ep`` (vLLM uses ``ep = dp * tp``; smaller ``ep`` replicates).
 
 The pieces of this package each have one job: :mod:`~hybridmem.reshard.vllm_versions` (which vLLM release a
-layout follows, [Note: vLLM versions]), :mod:`~hybridmem.reshard.conventions` (each side's naming options, a
-rank's coordinates), :mod:`~hybridmem.reshard.stages` (layers per pipeline stage, [Note: uneven stages]),
-:mod:`~hybridmem.reshard.rules` (the table and its kinds); this module assembles a rank's tensors from them and
-checks that a layout is valid.
+layout follows, [Note: vLLM versions] in :mod:`hybridmem.reshard.vllm_versions`),
+:mod:`~hybridmem.reshard.conventions` (each side's naming options, a rank's coordinates),
+:mod:`~hybridmem.reshard.stages` (layers per pipeline stage, [Note: uneven stages] in
+:mod:`hybridmem.reshard.stages`), :mod:`~hybridmem.reshard.rules` (the table and its kinds); this module
+assembles a rank's tensors from them and checks that a layout is valid.
 
 [Note: layout parts]
 A rank's tensors are two parts that depend on different coordinates: the dense part (embedding,
@@ -156,7 +158,8 @@ class Part(Enum):
 
 @dataclass(frozen=True, eq=False)
 class PartGroups:
-    """The rank groups of one part: ranks grouped by the coordinates the part of their tensors depends on (see [Note: layout parts])."""
+    """The rank groups of one part: ranks grouped by the coordinates the part of their tensors depends on (see
+    [Note: layout parts])."""
 
     groups: Mapping[Any, tuple[int, ...]]
     """Group key -> its ranks, ascending; every rank is in exactly one group."""
@@ -172,7 +175,7 @@ def _coords(layout: ShardLayout, rank: int) -> RankCoords:
         raise ValueError(f"rank={rank} outside world_size={layout.world_size}")
     p, n = layout.parallel, layout.spec.num_hidden_layers
     tp, pp, ep = p.tp, p.pp, p.ep
-    stages = layout.convention.stage_layers  # resolved when the layout was built ([Note: uneven stages])
+    stages = layout.convention.stage_layers  # resolved when the layout was built ([Note: uneven stages] in :mod:`hybridmem.reshard.stages`)
     if layout.side is Side.MEGATRON:
         dp = layout.world_size // (tp * pp)
         dp_rank, pp_rank = (rank // tp) % dp, rank // (tp * dp)
@@ -229,7 +232,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
         rows = vocab_rows(side, spec, layout.convention, c)
         return pad_rows(name, shapes[name], padded_rows=rows, rank=c.tp_rank, num=c.tp)
 
-    # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions]).
+    # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions] in
+    # :mod:`hybridmem.reshard.vllm_versions`).
     every_stage = side is Side.VLLM and spec.description.vllm_every_stage
     if not dense:
         pass
@@ -273,8 +277,9 @@ def _multimodal_names(spec: ModelSpec, side: Side, text: dict[str, LocalTensor])
 def to_checkpoint_names(where: Mapping[str, Placement], local: LocalTensor) -> LocalTensor:
     """``local`` with its pieces naming checkpoint tensors instead of canonical ones (a renamed tensor;
     rows of a fused one: the box shifted by the block's first row; one expert of a stacked one: the box
-    under a leading ``(e, e + 1)``, transposed where the checkpoint is; see [Note: canonical names]);
-    ``where`` is the spec's :meth:`~hybridmem.reshard.ModelSpec.checkpoint_names`."""
+    under a leading ``(e, e + 1)``, transposed where the checkpoint is; see [Note: canonical names] in
+    :mod:`hybridmem.models.family`); ``where`` is the spec's
+    :meth:`~hybridmem.reshard.ModelSpec.checkpoint_names`."""
     pieces = []
     for p in local.pieces:
         at = where[p.hf_name]
@@ -369,7 +374,8 @@ def _check_megatron_mla(spec: ModelSpec, tp: int, conv: MegatronConvention) -> N
 
 def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
                 convention: VLLMConvention | None = None, vllm_version: str | None = None) -> ShardLayout:
-    """The vLLM inference layout, for one vLLM release series (see [Note: vLLM versions]).
+    """The vLLM inference layout, for one vLLM release series (see [Note: vLLM versions] in
+    :mod:`hybridmem.reshard.vllm_versions`).
 
     Args:
         spec: The model.
@@ -405,7 +411,8 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
                          f"by heads)")
     if pp > spec.num_hidden_layers:
         raise ValueError(f"inference pp={pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
-    # [Note: uneven stages]: the split is fixed here, so a later change of the environment cannot move it.
+    # [Note: uneven stages] in :mod:`hybridmem.reshard.stages`: the split is fixed here, so a later change of
+    # the environment cannot move it.
     conv = dataclasses.replace(conv, stage_layers=engine_stage_layers(conv.stage_layers, spec.num_hidden_layers, pp))
     padded = -(-spec.vocab_size // conv.vocab_padding) * conv.vocab_padding
     if padded % tp:

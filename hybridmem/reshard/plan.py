@@ -81,7 +81,8 @@ class ReshardPlan:
         local: Per rank, the cells it copies from its own source tensors (a tuple over all ranks for
             the whole plan; ``{rank: cells}`` for a share).
         buckets: Per step, the transfers between different ranks (a share: those of its rank).
-        keys: Per step, its ``(window, shift, chunk)`` key ([Note: plan schedule]).
+        keys: Per step, its ``(window, shift, chunk)`` key ([Note: plan schedule] in
+            :mod:`hybridmem.reshard.schedule`).
     """
 
     def __init__(self, src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int,

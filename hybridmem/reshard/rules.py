@@ -1,8 +1,9 @@
-"""The per-layer mapping as one table, :data:`LAYER_RULES`, and the kinds that build one row's tensors on one rank.
+"""The per-layer mapping as one table, :data:`LAYER_RULES`, and the kinds that build one row's tensors on one
+rank.
 
-Each row names the HF tensors (canonical names, see [Note: canonical names] in :mod:`hybridmem.models.family`),
-the Megatron name, the vLLM name and the transform kind; :func:`build_rule` gives a row's tensors on a rank of a
-layout (:mod:`hybridmem.reshard.layouts` assembles them).
+Each row names the HF tensors (canonical names, see [Note: canonical names] in
+:mod:`hybridmem.models.family`), the Megatron name, the vLLM name and the transform kind; :func:`build_rule`
+gives a row's tensors on a rank of a layout (:mod:`hybridmem.reshard.layouts` assembles them).
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ class LayerRule:
 
     ``hf`` are suffixes after ``model.layers.{i}.``; ``megatron`` after ``decoder.layers.{l}.`` (``l``
     the stage-local index); ``vllm`` after ``model.layers.{i}.``, or ``<field>``: that field of the
-    release's :class:`VLLMNames` (see [Note: vLLM versions]); ``None`` where that side has no such
-    tensor (DeepSeek's fused ``q_a``/``kv_a`` in vLLM are two tensors in Megatron). ``{e}`` in an ``hf``
-    suffix is a global expert index, ``{j}`` in a Megatron name a local expert index. ``when(spec, i)``
-    says whether global layer ``i`` has the tensor.
+    release's :class:`VLLMNames` (see [Note: vLLM versions] in :mod:`hybridmem.reshard.vllm_versions`);
+    ``None`` where that side has no such tensor (DeepSeek's fused ``q_a``/``kv_a`` in vLLM are two tensors in
+    Megatron). ``{e}`` in an ``hf`` suffix is a global expert index, ``{j}`` in a Megatron name a local expert
+    index. ``when(spec, i)`` says whether global layer ``i`` has the tensor.
     """
 
     hf: tuple[str, ...]
@@ -164,8 +165,8 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "self_attn.kv_a_layernorm.weight", "replicate", when=_mla),
     LayerRule(("self_attn.kv_b_proj.weight",), "self_attention.linear_kv_up_proj.weight",
               "self_attn.kv_b_proj.weight", "column", when=_mla),
-    # DeepSeek sparse attention's indexer: vLLM keeps it whole on every rank, wk and weights_proj fused into one
-    # tensor ([wk; weights_proj]); no Megatron form.
+    # DeepSeek sparse attention's indexer: vLLM keeps it whole on every rank, wk and weights_proj fused into
+    # one tensor ([wk; weights_proj]); no Megatron form.
     LayerRule(("self_attn.indexer.wq_b.weight",), None, "self_attn.indexer.wq_b.weight", "replicate", when=_indexer),
     LayerRule(("self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight"), None,
               "self_attn.indexer.wk_weights_proj.weight", "concat", when=_indexer),
@@ -213,7 +214,8 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     *(LayerRule((norm,), None, norm, "replicate", when=_moe_norm(norm))
       for norm in ("pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_1.weight",
                    "post_feedforward_layernorm_2.weight")),
-    # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM, which has it only for noaux_tc routing.
+    # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM, which has it only for noaux_tc
+    # routing.
     LayerRule(("mlp.gate.e_score_correction_bias",), "mlp.router.expert_bias", None, "replicate",
               when=lambda s, i: s.is_moe_layer(i) and s.has_router_bias),
     LayerRule(("mlp.gate.e_score_correction_bias",), None, "mlp.gate.e_score_correction_bias", "replicate",
@@ -298,8 +300,8 @@ def _kv_rows(spec: ModelSpec, name: str, shapes: Shapes, c: RankCoords) -> Local
 
 def rotary_permuted(local: LocalTensor, names: tuple[str, ...], head_dim: int) -> LocalTensor:
     """``local`` with the rows of each q and k head (``names``, canonical) reordered as vLLM's Llama 4 loader
-    reorders them before splitting: row ``2i + j`` of a head goes to ``j * head_dim / 2 + i``. Every piece of q
-    or k covers whole heads; it becomes one piece per row."""
+    reorders them before splitting: row ``2i + j`` of a head goes to ``j * head_dim / 2 + i``. Every piece of
+    q or k covers whole heads; it becomes one piece per row."""
     half, pieces = head_dim // 2, []
     for p in local.pieces:
         if p.hf_name not in names:
@@ -318,8 +320,8 @@ def _gate_up(hf: tuple[str, ...], shapes: Shapes, rank: int, num: int) -> LocalT
 
 
 def _halves(name: str, shapes: Shapes, rank: int, num: int) -> LocalTensor:
-    """Rank ``rank``'s rows of each half of ``name`` ([gate; up] in one tensor), as :func:`_gate_up` takes them
-    of two tensors."""
+    """Rank ``rank``'s rows of each half of ``name`` ([gate; up] in one tensor), as :func:`_gate_up` takes
+    them of two tensors."""
     rows = shapes[name][0] // 2
     lo, hi = chunk(rows, rank, num, what=f"rows of either half of {name}")
     return concat([block(name, shapes[name], lo, hi), block(name, shapes[name], rows + lo, rows + hi)])
@@ -356,8 +358,8 @@ EXPERT_KINDS = frozenset({"experts_gate_up", "experts_row", "experts_column", "e
 
 def build_rule(rule: LayerRule, spec: ModelSpec, side: Side, convention: MegatronConvention | VLLMConvention | HFConvention,
                c: RankCoords, layer: int, local_layer: int, shapes: Shapes) -> dict[str, LocalTensor]:
-    """Rule ``rule``'s tensors, by name, on the rank at ``c`` of global layer ``layer`` (``local_layer`` on its
-    stage) of a ``side`` layout with ``convention``; empty where that side has no such tensor."""
+    """Rule ``rule``'s tensors, by name, on the rank at ``c`` of global layer ``layer`` (``local_layer`` on
+    its stage) of a ``side`` layout with ``convention``; empty where that side has no such tensor."""
     hf_prefix = f"model.layers.{layer}."
     if side is Side.MEGATRON:
         te_name = (convention.norm_style == "te" and rule.megatron_te

@@ -45,7 +45,7 @@ class DeviceOwners:
         coresidents: The manager's co-resident models by name (the same dict, read live).
         device_budget_nbytes: ``HybridConfig.device_memory_budget_bytes``.
         engine_tags_stay: The engine's tags that stay resident through TRAIN ([Note: lora base] in
-            hybridmem.switch.lora_base): they are not a leftover there.
+            :mod:`hybridmem.switch.lora_base`): they are not a leftover there.
     """
 
     def __init__(self, accel: Accelerator, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],

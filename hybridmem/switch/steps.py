@@ -23,9 +23,9 @@ INFER->TRAIN releases first and onloads after:
 
 Every TRAIN->INFER step has an ``undo`` (offload <-> onload, resume <-> release, sync: nothing), so a
 failure at step k undoes steps k..1 in reverse, step k included, from whatever part of it was done
-(see [Note: switch transactions] in hybridmem.switch.transaction). INFER->TRAIN steps need no undo: if one fails,
-the manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op
-when already done and finishes what an interrupted run left.
+(see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`). INFER->TRAIN steps need no undo: if
+one fails, the manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a
+no-op when already done and finishes what an interrupted run left.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class ToInferOrder(IntEnum):
     EMPTY_CACHE = 55
     KV_CACHE = 60
     AGREE = 100
-    """The ranks' vote on the outcome, always last ([Note: switch agreement] in hybridmem.switch.agreement)."""
+    """The ranks' vote on the outcome, always last ([Note: switch agreement] in
+    :mod:`hybridmem.switch.agreement`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,7 @@ class SwitchStep(ABC):
     kind: StateKind | None
     commits: bool = False
     """Once this step ran, the switch is decided: a held signal no longer rolls it back (the ranks' vote,
-    [Note: switch agreement] in hybridmem.switch.agreement)."""
+    [Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""
 
     @abstractmethod
     def estimate(self) -> StepEstimate:
@@ -151,7 +152,7 @@ class SwitchStep(ABC):
     @abstractmethod
     def run(self) -> StepResult:
         """Do the step, recording each irreversible act before doing it (see [Note: switch
-        transactions] in hybridmem.switch.transaction)."""
+        transactions] in :mod:`hybridmem.switch.transaction`)."""
 
     def undo(self) -> None:
         """Reverse :meth:`run` (rollback of TRAIN->INFER), whether it completed or was stopped at any
@@ -239,7 +240,8 @@ class EngineResumeStep(SwitchStep):
 
 
 class EngineReleaseStep(SwitchStep):
-    """``engine.release([tag])``: the memory is discarded, not copied (see [Note: engine memory tags])."""
+    """``engine.release([tag])``: the memory is discarded, not copied (see [Note: engine memory tags] in
+    :mod:`hybridmem.contract.engine`)."""
 
     def __init__(self, engine: InferenceEngine, tag: str):
         self.engine = engine
@@ -262,9 +264,9 @@ class EngineReleaseStep(SwitchStep):
 
 
 class WeightSyncStep(SwitchStep):
-    """Run a :class:`~hybridmem.weight_sync.WeightSync` and fail with ``WeightCoverageError`` when it left engine
-    tensors unwritten ([Note: weight coverage] in hybridmem.weight_sync); nothing to undo (the engine weights
-    are released by the undo of the engine-weights resume)."""
+    """Run a :class:`~hybridmem.weight_sync.WeightSync` and fail with ``WeightCoverageError`` when it left
+    engine tensors unwritten ([Note: weight coverage] in :mod:`hybridmem.weight_sync`); nothing to undo (the
+    engine weights are released by the undo of the engine-weights resume)."""
 
     name = "weight sync"
     kind = StateKind.ENGINE_WEIGHTS
@@ -278,12 +280,12 @@ class WeightSyncStep(SwitchStep):
 
     def run(self) -> StepResult:
         s = self.sync.sync()
-        if s.unwritten:  # [Note: weight coverage]
+        if s.unwritten:  # [Note: weight coverage] in :mod:`hybridmem.weight_sync`
             raise WeightCoverageError(list(s.unwritten))
         committed: dict = {}
         if self.engine is not None and capabilities_of(self.engine).stages_weights:
             committed = dict(self.engine.commit_weights() or {})  # an engine in its own process takes the staged
-        if s.dtype_note and self.sync not in _WARNED_CASTS:  # [Note: no silent dtype change]
+        if s.dtype_note and self.sync not in _WARNED_CASTS:  # [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`
             log.warning("hybridmem: %s; the engine's weights differ from the trainer's by that rounding (build the "
                         "engine in the trainer's dtype to get them bit for bit)", s.dtype_note)
             _WARNED_CASTS.add(self.sync)
@@ -331,8 +333,8 @@ def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offload
     the enabled kinds, emptying the allocator cache, the engine's tags and the weight sync, the
     ``(order, step)`` pairs registered by adapters, sorted by :class:`ToInferOrder` / :class:`ToTrainOrder`,
     and, last in TRAIN->INFER, ``agree``: the ranks' vote of a multi-rank switch ([Note: switch agreement]
-    in hybridmem.switch.agreement). The engine's ``engine_tags_stay`` are neither released nor resumed (they stay resident
-    through TRAIN: [Note: lora base] in hybridmem.switch.lora_base)."""
+    in :mod:`hybridmem.switch.agreement`). The engine's ``engine_tags_stay`` are neither released nor resumed
+    (they stay resident through TRAIN: [Note: lora base] in :mod:`hybridmem.switch.lora_base`)."""
     items: list[tuple[int, SwitchStep]] = []
     kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in offloaders and enabled.get(k)]
     if direction is Direction.TO_INFER:

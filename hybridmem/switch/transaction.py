@@ -21,7 +21,7 @@ step and are undone as in [Note: switch transactions].
 A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
 journal (``SwitchRun.entered``); the step then records its own irreversible acts before doing them (an
 offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
-journal] in hybridmem.offload.base; an engine's release frees every storage of a tag whatever state it
+journal] in :mod:`hybridmem.offload.base`; an engine's release frees every storage of a tag whatever state it
 believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
 KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] above),
 every entered step is undone in reverse, the failed one included, and each undo works

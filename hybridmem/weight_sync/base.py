@@ -32,7 +32,8 @@ class SyncStats(TransferStats):
     stream into ``load_weights`` counts every tensor as received), and what the engine ended up with."""
 
     unwritten: tuple[str, ...] = ()
-    """Engine tensors of this rank not entirely written (see [Note: weight coverage] in hybridmem.weight_sync)."""
+    """Engine tensors of this rank not entirely written (see [Note: weight coverage] in
+    :mod:`hybridmem.weight_sync`)."""
     coverage_checked: bool = False
     """Whether ``unwritten`` is a proof (False: the engine cannot report what it received)."""
     dtype_note: str = ""
@@ -40,7 +41,8 @@ class SyncStats(TransferStats):
     change]); empty when the engine received the trainer's dtypes unchanged."""
     route: str = ""
     """How the weights went, where a sync has several ways (a LoRA sync: the adapters only, or merged
-    weights and why, see [Note: lora sync] in :mod:`hybridmem.weight_sync.lora`); the switch report shows it."""
+    weights and why, see [Note: lora sync] in :mod:`hybridmem.weight_sync.lora`); the switch report shows
+    it."""
 
 
 def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
@@ -72,8 +74,8 @@ class WeightSync(ABC):
     @property
     def adapters_only(self) -> bool:
         """The sync moves a LoRA model's adapters alone: the engine's base weights stay valid from one switch
-        to the next, and the trainer's frozen base is not what moves ([Note: lora base] in hybridmem.switch.lora_base).
-        ``False`` (default): every sync writes the whole model."""
+        to the next, and the trainer's frozen base is not what moves ([Note: lora base] in
+        :mod:`hybridmem.switch.lora_base`). ``False`` (default): every sync writes the whole model."""
         return False
 
     def engine_holds_base(self) -> None:
@@ -86,13 +88,14 @@ class WeightSync(ABC):
 
     def collective(self) -> tuple[Any, float] | None:
         """``(group, deadline_s)`` when a sync spans several ranks, which then vote on each switch's
-        outcome over ``group`` ([Note: switch agreement] in hybridmem.switch.agreement); ``None`` (default): this
-        rank's sync involves no other rank."""
+        outcome over ``group`` ([Note: switch agreement] in :mod:`hybridmem.switch.agreement`); ``None``
+        (default): this rank's sync involves no other rank."""
         return None
 
 
 def engine_dtypes(engine: Any) -> set[torch.dtype]:
-    """The element types the engine holds its weights in, where it says (``describes_weights``); else empty."""
+    """The element types the engine holds its weights in, where it says (``describes_weights``); else
+    empty."""
     dtype = engine.dtype if capabilities_of(engine).describes_weights else None
     return {dtype} if isinstance(dtype, torch.dtype) else set()
 

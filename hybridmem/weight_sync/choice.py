@@ -107,7 +107,8 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
     log.debug("hybridmem: weight sync: %s", route.value)
     if route is SyncRoute.TRAINING_NAMES:
         _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
-        # [Note: loaders write what they are given]: a copy of the module copies what it is handed
+        # [Note: loaders write what they are given] in :mod:`hybridmem.weight_sync.streamed`: a copy of the
+        # module copies what it is handed
         return LoadWeightsSync(training.named_weights, engine, copies=False)
     if route is SyncRoute.CHECKPOINT_NAMES:
         if capabilities.shards_weights:

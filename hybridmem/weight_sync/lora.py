@@ -164,7 +164,7 @@ class LoraSync(WeightSync):
     @property
     def adapters_only(self) -> bool:
         """On the adapter route the engine's base stays valid between switches ([Note: lora base] in
-        hybridmem.switch.lora_base); merged weights rewrite the whole model."""
+        :mod:`hybridmem.switch.lora_base`); merged weights rewrite the whole model."""
         return self.route is LoraRoute.ADAPTERS
 
     def engine_holds_base(self) -> None:

@@ -11,8 +11,8 @@ n)``: an ``Exception`` raised before the n-th call of that kind on that rank (on
 n-th call where it makes one). For each point the test checks, on every rank:
 
 - every rank ends the switch in the same phase (the ranks' vote, [Note: switch agreement] in
-  hybridmem.switch.agreement): all in TRAIN, rolled back, or all in INFER, committed. All commit only where the
-  fault came at the vote's own wait, which a rank that posted its vote waits out again;
+  :mod:`hybridmem.switch.agreement`): all in TRAIN, rolled back, or all in INFER, committed. All commit only
+  where the fault came at the vote's own wait, which a rank that posted its vote waits out again;
 - where they rolled back: the faulted rank raised with the fault among the error's causes; a rank the
   fault did not reach raised ``CollectiveTimeoutError`` (as ``SwitchCollectiveTimeoutError``) naming the
   peers it waited for, within the deadline plus a margin (in a one-rank case, some rank of those raising
@@ -66,10 +66,10 @@ pytestmark = pytest.mark.slow
 WORLD = 4
 DEADLINE_S = float(os.environ.get("HYBRIDMEM_FAULTS_DEADLINE_S", "6.0"))
 """The sync's collective deadline (``HYBRIDMEM_FAULTS_DEADLINE_S`` overrides it for a full run on an idle
-machine, where a fault-free switch stays far below 2 s). A fault-free sync takes 0.1-0.2 s on an idle 2-core machine; with the
-machine loaded (load average 9: another test run beside this one) the first switches of a task took up
-to 1.9 s and later ones 0.2-0.4 s, and a fault-free round must never reach the deadline. A rank the fault
-did not reach waits for the whole of it, so it sets the one-rank sample's time (about 20 rounds)."""
+machine, where a fault-free switch stays far below 2 s). A fault-free sync takes 0.1-0.2 s on an idle 2-core
+machine; with the machine loaded (load average 9: another test run beside this one) the first switches of a
+task took up to 1.9 s and later ones 0.2-0.4 s, and a fault-free round must never reach the deadline. A rank
+the fault did not reach waits for the whole of it, so it sets the one-rank sample's time (about 20 rounds)."""
 MARGIN_S = 10.0
 """How long after the deadline a rank the fault did not reach may take to raise (its rollback, on a
 loaded machine)."""
@@ -89,7 +89,8 @@ def _spread(count: int) -> list[int]:
 
 
 def every_rank_points(counts: list[dict[str, int]]) -> list[Point]:
-    """Points at which every rank faults at its own n-th call of a kind (n up to the most calls of any rank)."""
+    """Points at which every rank faults at its own n-th call of a kind (n up to the most calls of any
+    rank)."""
     kinds = sorted(set().union(*counts))
     return [(ALL_RANKS, kind, n) for kind in kinds for n in _spread(max(c.get(kind, 0) for c in counts))]
 
@@ -168,7 +169,7 @@ def outcome(records: list[dict | None]) -> str:
 
 def _is_vote_wait(kind: str, n: int, counts: dict[str, int]) -> bool:
     """Whether call ``n`` of ``kind`` on a rank making ``counts`` calls is the wait of the ranks' vote: the
-    last ``all_reduce`` of TRAIN->INFER ([Note: switch agreement] in hybridmem.switch.agreement)."""
+    last ``all_reduce`` of TRAIN->INFER ([Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""
     return kind == "all_reduce" + WAIT and n == counts.get(kind)
 
 
@@ -262,7 +263,8 @@ def test_a_fault_on_one_rank_after_its_last_post_of_the_sync_fails_every_rank(po
 
 
 def test_a_fault_at_the_wait_of_a_ranks_vote_commits_every_rank(pool, model_dir, reference, tmp_path):
-    """A rank that posted its vote and fails to learn the result waits again: the switch commits everywhere."""
+    """A rank that posted its vote and fails to learn the result waits again: the switch commits
+    everywhere."""
     point = (2, "all_reduce" + WAIT, reference[2]["to_infer"]["all_reduce" + WAIT])
     records = [r[0] for r in pool.run(tasks.collective_fault_task, model_dir, points=[point],
                                       store_dir=str(tmp_path), **COMMON)]

@@ -4,7 +4,7 @@ naming the step and the peer they waited for (the lost rank, or a rank waiting f
 with their training state bitwise what it was; a rank lost while no collective is pending
 (INFER->TRAIN) stops nobody.
 
-See [Note: collective deadlines] in hybridmem.reshard.execute.
+See [Note: collective deadlines] in :mod:`hybridmem.reshard.execute`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The GRPO demo started by torchrun instead of spawning its own processes (see [Note: demo under torchrun]
-in hybridmem/examples/grpo/__init__.py).
+in :mod:`hybridmem.examples.grpo`).
 
 Two torchrun "nodes" on this machine (``--nnodes 2 --node-rank 0|1``, one process each, rendezvous on
 127.0.0.1) train the same policy as ``hybridmem demo`` spawning two processes: the reward of every

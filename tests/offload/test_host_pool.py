@@ -65,8 +65,8 @@ def test_cuda_arenas_are_pinned():
     assert pool.report()[0].pinned
 
 
-# [Note: offload journal]: a held arena holds the only copy of offloaded bytes, so a request that would
-# replace it (a larger one) must be refused, not served with a fresh arena.
+# [Note: offload journal] in :mod:`hybridmem.offload.base`: a held arena holds the only copy of offloaded
+# bytes, so a request that would replace it (a larger one) must be refused, not served with a fresh arena.
 def test_a_held_arena_is_not_replaced_by_a_larger_request():
     pool = HostBufferPool(get_accelerator("cpu"))
     arena = pool.arena("param", torch.float32, 4)

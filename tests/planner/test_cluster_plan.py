@@ -7,7 +7,7 @@ predicts per rank and per node (2 ranks a node) equal what the pools of those ra
 are named; a cluster that does not fit, the device or a node's host memory, gets advice that, applied,
 fits.
 
-See [Note: cluster plan] in hybridmem.planner.cluster.
+See [Note: cluster plan] in :mod:`hybridmem.planner.cluster`.
 """
 
 from __future__ import annotations

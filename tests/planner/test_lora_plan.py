@@ -1,4 +1,5 @@
-"""The LoRA plan ([Note: lora plan]) against PEFT's own adapters and against what the manager moves.
+"""The LoRA plan ([Note: lora plan] in :mod:`hybridmem.planner.lora`) against PEFT's own adapters and against
+what the manager moves.
 
 References: the adapter tensors PEFT builds for the targets (their element counts), and the bytes a
 ShardingManager's switch report says each offload step copied, on the embedded engine at TP 1.
@@ -103,7 +104,8 @@ def test_hybridmem_plan_lora_prints_every_route_and_refuses_several_devices(tmp_
     adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n) * 4  # fp32, as PEFT keeps them
     assert {r["route"]: r["engine_write_nbytes"] for r in routes}["shared"] == adapters
     base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
-    # The merged sync writes the whole model: its base in the engine's dtype (bf16), vocabulary padding on top.
+    # The merged sync writes the whole model: its base in the engine's dtype (bf16), vocabulary padding on
+    # top.
     assert base * 2 <= routes[0]["engine_write_nbytes"] < base * 2 * 1.1
     assert spec.vocab_size == 100
     with pytest.raises(SystemExit):

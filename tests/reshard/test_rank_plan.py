@@ -2,7 +2,8 @@
 groups alone, equals rank r's part of the whole plan, built from every rank's tensors; the steps both ends
 of every transfer compute run to the end without deadlock; the layouts' parts are their tensors.
 
-See [Note: plan cells] in hybridmem.reshard.plan and [Note: plan schedule] in hybridmem.reshard.schedule.
+See [Note: plan cells] in :mod:`hybridmem.reshard.plan` and [Note: plan schedule] in
+:mod:`hybridmem.reshard.schedule`.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def test_every_ranks_steps_run_to_the_end_with_bounded_staging(case, hf_dst, buc
 @pytest.mark.parametrize("model_id", sorted(MODELS))
 def test_every_family_from_fsdp2_shards_and_from_megatron(model_id):
     """Every described family, from FSDP2 shards (transformers' names) and from Megatron where the family
-    has a Megatron layout (a multimodal model's names have none), into vLLM at TP 2 with expert parallelism for MoE models."""
+    has a Megatron layout (a multimodal model's names have none), into vLLM at TP 2 with expert parallelism
+    for MoE models."""
     family, kw = MODELS[model_id]
     spec = ModelSpec.from_hf_config(transformers.AutoConfig.for_model(family, **{**COMMON, **kw}).to_dict())
     moe = spec.num_experts > 0
@@ -131,8 +133,8 @@ def test_every_family_from_fsdp2_shards_and_from_megatron(model_id):
 @pytest.mark.parametrize("train,infer,world", [((2, 1, 8), (8, 1, 16), 16), ((4, 1, 8), (8, 2, 8), 32),
                                                ((2, 2, 4), (4, 1, 32), 32)])
 def test_deepseek_v3_shape_at_scale(train, infer, world):
-    """A DeepSeek-V3-shaped spec (MLA, 4 dense layers then MoE, shared experts, router bias) at up to 32 ranks,
-    expert parallel on both sides: every share equals the whole plan's part."""
+    """A DeepSeek-V3-shaped spec (MLA, 4 dense layers then MoE, shared experts, router bias) at up to 32
+    ranks, expert parallel on both sides: every share equals the whole plan's part."""
     spec = ModelSpec.from_hf_config(dict(
         model_type="deepseek_v3", hidden_size=64, num_attention_heads=16, num_key_value_heads=16,
         intermediate_size=128, num_hidden_layers=6, vocab_size=512, n_routed_experts=32, n_shared_experts=1,
@@ -146,7 +148,8 @@ def test_deepseek_v3_shape_at_scale(train, infer, world):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(dense_case(), moe_case(), deepseek_case()), st.booleans())
 def test_a_layouts_parts_are_its_tensors(case, hf_dst):
-    """[Note: layout parts]: for every rank, the parts of the groups it is in are exactly its tensors."""
+    """[Note: layout parts] in :mod:`hybridmem.reshard.layouts`: for every rank, the parts of the groups it is
+    in are exactly its tensors."""
     for layout in _pairs_by_layout(case, hf_dst):
         for rank in range(layout.world_size):
             merged = {}

@@ -1,4 +1,4 @@
-"""Uneven pipeline stages (see [Note: uneven stages] in hybridmem/reshard/stages.py).
+"""Uneven pipeline stages (see [Note: uneven stages] in :mod:`hybridmem.reshard.stages`).
 
 References: megatron-core's own ``get_num_layers_to_build`` for Megatron's split, vLLM's own
 ``get_pp_indices`` (with and without ``VLLM_PP_LAYER_PARTITION``) for vLLM's, and weights whose every

@@ -1,4 +1,5 @@
-"""Where a LoRA model's base stays when only its adapters are synced (HybridConfig.lora_base, [Note: lora base]).
+"""Where a LoRA model's base stays when only its adapters are synced (HybridConfig.lora_base, [Note: lora
+base] in :mod:`hybridmem.switch.lora_base`).
 
 The engine is the embedded ReferenceEngine (its weights are released and taken back like vLLM's, and it keeps
 vLLM's layout unrepacked, as vLLM on GPUs does); the training model a PEFT LoRA model. The sync here writes

@@ -1,5 +1,6 @@
-"""Host arenas prewarmed in the background (see [Note: prewarmed arenas] in hybridmem.offload.host_pool): the first
-switch of a plain user loop finds its arenas ready, and prewarming never gets in the way of a switch.
+"""Host arenas prewarmed in the background (see [Note: prewarmed arenas] in
+:mod:`hybridmem.offload.host_pool`): the first switch of a plain user loop finds its arenas ready, and
+prewarming never gets in the way of a switch.
 
 The per-step timings live in ``benchmarks/switch_latency.py``; these tests check what was allocated where,
 through the pool's own report and the arenas' identity.

@@ -5,7 +5,7 @@ in a new session, so that it and everything it starts share one process group; o
 reported their pids it is interrupted as a user or a CI runner would: Ctrl-C in a terminal (SIGINT to
 the whole group), SIGTERM to the pytest process, or SIGTERM to the pytest-xdist worker that owns the
 pool. Then no process of that group may be left (see [Note: workers die with their parent] in
-hybridmem.testing.workers).
+:mod:`hybridmem.testing.workers`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""share_base: a PEFT LoRA model's frozen base as views of the engine's weights ([Note: shared base]).
+"""share_base: a PEFT LoRA model's frozen base as views of the engine's weights ([Note: shared base] in
+:mod:`hybridmem.weight_sync.shared_base`).
 
 The engine is the embedded ReferenceEngine, which keeps vLLM's layout at TP 1 unrepacked on the CPU (the same
 layout vLLM's GPU kernels keep); the reference is the model itself before sharing: its logits, its values, and

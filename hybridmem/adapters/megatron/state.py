@@ -195,7 +195,8 @@ class MegatronTrainingState:
         manager.register_owner(WORKSPACE_OWNER, self.workspaces.nbytes, empty_in=(Phase.INFER,))
 
     def guard_targets(self) -> tuple[list[Any], list[Any]]:
-        """The DDP-wrapped chunks and the Megatron optimizer (see [Note: misuse guards])."""
+        """The DDP-wrapped chunks and the Megatron optimizer (see [Note: misuse guards] in
+        :mod:`hybridmem.switch.guards`)."""
         return list(self.model_chunks), [] if self.optimizer is None else [self.optimizer]
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -220,7 +221,8 @@ class MegatronTrainingState:
 
     @property
     def padded_vocab_size(self) -> int:
-        """The vocab the GPTModel was built with (Megatron's ``args.padded_vocab_size``, over all TP ranks)."""
+        """The vocab the GPTModel was built with (Megatron's ``args.padded_vocab_size``, over all TP
+        ranks)."""
         return int(unwrap_model(self.model_chunks[0]).vocab_size)
 
     def model_spec_dict(self, *, vocab_size: int | None = None, model_type: str | None = None) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """ReferenceEngine: a small tensor-parallel inference engine for Llama/Qwen2 that hybridmem can switch.
 
 It implements :class:`hybridmem.contract.engine.InferenceEngine` for real: weights in vLLM's per-rank
-layout ([Note: vLLM per-rank layout]) released by storage resize and rewritten by the weight sync, a
-paged KV cache whose pool comes from a :mod:`hybridmem.kv` allocator, batched prefill + decode, greedy
-and temperature/top-p sampling with a seed, and per-token log-probs.
+layout ([Note: vLLM per-rank layout] in :mod:`hybridmem.engines.reference.layout`) released by storage resize
+and rewritten by the weight sync, a paged KV cache whose pool comes from a :mod:`hybridmem.kv` allocator,
+batched prefill + decode, greedy and temperature/top-p sampling with a seed, and per-token log-probs.
 
 >>> engine = ReferenceEngine(hf_config, num_kv_blocks=64)                     # doctest: +SKIP
 >>> engine.load_weights(hf_model.state_dict().items())
@@ -186,7 +186,8 @@ class ReferenceEngine:
 
     def release(self, tags: Sequence[str]) -> None:
         """Give back the memory of ``tags``: weights by storage resize (no host copy), the KV pool
-        through its allocator. A released tag is left as it is; see [Note: engine memory tags]."""
+        through its allocator. A released tag is left as it is; see [Note: engine memory tags] in
+        :mod:`hybridmem.contract.engine`."""
         for tag in check_tags(tags):
             if tag == WEIGHTS:  # every storage, whatever the state: an interrupted resume may have grown some
                 self.accel.synchronize()
@@ -252,7 +253,7 @@ class ReferenceEngine:
         """Weights :meth:`load_weights` has not entirely written since the weights were resumed: a piece
         of the vLLM layout not received (vocab padding rows count as written: they are zeroed, a weight that
         is all padding on this rank too);
-        see [Note: weight coverage] in hybridmem.weight_sync."""
+        see [Note: weight coverage] in :mod:`hybridmem.weight_sync`."""
         layout = rank_tensors(self.shard)
         return [name for name in self.model.params if set(layout[name].pieces) - self._written.get(name, set())]
 
