@@ -95,7 +95,8 @@ class ConfigError(HybridMemError, ValueError):
 
     suggestions: tuple[str, ...] = ()
 
-    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None, message: str | None = None):
+    def __init__(self, key: str, value: object, allowed: str, *, source: str | None = None,
+                 message: str | None = None):
         self.key = key
         self.value = value
         self.allowed = allowed
@@ -151,9 +152,10 @@ class OffloadedTensorError(PhaseError):
         self.current = "offloaded"
         HybridMemError.__init__(
             self,
-            f"cannot {operation} a tensor of the training state ({kind}, shape {list(shape)}, {dtype}): hybridmem "
-            f"moved its bytes to host memory (the manager is in INFER, or FAILED after a switch failed); read it "
-            f"in TRAIN, after `with manager.inference()` ends or after manager.to_train() / manager.recover()",
+            f"cannot {operation} a tensor of the training state ({kind}, shape {list(shape)}, {dtype}): "
+            "hybridmem moved its bytes to host memory (the manager is in INFER, or FAILED after a switch "
+            "failed); read it in TRAIN, after `with manager.inference()` ends or after manager.to_train() / "
+            "manager.recover()",
         )
 
 
@@ -193,14 +195,16 @@ class MemoryPlanError(HybridMemError, MemoryError):
     """
 
     def __new__(cls, plan: object, *args: object, **kwargs: object):
-        if cls is MemoryPlanError and getattr(plan, "device_fits", True) and not getattr(plan, "host_fits", True):
+        device_fits, host_fits = getattr(plan, "device_fits", True), getattr(plan, "host_fits", True)
+        if cls is MemoryPlanError and device_fits and not host_fits:
             cls = HostMemoryPlanError
         return HybridMemError.__new__(cls, plan, *args, **kwargs)
 
     def __init__(self, plan: object):
         self.plan = plan
         over = [what for what, fits in (("the device budget", getattr(plan, "device_fits", False)),
-                                        ("host_memory_budget_bytes", getattr(plan, "host_fits", True))) if not fits]
+                                        ("host_memory_budget_bytes", getattr(plan, "host_fits", True)))
+                if not fits]
         # Not super(): a HostMemoryPlanError's next base is HostMemoryBudgetError, whose arguments differ.
         HybridMemError.__init__(self, f"switch refused, predicted peak exceeds "
                                       f"{' and '.join(over)}:\n{plan}")
@@ -240,7 +244,8 @@ class HostMemoryPlanError(MemoryPlanError, HostMemoryBudgetError):
         held = plan.host_start_nbytes
         for step in plan.steps:
             if step.host_nbytes > plan.host_budget_nbytes:
-                self.key, self.requested_nbytes, self.held_nbytes = step.name, step.estimate.host_alloc_nbytes, held
+                self.key, self.requested_nbytes = step.name, step.estimate.host_alloc_nbytes
+                self.held_nbytes = held
                 break
             held = step.host_nbytes
         else:  # the pool starts over its budget (not reachable through the pool, which refuses that)
@@ -262,13 +267,15 @@ class WeightCoverageError(WeightSyncError):
 
     def __init__(self, unwritten: list[str] | tuple[str, ...], *, engine: str = "engine"):
         self.unwritten = tuple(unwritten)
-        shown = ", ".join(self.unwritten[:8]) + (f", ... ({len(self.unwritten)} in all)" if len(self.unwritten) > 8 else "")
+        more = f", ... ({len(self.unwritten)} in all)" if len(self.unwritten) > 8 else ""
+        shown = ", ".join(self.unwritten[:8]) + more
         lora = any(".lora_A." in n or ".lora_B." in n for n in self.unwritten)
-        why = ("the engine's LoRA slots do not hold these adapter tensors as the trainer has them (vLLM did not take "
-               "the module, or took other values)" if lora else
+        why = ("the engine's LoRA slots do not hold these adapter tensors as the trainer has them (vLLM did "
+               "not take the module, or took other values)" if lora else
                "the training model has no weights for them (is the engine built for another architecture?)")
         super().__init__(
-            f"the weight sync did not write every byte of {len(self.unwritten)} {engine} tensor(s): {shown}; {why}"
+            f"the weight sync did not write every byte of {len(self.unwritten)} {engine} tensor(s): {shown}; "
+            f"{why}"
         )
 
 
@@ -289,8 +296,8 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
         self.group_usable = False
         super().__init__(
             f"{what}: rank(s) {list(self.peers)} did not complete within the {deadline_s:.1f} s deadline "
-            f"(waited {elapsed_s:.1f} s: {cause}); the process group is no longer usable (its connections are "
-            f"closed): destroy and re-create it, or restart the job"
+            f"(waited {elapsed_s:.1f} s: {cause}); the process group is no longer usable (its connections "
+            "are closed): destroy and re-create it, or restart the job"
         )
 
 
@@ -326,12 +333,13 @@ class EngineProcessError(HybridMemError, RuntimeError):
         self.fault = EngineFault(fault)
         advice = {
             EngineFault.REFUSED: "the engine answered with this error",
-            EngineFault.STALLED: "its process is still there but does not answer: stopped, hung or overloaded",
+            EngineFault.STALLED: "its process is still there but does not answer: stopped, hung or "
+                                 "overloaded",
             EngineFault.DEAD: "its process is gone, and its memory with it (its log says why it stopped)",
         }[self.fault]
         super().__init__(
-            f"the vLLM engine at {where} did not complete {call!r} (waited {elapsed_s:.1f} s of {deadline_s:.1f} s: "
-            f"{cause}); {self.fault.value}: {advice}"
+            f"the vLLM engine at {where} did not complete {call!r} (waited {elapsed_s:.1f} s of "
+            f"{deadline_s:.1f} s: {cause}); {self.fault.value}: {advice}"
         )
 
     @property
@@ -440,7 +448,8 @@ _SWITCH_CLASSES: tuple[tuple[type[HybridMemError], type[_SwitchFailedWith]], ...
 )
 
 
-def switch_error(message: str, *, direction: str, step: str, phase_after: object, cause: BaseException) -> SwitchError:
+def switch_error(message: str, *, direction: str, step: str,
+                 phase_after: object, cause: BaseException) -> SwitchError:
     """The :class:`SwitchError` to raise for a step that failed with ``cause``.
 
     Returns an instance of ``SwitchHostMemoryBudgetError`` / ``SwitchWeightSyncError`` /

@@ -157,8 +157,10 @@ class ShardingManager:
         """What the training state declares it offers ([Note: training capabilities] in
         :mod:`hybridmem.contract.training`); checked here."""
         if engine is not None and not isinstance(engine, InferenceEngine):
-            missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
-            raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
+            missing = [m for m in ("load_weights", "release", "resume")
+                       if not callable(getattr(engine, m, None))]
+            raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing "
+                            f"{missing}")
         self._machine = PhaseMachine()
         self.created_at = _caller()
         """``file:line`` of the user's code that built this manager (named when another manager is
@@ -200,7 +202,8 @@ class ShardingManager:
         self.pool = HostBufferPool(
             self.accel, budget_nbytes=self.config.host_memory_budget_bytes, pin=self.config.pin_memory
         )
-        self.offloaders: dict[StateKind, Offloader] = dict(self.training.build_offloaders(self.accel, self.pool, self.config))
+        self.offloaders: dict[StateKind, Offloader] = dict(
+            self.training.build_offloaders(self.accel, self.pool, self.config))
         self._enabled = {
             StateKind.PARAM: self.config.offload_train_param,
             StateKind.GRAD: self.config.offload_train_grad,
@@ -208,7 +211,8 @@ class ShardingManager:
         }
         if weight_sync is None and engine is not None:
             check_architecture(self.training, engine, model_spec=model_spec)
-            weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
+            weight_sync = default_weight_sync(self.training, engine, self.config,
+                                              model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
         self.lora_base = lora_base_of(weight_sync, self.config)
         """Where a LoRA model's base stays when only its adapters are synced; ``None`` otherwise ([Note: lora
@@ -228,7 +232,8 @@ class ShardingManager:
         # memory), so they must be this manager's alone ([Note: one manager per model] in
         # :mod:`hybridmem.switch.claims`).
         self._claims = Claims(self, self._claimed(engine))
-        modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
+        guards = self.training_capabilities.guards_misuse
+        modules, optimizers = self.training.guard_targets() if guards else ([], [])
         self.shared_base = None
         """What ``lora_base="shared"`` made views of the engine's weights
         (:func:`~hybridmem.weight_sync.shared_base.share_base`)."""
@@ -243,7 +248,8 @@ class ShardingManager:
         self.coresidents: dict[str, CoResident] = {}
         """Co-resident models by name (see [Note: co-resident phases] in :mod:`hybridmem.switch.colocate`)."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
-                                   self.config.device_memory_budget_bytes, engine_tags_stay=self.engine_tags_stay)
+                                   self.config.device_memory_budget_bytes,
+                                   engine_tags_stay=self.engine_tags_stay)
         """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.switch.owners`)."""
         self.last_reports: dict[Direction, SwitchReport] = {}
         """The latest report of each direction."""
@@ -284,7 +290,8 @@ class ShardingManager:
         self._check_phase("register a step", Phase.TRAIN)
         self._extra_steps[Direction(direction)].append((int(order), step))
 
-    def register_owner(self, name: str, resident_nbytes: Callable[[], int], *, empty_in: tuple[Phase, ...] = ()) -> None:
+    def register_owner(self, name: str, resident_nbytes: Callable[[], int], *,
+                       empty_in: tuple[Phase, ...] = ()) -> None:
         """Count ``resident_nbytes()`` as owner ``name`` in residency reports; a leftover in ``empty_in``."""
         self.owners.register(name, resident_nbytes, empty_in=empty_in)
 
@@ -294,7 +301,8 @@ class ShardingManager:
         direction = Direction(direction)
         agree = AgreeStep(self.agreement) if self.agreement is not None else None
         return switch_steps(direction, offloaders=self.offloaders, enabled=self._enabled, accel=self.accel,
-                            engine=self.engine, weight_sync=self.weight_sync, extra=self._extra_steps[direction],
+                            engine=self.engine, weight_sync=self.weight_sync,
+                            extra=self._extra_steps[direction],
                             agree=agree, engine_tags_stay=self.engine_tags_stay)
 
     def memory(self) -> MemoryFigures:
@@ -348,7 +356,8 @@ class ShardingManager:
         co = self.coresidents[name]
         self._check_phase(f"onload co-resident {name!r}", Phase.TRAIN, Phase.INFER)
         if co.state is CoResidentState.ONLOADED:
-            raise PhaseError(f"onload co-resident {name!r}", self.phase, "it is already onloaded (nested onloaded())")
+            raise PhaseError(f"onload co-resident {name!r}", self.phase,
+                             "it is already onloaded (nested onloaded())")
         direction = Direction.TO_INFER if self.phase is Phase.INFER else Direction.TO_TRAIN
         plan = self.owners.plan(direction, [(f"onload {name}", StepEstimate(alloc_nbytes=co.live_nbytes()))])
         if not plan.fits:
@@ -380,8 +389,8 @@ class ShardingManager:
             report = self._to_infer(held)
         if report is None:  # a held signal stopped the switch and its handler did not raise
             raise SwitchError(
-                "TRAIN->INFER interrupted by a signal; rolled back, phase is TRAIN with all training state on "
-                "the device", direction="to_infer", step="(between steps)", phase_after=self.phase,
+                "TRAIN->INFER interrupted by a signal; rolled back, phase is TRAIN with all training state "
+                "on the device", direction="to_infer", step="(between steps)", phase_after=self.phase,
             )
         return report
 
@@ -398,7 +407,8 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = run_steps(Direction.TO_INFER, steps, before=before, held=held, accel=self.accel, memory=self.memory)
+        run = run_steps(Direction.TO_INFER, steps, before=before, held=held,
+                        accel=self.accel, memory=self.memory)
         if run.error is not None or run.interrupted:
             self._vote_no(run)
             _release_frames(run.error)
@@ -443,7 +453,8 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = run_steps(Direction.TO_TRAIN, steps, before=before, held=held, accel=self.accel, memory=self.memory)
+        run = run_steps(Direction.TO_TRAIN, steps, before=before, held=held,
+                        accel=self.accel, memory=self.memory)
         if run.error is not None:
             self._machine.fire(Trigger.FAIL, operation="record a failed switch")
             self._guard.arm()
@@ -455,7 +466,8 @@ class ShardingManager:
             )
             if not isinstance(run.error, Exception):
                 raise run.error
-            raise switch_error(msg, direction="to_train", step=run.failed_step.name, phase_after=self.phase, cause=run.error) from run.error
+            raise switch_error(msg, direction="to_train", step=run.failed_step.name,
+                               phase_after=self.phase, cause=run.error) from run.error
         self._machine.fire(Trigger.END_TRAIN, operation="finish the switch to TRAIN")
         self._guard.disarm()
         return self._report(Direction.TO_TRAIN, run, before, start, plan)
@@ -486,15 +498,16 @@ class ShardingManager:
                 if self.phase is not Phase.TRAIN or self.last_rollbacks >= retries:
                     raise
                 self.last_rollbacks += 1
-                log.warning("hybridmem: TRAIN->INFER failed and was rolled back (%s); trying again (%d of %d)",
-                            exc, self.last_rollbacks, retries)
+                log.warning("hybridmem: TRAIN->INFER failed and was rolled back (%s); "
+                            "trying again (%d of %d)", exc, self.last_rollbacks, retries)
         try:
             yield self.engine
         except BaseException as exc:
             try:
                 self.to_train()
             except Exception as switch_exc:  # noqa: BLE001 - reported on the user's exception
-                add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; phase {self.phase.name}")
+                add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; "
+                              f"phase {self.phase.name}")
             raise
         self.to_train()
 
@@ -534,7 +547,8 @@ class ShardingManager:
     def _check_coresidents_offloaded(self, operation: str) -> None:
         onloaded = [n for n, co in self.coresidents.items() if co.state is CoResidentState.ONLOADED]
         if onloaded:
-            raise PhaseError(operation, self.phase, f"co-resident {onloaded} is onloaded; leave onloaded() first")
+            raise PhaseError(operation, self.phase,
+                             f"co-resident {onloaded} is onloaded; leave onloaded() first")
 
     def _report(
         self,
@@ -569,4 +583,5 @@ class ShardingManager:
         return {off.owner: off.state for off in self.offloaders.values()}
 
     def __repr__(self) -> str:
-        return f"ShardingManager(phase={self.phase.name}, accel={self.accel}, engine={type(self.engine).__name__})"
+        return (f"ShardingManager(phase={self.phase.name}, accel={self.accel}, "
+                f"engine={type(self.engine).__name__})")

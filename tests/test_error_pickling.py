@@ -16,20 +16,25 @@ from hybridmem.switch.phase import Direction, Phase
 
 def _plan(host_budget: int | None):
     step = StepEstimate(alloc_nbytes=10, host_alloc_nbytes=100)
-    return plan_switch(Direction.TO_INFER, 0, [("offload param", step)], budget_nbytes=5 if host_budget is None else 100,
+    return plan_switch(Direction.TO_INFER, 0, [("offload param", step)],
+                       budget_nbytes=5 if host_budget is None else 100,
                        budget_source="test", host_budget_nbytes=host_budget)
 
 
-BUDGET = errors.HostMemoryBudgetError(key="offload param", requested_nbytes=10, held_nbytes=5, budget_nbytes=12)
-TIMEOUT = errors.CollectiveTimeoutError("exchange", peers=(1, 3), deadline_s=6.0, elapsed_s=6.5, cause="peer gone")
+BUDGET = errors.HostMemoryBudgetError(key="offload param", requested_nbytes=10,
+                                      held_nbytes=5, budget_nbytes=12)
+TIMEOUT = errors.CollectiveTimeoutError("exchange", peers=(1, 3), deadline_s=6.0, elapsed_s=6.5, cause="peer "
+                                                                                                       "gone")
 EXAMPLES = {
     errors.HybridMemError: lambda: errors.HybridMemError("something hybridmem refused"),
     errors.ConfigError: lambda: errors.ConfigError("device", "gpu", "one of ['cpu']", source="job.yaml"),
     errors.PhaseError: lambda: errors.PhaseError("generate", Phase.TRAIN, "use inference()"),
-    errors.OffloadedTensorError: lambda: errors.OffloadedTensorError("read", kind="param", shape=(2, 3), dtype="fp32"),
+    errors.OffloadedTensorError: lambda: errors.OffloadedTensorError("read", kind="param",
+                                                                     shape=(2, 3), dtype="fp32"),
     errors.SwitchError: lambda: errors.SwitchError("failed", direction="to_infer", step="weight sync",
                                                    phase_after=Phase.TRAIN),
-    errors.RollbackError: lambda: errors.RollbackError("undo failed", direction="to_infer", step="offload param",
+    errors.RollbackError: lambda: errors.RollbackError("undo failed", direction="to_infer", step="offload "
+                                                                                                 "param",
                                                        phase_after=Phase.FAILED),
     errors.MemoryPlanError: lambda: errors.MemoryPlanError(_plan(None)),
     errors.HostMemoryPlanError: lambda: errors.MemoryPlanError(_plan(50)),
@@ -42,7 +47,8 @@ EXAMPLES = {
         fault=errors.EngineFault.STALLED),
     errors.PeerAbortError: lambda: errors.PeerAbortError((2,), rank=0),
     errors.KVStateError: lambda: errors.KVStateError("resume", "released", allocator="torch"),
-    errors.KVResumeError: lambda: errors.KVResumeError("no room", requested_nbytes=10, mapped_nbytes=4, step="kv"),
+    errors.KVResumeError: lambda: errors.KVResumeError("no room", requested_nbytes=10,
+                                                       mapped_nbytes=4, step="kv"),
 }
 for _cause_cls, _cls in errors._SWITCH_CLASSES:
     EXAMPLES[_cls] = (lambda cause_cls=_cause_cls: errors.switch_error(
@@ -50,7 +56,8 @@ for _cause_cls, _cls in errors._SWITCH_CLASSES:
         cause=EXAMPLES[cause_cls]()))
 
 CLASSES = sorted((c for _, c in inspect.getmembers(errors, inspect.isclass)
-                  if issubclass(c, errors.HybridMemError) and not c.__name__.startswith("_")), key=lambda c: c.__name__)
+                  if issubclass(c, errors.HybridMemError) and not c.__name__.startswith("_")),
+                 key=lambda c: c.__name__)
 
 
 def test_every_error_class_has_an_example():

@@ -49,8 +49,8 @@ def check_optimizer_owns(modules: Iterable[torch.nn.Module], optimizer: Any, *,
             model = "/".join(type(m).__name__ for m in modules)
             raise ValueError(
                 f"{which} holds {len(foreign)} of its {len(held)} parameters outside the model {model} (the "
-                f"first: shape {tuple(foreign[0].shape)}, {foreign[0].dtype}); pass the optimizer built on this "
-                f"model's parameters (e.g. torch.optim.AdamW(model.parameters()))"
+                f"first: shape {tuple(foreign[0].shape)}, {foreign[0].dtype}); pass the optimizer built on "
+                "this model's parameters (e.g. torch.optim.AdamW(model.parameters()))"
             )
 
 
@@ -124,7 +124,8 @@ class TorchTrainingState:
         """The transformers config of the model (``model.config``, looking through DDP's ``.module``), or
         ``None`` when it is not a transformers model."""
         module = self.modules[0]
-        module = getattr(module, "module", module) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = getattr(module, "module", module)
         config = getattr(module, "config", None)
         return config if callable(getattr(config, "to_dict", None)) else None
 

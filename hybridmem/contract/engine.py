@@ -76,7 +76,8 @@ _METHODS = {
     "sizes_kv_by_share": ("gpu_memory_utilization",),
 }
 """The members each capability promises (methods, or the attributes in :data:`_ATTRIBUTES`)."""
-_ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "parallel_layout", "gpu_memory_utilization"})
+_ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "parallel_layout",
+                         "gpu_memory_utilization"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,7 +138,8 @@ def capabilities_of(engine: Any) -> EngineCapabilities:
     has = {c: all(_has_member(engine, m) for m in ms) for c, ms in _METHODS.items()}
     frees = bool(getattr(engine, "frees_memory", True))
     return EngineCapabilities(frees_memory=frees, memory_note=str(getattr(engine, "memory_note", "") or ""),
-                              loads_training_names=bool(getattr(engine, "loads_training_names", False)), **has)
+                              loads_training_names=bool(getattr(engine,
+                                                                "loads_training_names", False)), **has)
 
 
 def _has_member(engine: Any, name: str) -> bool:

@@ -45,8 +45,8 @@ class TorchCopyEngine:
     loads_training_names = True
     """Its ``load_weights`` takes the training model's own names and layout (it is a copy of the module),
     so the default weight sync streams the training state's ``named_weights()`` into it as they are."""
-    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
-                                      loads_training_names=True, binds_phase=True)
+    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True,
+                                      reports_residency=True, loads_training_names=True, binds_phase=True)
     """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
 
     def __init__(self, module: torch.nn.Module, *, kv_cache_nbytes: int = 0):
@@ -84,9 +84,11 @@ class TorchCopyEngine:
             for name, tensor in weights:
                 dst = self._tensors.get(name)
                 if dst is None:
-                    raise KeyError(f"engine has no weight {name!r} (it has {len(self._tensors)}, e.g. {next(iter(self._tensors), None)!r})")
+                    raise KeyError(f"engine has no weight {name!r} (it has {len(self._tensors)}, e.g. "
+                                   f"{next(iter(self._tensors), None)!r})")
                 if dst.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r}: engine shape {tuple(dst.shape)} != given {tuple(tensor.shape)}")
+                    raise ValueError(f"weight {name!r}: engine shape {tuple(dst.shape)} != given "
+                                     f"{tuple(tensor.shape)}")
                 dst.copy_(tensor)
                 self._written.add(name)
 
@@ -155,8 +157,10 @@ class TorchCopyEngine:
         """
         if self._state[WEIGHTS] is not EngineMemoryState.RESIDENT:
             if self._phase is not None:
-                raise PhaseError("run the engine", self._phase(), "its weights are released; use it inside `with manager.inference()`")
-            raise PhaseError("run the engine", self._state[WEIGHTS], "its weights are released; use it inside inference()")
+                raise PhaseError("run the engine", self._phase(), "its weights are released; use it inside "
+                                                                  "`with manager.inference()`")
+            raise PhaseError("run the engine", self._state[WEIGHTS], "its weights are released; use it "
+                                                                     "inside inference()")
         return self.module(*args, **kwargs)
 
     def _storages(self, tag: str) -> list[tuple[torch.UntypedStorage, int]]:

@@ -76,8 +76,8 @@ from hybridmem.switch.steps import (
     switch_steps,
 )
 
-__all__ = ["AcceleratorFigures", "ACCELERATORS", "GB", "TrainingSetup", "RankPrediction", "ClusterPlan", "Advice",
-           "plan_cluster", "hf_buffer_nbytes"]
+__all__ = ["AcceleratorFigures", "ACCELERATORS", "GB", "TrainingSetup", "RankPrediction", "ClusterPlan",
+           "Advice", "plan_cluster", "hf_buffer_nbytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +133,9 @@ class _Offloader:
         return 0
 
     def arena_growth_nbytes(self) -> int:
-        return 0  # the manager prewarms the arenas before the first switch ([Note: host plan] in :mod:`hybridmem.planner.host`)
+        # the manager prewarms the arenas before the first switch ([Note: host plan] in
+        # :mod:`hybridmem.planner.host`)
+        return 0
 
 
 @dataclass
@@ -231,7 +233,8 @@ class RankPrediction:
 
     @property
     def seconds(self) -> dict[str, float]:
-        return {"to_infer": sum(s.seconds for s in self.to_infer), "to_train": sum(s.seconds for s in self.to_train)}
+        return {"to_infer": sum(s.seconds for s in self.to_infer),
+                "to_train": sum(s.seconds for s in self.to_train)}
 
 
 @dataclass(frozen=True)
@@ -268,7 +271,8 @@ class ClusterPlan:
     @property
     def host_fits(self) -> bool:
         worst = self.worst_node
-        return self.host_budget_nbytes is None or worst is None or worst.peak_nbytes <= self.host_budget_nbytes
+        budget = self.host_budget_nbytes
+        return budget is None or worst is None or worst.peak_nbytes <= budget
 
     @property
     def fits(self) -> bool:
@@ -334,7 +338,8 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
                 optimizer[r] += share
     for part in dst.part_groups():
         for key, ranks in part.groups.items():
-            n = sum(t.numel * (spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces else infer_bytes)
+            n = sum(t.numel * (spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces
+                               else infer_bytes)
                     for t in part.build(key).values())
             for r in ranks:
                 weights[r] += n
@@ -342,7 +347,8 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
     out = []
     for r in range(world):
         elements = padded if setup.kind == "fsdp2" else local[r]
-        if setup.kind == "fsdp2":  # AdamW's moments, shaped like the local shard (not its padded storage), and steps
+        # AdamW's moments, shaped like the local shard (not its padded storage), and steps
+        if setup.kind == "fsdp2":
             moments, steps = 2 * local[r] * setup.param_bytes, 4 * num_tensors[r]
             opt_arenas = (moments + steps,) if setup.param_bytes == 4 else (moments, steps)
         else:
@@ -357,8 +363,8 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
     return out
 
 
-def _rank_host(state: RankState, setup: TrainingSetup, accel: AcceleratorFigures, offload: Mapping[StateKind, bool],
-               sleep_level: int) -> dict[str, int]:
+def _rank_host(state: RankState, setup: TrainingSetup, accel: AcceleratorFigures,
+               offload: Mapping[StateKind, bool], sleep_level: int) -> dict[str, int]:
     return rank_host_nbytes(state.arenas, offload=offload, weights_nbytes=state.nbytes["engine_weights"],
                             sleep_level=sleep_level, framework_nbytes=setup.host_buffer_nbytes,
                             rounds_up=accel.pinned_rounds_up)
@@ -377,34 +383,38 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
         state = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)[rank]
     params, grads, optimizer = (state.nbytes[k] for k in ("param", "grad", "optimizer"))
     weights = state.nbytes["engine_weights"]
-    kv = kv_nbytes if kv_nbytes is not None else max(0, int(gpu_memory_utilization * accel.memory_nbytes) - weights)
+    kv = (kv_nbytes if kv_nbytes is not None
+          else max(0, int(gpu_memory_utilization * accel.memory_nbytes) - weights))
     figures = {**state.nbytes, "kv_cache": kv}
-    offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params), StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
+    offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params),
+                  StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
                   StateKind.OPTIMIZER: _Offloader(StateKind.OPTIMIZER, optimizer)}
     engine, sync = _Engine(weights, kv), _Sync(plan.peak_temp_nbytes(rank))
     start = params + grads + optimizer
-    walk = dict(offloaders=offloaders, offload=offload, engine=engine, sync=sync, plan=plan, rank=rank, accel=accel,
-                setup=setup, sleep_level=sleep_level)
+    walk = dict(offloaders=offloaders, offload=offload, engine=engine, sync=sync, plan=plan, rank=rank,
+                accel=accel, setup=setup, sleep_level=sleep_level)
     to_infer = _walk(Direction.TO_INFER, start, **walk)
     for o in offloaders.values():
         o.state = OffloadState.ON_HOST if offload.get(o.kind) else OffloadState.ON_DEVICE
     to_train = _walk(Direction.TO_TRAIN, to_infer[-1].after_nbytes if to_infer else start, **walk)
     peak = max([start, *(s.peak_nbytes for s in (*to_infer, *to_train))])
-    return RankPrediction(rank=rank, to_infer=to_infer, to_train=to_train, start_nbytes=start, peak_nbytes=peak,
-                          sent_nbytes=plan.send_nbytes(rank), received_nbytes=plan.recv_nbytes(rank), state_nbytes=figures,
+    return RankPrediction(rank=rank, to_infer=to_infer, to_train=to_train, start_nbytes=start,
+                          peak_nbytes=peak, sent_nbytes=plan.send_nbytes(rank),
+                          received_nbytes=plan.recv_nbytes(rank), state_nbytes=figures,
                           host_nbytes=_rank_host(state, setup, accel, offload, sleep_level))
 
 
-def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync, plan: ReshardPlan, rank: int,
-          accel: AcceleratorFigures, setup: TrainingSetup, sleep_level: int) -> tuple[StepFigures, ...]:
+def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync, plan: ReshardPlan,
+          rank: int, accel: AcceleratorFigures, setup: TrainingSetup,
+          sleep_level: int) -> tuple[StepFigures, ...]:
+    extra = _adapter_steps(setup) if direction is Direction.TO_INFER else ()
     steps: list[SwitchStep] = switch_steps(direction, offloaders=offloaders, enabled=offload, accel=_Accel(),
-                                           engine=engine, weight_sync=sync,
-                                           extra=_adapter_steps(setup) if direction is Direction.TO_INFER else (),
+                                           engine=engine, weight_sync=sync, extra=extra,
                                            agree=AgreeStep(_VOTE_STAND_IN) if plan.world_size > 1 else None)
     memory: MemoryPlan = plan_switch(direction, start, [(s.name, s.estimate()) for s in steps],
                                      budget_nbytes=accel.memory_nbytes, budget_source=accel.name)
     out = []
-    for step, planned in zip(steps, memory.steps):
+    for step, planned in zip(steps, memory.steps, strict=False):
         host = net = 0
         seconds = 0.0
         if isinstance(step, (OffloadStep, OnloadStep)):
@@ -422,8 +432,8 @@ def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync
             host = engine.weights_nbytes
             seconds = host / accel.host_link_bps
         e = planned.estimate
-        out.append(StepFigures(step.name, e.alloc_nbytes, e.free_nbytes, e.transient_nbytes, planned.peak_nbytes,
-                               planned.after_nbytes, host, net, seconds))
+        out.append(StepFigures(step.name, e.alloc_nbytes, e.free_nbytes, e.transient_nbytes,
+                               planned.peak_nbytes, planned.after_nbytes, host, net, seconds))
     return tuple(out)
 
 
@@ -466,7 +476,8 @@ def _ranks_to_plan(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout,
         return list(range(world))
     train = _elements_per_rank(_train_layout(spec, setup, world))
     engine = _elements_per_rank(vllm_layout(spec, infer, world))
-    size = sorted(((train[r] * setup.param_bytes + engine[r] * infer_bytes, -r) for r in range(world)), reverse=True)
+    size = sorted(((train[r] * setup.param_bytes + engine[r] * infer_bytes, -r) for r in range(world)),
+                  reverse=True)
     return sorted(-r for _, r in size[:count])
 
 
@@ -493,12 +504,14 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     if sleep_level not in SLEEP_LEVELS:
         raise ValueError(f"sleep_level={sleep_level!r}; expected one of {SLEEP_LEVELS}")
     offload = dict(offload or {k: True for k in (StateKind.PARAM, StateKind.GRAD, StateKind.OPTIMIZER)})
-    args = dict(accel=accel, offload=offload, kv_nbytes=kv_nbytes, gpu_memory_utilization=gpu_memory_utilization,
+    args = dict(accel=accel, offload=offload, kv_nbytes=kv_nbytes,
+                gpu_memory_utilization=gpu_memory_utilization,
                 infer_bytes=infer_bytes, bucket_nbytes=bucket_nbytes, sleep_level=sleep_level)
     states = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)
     chosen = _ranks_to_plan(spec, setup, infer, world, ranks, infer_bytes)
     predictions = tuple(predict_rank(spec, setup, infer, world, r, state=states[r], **args) for r in chosen)
-    nodes = node_hosts([_rank_host(s, setup, accel, offload, sleep_level) for s in states], accel.devices_per_node)
+    nodes = node_hosts([_rank_host(s, setup, accel, offload, sleep_level) for s in states],
+                       accel.devices_per_node)
     result = ClusterPlan(world, accel, accel.memory_nbytes, predictions, (), nodes, accel.host_memory_nbytes,
                          sleep_level)
     if advise and not result.fits:

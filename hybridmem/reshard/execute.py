@@ -95,7 +95,8 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
     expected = plan.src.tensors(rank)
     missing = [n for n in expected if n not in src]
     if missing:
-        raise ValueError(f"rank {rank}: source tensors lack {missing[:5]} ({len(missing)} of {len(expected)})")
+        raise ValueError(f"rank {rank}: source tensors lack {missing[:5]} "
+                         f"({len(missing)} of {len(expected)})")
     for name, local in expected.items():
         if tuple(src[name].shape) != local.shape:
             raise ValueError(
@@ -106,14 +107,15 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
     dtype = first.dtype if dtype is None else dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     if itemsize != plan.itemsize:
-        raise ValueError(f"rank {rank}: wire dtype {dtype} has {itemsize} bytes per element, plan has {plan.itemsize}")
+        raise ValueError(f"rank {rank}: wire dtype {dtype} has {itemsize} bytes per element, plan has "
+                         f"{plan.itemsize}")
     return dtype, first.device
 
 
-def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.Tensor],
-              group: Any, dtype: torch.dtype,
-              device: torch.device, deadline: Bound | None) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
-                                                                    dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
+def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.Tensor], group: Any,
+              dtype: torch.dtype, device: torch.device, deadline: Bound | None
+              ) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
+                         dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
     """Post and wait for the sends and receives of bucket ``index``; returns what arrived, per (peer, dtype).
 
     Each peer gets one buffer per dtype on the wire (see [Note: wire dtype]), posted in the same order
@@ -131,7 +133,8 @@ def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.
     send_bufs = {}
     for key in sorted(sends, key=_order):
         peer, wire = key
-        buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire) for t in sends[key]])
+        buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire)
+                         for t in sends[key]])
         send_bufs[key] = buf
         ops.append(dist.P2POp(dist.isend, buf, global_rank(group, peer), group))
         peers.append(peer)
@@ -142,7 +145,8 @@ def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.
         recv_bufs[key] = buf
         ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group))
         peers.append(peer)
-    exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the resharding plan")
+    exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the "
+                                   "resharding plan")
     sent = sum(b.numel() * b.element_size() for b in send_bufs.values())
     received = sum(b.numel() * b.element_size() for b in recv_bufs.values())
     return recvs, recv_bufs, sent, received
@@ -153,7 +157,8 @@ def _order(key: tuple[int, torch.dtype]) -> tuple[int, int]:
     return key[0], key[1] == torch.float32
 
 
-def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]], bufs: dict[tuple[int, torch.dtype], torch.Tensor],
+def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]],
+            bufs: dict[tuple[int, torch.dtype], torch.Tensor],
             dst: MutableMapping[str, torch.Tensor], written: dict[str, int] | None = None) -> None:
     for key, ts in recvs.items():
         offset = 0
@@ -166,7 +171,8 @@ def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]], bufs: dict[tup
             offset += n
 
 
-def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor], dst: MutableMapping[str, torch.Tensor],
+def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor],
+                dst: MutableMapping[str, torch.Tensor],
                 dtype: torch.dtype, written: dict[str, int] | None = None) -> set[str]:
     """This rank's local cells, cast as they would be on the wire; returns the destination names."""
     names = set()
@@ -222,9 +228,11 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     else:
         for name, local in expected.items():
             if name not in dst:
-                raise ValueError(f"rank {rank}: destination lacks {name} (a {plan.dst.side.value} {plan.dst.parallel} tensor)")
+                raise ValueError(f"rank {rank}: destination lacks {name} (a {plan.dst.side.value} "
+                                 f"{plan.dst.parallel} tensor)")
             if tuple(dst[name].shape) != local.shape:
-                raise ValueError(f"rank {rank}: destination {name} has shape {tuple(dst[name].shape)}, expected {local.shape}")
+                raise ValueError(f"rank {rank}: destination {name} has shape {tuple(dst[name].shape)}, "
+                                 f"expected {local.shape}")
             if sum(p.numel for p in local.pieces) < local.numel:
                 dst[name].zero_()
     accel = get_accelerator(device)
@@ -320,7 +328,8 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
             yield from done(touched)
     left = {n: k for n, k in remaining.items() if k}
     if left:
-        raise RuntimeError(f"rank {rank}: plan left {len(left)} HF tensors incomplete, e.g. {next(iter(left))}")
+        raise RuntimeError(f"rank {rank}: plan left {len(left)} HF tensors incomplete, e.g. "
+                           f"{next(iter(left))}")
     if stats is not None:
         stats.append(TransferStats(num_tensors=len(expected), sent_nbytes=sent, received_nbytes=received,
                                min_received_nbytes=plan.min_recv_nbytes(rank), temp_peak_nbytes=peak,

@@ -178,8 +178,9 @@ class ModelSpec:
         object.__setattr__(self, "family", family_name(self.family))
         object.__setattr__(self, "_family", get_family(self.family))
         if self.multimodal and self.multimodal not in dict(self._family.multimodal_names):
-            raise ValueError(f"multimodal={self.multimodal!r} is no multimodal model of family={self.family!r} with "
-                             f"names of its own; expected one of {[t for t, _ in self._family.multimodal_names]}")
+            raise ValueError(f"multimodal={self.multimodal!r} is no multimodal model of "
+                             f"family={self.family!r} with names of its own; expected one of "
+                             f"{[t for t, _ in self._family.multimodal_names]}")
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_hidden_layers", "vocab_size"):
             _positive(name, getattr(self, name))
@@ -199,8 +200,9 @@ class ModelSpec:
                 raise ValueError(f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
                                  f"{self.qk_nope_head_dim} + {self.qk_rope_head_dim} for MLA")
             if self.num_key_value_heads != self.num_attention_heads:
-                raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
-                                 f"{self.num_attention_heads} for MLA (every head has its own key and value)")
+                raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal "
+                                 f"num_attention_heads={self.num_attention_heads} for MLA (every head has "
+                                 "its own key and value)")
         if self.description.sparse_attention_indexer:
             for name in ("index_n_heads", "index_head_dim", "q_lora_rank"):
                 _positive(name, getattr(self, name))
@@ -222,14 +224,14 @@ class ModelSpec:
         if self.linear_attention_layers:
             if list(self.linear_attention_layers) != sorted(set(self.linear_attention_layers)) or not all(
                     0 <= i < self.num_hidden_layers for i in self.linear_attention_layers):
-                raise ValueError(f"linear_attention_layers={self.linear_attention_layers} must be distinct ascending "
-                                 f"layers in [0, num_hidden_layers={self.num_hidden_layers})")
+                raise ValueError(f"linear_attention_layers={self.linear_attention_layers} must be distinct "
+                                 f"ascending layers in [0, num_hidden_layers={self.num_hidden_layers})")
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel_dim"):
                 _positive(name, getattr(self, name))
         if self.shared_expert_intermediate_size and self.description.shared_expert is None:
-            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given for "
-                             f"family={self.family!r}, which has no shared expert")
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given "
+                             f"for family={self.family!r}, which has no shared expert")
 
     def _check_full_attention(self) -> None:
         layers = self.full_attention_layers
@@ -376,7 +378,8 @@ class ModelSpec:
                 shapes[p + "self_attn.sinks"] = (self.num_attention_heads,)
             hd, nkv = self.attention_dims(layer)
             q_rows, kv_rows = self.num_attention_heads * hd, nkv * hd
-            projections = (("q", q_rows), ("k", kv_rows)) + (() if self.values_from_keys(layer) else (("v", kv_rows),))
+            projections = (("q", q_rows), ("k", kv_rows)) + (() if self.values_from_keys(layer)
+                                                             else (("v", kv_rows),))
             gate = 2 if self.description.attention_output_gate else 1  # [q_h; gate_h] per head (Qwen3.5)
             for proj, rows in projections:
                 rows *= gate if proj == "q" else 1
@@ -565,9 +568,11 @@ def _text_checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[
             target = prefix + whole
             if target not in shapes:
                 shapes[target] = (sum(canonical[prefix + q][0] for q in parts), *shape[1:])
-            where[name] = Placement(target, sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
+            where[name] = Placement(target,
+                                    sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
             continue
-        match = stacked and next(((m, *rest) for pattern, *rest in stacked if (m := pattern.fullmatch(suffix))), None)
+        match = stacked and next(((m, *rest) for pattern, *rest in stacked
+                                  if (m := pattern.fullmatch(suffix))), None)
         if match:
             m, whole, transposed, part, parts = match
             target, expert = prefix + whole, int(m.group(1))

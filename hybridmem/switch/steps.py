@@ -154,7 +154,7 @@ class SwitchStep(ABC):
         """Do the step, recording each irreversible act before doing it (see [Note: switch
         transactions] in :mod:`hybridmem.switch.transaction`)."""
 
-    def undo(self) -> None:
+    def undo(self) -> None:  # noqa: B027 - optional: INFER->TRAIN steps have nothing to undo
         """Reverse :meth:`run` (rollback of TRAIN->INFER), whether it completed or was stopped at any
         point: the manager undoes the failed step too. Idempotent."""
 
@@ -171,12 +171,14 @@ class OffloadStep(SwitchStep):
         self.kind = offloader.kind
 
     def estimate(self) -> StepEstimate:
-        return StepEstimate(free_nbytes=self.offloader.live_nbytes(), transient_nbytes=self.offloader.rehome_nbytes(),
+        return StepEstimate(free_nbytes=self.offloader.live_nbytes(),
+                            transient_nbytes=self.offloader.rehome_nbytes(),
                             host_alloc_nbytes=self.offloader.arena_growth_nbytes())
 
     def run(self) -> StepResult:
         s = self.offloader.offload()
-        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes, zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes,
+                          zero_nbytes=s.zero_nbytes, seconds=s.seconds)
 
     def undo(self) -> None:
         self.offloader.onload()
@@ -196,7 +198,8 @@ class OnloadStep(SwitchStep):
 
     def run(self) -> StepResult:
         s = self.offloader.onload()
-        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes, zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes,
+                          zero_nbytes=s.zero_nbytes, seconds=s.seconds)
 
     def undo(self) -> None:
         self.offloader.offload()
@@ -233,7 +236,8 @@ class EngineResumeStep(SwitchStep):
     def run(self) -> StepResult:
         start = time.perf_counter()
         self.engine.resume([self.tag])
-        return StepResult(kind=self.kind, seconds=time.perf_counter() - start, extra=_memory_extra(self.engine))
+        return StepResult(kind=self.kind, seconds=time.perf_counter() - start,
+                          extra=_memory_extra(self.engine))
 
     def undo(self) -> None:
         self.engine.release([self.tag])
@@ -284,10 +288,12 @@ class WeightSyncStep(SwitchStep):
             raise WeightCoverageError(list(s.unwritten))
         committed: dict = {}
         if self.engine is not None and capabilities_of(self.engine).stages_weights:
-            committed = dict(self.engine.commit_weights() or {})  # an engine in its own process takes the staged
-        if s.dtype_note and self.sync not in _WARNED_CASTS:  # [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`
-            log.warning("hybridmem: %s; the engine's weights differ from the trainer's by that rounding (build the "
-                        "engine in the trainer's dtype to get them bit for bit)", s.dtype_note)
+            # an engine in its own process takes the staged
+            committed = dict(self.engine.commit_weights() or {})
+        # [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`
+        if s.dtype_note and self.sync not in _WARNED_CASTS:
+            log.warning("hybridmem: %s; the engine's weights differ from the trainer's by that rounding "
+                        "(build the engine in the trainer's dtype to get them bit for bit)", s.dtype_note)
             _WARNED_CASTS.add(self.sync)
         return StepResult(
             kind=self.kind,
@@ -301,7 +307,8 @@ class WeightSyncStep(SwitchStep):
                 "temp_peak_nbytes": s.temp_peak_nbytes,
                 "coverage_checked": s.coverage_checked,
                 **({"route": s.route} if s.route else {}),
-                **({"note": "; ".join(n for n in (s.route, s.dtype_note) if n)} if s.route or s.dtype_note else {}),
+                **({"note": "; ".join(n for n in (s.route, s.dtype_note) if n)}
+                   if s.route or s.dtype_note else {}),
                 **committed,
             },
         )
@@ -325,7 +332,8 @@ class EmptyCacheStep(SwitchStep):
         return StepResult(seconds=time.perf_counter() - start)
 
 
-def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],
+def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offloader],
+                 enabled: Mapping[StateKind, bool],
                  accel: Accelerator, engine: InferenceEngine | None, weight_sync: WeightSync | None,
                  extra: Iterable[tuple[int, SwitchStep]] = (), agree: SwitchStep | None = None,
                  engine_tags_stay: frozenset[str] = frozenset()) -> list[SwitchStep]:
@@ -336,7 +344,8 @@ def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offload
     in :mod:`hybridmem.switch.agreement`). The engine's ``engine_tags_stay`` are neither released nor resumed
     (they stay resident through TRAIN: [Note: lora base] in :mod:`hybridmem.switch.lora_base`)."""
     items: list[tuple[int, SwitchStep]] = []
-    kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in offloaders and enabled.get(k)]
+    kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM)
+             if k in offloaders and enabled.get(k)]
     if direction is Direction.TO_INFER:
         items += [(ToInferOrder[k.name], OffloadStep(offloaders[k])) for k in kinds]
         items.append((ToInferOrder.EMPTY_CACHE, EmptyCacheStep(accel)))

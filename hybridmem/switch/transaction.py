@@ -90,7 +90,8 @@ class HeldSignals:
                 self._previous[sig] = signal.signal(sig, self._record)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -178,8 +179,9 @@ def roll_back(run: SwitchRun, *, machine: PhaseMachine, guard: TrainingGuard) ->
     what = (
         f"TRAIN->INFER step {run.failed_step.name!r} failed ({run.error!r})"
         if run.failed_step is not None
-        else f"TRAIN->INFER was interrupted by a signal "
-        f"{'after its last step' if run.interrupted_before is None else f'before step {run.interrupted_before.name!r}'}"
+        else "TRAIN->INFER was interrupted by a signal "
+        + ("after its last step" if run.interrupted_before is None
+           else f"before step {run.interrupted_before.name!r}")
     )
     failed_name = run.failed_step.name if run.failed_step is not None else "(between steps)"
     machine.fire(Trigger.BEGIN_ROLLBACK, operation="roll back")
@@ -191,7 +193,8 @@ def roll_back(run: SwitchRun, *, machine: PhaseMachine, guard: TrainingGuard) ->
             guard.arm()
             raise RollbackError(
                 f"{what} and undoing {step.name!r} failed too ({undo_exc!r}). Phase is FAILED; no training "
-                f"state is lost (offloaded bytes stay in host arenas); call recover() once the cause is fixed",
+                "state is lost (offloaded bytes stay in host arenas); call recover() once the cause is "
+                "fixed",
                 direction="to_infer",
                 step=failed_name,
                 phase_after=machine.phase,

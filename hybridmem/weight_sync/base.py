@@ -53,7 +53,8 @@ def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
     return max(nbytes, key=nbytes.__getitem__) if nbytes else None
 
 
-def dtype_note(sources: Iterable[torch.dtype], engine: Iterable[torch.dtype], wire: torch.dtype | None = None) -> str:
+def dtype_note(sources: Iterable[torch.dtype], engine: Iterable[torch.dtype],
+               wire: torch.dtype | None = None) -> str:
     """Describe the casts between the trainer's dtypes, the wire's and the engine's; ``""`` when there are
     none (see [Note: no silent dtype change])."""
     names = lambda dtypes: "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))  # noqa: E731
@@ -78,7 +79,7 @@ class WeightSync(ABC):
         :mod:`hybridmem.switch.lora_base`). ``False`` (default): every sync writes the whole model."""
         return False
 
-    def engine_holds_base(self) -> None:
+    def engine_holds_base(self) -> None:  # noqa: B027 - optional: most syncs ignore it
         """Told by the manager that the engine holds the trainer's base now (a shared base): a sync that would
         send the base first need not. The default does nothing."""
 

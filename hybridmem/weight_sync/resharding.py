@@ -123,20 +123,27 @@ class ReshardSync(WeightSync):
                 raise ValueError(f"source layout {src!r} is not of this model on {world} ranks")
             src_layout = src
         read = src_layout.tensors(self.rank)
-        if dtype is None:  # [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`: the trainer's own
+        # [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`: the trainer's own
+        if dtype is None:
             dtype = dominant_dtype(t for n, t in sources.items() if n in read) or torch.float32
         self.dtype = dtype
         dst_layout = (vllm_layout(spec, dst, world, convention=vllm) if self.in_place
-                      else hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None))
+                      else hf_layout(spec, dst, world,
+                                     vllm_version=vllm.version if vllm is not None else None))
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes,
-                                           rank=self.rank)  # this rank's share only ([Note: plan schedule] in :mod:`hybridmem.reshard.schedule`)
+        self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize,
+                                            bucket_nbytes=bucket_nbytes,
+                                           # this rank's share only ([Note: plan schedule] in
+                                           # :mod:`hybridmem.reshard.schedule`)
+                                           rank=self.rank)
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s={deadline_s} must be > 0 or None")
-        self.deadline_s = default_deadline_s(self.plan, self.rank) if deadline_s is None else float(deadline_s)
+        self.deadline_s = (default_deadline_s(self.plan, self.rank) if deadline_s is None
+                           else float(deadline_s))
         """Seconds each sync's collectives have on this rank ([Note: collective deadlines] in
         :mod:`hybridmem.reshard.execute`)."""
-        if capabilities_of(engine).checks_weights:  # the engine's own parameters vs the tensors this sync fills
+        # the engine's own parameters vs the tensors this sync fills
+        if capabilities_of(engine).checks_weights:
             written = dst_layout if self.in_place else vllm_layout(spec, dst, world, convention=vllm)
             engine.check_weights(written.tensors(self.rank),
                                  what=f"the vLLM layout {dst} this sync writes, rank {self.rank}")
@@ -172,8 +179,8 @@ class ReshardSync(WeightSync):
         if self.in_place:
             params = {k: v.data for k, v in self.engine.named_parameters()}
             written: dict[str, int] = {}
-            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params, dtype=self.dtype,
-                                  deadline_s=left(),
+            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params,
+                                  dtype=self.dtype, deadline_s=left(),
                                   written=written)
             unwritten, checked = self._unwritten(params, written), True
             dst_dtypes = {p.dtype for p in params.values()}
@@ -201,8 +208,8 @@ class ReshardSync(WeightSync):
             **{**asdict(stats), "seconds": time.perf_counter() - start},
             unwritten=unwritten,
             coverage_checked=checked,
-            dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src}, dst_dtypes,
-                                  self.dtype),
+            dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src},
+                                  dst_dtypes, self.dtype),
         )
 
     def _unwritten(self, params: Mapping[str, torch.Tensor], written: Mapping[str, int]) -> tuple[str, ...]:

@@ -35,7 +35,8 @@ def _model(tied: bool = False):
                                       max_position_embeddings=64, tie_word_embeddings=tied)
     torch.manual_seed(0)
     base = transformers.Qwen2ForCausalLM(config)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules=TARGETS, init_lora_weights=False))
     return model, config
 
 

@@ -200,7 +200,8 @@ class FSDPTrainingState:
         ``ShardingManager`` calls it for a state it builds or is given."""
         if id(manager) in self._attached:
             return
-        manager.register_step(Direction.TO_INFER, ReleaseBuffersStep(self.buffers, FSDP_BUFFERS), FSDP_BUFFERS.order)
+        manager.register_step(Direction.TO_INFER,
+                              ReleaseBuffersStep(self.buffers, FSDP_BUFFERS), FSDP_BUFFERS.order)
         manager.register_owner(UNSHARDED_OWNER, self.buffers.nbytes, empty_in=(Phase.INFER,))
         self._attached.add(id(manager))
 

@@ -113,7 +113,8 @@ class MegatronParamOffloader(Offloader):
 
     kind: ClassVar[StateKind] = StateKind.PARAM
 
-    def __init__(self, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *, owner: str | None = None):
+    def __init__(self, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *,
+                 owner: str | None = None):
         super().__init__(accel, pool, owner=owner)
         self.model_chunks = list(model_chunks)
         self.buffers = ddp_buffers(self.model_chunks)
@@ -182,14 +183,16 @@ class MegatronOptimizerOffloader(Offloader):
     kind: ClassVar[StateKind] = StateKind.OPTIMIZER
 
     def __init__(
-        self, optimizer: Any, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *, owner: str | None = None
+        self, optimizer: Any, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *,
+        owner: str | None = None
     ):
         super().__init__(accel, pool, owner=owner)
         self.optimizer = optimizer
         self.buffers = ddp_buffers(model_chunks)
 
     def tensors(self) -> Iterable[torch.Tensor]:
-        excluded = _storage_keys([*(b.param_data for b in self.buffers), *(b.grad_data for b in self.buffers)])
+        excluded = _storage_keys([*(b.param_data for b in self.buffers),
+                                  *(b.grad_data for b in self.buffers)])
         for t in [*main_param_tensors(self.optimizer), *_inner_state_tensors(self.optimizer)]:
             if t.untyped_storage()._cdata not in excluded:
                 yield t
