@@ -2,8 +2,8 @@
 
 A Note is defined by a line holding only ``[Note: name]`` in the module docstring of the module that owns
 the invariant, followed by its text. A reference names the defining module, except inside that module:
-``[Note: name] in :mod:`hybridmem.x.y``` in Python files, ```[Note: name]` in `hybridmem/x/y.py``` in
-Markdown. The scan reads the text of ``hybridmem/``, ``tests/``, ``benchmarks/``, ``docs/`` and README.md
+``[Note: name] in :mod:`hybridmem.<module>``` in Python files, ```[Note: name]` in `hybridmem/<path>.py```
+in Markdown. The scan reads the text of ``hybridmem/``, ``tests/``, ``benchmarks/``, ``docs/`` and README.md
 (``ast`` for the module docstrings, nothing imported) and names file:line for each of:
 
 - a reference to a Note defined nowhere;
