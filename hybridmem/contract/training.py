@@ -1,8 +1,9 @@
 """What the manager needs from the training side: its offloaders and its weights.
 
 Plain PyTorch training (a module or list of module chunks plus a ``torch.optim`` optimizer) is served
-by :class:`TorchTrainingState`; framework adapters (``hybridmem.adapters.megatron``, ``.fsdp``) implement
-the same :class:`TrainingState` protocol with offloaders that move their contiguous buffers.
+by :class:`hybridmem.adapters.torch.TorchTrainingState`; framework adapters (``hybridmem.adapters.megatron``,
+``hybridmem.adapters.fsdp``) implement the same :class:`TrainingState` protocol with offloaders that move
+their contiguous buffers.
 
 [Note: training capabilities]
 What a training state offers beyond its two methods is declared, as an engine's is ([Note: engine
@@ -125,4 +126,5 @@ class TrainingState(Protocol):
 
     # Optional, declared in ``capabilities`` (a TrainingCapabilities, see [Note: training capabilities]):
     # ``guard_targets()``, ``attach(manager)``, ``model_spec_dict()``, ``hf_config``, ``hf_source_layout()``,
-    # ``source_layout()``, ``megatron_convention()``, ``checkpoint_weights()``.
+    # ``source_layout()``, ``megatron_convention()``, ``checkpoint_weights()``, ``parallel_layout``,
+    # ``module``.

@@ -11,7 +11,12 @@ TRAIN->INFER runs, in this order (only the steps that apply):
 5. offload training params,
    then return the allocator's cached blocks to the device (``empty_cache``), so engines with their
    own allocator (vLLM's ``CuMemAllocator``) and other processes see the freed bytes,
-6. resume KV cache          - last, so it can take everything the steps above freed.
+6. resume KV cache          - last, so it can take everything the steps above freed,
+7. agree                    - the ranks' vote, where the weight sync spans several ranks.
+
+A training framework's transient buffers are dropped by a :class:`ReleaseBuffersStep` its adapter
+registers where a :class:`BufferRelease` places it: FSDP2's before step 1 (:data:`FSDP_BUFFERS`),
+Megatron's workspaces just before ``empty_cache`` (:data:`MEGATRON_WORKSPACES`).
 
 The peak is therefore reached at step 4 (training params + engine weights + sync buffers, with the
 optimizer state and grads already gone) or at step 6.
