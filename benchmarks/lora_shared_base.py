@@ -1,14 +1,14 @@
-"""LoRA on one GPU with vLLM: the base kept resident in the engine, then shared with the trainer (the GPU suite's
-``lora``).
+"""LoRA on one GPU with vLLM: the base kept resident in the engine, then shared with the trainer (the GPU
+suite's ``lora``).
 
     python benchmarks/lora_shared_base.py --device cuda --json lora.json
 
-A small Qwen2 checkpoint (bf16, ``save_pretrained``) is served by vLLM with LoRA (``enable_lora``) at TP 1, and
-a PEFT LoRA model of the same checkpoint (adapters on q/k/v/o and gate/up/down) trains for three optimizer
+A small Qwen2 checkpoint (bf16, ``save_pretrained``) is served by vLLM with LoRA (``enable_lora``) at TP 1,
+and a PEFT LoRA model of the same checkpoint (adapters on q/k/v/o and gate/up/down) trains for three optimizer
 steps under a ShardingManager with the adapter sync (``LoraSync``), first with ``lora_base="engine_resident"``
 (two copies of the base on the device), then, with a fresh PEFT model on the same engine, with
 ``lora_base="shared"`` (the trainer's base as views of vLLM's weights, one copy; [Note: shared base] in
-hybridmem/weight_sync/shared_base.py). After every step it records the bytes the weight sync moved (the
+:mod:`hybridmem.weight_sync.shared_base`). After every step it records the bytes the weight sync moved (the
 adapters' after the first switch), the switch times, the device memory in use in TRAIN and in INFER
 (``torch.cuda.mem_get_info``: vLLM's pools included), and whether vLLM's greedy tokens with the adapter equal
 PEFT's. Figures are reported, not asserted; ``ok`` says whether the adapter bytes and the one copy held.
@@ -75,7 +75,8 @@ def _greedy_hf(model) -> list[list[int]]:
     out = []
     with torch.no_grad():
         for p in PROMPTS:
-            ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+            ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS,
                                  do_sample=False, pad_token_id=0, eos_token_id=None)
             out.append(ids[0, len(p):].tolist())
     model.train()
@@ -92,7 +93,8 @@ def _greedy_vllm(engine) -> list[list[int]]:
 def _step(model, opt, step: int) -> None:
     import torch  # noqa: PLC0415
 
-    batch = torch.randint(0, CONFIG["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(step)).cuda()
+    batch = torch.randint(0, CONFIG["vocab_size"], (4, 64),
+                          generator=torch.Generator().manual_seed(step)).cuda()
     opt.zero_grad()
     model(input_ids=batch, labels=batch).loss.backward()
     opt.step()
@@ -128,7 +130,8 @@ def run_mode(path: str, engine, mode: str) -> dict:
         out["steps"].append({"synced_nbytes": sync_step.copied_nbytes, "to_infer_s": report.seconds,
                              "to_train_s": back.seconds, "train_used_nbytes": train_used,
                              "infer_used_nbytes": infer_used, "greedy_equal": got == expected,
-                             "greedy_agree": sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+                             "greedy_agree": sum(a == b for g, e in zip(got, expected, strict=False)
+                                                 for a, b in zip(g, e, strict=False))
                              / (len(PROMPTS) * MAX_TOKENS)})
     manager.close()
     del manager, model, opt, sync
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     saved = resident["steps"][-1]["train_used_nbytes"] - shared["steps"][-1]["train_used_nbytes"]
     result["shared_saves_nbytes"] = saved
     result["ok"] = {
-        "adapters_only_after_the_first_switch": all(s["synced_nbytes"] == resident["adapter_nbytes"] for s in later),
+        "adapters_only_after_the_first_switch": all(s["synced_nbytes"] == resident["adapter_nbytes"]
+                                                    for s in later),
         "shared_holds_one_copy": shared["shared_tensors"] > 0 and saved >= 0.9 * shared["base_nbytes"],
         "greedy_equal": all(s["greedy_equal"] for m in result["modes"] for s in m["steps"]),
     }

@@ -7,6 +7,14 @@ and where the training state is now; when the step's own error is one hybridmem 
 (:class:`HostMemoryBudgetError`, :class:`WeightSyncError`, :class:`KVResumeError`), the raised error is
 also an instance of that class (:func:`switch_error`), so ``except HostMemoryBudgetError`` catches a
 budget overflow whether it happens in a direct call or inside a switch.
+
+[Note: errors cross processes]
+A hybridmem error raised in a worker process (a Ray actor, a multiprocessing pool, a spawned test worker) is
+pickled to reach the caller. ``Exception`` pickles as ``cls(*self.args)``, which fails for errors whose
+constructors take other or keyword-only arguments (``SwitchError(message, direction=..., ...)``): the caller
+would get a deserialization failure instead of the named error. So every hybridmem error class's
+``__init__`` records the arguments the outermost call got, and the error is rebuilt from them, then given
+the attributes it had when pickled (tests/test_error_pickling.py round-trips every class).
 """
 
 from __future__ import annotations
@@ -46,14 +54,6 @@ __all__ = [
 
 _INIT = "_hybridmem_init"
 """Where an error keeps the arguments it was built with (see [Note: errors cross processes])."""
-
-# [Note: errors cross processes]
-# A hybridmem error raised in a worker process (a Ray actor, a multiprocessing pool, a spawned test worker) is
-# pickled to reach the caller. ``Exception`` pickles as ``cls(*self.args)``, which fails for errors whose
-# constructors take other or keyword-only arguments (``SwitchError(message, direction=..., ...)``): the caller
-# would get a deserialization failure instead of the named error. So every hybridmem error class's
-# ``__init__`` records the arguments the outermost call got, and the error is rebuilt from them, then given
-# the attributes it had when pickled (tests/test_error_pickling.py round-trips every class).
 
 
 def _rebuild(cls: type, args: tuple, kwargs: dict, state: dict) -> BaseException:
@@ -141,7 +141,7 @@ class PhaseError(HybridMemError, RuntimeError):
 
 class OffloadedTensorError(PhaseError):
     """A tensor whose bytes hybridmem moved to host memory was read or written (see [Note: offloaded
-    tensors refuse reads] in hybridmem.offload.guard).
+    tensors refuse reads] in :mod:`hybridmem.offload.guard`).
 
     Attributes:
         kind: What the tensor is (``"params"``, ``"grads"``, ``"optimizer"``).
@@ -260,7 +260,7 @@ class WeightSyncError(HybridMemError, RuntimeError):
 
 class WeightCoverageError(WeightSyncError):
     """A weight sync left engine tensors (partly) unwritten; see [Note: weight coverage] in
-    hybridmem.weight_sync.
+    :mod:`hybridmem.weight_sync`.
 
     Attributes:
         unwritten: The engine tensors of this rank not entirely written.
@@ -282,7 +282,7 @@ class WeightCoverageError(WeightSyncError):
 
 class CollectiveTimeoutError(HybridMemError, TimeoutError):
     """A collective of a multi-rank weight sync did not complete by the switch's deadline, or a peer left it
-    (see [Note: collective deadlines] in hybridmem.reshard.execute).
+    (see [Note: collective deadlines] in :mod:`hybridmem.reshard.execute`).
 
     Attributes:
         peers: Ranks (of the sync's group) this rank was waiting for.
@@ -304,7 +304,7 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
 
 class EngineFault(Enum):
     """How a call into an inference engine in its own process failed, and so where its memory is now (see
-    [Note: vllm engine failures] in hybridmem.adapters.vllm.server)."""
+    [Note: vllm engine failures] in :mod:`hybridmem.adapters.vllm.server`)."""
 
     REFUSED = "refused"
     """The engine answered with an error: its process is alive and holds its memory."""
@@ -317,7 +317,7 @@ class EngineFault(Enum):
 
 class EngineProcessError(HybridMemError, RuntimeError):
     """An inference engine in its own process did not answer a call in time, answered with an error, or is
-    gone (see [Note: vllm engine process] in hybridmem.adapters.vllm.remote).
+    gone (see [Note: vllm engine process] in :mod:`hybridmem.adapters.vllm.remote`).
 
     Attributes:
         call: The call (``"update_weights"``, ``"wake_up"``, ...).
@@ -351,7 +351,7 @@ class EngineProcessError(HybridMemError, RuntimeError):
 
 class PeerAbortError(HybridMemError, RuntimeError):
     """Other ranks of a multi-rank switch could not finish it and voted to roll back; this rank rolled back
-    too (see [Note: switch agreement] in hybridmem.switch.agreement). The process group stays usable.
+    too (see [Note: switch agreement] in :mod:`hybridmem.switch.agreement`). The process group stays usable.
 
     Attributes:
         ranks: The ranks (of the weight sync's group) that voted no.

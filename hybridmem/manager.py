@@ -6,8 +6,9 @@
 
 The manager is a facade over modules with one job each: the parts built from what the user passed
 (:mod:`hybridmem.parts`), the steps of a switch and their order (:mod:`hybridmem.switch.steps`, [Note: step
-order]), the transaction that runs them, its journal and rollback with signals held (:mod:`hybridmem.switch.transaction`,
-[Note: switch transactions]), who holds device memory and the memory plan's budget
+order] in :mod:`hybridmem.switch.steps`), the transaction that runs them, its journal and rollback with
+signals held (:mod:`hybridmem.switch.transaction`, [Note: switch transactions] in
+:mod:`hybridmem.switch.transaction`), who holds device memory and the memory plan's budget
 (:mod:`hybridmem.switch.owners`), co-resident models (:mod:`hybridmem.switch.colocate`), the state machine
 (:mod:`hybridmem.switch.machine`) and the mechanism that moves bytes (:mod:`hybridmem.offload`).
 """
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 
 def _weak_phase(manager: ShardingManager) -> Callable[[], Phase]:
     """``manager.phase`` without keeping the manager alive: an engine outlives the managers built on it
-    ([Note: one manager per model] in hybridmem.switch.claims); ``CLOSED`` once the manager is gone."""
+    ([Note: one manager per model] in :mod:`hybridmem.switch.claims`); ``CLOSED`` once the manager is gone."""
     ref = weakref.ref(manager)
 
     def phase() -> Phase:
@@ -153,15 +154,19 @@ class ShardingManager:
         self.accel = get_accelerator(config.device if accel is None else accel)
         self.training: TrainingState = training_state_of(model, optimizer)
         self.training_capabilities = training_capabilities_of(self.training)
-        """What the training state declares it offers ([Note: training capabilities]); checked here."""
+        """What the training state declares it offers ([Note: training capabilities] in
+        :mod:`hybridmem.contract.training`); checked here."""
         if engine is not None and not isinstance(engine, InferenceEngine):
-            missing = [m for m in ("load_weights", "release", "resume") if not callable(getattr(engine, m, None))]
-            raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing {missing}")
+            missing = [m for m in ("load_weights", "release", "resume")
+                       if not callable(getattr(engine, m, None))]
+            raise TypeError(f"engine {type(engine).__name__} does not implement InferenceEngine: missing "
+                            f"{missing}")
         self._machine = PhaseMachine()
         self.created_at = _caller()
-        """``file:line`` of the user's code that built this manager (named when another manager is refused)."""
+        """``file:line`` of the user's code that built this manager (named when another manager is
+        refused)."""
         self._claims: Claims | None = None
-        """What this manager holds alone ([Note: one manager per model] in hybridmem.switch.claims)."""
+        """What this manager holds alone ([Note: one manager per model] in :mod:`hybridmem.switch.claims`)."""
         try:
             self._build(config, engine, weight_sync=weight_sync, model_spec=model_spec, group=group)
         except BaseException:
@@ -170,7 +175,8 @@ class ShardingManager:
             raise
 
     def _claimed(self, engine: Any) -> list[tuple[str, Any]]:
-        """The objects this manager moves or drives, each named for an error ([Note: one manager per model])."""
+        """The objects this manager moves or drives, each named for an error ([Note: one manager per model] in
+        :mod:`hybridmem.switch.claims`)."""
         named: list[tuple[str, Any]] = [(f"training state {type(self.training).__name__}", self.training)]
         if self.training_capabilities.guards_misuse:
             modules, optimizers = self.training.guard_targets()
@@ -186,15 +192,18 @@ class ShardingManager:
     def _build(self, config: HybridConfig, engine: Any, *, weight_sync: WeightSync | None, model_spec: Any,
                group: Any) -> None:
         self.config = resolve_layouts(config, self.training, engine)
-        """The config, its layout keys resolved from the parts (see [Note: layouts from the parts])."""
+        """The config, its layout keys resolved from the parts (see [Note: layouts from the parts] in
+        :mod:`hybridmem.parts`)."""
         check_kv_utilization(engine, self.config)
         self.engine = engine
         self.engine_capabilities = capabilities_of(engine) if engine is not None else None
-        """What the engine declares it can do ([Note: engine capabilities]); checked against its methods here."""
+        """What the engine declares it can do ([Note: engine capabilities] in
+        :mod:`hybridmem.contract.engine`); checked against its methods here."""
         self.pool = HostBufferPool(
             self.accel, budget_nbytes=self.config.host_memory_budget_bytes, pin=self.config.pin_memory
         )
-        self.offloaders: dict[StateKind, Offloader] = dict(self.training.build_offloaders(self.accel, self.pool, self.config))
+        self.offloaders: dict[StateKind, Offloader] = dict(
+            self.training.build_offloaders(self.accel, self.pool, self.config))
         self._enabled = {
             StateKind.PARAM: self.config.offload_train_param,
             StateKind.GRAD: self.config.offload_train_grad,
@@ -202,37 +211,45 @@ class ShardingManager:
         }
         if weight_sync is None and engine is not None:
             check_architecture(self.training, engine, model_spec=model_spec)
-            weight_sync = default_weight_sync(self.training, engine, self.config, model_spec=model_spec, group=group)
+            weight_sync = default_weight_sync(self.training, engine, self.config,
+                                              model_spec=model_spec, group=group)
         self.weight_sync = weight_sync
         self.lora_base = lora_base_of(weight_sync, self.config)
         """Where a LoRA model's base stays when only its adapters are synced; ``None`` otherwise ([Note: lora
-        base] in hybridmem.switch.lora_base)."""
+        base] in :mod:`hybridmem.switch.lora_base`)."""
         self.engine_tags_stay = engine_tags_stay(self.lora_base, engine)
-        """The engine's tags that stay on the device through TRAIN ([Note: lora base])."""
+        """The engine's tags that stay on the device through TRAIN ([Note: lora base] in
+        :mod:`hybridmem.switch.lora_base`)."""
         if self.lora_base is not None:
             keep_frozen_on_device(self.offloaders)
         collective = weight_sync.collective() if weight_sync is not None else None
         self.agreement = (SwitchAgreement(collective[0], deadline_s=collective[1], device=self.accel.device)
                           if collective is not None else None)
-        """The ranks' vote ending each multi-rank TRAIN->INFER switch ([Note: switch agreement])."""
+        """The ranks' vote ending each multi-rank TRAIN->INFER switch ([Note: switch agreement] in
+        :mod:`hybridmem.switch.agreement`)."""
         self._extra_steps: dict[Direction, list[tuple[int, SwitchStep]]] = {d: [] for d in Direction}
         # Everything above only checks and reads; from here on the parts are changed (hooks, the engine's
-        # memory), so they must be this manager's alone ([Note: one manager per model]).
+        # memory), so they must be this manager's alone ([Note: one manager per model] in
+        # :mod:`hybridmem.switch.claims`).
         self._claims = Claims(self, self._claimed(engine))
-        modules, optimizers = self.training.guard_targets() if self.training_capabilities.guards_misuse else ([], [])
+        guards = self.training_capabilities.guards_misuse
+        modules, optimizers = self.training.guard_targets() if guards else ([], [])
         self.shared_base = None
-        """What ``lora_base="shared"`` made views of the engine's weights (:func:`~hybridmem.weight_sync.shared_base.share_base`)."""
+        """What ``lora_base="shared"`` made views of the engine's weights
+        (:func:`~hybridmem.weight_sync.shared_base.share_base`)."""
         hold_engine_weights(engine, self.engine_tags_stay)
         if self.lora_base is LoraBase.SHARED:
             self.shared_base = share_with_engine(self.training, engine, weight_sync)
         self._guard = TrainingGuard(_weak_phase(self), modules, optimizers, owner=self)
-        """Refuses use of the training model outside TRAIN (see [Note: misuse guards])."""
+        """Refuses use of the training model outside TRAIN (see [Note: misuse guards] in
+        :mod:`hybridmem.switch.guards`)."""
         if self.engine_capabilities is not None and self.engine_capabilities.binds_phase:
             engine.bind_phase(_weak_phase(self))
         self.coresidents: dict[str, CoResident] = {}
-        """Co-resident models by name (see [Note: co-resident phases])."""
+        """Co-resident models by name (see [Note: co-resident phases] in :mod:`hybridmem.switch.colocate`)."""
         self.owners = DeviceOwners(self.accel, self.offloaders, self._enabled, engine, self.coresidents,
-                                   self.config.device_memory_budget_bytes, engine_tags_stay=self.engine_tags_stay)
+                                   self.config.device_memory_budget_bytes,
+                                   engine_tags_stay=self.engine_tags_stay)
         """Device bytes by owner, residency and the memory plan's budget (:mod:`hybridmem.switch.owners`)."""
         self.last_reports: dict[Direction, SwitchReport] = {}
         """The latest report of each direction."""
@@ -245,7 +262,8 @@ class ShardingManager:
         self._release_engine_memory()
         self.prewarmer = (ArenaPrewarmer(self.pool, self.offloaders, self._enabled, optimizers)
                           if self.config.prewarm_host_buffers else None)
-        """Allocates the host arenas in the background ([Note: prewarmed arenas] in hybridmem.offload.host_pool)."""
+        """Allocates the host arenas in the background ([Note: prewarmed arenas] in
+        :mod:`hybridmem.offload.host_pool`)."""
 
     def _release_engine_memory(self) -> None:
         """The manager starts in TRAIN, where the engine holds no memory: an engine handed over awake (a
@@ -267,20 +285,24 @@ class ShardingManager:
 
     def register_step(self, direction: Direction, step: SwitchStep, order: int) -> None:
         """Add a step to every later switch of ``direction``, sorted by ``order`` among the built-in
-        steps (:class:`~hybridmem.switch.steps.ToInferOrder` / :class:`~hybridmem.switch.steps.ToTrainOrder`)."""
+        steps (:class:`~hybridmem.switch.steps.ToInferOrder` /
+        :class:`~hybridmem.switch.steps.ToTrainOrder`)."""
         self._check_phase("register a step", Phase.TRAIN)
         self._extra_steps[Direction(direction)].append((int(order), step))
 
-    def register_owner(self, name: str, resident_nbytes: Callable[[], int], *, empty_in: tuple[Phase, ...] = ()) -> None:
+    def register_owner(self, name: str, resident_nbytes: Callable[[], int], *,
+                       empty_in: tuple[Phase, ...] = ()) -> None:
         """Count ``resident_nbytes()`` as owner ``name`` in residency reports; a leftover in ``empty_in``."""
         self.owners.register(name, resident_nbytes, empty_in=empty_in)
 
     def steps(self, direction: Direction) -> list[SwitchStep]:
-        """The steps a switch in ``direction`` runs now, in order (see [Note: step order])."""
+        """The steps a switch in ``direction`` runs now, in order (see [Note: step order] in
+        :mod:`hybridmem.switch.steps`)."""
         direction = Direction(direction)
         agree = AgreeStep(self.agreement) if self.agreement is not None else None
         return switch_steps(direction, offloaders=self.offloaders, enabled=self._enabled, accel=self.accel,
-                            engine=self.engine, weight_sync=self.weight_sync, extra=self._extra_steps[direction],
+                            engine=self.engine, weight_sync=self.weight_sync,
+                            extra=self._extra_steps[direction],
                             agree=agree, engine_tags_stay=self.engine_tags_stay)
 
     def memory(self) -> MemoryFigures:
@@ -301,7 +323,8 @@ class ShardingManager:
     def add_coresident(self, name: str, model: Any) -> CoResident:
         """Register a second model sharing the devices (e.g. the reference policy) and offload it.
 
-        It stays in host arenas except inside :meth:`onloaded` (see [Note: co-resident phases]).
+        It stays in host arenas except inside :meth:`onloaded` (see [Note: co-resident phases] in
+        :mod:`hybridmem.switch.colocate`).
 
         Raises:
             PhaseError: Not in TRAIN.
@@ -333,7 +356,8 @@ class ShardingManager:
         co = self.coresidents[name]
         self._check_phase(f"onload co-resident {name!r}", Phase.TRAIN, Phase.INFER)
         if co.state is CoResidentState.ONLOADED:
-            raise PhaseError(f"onload co-resident {name!r}", self.phase, "it is already onloaded (nested onloaded())")
+            raise PhaseError(f"onload co-resident {name!r}", self.phase,
+                             "it is already onloaded (nested onloaded())")
         direction = Direction.TO_INFER if self.phase is Phase.INFER else Direction.TO_TRAIN
         plan = self.owners.plan(direction, [(f"onload {name}", StepEstimate(alloc_nbytes=co.live_nbytes()))])
         if not plan.fits:
@@ -365,8 +389,8 @@ class ShardingManager:
             report = self._to_infer(held)
         if report is None:  # a held signal stopped the switch and its handler did not raise
             raise SwitchError(
-                "TRAIN->INFER interrupted by a signal; rolled back, phase is TRAIN with all training state on "
-                "the device", direction="to_infer", step="(between steps)", phase_after=self.phase,
+                "TRAIN->INFER interrupted by a signal; rolled back, phase is TRAIN with all training state "
+                "on the device", direction="to_infer", step="(between steps)", phase_after=self.phase,
             )
         return report
 
@@ -383,7 +407,8 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = run_steps(Direction.TO_INFER, steps, before=before, held=held, accel=self.accel, memory=self.memory)
+        run = run_steps(Direction.TO_INFER, steps, before=before, held=held,
+                        accel=self.accel, memory=self.memory)
         if run.error is not None or run.interrupted:
             self._vote_no(run)
             _release_frames(run.error)
@@ -428,7 +453,8 @@ class ShardingManager:
             raise
         start = time.perf_counter()
         before = self.memory()
-        run = run_steps(Direction.TO_TRAIN, steps, before=before, held=held, accel=self.accel, memory=self.memory)
+        run = run_steps(Direction.TO_TRAIN, steps, before=before, held=held,
+                        accel=self.accel, memory=self.memory)
         if run.error is not None:
             self._machine.fire(Trigger.FAIL, operation="record a failed switch")
             self._guard.arm()
@@ -440,7 +466,8 @@ class ShardingManager:
             )
             if not isinstance(run.error, Exception):
                 raise run.error
-            raise switch_error(msg, direction="to_train", step=run.failed_step.name, phase_after=self.phase, cause=run.error) from run.error
+            raise switch_error(msg, direction="to_train", step=run.failed_step.name,
+                               phase_after=self.phase, cause=run.error) from run.error
         self._machine.fire(Trigger.END_TRAIN, operation="finish the switch to TRAIN")
         self._guard.disarm()
         return self._report(Direction.TO_TRAIN, run, before, start, plan)
@@ -471,23 +498,24 @@ class ShardingManager:
                 if self.phase is not Phase.TRAIN or self.last_rollbacks >= retries:
                     raise
                 self.last_rollbacks += 1
-                log.warning("hybridmem: TRAIN->INFER failed and was rolled back (%s); trying again (%d of %d)",
-                            exc, self.last_rollbacks, retries)
+                log.warning("hybridmem: TRAIN->INFER failed and was rolled back (%s); "
+                            "trying again (%d of %d)", exc, self.last_rollbacks, retries)
         try:
             yield self.engine
         except BaseException as exc:
             try:
                 self.to_train()
             except Exception as switch_exc:  # noqa: BLE001 - reported on the user's exception
-                add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; phase {self.phase.name}")
+                add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; "
+                              f"phase {self.phase.name}")
             raise
         self.to_train()
 
     def close(self) -> None:
         """Let the model, optimizer and engine go: the phase becomes CLOSED, the host arenas are dropped,
         hooks removed, and another manager may be built on them ([Note: one manager per model] in
-        :mod:`hybridmem.switch.claims`). Only in TRAIN (CLOSED: a no-op); co-resident models are onloaded first
-        so nothing is lost."""
+        :mod:`hybridmem.switch.claims`). Only in TRAIN (CLOSED: a no-op); co-resident models are onloaded
+        first so nothing is lost."""
         if self.phase is Phase.CLOSED:
             return
         self._check_phase("close", Phase.TRAIN)
@@ -504,7 +532,7 @@ class ShardingManager:
     # Internals ------------------------------------------------------------------------------------
     def _vote_no(self, run: SwitchRun) -> None:
         """Tell the peers this rank rolls back, where they wait for its vote: its weight sync completed and
-        its group is usable ([Note: switch agreement] in hybridmem.switch.agreement)."""
+        its group is usable ([Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""
         if self.agreement is None or isinstance(run.failed_step, AgreeStep) or is_collective_loss(run.error):
             return
         synced = [s for s in run.entered if isinstance(s, WeightSyncStep) and s is not run.failed_step]
@@ -519,7 +547,8 @@ class ShardingManager:
     def _check_coresidents_offloaded(self, operation: str) -> None:
         onloaded = [n for n, co in self.coresidents.items() if co.state is CoResidentState.ONLOADED]
         if onloaded:
-            raise PhaseError(operation, self.phase, f"co-resident {onloaded} is onloaded; leave onloaded() first")
+            raise PhaseError(operation, self.phase,
+                             f"co-resident {onloaded} is onloaded; leave onloaded() first")
 
     def _report(
         self,
@@ -554,4 +583,5 @@ class ShardingManager:
         return {off.owner: off.state for off in self.offloaders.values()}
 
     def __repr__(self) -> str:
-        return f"ShardingManager(phase={self.phase.name}, accel={self.accel}, engine={type(self.engine).__name__})"
+        return (f"ShardingManager(phase={self.phase.name}, accel={self.accel}, "
+                f"engine={type(self.engine).__name__})")

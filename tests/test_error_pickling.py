@@ -1,4 +1,4 @@
-"""Every hybridmem error survives pickling ([Note: errors cross processes] in hybridmem/errors.py): a
+"""Every hybridmem error survives pickling ([Note: errors cross processes] in :mod:`hybridmem.errors`): a
 worker process (a Ray actor, a spawned worker) hands the caller the same class with the same message and
 attributes."""
 

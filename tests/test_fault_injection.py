@@ -102,7 +102,8 @@ def _trained(cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if cfg.zero_grads:
         opt.zero_grad(set_to_none=False)  # all-zero grads: released without a copy, re-zeroed on onload
     if cfg.foreign:
-        make_foreign(model, opt)  # re-homed by the first offload (see [Note: foreign storages])
+        # re-homed by the first offload (see [Note: foreign storages] in :mod:`hybridmem.offload.base`)
+        make_foreign(model, opt)
     return model, opt
 
 
@@ -132,7 +133,7 @@ class _Actor:
             return self.manager.to_train
         assert fail_at is not None
         with self.injector.active(target=fail_at, exc=lambda: Injected("first failure")):
-            with pytest.raises(Exception):
+            with pytest.raises(Exception):  # noqa: B017 - any error: what counts is the state after
                 self.manager.to_train()
         assert self.manager.phase is Phase.FAILED
         return self.manager.recover
@@ -162,7 +163,8 @@ def check_point(cfg: Config, direction: str, point: int | tuple[int, ...], exc: 
     fired, raised = inject(actor.injector, point, exc, switch)
     where = f"point {point} ({fired})"
     if fired is None or len(actor.injector.fired_at) != (1 if isinstance(point, int) else len(point)):
-        return f"{where}: the switch made fewer calls than the dry run (faults fired at {actor.injector.fired_at})"
+        return (f"{where}: the switch made fewer calls than the dry run "
+                f"(faults fired at {actor.injector.fired_at})")
     if raised is None:
         return f"{where}: the injected fault was swallowed; phase {mgr.phase.name}"
     if mgr.phase is Phase.FAILED:
@@ -212,7 +214,8 @@ def _one_thread():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_injection_point_loses_nothing(name, direction):
     num_points, runs, problems = run_config(name, direction)
-    print(f"fault injection {name} {direction}: {num_points} points, {runs} injected runs{' (full)' if FULL else ''}")
+    print(f"fault injection {name} {direction}: {num_points} points, {runs} injected "
+          f"runs{' (full)' if FULL else ''}")
     assert num_points > 20, f"the dry run saw only {num_points} calls; the seams are not patched"
     assert not problems, "\n".join(problems[:10])
 
@@ -221,7 +224,7 @@ def _calls_with_fault(cfg: Config, point: int) -> int:
     """How many calls a TRAIN->INFER switch failed at ``point`` makes, its rollback included."""
     actor = _Actor(cfg)
     with actor.injector.active(target=point, exc=lambda: Injected("first failure")) as inj:
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - any error: what counts is the state after
             actor.manager.to_infer()
     return inj.count
 
@@ -238,7 +241,8 @@ def test_every_undo_failing_once_then_recover_loses_nothing(name):
     for first in sample_points(labels, num_strided=8):
         total = _calls_with_fault(cfg, first)
         stride = max(1, (total - first) // 4)
-        undo_calls = sorted({first + 1, total, *range(first + 1, total + 1, stride)} & set(range(first + 1, total + 1)))
+        undo_calls = sorted({first + 1, total,
+                             *range(first + 1, total + 1, stride)} & set(range(first + 1, total + 1)))
         for second in undo_calls:
             runs += 1
             problem = check_point(cfg, "to_infer", (first, second), EXCEPTIONS["exception"], reference, None)
@@ -251,21 +255,23 @@ def test_every_undo_failing_once_then_recover_loses_nothing(name):
 
 def test_every_storage_view_call_of_a_foreign_switch_loses_nothing():
     """Re-homing a storage torch cannot resize re-points its tensors one ``set_`` at a time (see [Note:
-    foreign storages]); CI's sample of points may miss the middle of that, so every such call is
-    injected here, in the configuration where two parameters share one foreign storage."""
+    foreign storages] in :mod:`hybridmem.offload.base`); CI's sample of points may miss the middle of that, so
+    every such call is injected here, in the configuration where two parameters share one foreign storage."""
     cfg = CONFIGS["adamw-foreign"]
     labels = dry_run(cfg, "to_infer")
     points = [i for i, label in enumerate(labels, start=1) if label == "storage view"]
     assert len(points) > 20, labels
     reference = _reference_losses(cfg)
     problems = [p for point in points
-                if (p := check_point(cfg, "to_infer", point, EXCEPTIONS["exception"], reference, None)) is not None]
+                if (p := check_point(cfg, "to_infer", point,
+                                     EXCEPTIONS["exception"], reference, None)) is not None]
     assert not problems, "\n".join(problems[:10])
 
 
 def test_the_dry_run_sees_every_kind_of_call():
     labels = dry_run(CONFIGS["adamw-tied"], "to_infer")
-    for kind in ("storage resize", "copy", "event wait", "host arena", "engine resume", "engine load_weights"):
+    for kind in ("storage resize", "copy", "event wait", "host arena",
+                 "engine resume", "engine load_weights"):
         assert kind in labels, f"no {kind!r} call in the TRAIN->INFER dry run: {sorted(set(labels))}"
     labels = dry_run(CONFIGS["adamw-zeroed-grads"], "to_train")
     for kind in ("storage resize", "copy", "zero", "engine release"):

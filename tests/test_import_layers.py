@@ -1,8 +1,8 @@
 """hybridmem's folders are its layers, and a lower layer never imports a higher one.
 
 :data:`LAYERS` is the one list of the layers (docs/architecture.md shows the same list, checked below).
-A unit is a package ``hybridmem.X`` or a module directly in ``hybridmem/``; a unit may import the units of
-lower layers only. Read from the source with ``ast``: every ``import`` counts, at module level and inside
+A unit is a package ``hybridmem.<name>`` or a module directly in ``hybridmem/``; a unit may import the units
+of lower layers only. Read from the source with ``ast``: every ``import`` counts, at module level and inside
 functions (lazy imports), except those under ``if TYPE_CHECKING:``, which carry annotations only (the
 training contract names the offloader type its side builds, a layer up).
 """
@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
-
-import pytest
 
 import hybridmem
 
@@ -143,7 +141,8 @@ def test_type_checking_imports_are_not_counted(tmp_path):
 
 
 def test_the_docs_show_these_layers():
-    # docs/architecture.md's table under <!-- layers -->: one row per layer, highest first, units in backticks.
+    # docs/architecture.md's table under <!-- layers -->: one row per layer, highest first, units in
+    # backticks.
     text = DOCS.read_text()
     table = re.search(r"<!-- layers -->\n(.*?)\n\n", text, re.S)
     assert table, "docs/architecture.md has no <!-- layers --> table"

@@ -49,8 +49,8 @@ def check_optimizer_owns(modules: Iterable[torch.nn.Module], optimizer: Any, *,
             model = "/".join(type(m).__name__ for m in modules)
             raise ValueError(
                 f"{which} holds {len(foreign)} of its {len(held)} parameters outside the model {model} (the "
-                f"first: shape {tuple(foreign[0].shape)}, {foreign[0].dtype}); pass the optimizer built on this "
-                f"model's parameters (e.g. torch.optim.AdamW(model.parameters()))"
+                f"first: shape {tuple(foreign[0].shape)}, {foreign[0].dtype}); pass the optimizer built on "
+                "this model's parameters (e.g. torch.optim.AdamW(model.parameters()))"
             )
 
 
@@ -65,8 +65,8 @@ class TorchTrainingState:
 
     capabilities = TrainingCapabilities(guards_misuse=True, has_hf_config=True, lists_checkpoint_weights=True,
                                         reports_layout=True, holds_module=True)
-    """Misuse guards, the transformers config when there is one, checkpoint weights, its layout (a transformers
-    model's; ``None`` for others), its module."""
+    """Misuse guards, the transformers config when there is one, checkpoint weights, its layout (a
+    transformers model's; ``None`` for others), its module."""
 
     def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Module], optimizer: Any = None):
         self.modules = [model] if isinstance(model, torch.nn.Module) else list(model)
@@ -88,7 +88,8 @@ class TorchTrainingState:
         return offloaders
 
     def guard_targets(self) -> tuple[list[torch.nn.Module], list[Any]]:
-        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards])."""
+        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards] in
+        :mod:`hybridmem.switch.guards`)."""
         opts = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
         return list(self.modules), [o for o in opts if o is not None]
 
@@ -123,7 +124,8 @@ class TorchTrainingState:
         """The transformers config of the model (``model.config``, looking through DDP's ``.module``), or
         ``None`` when it is not a transformers model."""
         module = self.modules[0]
-        module = getattr(module, "module", module) if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = getattr(module, "module", module)
         config = getattr(module, "config", None)
         return config if callable(getattr(config, "to_dict", None)) else None
 

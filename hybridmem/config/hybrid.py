@@ -4,6 +4,21 @@ Keys keep MindSpeed-RL's names so a user's existing YAML file drives hybridmem u
 (``actor_config:`` holds the training layout, ``generate_config:`` the inference layout, the
 ``offload_train_*`` switches and ``gpu_memory_utilization``). Keys hybridmem adds live in an optional
 ``hybridmem:`` section. Unknown keys and sections are errors that suggest the closest known name.
+
+[Note: YAML sections]
+A MindSpeed-RL file has top-level sections (mindspeed.SECTIONS) plus an optional ``hybridmem:``.
+hybridmem reads its keys from these places; a later row wins over an earlier one:
+
+  megatron_training  training layout (MindSpeed-RL merges it under actor_config)
+  actor_config       training layout
+  generate_config    offload switches, inference layout, gpu_memory_utilization
+  hybridmem          any HybridConfig key
+
+Every other key of those sections (and every key of rl_config) must be one that some MindSpeed-RL
+release defines there (mindspeed holds the union over releases, so a file written for any of them
+loads): its config classes reject anything else, so an unknown key is a typo and raises with a
+suggestion. A top-level section outside SECTIONS raises the same way. Sections hybridmem does not read
+(ref_config, profiler_config, ...) are not checked: they belong to the user's framework.
 """
 
 from __future__ import annotations
@@ -27,9 +42,10 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 
 
 class LoraBase(Enum):
-    """Where a LoRA model's base weights stay when only its adapters are synced (:attr:`HybridConfig.lora_base`;
-    see [Note: lora base] in :mod:`hybridmem.manager`). In every mode the trainer's frozen base stays on the
-    device: only the adapters, their gradients and optimizer state are offloaded."""
+    """Where a LoRA model's base weights stay when only its adapters are synced
+    (:attr:`HybridConfig.lora_base`; see [Note: lora base] in :mod:`hybridmem.switch.lora_base`). In every
+    mode the trainer's frozen base stays on the device: only the adapters, their gradients and optimizer
+    state are offloaded."""
 
     ENGINE_SLEEPS = "engine_sleeps"
     """The engine releases its weights on leaving INFER, at its own sleep level (vLLM's level 1 keeps them in
@@ -167,7 +183,8 @@ class HybridConfig:
     collective_deadline_s: float | None = None
     """Seconds a multi-rank weight sync's collectives have on each rank before the switch fails with
     ``CollectiveTimeoutError`` and rolls back (a peer stuck or dead); ``None``: sized from the plan (120 s
-    plus the rank's bytes at 100 MB/s, see [Note: collective deadlines] in hybridmem.reshard.execute)."""
+    plus the rank's bytes at 100 MB/s, see [Note: collective deadlines] in
+    :mod:`hybridmem.reshard.execute`)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -183,7 +200,8 @@ class HybridConfig:
                                      or not deadline > 0):
             raise ConfigError("collective_deadline_s", deadline, "a number of seconds > 0, or null")
         util = self.gpu_memory_utilization
-        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0):
+        if util is not None and (isinstance(util, bool)
+                                 or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0):
             raise ConfigError("gpu_memory_utilization", util, "a float in (0, 1] or null")
         if self.lora_base not in {b.value for b in LoraBase}:
             raise ConfigError("lora_base", self.lora_base, f"one of {[b.value for b in LoraBase]}")
@@ -215,7 +233,8 @@ class HybridConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None, strict: bool = True) -> HybridConfig:
+    def from_dict(cls, values: Mapping[str, Any], *,
+                  source: str | None = None, strict: bool = True) -> HybridConfig:
         """Build from a flat mapping of hybridmem keys to values.
 
         Args:
@@ -236,7 +255,8 @@ class HybridConfig:
             raise ConfigError.unknown(unknown[0], known, where="HybridConfig", source=source)
         if unknown:
             where = f" in {source}" if source else ""
-            warnings.warn(f"hybridmem ignores unknown config keys{where}: {', '.join(sorted(unknown))}", stacklevel=2)
+            warnings.warn(f"hybridmem ignores unknown config keys{where}: {', '.join(sorted(unknown))}",
+                          stacklevel=2)
         try:
             return cls(**{k: v for k, v in values.items() if k in known})
         except ConfigError as exc:
@@ -266,13 +286,15 @@ class HybridConfig:
             problem = getattr(exc, "problem", None) or str(exc)
             raise ConfigError("<yaml>", where, f"valid YAML ({problem})", source=str(path)) from exc
         if doc is None:  # nothing but comments or blank lines: most likely the wrong file
-            raise ConfigError("<yaml>", str(path), "a MindSpeed-RL YAML file with sections such as actor_config: "
+            raise ConfigError("<yaml>", str(path),
+                              "a MindSpeed-RL YAML file with sections such as actor_config: "
                               "and generate_config:, not an empty one (for the defaults, use HybridConfig())",
                               message=f"{path} is empty (no YAML settings in it): give the MindSpeed-RL YAML "
-                                      f"file with actor_config:/generate_config: sections, or use HybridConfig() "
-                                      f"for the defaults")
+                                      "file with actor_config:/generate_config: sections, or use "
+                                      "HybridConfig() for the defaults")
         if not isinstance(doc, Mapping):
-            raise ConfigError("<yaml>", type(doc).__name__, "a mapping of sections at top level", source=str(path))
+            raise ConfigError("<yaml>", type(doc).__name__,
+                              "a mapping of sections at top level", source=str(path))
         return cls.from_dict(_merge_sections(doc, source=str(path)), source=str(path))
 
 
@@ -286,8 +308,10 @@ def _keyword_checked(init: Any) -> Any:
         unknown = [k for k in kwargs if k not in known]
         if unknown:
             close = difflib.get_close_matches(unknown[0], known, n=3, cutoff=0.6)
-            hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "no known key is close"
-            raise TypeError(f"HybridConfig got an unknown keyword {unknown[0]!r}: {hint} (keys: docs/configuration.md)")
+            hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close
+                    else "no known key is close")
+            raise TypeError(f"HybridConfig got an unknown keyword {unknown[0]!r}: {hint} (keys: "
+                            "docs/configuration.md)")
         init(self, *args, **kwargs)
 
     return checked
@@ -296,21 +320,8 @@ def _keyword_checked(init: Any) -> Any:
 HybridConfig.__init__ = _keyword_checked(HybridConfig.__init__)  # type: ignore[method-assign]
 
 
-# [Note: YAML sections]
-# A MindSpeed-RL file has top-level sections (mindspeed.SECTIONS) plus an optional ``hybridmem:``.
-# hybridmem reads its keys from these places; a later row wins over an earlier one:
-#
-#   megatron_training  training layout (MindSpeed-RL merges it under actor_config)
-#   actor_config       training layout
-#   generate_config    offload switches, inference layout, gpu_memory_utilization
-#   hybridmem          any HybridConfig key
-#
-# Every other key of those sections (and every key of rl_config) must be one that some MindSpeed-RL
-# release defines there (mindspeed holds the union over releases, so a file written for any of them
-# loads): its config classes reject anything else, so an unknown key is a typo and raises with a
-# suggestion. A top-level section outside SECTIONS raises the same way. Sections hybridmem does not read
-# (ref_config, profiler_config, ...) are not checked: they belong to the user's framework.
-_TRAIN_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+_TRAIN_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                      "expert_model_parallel_size")
 _GENERATE_KEYS = (
     "offload_train_param", "offload_train_grad", "offload_train_optimizer", "infer_tensor_parallel_size",
     "infer_pipeline_parallel_size", "infer_expert_parallel_size", "gpu_memory_utilization",
@@ -331,7 +342,8 @@ def _merge_sections(doc: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     sections = sorted(mindspeed.SECTIONS | {_HYBRIDMEM_SECTION})
     for name in doc:
         if name not in sections:
-            raise ConfigError.unknown(str(name), sections, where="the top level", source=source, kind="section")
+            raise ConfigError.unknown(str(name), sections, where="the top level",
+                                      source=source, kind="section")
     hybrid_keys = [f.name for f in dataclasses.fields(HybridConfig)]
     merged: dict[str, Any] = {}
     for section, reads, accepted in (*_SECTION_RULES, (_HYBRIDMEM_SECTION, tuple(hybrid_keys), None)):

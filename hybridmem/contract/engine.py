@@ -16,7 +16,14 @@ An engine's device memory is split by tag, as vLLM's sleep mode splits it:
 ``resume`` must be all-or-nothing: if it fails halfway it gives back what it took and re-raises, so
 the switch's rollback sees the engine exactly as before the call. ``release`` must free every storage
 of a tag whatever state the engine believes the tag is in: a rollback calls it after a resume that was
-interrupted at any point (see [Note: switch transactions] in hybridmem.switch.transaction).
+interrupted at any point (see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`).
+
+[Note: engine capabilities]
+What an engine can do beyond the three methods is declared, not probed: an engine's ``capabilities``
+attribute is an EngineCapabilities, and every caller (the steps, the weight syncs, the residency
+report) reads capabilities_of(engine). A declared capability whose method is missing is a TypeError
+naming both, raised when the manager is built. An engine that declares nothing (a third-party object
+implementing the protocol) gets its capabilities read once from the methods it has.
 """
 
 from __future__ import annotations
@@ -54,14 +61,6 @@ class InferenceEngine(Protocol):
         """Take back the device memory of ``tags``; all-or-nothing."""
 
 
-# [Note: engine capabilities]
-# What an engine can do beyond the three methods is declared, not probed: an engine's ``capabilities``
-# attribute is an EngineCapabilities, and every caller (the steps, the weight syncs, the residency
-# report) reads capabilities_of(engine). A declared capability whose method is missing is a TypeError
-# naming both, raised when the manager is built. An engine that declares nothing (a third-party object
-# implementing the protocol) gets its capabilities read once from the methods it has.
-
-
 _METHODS = {
     "writes_in_place": ("named_parameters",),
     "reports_weight_coverage": ("unwritten_weights",),
@@ -76,7 +75,8 @@ _METHODS = {
     "sizes_kv_by_share": ("gpu_memory_utilization",),
 }
 """The members each capability promises (methods, or the attributes in :data:`_ATTRIBUTES`)."""
-_ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "parallel_layout", "gpu_memory_utilization"})
+_ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "parallel_layout",
+                         "gpu_memory_utilization"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,9 +94,9 @@ class EngineCapabilities:
     reports_residency: bool = False
     """``resident_nbytes(tag)`` / ``planned_nbytes(tag)`` give its device bytes per tag."""
     releases_kv_alone: bool = False
-    """``release(["kv_cache"])`` leaves the weights resident, in place and with their values (False: vLLM's sleep
-    mode, which unmaps every pool at once); a LoRA base kept on the device needs it to free the KV cache in
-    TRAIN ([Note: lora base] in hybridmem.switch.lora_base)."""
+    """``release(["kv_cache"])`` leaves the weights resident, in place and with their values (False: vLLM's
+    sleep mode, which unmaps every pool at once); a LoRA base kept on the device needs it to free the KV cache
+    in TRAIN ([Note: lora base] in :mod:`hybridmem.switch.lora_base`)."""
     keeps_addresses: bool = False
     """Weight tensors keep their device addresses across ``release``/``resume`` (CuMemAllocator re-maps)."""
     loads_training_names: bool = False
@@ -137,7 +137,8 @@ def capabilities_of(engine: Any) -> EngineCapabilities:
     has = {c: all(_has_member(engine, m) for m in ms) for c, ms in _METHODS.items()}
     frees = bool(getattr(engine, "frees_memory", True))
     return EngineCapabilities(frees_memory=frees, memory_note=str(getattr(engine, "memory_note", "") or ""),
-                              loads_training_names=bool(getattr(engine, "loads_training_names", False)), **has)
+                              loads_training_names=bool(getattr(engine,
+                                                                "loads_training_names", False)), **has)
 
 
 def _has_member(engine: Any, name: str) -> bool:

@@ -1,13 +1,14 @@
 """What the manager needs from the training side: its offloaders and its weights.
 
 Plain PyTorch training (a module or list of module chunks plus a ``torch.optim`` optimizer) is served
-by :class:`TorchTrainingState`; framework adapters (``hybridmem.adapters.megatron``, ``.fsdp``) implement
-the same :class:`TrainingState` protocol with offloaders that move their contiguous buffers.
+by :class:`hybridmem.adapters.torch.TorchTrainingState`; framework adapters (``hybridmem.adapters.megatron``,
+``hybridmem.adapters.fsdp``) implement the same :class:`TrainingState` protocol with offloaders that move
+their contiguous buffers.
 
 [Note: training capabilities]
 What a training state offers beyond its two methods is declared, as an engine's is ([Note: engine
-capabilities] in hybridmem.contract.engine): its ``capabilities`` attribute is a TrainingCapabilities, and
-the manager, the architecture check and the weight-sync choice read training_capabilities_of(state)
+capabilities] in :mod:`hybridmem.contract.engine`): its ``capabilities`` attribute is a TrainingCapabilities,
+and the manager, the architecture check and the weight-sync choice read training_capabilities_of(state)
 instead of probing for methods. A declared capability whose method or attribute is missing is a
 TypeError naming both, raised when the manager is built. A state that declares nothing (a third-party
 object implementing the protocol) gets its capabilities read once from what it has.
@@ -57,7 +58,8 @@ class TrainingCapabilities:
     megatron_names: bool = False
     """``megatron_convention()`` gives the naming and vocab padding of its Megatron-named weights."""
     lists_checkpoint_weights: bool = False
-    """``checkpoint_weights()`` gives what a checkpoint holds: no non-persistent buffers, a tied tensor once."""
+    """``checkpoint_weights()`` gives what a checkpoint holds: no non-persistent buffers, a tied tensor
+    once."""
     reports_layout: bool = False
     """``parallel_layout``: the TP/PP/EP its weights are laid out in (unset layout keys of the config are read
     from it)."""
@@ -124,4 +126,5 @@ class TrainingState(Protocol):
 
     # Optional, declared in ``capabilities`` (a TrainingCapabilities, see [Note: training capabilities]):
     # ``guard_targets()``, ``attach(manager)``, ``model_spec_dict()``, ``hf_config``, ``hf_source_layout()``,
-    # ``source_layout()``, ``megatron_convention()``, ``checkpoint_weights()``.
+    # ``source_layout()``, ``megatron_convention()``, ``checkpoint_weights()``, ``parallel_layout``,
+    # ``module``.

@@ -29,7 +29,8 @@ class EngineMemoryState(Enum):
     RESIDENT = "resident"
     """The tag's storages hold device memory."""
     RELEASED = "released"
-    """The tag's storages are resized to 0 bytes; contents are gone (see [Note: engine memory tags])."""
+    """The tag's storages are resized to 0 bytes; contents are gone (see [Note: engine memory tags] in
+    :mod:`hybridmem.contract.engine`)."""
 
 
 class TorchCopyEngine:
@@ -44,8 +45,8 @@ class TorchCopyEngine:
     loads_training_names = True
     """Its ``load_weights`` takes the training model's own names and layout (it is a copy of the module),
     so the default weight sync streams the training state's ``named_weights()`` into it as they are."""
-    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
-                                      loads_training_names=True, binds_phase=True)
+    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True,
+                                      reports_residency=True, loads_training_names=True, binds_phase=True)
     """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
 
     def __init__(self, module: torch.nn.Module, *, kv_cache_nbytes: int = 0):
@@ -83,15 +84,17 @@ class TorchCopyEngine:
             for name, tensor in weights:
                 dst = self._tensors.get(name)
                 if dst is None:
-                    raise KeyError(f"engine has no weight {name!r} (it has {len(self._tensors)}, e.g. {next(iter(self._tensors), None)!r})")
+                    raise KeyError(f"engine has no weight {name!r} (it has {len(self._tensors)}, e.g. "
+                                   f"{next(iter(self._tensors), None)!r})")
                 if dst.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r}: engine shape {tuple(dst.shape)} != given {tuple(tensor.shape)}")
+                    raise ValueError(f"weight {name!r}: engine shape {tuple(dst.shape)} != given "
+                                     f"{tuple(tensor.shape)}")
                 dst.copy_(tensor)
                 self._written.add(name)
 
     def release(self, tags: Sequence[str]) -> None:
         """Free every storage of ``tags``, whatever state the tag is in (an interrupted resume may have
-        grown some; see [Note: switch transactions] in hybridmem.switch.transaction). Idempotent."""
+        grown some; see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`). Idempotent."""
         for tag in check_tags(tags):
             for storage, _ in self._storages(tag):
                 storage.resize_(0)
@@ -137,7 +140,7 @@ class TorchCopyEngine:
 
     def unwritten_weights(self) -> list[str]:
         """Weights not written by :meth:`load_weights` since the weights were last resumed (see
-        [Note: weight coverage] in hybridmem.weight_sync)."""
+        [Note: weight coverage] in :mod:`hybridmem.weight_sync`)."""
         return [name for name in self._tensors if name not in self._written]
 
     def bind_phase(self, phase: Any) -> None:
@@ -154,8 +157,10 @@ class TorchCopyEngine:
         """
         if self._state[WEIGHTS] is not EngineMemoryState.RESIDENT:
             if self._phase is not None:
-                raise PhaseError("run the engine", self._phase(), "its weights are released; use it inside `with manager.inference()`")
-            raise PhaseError("run the engine", self._state[WEIGHTS], "its weights are released; use it inside inference()")
+                raise PhaseError("run the engine", self._phase(), "its weights are released; use it inside "
+                                                                  "`with manager.inference()`")
+            raise PhaseError("run the engine", self._state[WEIGHTS], "its weights are released; use it "
+                                                                     "inside inference()")
         return self.module(*args, **kwargs)
 
     def _storages(self, tag: str) -> list[tuple[torch.UntypedStorage, int]]:

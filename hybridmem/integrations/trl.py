@@ -15,7 +15,7 @@ model's ``load_weights``. :class:`HybridGRPOTrainer` keeps TRL's loop, data, rew
 - TRL builds its ``LLM`` as usual, with three differences: sleep mode where the backend has one (off on
   vLLM's CPU build), the trainer model's dtype (TRL passes none, and vLLM's ``"auto"`` may serve an fp32
   model in bf16: the importance ratio would then see that rounding, see [Note: no silent dtype change] in
-  :mod:`hybridmem.weight_sync`; ``vllm_dtype=`` chooses another), and on vLLM's CPU build the KV cache
+  :mod:`hybridmem.weight_sync.base`; ``vllm_dtype=`` chooses another), and on vLLM's CPU build the KV cache
   sized as ``VLLMEngine.create`` sizes it ([Note: vllm cpu kv default] in
   :mod:`hybridmem.adapters.vllm.launch`);
 - the ``LLM`` is wrapped in :class:`~hybridmem.adapters.vllm.VLLMEngine`, and TRL's own sleep/wake and
@@ -42,7 +42,7 @@ Each generation's two switch reports are kept in ``trainer.hybrid_reports`` and 
 logged metrics (``hybridmem/...``).
 
 The TRL internals this relies on, read from TRL 1.16.0, are checked when this module is imported, and a
-TRL outside the tested range is refused (:mod:`hybridmem.integrations.trl_compat`, [Note: TRL hooks]).
+TRL outside the tested range is refused ([Note: TRL hooks] in :mod:`hybridmem.integrations.trl_compat`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ __all__ = ["HybridGRPOTrainer", "GenerationSwitches", "REFERENCE_OWNER", "LoraRo
 
 log = logging.getLogger(__name__)
 
-_TRL = import_trl()  # refuses a TRL outside the tested range or without a hook: [Note: TRL hooks]
+_TRL = import_trl()  # refuses a TRL outside the tested range or without a hook
 GRPOTrainer = _TRL["trl.trainer.grpo_trainer"].GRPOTrainer
 _TRL_INIT = inspect.Signature(list(inspect.signature(GRPOTrainer.__init__).parameters.values())[1:])
 """``trl.GRPOTrainer.__init__``'s parameters but ``self``: its arguments are read by name, however passed."""

@@ -29,8 +29,9 @@ restores all of it whatever subset was freed (re-growing a storage that was neve
 the copy writes the same bytes back). Once every storage is freed, the tensors on them refuse to be read
 until the onload ([Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`). Onload is
 just as re-runnable: it keeps the record until every copy has completed, so an onload interrupted at any
-point is finished by calling it again. Nothing decides what to undo from what a step was *supposed* to have done: the manager undoes every step it entered,
-and each undo follows this record (see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`).
+point is finished by calling it again. Nothing decides what to undo from what a step was *supposed* to have
+done: the manager undoes every step it entered, and each undo follows this record (see [Note: switch
+transactions] in :mod:`hybridmem.switch.transaction`).
 
 A held arena is never handed out for a new offload or dropped (``HostBufferPool`` refuses), so an
 arena holding the only copy of some bytes cannot be overwritten whatever state an offloader believes
@@ -195,14 +196,16 @@ class Offloader(ABC):
 
     kind: ClassVar[StateKind]
 
-    def __init__(self, accel: Accelerator, pool: HostBufferPool, *, owner: str | None = None, skip_zero: bool = False):
+    def __init__(self, accel: Accelerator, pool: HostBufferPool, *,
+                 owner: str | None = None, skip_zero: bool = False):
         self.accel = accel
         self.pool = pool
         self.owner = owner if owner is not None else self.kind.value
         self.skip_zero = skip_zero
         self._state = OffloadState.ON_DEVICE
         self._slots: list[_Slot] = []
-        self._guarded: list[torch.Tensor] = []  # [Note: offloaded tensors refuse reads]
+        # [Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`
+        self._guarded: list[torch.Tensor] = []
         self._copy_stream = None  # created lazily: no device work at construction
 
     @abstractmethod
@@ -213,7 +216,8 @@ class Offloader(ABC):
         """The tensors user code holds for ``freed`` (the tensors whose storages an offload freed), which
         refuse reads until the onload: ``freed`` itself; an offloader over the local tensors of wrappers
         (FSDP2's DTensors) adds the wrappers, whose ops reach their local tensors below
-        ``__torch_function__`` (see [Note: offloaded tensors refuse reads])."""
+        ``__torch_function__`` (see [Note: offloaded tensors refuse reads] in
+        :mod:`hybridmem.offload.guard`)."""
         return freed
 
     @property
@@ -258,7 +262,8 @@ class Offloader(ABC):
             return {}
         totals: dict[torch.dtype, int] = {}
         for storage, dtype, _ in self._storages():
-            totals[dtype] = totals.get(dtype, 0) + storage.nbytes() // torch.empty((), dtype=dtype).element_size()
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            totals[dtype] = totals.get(dtype, 0) + storage.nbytes() // itemsize
         return totals
 
     def arena_growth_nbytes(self) -> int:
@@ -306,11 +311,12 @@ class Offloader(ABC):
         with record_function(f"hybridmem.offload.{self.owner}"):
             if self.pool.is_held(self.owner):
                 raise RuntimeError(
-                    f"{self!r}: host arenas of owner {self.owner!r} hold the only copy of offloaded bytes; an "
-                    f"offload would overwrite them (internal error: state and pool disagree)"
+                    f"{self!r}: host arenas of owner {self.owner!r} hold the only copy of offloaded bytes; "
+                    "an offload would overwrite them (internal error: state and pool disagree)"
                 )
             tensors = self._device_tensors()
-            slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d, views=v) for s, d, v in self._storages(tensors)]
+            slots = [_Slot(storage=s, nbytes=s.nbytes(), dtype=d, views=v)
+                     for s, d, v in self._storages(tensors)]
             keys = {slot.storage._cdata for slot in slots}
             freed = [t for t in tensors if t.untyped_storage()._cdata in keys]
             if self.skip_zero and slots:
@@ -341,7 +347,7 @@ class Offloader(ABC):
         # One reduction per storage on the device and a single sync: far cheaper than copying.
         # Bytes, not values, are tested so -0.0 and NaN payloads are never mistaken for zero.
         flags = torch.stack([storage_view(s.storage, torch.uint8, s.nbytes).any() for s in slots]).tolist()
-        for slot, nonzero in zip(slots, flags):
+        for slot, nonzero in zip(slots, flags, strict=False):
             slot.zero = not nonzero
 
     def _reserve_arenas(self, slots: list[_Slot]) -> dict[torch.dtype, torch.Tensor]:
@@ -375,7 +381,8 @@ class Offloader(ABC):
             for slot in slots:  # [Note: foreign storages]: finish a re-homing that was interrupted
                 for view in slot.views or ():
                     view.point_at(slot.storage)
-            arenas = {dtype: self.pool.arena(self.owner, dtype, 0) for dtype in {s.dtype for s in slots if not s.zero}}
+            arenas = {dtype: self.pool.arena(self.owner, dtype, 0)
+                      for dtype in {s.dtype for s in slots if not s.zero}}
             stream = self._stream()
             event = self.accel.new_event()
             with self.accel.on_side_stream(stream):
@@ -384,7 +391,8 @@ class Offloader(ABC):
                     if slot.zero:
                         dev.zero_()
                     else:
-                        dev.copy_(arenas[slot.dtype].narrow(0, slot.arena_offset, slot.numel), non_blocking=True)
+                        dev.copy_(arenas[slot.dtype].narrow(0, slot.arena_offset, slot.numel),
+                                  non_blocking=True)
                 event.record(stream)
             self.accel.current_stream().wait_event(event)
             event.synchronize()  # the report's time is the real copy time; arenas may be reused next

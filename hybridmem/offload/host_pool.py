@@ -103,7 +103,7 @@ class HostBufferPool:
         """Arenas being prewarmed: key -> bytes (see [Note: prewarmed arenas])."""
         self._threads: list[threading.Thread] = []
 
-    # [Note: offload journal] in hybridmem.offload.base: an owner whose arenas hold the only copy of
+    # [Note: offload journal] in :mod:`hybridmem.offload.base`: an owner whose arenas hold the only copy of
     # some bytes is "held"; its arenas are neither replaced nor dropped until it is released.
     def hold(self, owner: str) -> None:
         """Record that ``owner``'s arenas hold the only copy of offloaded bytes."""
@@ -184,7 +184,8 @@ class HostBufferPool:
                 todo.append((key, numel))
         if todo:
             # Not a daemon: see [Note: prewarm thread at exit].
-            thread = threading.Thread(target=self._prewarm, args=(todo,), name="hybridmem-prewarm", daemon=False)
+            thread = threading.Thread(target=self._prewarm, args=(todo,),
+                                      name="hybridmem-prewarm", daemon=False)
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
         return sum(n * torch.empty((), dtype=k[1]).element_size() for k, n in todo)
@@ -205,7 +206,8 @@ class HostBufferPool:
                 with self._lock:
                     del self._pending[key]
                     current = self._arenas.get(key)
-                    if arena is not None and key[0] not in self._held and (current is None or current.numel() < numel):
+                    larger = current is None or current.numel() < numel
+                    if arena is not None and key[0] not in self._held and larger:
                         self._arenas.pop(key, None)
                         self._arenas[key] = arena
                         self._grows[key] = self._grows.get(key, 0) + 1
@@ -220,7 +222,8 @@ class HostBufferPool:
         """Bytes held by all arenas, or by ``owner``'s."""
         with self._lock:
             return sum(
-                t.untyped_storage().nbytes() for (o, _), t in self._arenas.items() if owner is None or o == owner
+                t.untyped_storage().nbytes() for (o, _), t in self._arenas.items()
+                if owner is None or o == owner
             )
 
     def arena_nbytes(self, owner: str, dtype: torch.dtype) -> int:
@@ -258,7 +261,8 @@ class HostBufferPool:
         """
         held = sorted(o for o in self._held if owner is None or o == owner)
         if held:
-            raise RuntimeError(f"cannot free the host arenas of {held}: they hold the only copy of offloaded bytes")
+            raise RuntimeError(f"cannot free the host arenas of {held}: they hold the only copy of offloaded "
+                               "bytes")
         with self._lock:  # an arena being prewarmed is freed once it is ready
             self._lock.wait_for(lambda: not any(owner is None or k[0] == owner for k in self._pending))
             keys = [k for k in self._arenas if owner is None or k[0] == owner]

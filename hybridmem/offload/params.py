@@ -24,7 +24,7 @@ class ParamOffloader(Offloader):
         include_buffers: Also move registered buffers (norm statistics, rotary caches).
         include_frozen: Move parameters that do not train (``requires_grad=False``) too (default); ``False``
             leaves them on the device (a LoRA model's base while only its adapters are synced, see [Note:
-            lora base] in :mod:`hybridmem.manager`).
+            lora base] in :mod:`hybridmem.switch.lora_base`).
         accel, pool, owner: See :class:`~hybridmem.offload.base.Offloader`.
     """
 

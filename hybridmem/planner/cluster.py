@@ -5,10 +5,10 @@ buffers, peak device memory, time, and whether it fits (``hybridmem plan``).
 Nothing here has its own idea of a switch. For each rank, stand-ins answer the questions the runtime's
 steps ask of real offloaders, engines and weight syncs (``live_nbytes``, ``planned_nbytes``,
 ``temp_nbytes``), with figures read from the same layouts the runtime reshards with; the runtime's
-:func:`~hybridmem.switch.steps.switch_steps` orders the steps and :func:`~hybridmem.switch.memplan.plan_switch` walks
-them, so a prediction and a run cannot drift apart. The weight sync's figures are the rank's own share
-of the resharding plan (``build_plan(..., rank=r)``): bytes sent and received, peers (same node or not),
-largest staging buffer. What the stand-ins hold per rank:
+:func:`~hybridmem.switch.steps.switch_steps` orders the steps and
+:func:`~hybridmem.switch.memplan.plan_switch` walks them, so a prediction and a run cannot drift apart. The
+weight sync's figures are the rank's own share of the resharding plan (``build_plan(..., rank=r)``): bytes
+sent and received, peers (same node or not), largest staging buffer. What the stand-ins hold per rank:
 
 - training parameters: the source layout's tensors of the rank (Megatron: its shards; FSDP2: the
   storage ``fully_shard`` gives it, every rank padded to ``ceil(rows / shards)`` rows, see [Note: FSDP2
@@ -76,8 +76,8 @@ from hybridmem.switch.steps import (
     switch_steps,
 )
 
-__all__ = ["AcceleratorFigures", "ACCELERATORS", "GB", "TrainingSetup", "RankPrediction", "ClusterPlan", "Advice",
-           "plan_cluster", "hf_buffer_nbytes"]
+__all__ = ["AcceleratorFigures", "ACCELERATORS", "GB", "TrainingSetup", "RankPrediction", "ClusterPlan",
+           "Advice", "plan_cluster", "hf_buffer_nbytes"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +85,8 @@ class TrainingSetup:
     """How training holds its state on a rank."""
 
     kind: str = "megatron"
-    """``"megatron"`` (tp/pp/ep shards) or ``"fsdp2"`` (transformers' names, ``fully_shard`` over all ranks)."""
+    """``"megatron"`` (tp/pp/ep shards) or ``"fsdp2"`` (transformers' names, ``fully_shard`` over all
+    ranks)."""
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     stage_layers: tuple[int, ...] | None = None
     """Layers per pipeline stage (Megatron), first to last; ``None``: even."""
@@ -99,7 +100,8 @@ class TrainingSetup:
     """Module buffers every rank holds whole and offloads with the parameters (transformers' rotary
     ``inv_freq``, fp32; :func:`hf_buffer_nbytes` counts them)."""
     host_buffer_nbytes: int = 0
-    """The training framework's own host buffers per rank ([Note: host plan]); 0: none known."""
+    """The training framework's own host buffers per rank ([Note: host plan] in
+    :mod:`hybridmem.planner.host`); 0: none known."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("megatron", "fsdp2"):
@@ -131,7 +133,9 @@ class _Offloader:
         return 0
 
     def arena_growth_nbytes(self) -> int:
-        return 0  # the manager prewarms the arenas before the first switch ([Note: host plan])
+        # the manager prewarms the arenas before the first switch ([Note: host plan] in
+        # :mod:`hybridmem.planner.host`)
+        return 0
 
 
 @dataclass
@@ -229,7 +233,8 @@ class RankPrediction:
 
     @property
     def seconds(self) -> dict[str, float]:
-        return {"to_infer": sum(s.seconds for s in self.to_infer), "to_train": sum(s.seconds for s in self.to_train)}
+        return {"to_infer": sum(s.seconds for s in self.to_infer),
+                "to_train": sum(s.seconds for s in self.to_train)}
 
 
 @dataclass(frozen=True)
@@ -266,7 +271,8 @@ class ClusterPlan:
     @property
     def host_fits(self) -> bool:
         worst = self.worst_node
-        return self.host_budget_nbytes is None or worst is None or worst.peak_nbytes <= self.host_budget_nbytes
+        budget = self.host_budget_nbytes
+        return budget is None or worst is None or worst.peak_nbytes <= budget
 
     @property
     def fits(self) -> bool:
@@ -295,7 +301,7 @@ def _train_layout(spec: ModelSpec, setup: TrainingSetup, world: int):
 
 def _fsdp2_storage_elements(layout) -> int:
     """Elements of every tensor's ``fully_shard`` storage on a rank, padded to ``ceil(rows / shards)`` rows
-    on every rank ([Note: FSDP2 shards])."""
+    on every rank ([Note: FSDP2 shards] in :mod:`hybridmem.reshard.hf_source`)."""
     shards, total = layout.shard_size, 0
     for name, full in hf_module_tensors(layout.spec, layout.fused_experts).items():
         rows, per_row = full.shape[0], math.prod(full.shape[1:])
@@ -315,14 +321,16 @@ class RankState:
 
 def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, *,
                 infer_bytes: int) -> list[RankState]:
-    """Every rank's :class:`RankState`, from one build per rank group of each layout ([Note: layout parts])."""
+    """Every rank's :class:`RankState`, from one build per rank group of each layout ([Note: layout parts] in
+    :mod:`hybridmem.reshard.layouts`)."""
     src, dst = _train_layout(spec, setup, world), vllm_layout(spec, infer, world)
     local, num_tensors, optimizer, weights = [0] * world, [0] * world, [0] * world, [0] * world
     for part in src.part_groups():
         for key, ranks in part.groups.items():
             tensors = part.build(key).values()
             n = sum(t.numel for t in tensors)
-            # Megatron's distributed optimizer divides a part's state over the ranks holding it ([Note: cluster plan]).
+            # Megatron's distributed optimizer divides a part's state over the ranks holding it ([Note:
+            # cluster plan]).
             share = n * setup.optimizer_bytes_per_param // (len(ranks) if setup.distributed_optimizer else 1)
             for r in ranks:
                 local[r] += n
@@ -330,7 +338,8 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
                 optimizer[r] += share
     for part in dst.part_groups():
         for key, ranks in part.groups.items():
-            n = sum(t.numel * (spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces else infer_bytes)
+            n = sum(t.numel * (spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces
+                               else infer_bytes)
                     for t in part.build(key).values())
             for r in ranks:
                 weights[r] += n
@@ -338,7 +347,8 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
     out = []
     for r in range(world):
         elements = padded if setup.kind == "fsdp2" else local[r]
-        if setup.kind == "fsdp2":  # AdamW's moments, shaped like the local shard (not its padded storage), and steps
+        # AdamW's moments, shaped like the local shard (not its padded storage), and steps
+        if setup.kind == "fsdp2":
             moments, steps = 2 * local[r] * setup.param_bytes, 4 * num_tensors[r]
             opt_arenas = (moments + steps,) if setup.param_bytes == 4 else (moments, steps)
         else:
@@ -353,8 +363,8 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
     return out
 
 
-def _rank_host(state: RankState, setup: TrainingSetup, accel: AcceleratorFigures, offload: Mapping[StateKind, bool],
-               sleep_level: int) -> dict[str, int]:
+def _rank_host(state: RankState, setup: TrainingSetup, accel: AcceleratorFigures,
+               offload: Mapping[StateKind, bool], sleep_level: int) -> dict[str, int]:
     return rank_host_nbytes(state.arenas, offload=offload, weights_nbytes=state.nbytes["engine_weights"],
                             sleep_level=sleep_level, framework_nbytes=setup.host_buffer_nbytes,
                             rounds_up=accel.pinned_rounds_up)
@@ -373,34 +383,38 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
         state = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)[rank]
     params, grads, optimizer = (state.nbytes[k] for k in ("param", "grad", "optimizer"))
     weights = state.nbytes["engine_weights"]
-    kv = kv_nbytes if kv_nbytes is not None else max(0, int(gpu_memory_utilization * accel.memory_nbytes) - weights)
+    kv = (kv_nbytes if kv_nbytes is not None
+          else max(0, int(gpu_memory_utilization * accel.memory_nbytes) - weights))
     figures = {**state.nbytes, "kv_cache": kv}
-    offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params), StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
+    offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params),
+                  StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
                   StateKind.OPTIMIZER: _Offloader(StateKind.OPTIMIZER, optimizer)}
     engine, sync = _Engine(weights, kv), _Sync(plan.peak_temp_nbytes(rank))
     start = params + grads + optimizer
-    walk = dict(offloaders=offloaders, offload=offload, engine=engine, sync=sync, plan=plan, rank=rank, accel=accel,
-                setup=setup, sleep_level=sleep_level)
+    walk = dict(offloaders=offloaders, offload=offload, engine=engine, sync=sync, plan=plan, rank=rank,
+                accel=accel, setup=setup, sleep_level=sleep_level)
     to_infer = _walk(Direction.TO_INFER, start, **walk)
     for o in offloaders.values():
         o.state = OffloadState.ON_HOST if offload.get(o.kind) else OffloadState.ON_DEVICE
     to_train = _walk(Direction.TO_TRAIN, to_infer[-1].after_nbytes if to_infer else start, **walk)
     peak = max([start, *(s.peak_nbytes for s in (*to_infer, *to_train))])
-    return RankPrediction(rank=rank, to_infer=to_infer, to_train=to_train, start_nbytes=start, peak_nbytes=peak,
-                          sent_nbytes=plan.send_nbytes(rank), received_nbytes=plan.recv_nbytes(rank), state_nbytes=figures,
+    return RankPrediction(rank=rank, to_infer=to_infer, to_train=to_train, start_nbytes=start,
+                          peak_nbytes=peak, sent_nbytes=plan.send_nbytes(rank),
+                          received_nbytes=plan.recv_nbytes(rank), state_nbytes=figures,
                           host_nbytes=_rank_host(state, setup, accel, offload, sleep_level))
 
 
-def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync, plan: ReshardPlan, rank: int,
-          accel: AcceleratorFigures, setup: TrainingSetup, sleep_level: int) -> tuple[StepFigures, ...]:
+def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync, plan: ReshardPlan,
+          rank: int, accel: AcceleratorFigures, setup: TrainingSetup,
+          sleep_level: int) -> tuple[StepFigures, ...]:
+    extra = _adapter_steps(setup) if direction is Direction.TO_INFER else ()
     steps: list[SwitchStep] = switch_steps(direction, offloaders=offloaders, enabled=offload, accel=_Accel(),
-                                           engine=engine, weight_sync=sync,
-                                           extra=_adapter_steps(setup) if direction is Direction.TO_INFER else (),
+                                           engine=engine, weight_sync=sync, extra=extra,
                                            agree=AgreeStep(_VOTE_STAND_IN) if plan.world_size > 1 else None)
     memory: MemoryPlan = plan_switch(direction, start, [(s.name, s.estimate()) for s in steps],
                                      budget_nbytes=accel.memory_nbytes, budget_source=accel.name)
     out = []
-    for step, planned in zip(steps, memory.steps):
+    for step, planned in zip(steps, memory.steps, strict=False):
         host = net = 0
         seconds = 0.0
         if isinstance(step, (OffloadStep, OnloadStep)):
@@ -414,12 +428,12 @@ def _walk(direction: Direction, start: int, *, offloaders, offload, engine, sync
         elif sleep_level == 1 and (isinstance(step, EngineResumeStep) and step.tag == WEIGHTS
                                    or isinstance(step, EngineReleaseStep) and step.tag == KV_CACHE):
             # A level-1 sleep copies the weights out at the first release (the KV cache's) and back at the
-            # weights' resume ([Note: host plan] in hybridmem.planner.host).
+            # weights' resume ([Note: host plan] in :mod:`hybridmem.planner.host`).
             host = engine.weights_nbytes
             seconds = host / accel.host_link_bps
         e = planned.estimate
-        out.append(StepFigures(step.name, e.alloc_nbytes, e.free_nbytes, e.transient_nbytes, planned.peak_nbytes,
-                               planned.after_nbytes, host, net, seconds))
+        out.append(StepFigures(step.name, e.alloc_nbytes, e.free_nbytes, e.transient_nbytes,
+                               planned.peak_nbytes, planned.after_nbytes, host, net, seconds))
     return tuple(out)
 
 
@@ -429,8 +443,8 @@ _VOTE_STAND_IN = None
 
 def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> float:
     """The rank's local copies at the device's copy bandwidth, then per step of its share ([Note: plan
-    schedule]: one peer to send to, one to receive from) the slower of its two directions, each over the
-    link to that peer (full-duplex links), plus the step latency."""
+    schedule] in :mod:`hybridmem.reshard.schedule`: one peer to send to, one to receive from) the slower of
+    its two directions, each over the link to that peer (full-duplex links), plus the step latency."""
     domain = rank // accel.nvlink_domain
     total = sum(t.numel * plan.cell_itemsize(t.hf_name) for t in plan.local[rank]) / accel.device_copy_bps
     for bucket in plan.buckets:
@@ -444,7 +458,8 @@ def _sync_seconds(plan: ReshardPlan, rank: int, accel: AcceleratorFigures) -> fl
 
 
 def _elements_per_rank(layout) -> list[int]:
-    """Elements each rank of ``layout`` holds, from one build per rank group ([Note: layout parts])."""
+    """Elements each rank of ``layout`` holds, from one build per rank group ([Note: layout parts] in
+    :mod:`hybridmem.reshard.layouts`)."""
     out = [0] * layout.world_size
     for part in layout.part_groups():
         for key, ranks in part.groups.items():
@@ -461,7 +476,8 @@ def _ranks_to_plan(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout,
         return list(range(world))
     train = _elements_per_rank(_train_layout(spec, setup, world))
     engine = _elements_per_rank(vllm_layout(spec, infer, world))
-    size = sorted(((train[r] * setup.param_bytes + engine[r] * infer_bytes, -r) for r in range(world)), reverse=True)
+    size = sorted(((train[r] * setup.param_bytes + engine[r] * infer_bytes, -r) for r in range(world)),
+                  reverse=True)
     return sorted(-r for _, r in size[:count])
 
 
@@ -488,12 +504,14 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     if sleep_level not in SLEEP_LEVELS:
         raise ValueError(f"sleep_level={sleep_level!r}; expected one of {SLEEP_LEVELS}")
     offload = dict(offload or {k: True for k in (StateKind.PARAM, StateKind.GRAD, StateKind.OPTIMIZER)})
-    args = dict(accel=accel, offload=offload, kv_nbytes=kv_nbytes, gpu_memory_utilization=gpu_memory_utilization,
+    args = dict(accel=accel, offload=offload, kv_nbytes=kv_nbytes,
+                gpu_memory_utilization=gpu_memory_utilization,
                 infer_bytes=infer_bytes, bucket_nbytes=bucket_nbytes, sleep_level=sleep_level)
     states = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)
     chosen = _ranks_to_plan(spec, setup, infer, world, ranks, infer_bytes)
     predictions = tuple(predict_rank(spec, setup, infer, world, r, state=states[r], **args) for r in chosen)
-    nodes = node_hosts([_rank_host(s, setup, accel, offload, sleep_level) for s in states], accel.devices_per_node)
+    nodes = node_hosts([_rank_host(s, setup, accel, offload, sleep_level) for s in states],
+                       accel.devices_per_node)
     result = ClusterPlan(world, accel, accel.memory_nbytes, predictions, (), nodes, accel.host_memory_nbytes,
                          sleep_level)
     if advise and not result.fits:

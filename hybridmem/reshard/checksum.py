@@ -1,12 +1,12 @@
 """Runtime check of a weight sync: per-cell checksums compared between sender and receiver.
 
-Every cell of a plan (a local copy or a transfer, see [Note: plan cells]) gets two float64 figures,
-computed once from the source tensor by the rank that sends it and once from the destination tensor by
-the rank that received it: the plain sum and a position-weighted sum ``u(row) @ X @ v(col)`` whose
-weights depend on the cell's position in the HF-full tensor, so swapped rows or columns (a wrong
-interleave) change it. Each sender passes its figures to the receiver of each cell (one message per
-peer, cells in plan order, so a rank's own share of the plan is enough), the receiver compares, and
-one ``all_reduce`` of one count per rank tells every rank whether any rank found a mismatch: every rank
+Every cell of a plan (a local copy or a transfer, see [Note: plan cells] in :mod:`hybridmem.reshard.plan`)
+gets two float64 figures, computed once from the source tensor by the rank that sends it and once from the
+destination tensor by the rank that received it: the plain sum and a position-weighted sum
+``u(row) @ X @ v(col)`` whose weights depend on the cell's position in the HF-full tensor, so swapped rows
+or columns (a wrong interleave) change it. Each sender passes its figures to the receiver of each cell (one
+message per peer, cells in plan order, so a rank's own share of the plan is enough), the receiver compares,
+and one ``all_reduce`` of one count per rank tells every rank whether any rank found a mismatch: every rank
 then raises :class:`~hybridmem.errors.WeightSyncError`, the finding rank naming the tensor, the slice
 and both ranks, the others naming the ranks that found it. Cost: one extra read of the weights in
 float64 chunks (bounded by ``_CHUNK_NUMEL``), ``2`` doubles per cell sent, and ``world`` doubles summed.
@@ -58,7 +58,8 @@ def box_checksum(x: torch.Tensor, box: Box) -> tuple[float, float]:
 @functools.lru_cache(maxsize=16)
 def _cells(plan: ReshardPlan, rank: int) -> tuple[Transfer, ...]:
     """The cells ``rank`` sends, receives or copies: its local copies, then each step's in plan order."""
-    return (*plan.local[rank], *(t for bucket in plan.buckets for t in bucket if rank in (t.src_rank, t.dst_rank)))
+    return (*plan.local[rank],
+            *(t for bucket in plan.buckets for t in bucket if rank in (t.src_rank, t.dst_rank)))
 
 
 class CellChecksums:
@@ -102,7 +103,8 @@ class CellChecksums:
         for name in self._dst_by_name:
             self.add_destination(name, dst[name])
 
-    def compare(self, group: Any = None, *, device: torch.device | str = "cpu", bound: Bound | None = None) -> int:
+    def compare(self, group: Any = None, *, device: torch.device | str = "cpu",
+                bound: Bound | None = None) -> int:
         """Pass source figures to the receivers, compare, and agree on the outcome over ``group``;
         returns the number of cells this rank checked (those it received or copied).
 
@@ -124,15 +126,16 @@ class CellChecksums:
         counts[self.rank] = len(bad)
         if self.plan.world_size > 1:
             work = dist.all_reduce(counts, group=group, async_op=True)
-            wait_all([(work, tuple(range(self.plan.world_size)))], bound, "the weight sync's checksum comparison")
+            wait_all([(work, tuple(range(self.plan.world_size)))], bound,
+                     "the weight sync's checksum comparison")
         counts = counts.cpu()
         if bad:
             t = cells[bad[0]]
             raise WeightSyncError(
                 f"weight sync corrupted {len(bad)} of {len(mine)} slices written on rank {self.rank}; first: "
-                f"{t.hf_name} slice {list(t.box)} sent by rank {t.src_rank} ({t.src_name}) and written on rank "
-                f"{t.dst_rank} into {t.dst_name}: checksums (sum, weighted) {sent_figures[bad[0]].tolist()} sent "
-                f"vs {received[bad[0]].tolist()} received"
+                f"{t.hf_name} slice {list(t.box)} sent by rank {t.src_rank} ({t.src_name}) and written on "
+                f"rank {t.dst_rank} into {t.dst_name}: checksums (sum, weighted) "
+                f"{sent_figures[bad[0]].tolist()} sent vs {received[bad[0]].tolist()} received"
             )
         if counts.sum() > 0:
             found = {r: int(n) for r, n in enumerate(counts.tolist()) if n}
@@ -185,9 +188,10 @@ def _raise_on_mismatch(cells: Sequence[Transfer], figures: torch.Tensor) -> int:
     if bad:
         t = cells[bad[0]]
         raise WeightSyncError(
-            f"weight sync corrupted {len(bad)} of {len(cells)} slices; first: {t.hf_name} slice {list(t.box)} "
-            f"sent by rank {t.src_rank} ({t.src_name}) and written on rank {t.dst_rank} into {t.dst_name}: "
-            f"checksums (sum, weighted) {src[bad[0]].tolist()} sent vs {dst[bad[0]].tolist()} received"
+            f"weight sync corrupted {len(bad)} of {len(cells)} slices; first: {t.hf_name} slice "
+            f"{list(t.box)} sent by rank {t.src_rank} ({t.src_name}) and written on rank {t.dst_rank} into "
+            f"{t.dst_name}: checksums (sum, weighted) {src[bad[0]].tolist()} sent vs {dst[bad[0]].tolist()} "
+            "received"
         )
     return figures.shape[1]
 
@@ -204,6 +208,8 @@ def verify_offline(plan: ReshardPlan, src: Sequence[Mapping[str, torch.Tensor]],
     cells = _whole_cells(plan)
     figures = torch.zeros(2, len(cells), 2, dtype=torch.float64)
     for i, t in enumerate(cells):
-        figures[0, i] = torch.tensor(box_checksum(piece_view(src[t.src_rank][t.src_name], t.src_piece, t.box), t.box))
-        figures[1, i] = torch.tensor(box_checksum(piece_view(dst[t.dst_rank][t.dst_name], t.dst_piece, t.box), t.box))
+        sent = piece_view(src[t.src_rank][t.src_name], t.src_piece, t.box)
+        received = piece_view(dst[t.dst_rank][t.dst_name], t.dst_piece, t.box)
+        figures[0, i] = torch.tensor(box_checksum(sent, t.box))
+        figures[1, i] = torch.tensor(box_checksum(received, t.box))
     return _raise_on_mismatch(cells, figures)

@@ -1,5 +1,5 @@
-"""What each side of a layout names and shards its own way (:class:`Side` and its conventions), and where a rank
-sits in a layout (:class:`RankCoords`)."""
+"""What each side of a layout names and shards its own way (:class:`Side` and its conventions), and where a
+rank sits in a layout (:class:`RankCoords`)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ class MegatronConvention:
     """``"local"``: ``input_layernorm``/``pre_mlp_layernorm``; ``"te"``: fused into
     ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight`` (Transformer Engine spec)."""
     stage_layers: tuple[int, ...] | None = None
-    """Layers of each pipeline stage, first to last (see [Note: uneven stages]); ``None``: the same number
-    on every stage (``pp`` must divide the layers)."""
+    """Layers of each pipeline stage, first to last (see [Note: uneven stages] in
+    :mod:`hybridmem.reshard.stages`); ``None``: the same number on every stage (``pp`` must divide the
+    layers)."""
 
     def __post_init__(self) -> None:
         check_stage_layers(self.stage_layers)
@@ -58,10 +59,11 @@ class VLLMConvention:
     version: str | None = None
     """The vLLM release series the names follow, one of :data:`SUPPORTED_VLLM_VERSIONS` (a full version
     such as ``"0.33.0"`` is accepted); ``None``: decided by :func:`vllm_layout` (see
-    [Note: vLLM versions])."""
+    [Note: vLLM versions] in :mod:`hybridmem.reshard.vllm_versions`)."""
     stage_layers: tuple[int, ...] | None = None
     """Layers of each pipeline stage, as ``VLLM_PP_LAYER_PARTITION`` gives them to vLLM (see [Note: uneven
-    stages]); ``None``: that variable of this process's environment when set, else vLLM's own split."""
+    stages] in :mod:`hybridmem.reshard.stages`); ``None``: that variable of this process's environment when
+    set, else vLLM's own split."""
 
     def __post_init__(self) -> None:
         check_stage_layers(self.stage_layers)

@@ -13,9 +13,9 @@ the end, so the results are ready for whatever is queued next.
 A receiver sizes its staging buffer from the plan in elements of the wire dtype, so every rank must
 use the same one: sources of another dtype (Megatron keeps some norms in fp32 beside bf16 weights)
 are cast to it when packed, and received slices are cast to each destination tensor's dtype when
-unpacked. ``hybridmem.weight_sync.ReshardSync`` passes its ``dtype`` on every rank; by default the dtype holding most of the
-training weights' bytes, which is the same on every rank of a real model (see [Note: no silent dtype
-change] in :mod:`hybridmem.weight_sync`).
+unpacked. ``hybridmem.weight_sync.ReshardSync`` passes its ``dtype`` on every rank; by default the dtype
+holding most of the training weights' bytes, which is the same on every rank of a real model (see [Note: no
+silent dtype change] in :mod:`hybridmem.weight_sync.base`).
 
 [Note: collective deadlines]
 A rank that dies or hangs mid-sync would leave every peer waiting in its ``batch_isend_irecv`` until the
@@ -95,7 +95,8 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
     expected = plan.src.tensors(rank)
     missing = [n for n in expected if n not in src]
     if missing:
-        raise ValueError(f"rank {rank}: source tensors lack {missing[:5]} ({len(missing)} of {len(expected)})")
+        raise ValueError(f"rank {rank}: source tensors lack {missing[:5]} "
+                         f"({len(missing)} of {len(expected)})")
     for name, local in expected.items():
         if tuple(src[name].shape) != local.shape:
             raise ValueError(
@@ -106,14 +107,15 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
     dtype = first.dtype if dtype is None else dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     if itemsize != plan.itemsize:
-        raise ValueError(f"rank {rank}: wire dtype {dtype} has {itemsize} bytes per element, plan has {plan.itemsize}")
+        raise ValueError(f"rank {rank}: wire dtype {dtype} has {itemsize} bytes per element, plan has "
+                         f"{plan.itemsize}")
     return dtype, first.device
 
 
-def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.Tensor],
-              group: Any, dtype: torch.dtype,
-              device: torch.device, deadline: Bound | None) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
-                                                                    dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
+def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.Tensor], group: Any,
+              dtype: torch.dtype, device: torch.device, deadline: Bound | None
+              ) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
+                         dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
     """Post and wait for the sends and receives of bucket ``index``; returns what arrived, per (peer, dtype).
 
     Each peer gets one buffer per dtype on the wire (see [Note: wire dtype]), posted in the same order
@@ -131,7 +133,8 @@ def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.
     send_bufs = {}
     for key in sorted(sends, key=_order):
         peer, wire = key
-        buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire) for t in sends[key]])
+        buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire)
+                         for t in sends[key]])
         send_bufs[key] = buf
         ops.append(dist.P2POp(dist.isend, buf, global_rank(group, peer), group))
         peers.append(peer)
@@ -142,7 +145,8 @@ def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.
         recv_bufs[key] = buf
         ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group))
         peers.append(peer)
-    exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the resharding plan")
+    exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the "
+                                   "resharding plan")
     sent = sum(b.numel() * b.element_size() for b in send_bufs.values())
     received = sum(b.numel() * b.element_size() for b in recv_bufs.values())
     return recvs, recv_bufs, sent, received
@@ -153,7 +157,8 @@ def _order(key: tuple[int, torch.dtype]) -> tuple[int, int]:
     return key[0], key[1] == torch.float32
 
 
-def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]], bufs: dict[tuple[int, torch.dtype], torch.Tensor],
+def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]],
+            bufs: dict[tuple[int, torch.dtype], torch.Tensor],
             dst: MutableMapping[str, torch.Tensor], written: dict[str, int] | None = None) -> None:
     for key, ts in recvs.items():
         offset = 0
@@ -166,7 +171,8 @@ def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]], bufs: dict[tup
             offset += n
 
 
-def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor], dst: MutableMapping[str, torch.Tensor],
+def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor],
+                dst: MutableMapping[str, torch.Tensor],
                 dtype: torch.dtype, written: dict[str, int] | None = None) -> set[str]:
     """This rank's local cells, cast as they would be on the wire; returns the destination names."""
     names = set()
@@ -199,7 +205,8 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
         dtype: The element type on the wire and of allocated destinations, the same on every rank
             (see [Note: wire dtype]); ``None``: the first source tensor's.
         written: When given, receives the number of elements written into each destination tensor,
-            counted at each copy (the weight-coverage proof, [Note: weight coverage] in hybridmem.weight_sync).
+            counted at each copy (the weight-coverage proof, [Note: weight coverage] in
+            :mod:`hybridmem.weight_sync`).
         deadline_s: Seconds from the call within which every collective must complete (see [Note:
             collective deadlines]); ``None``: no bound but the process group's own timeout.
 
@@ -221,9 +228,11 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     else:
         for name, local in expected.items():
             if name not in dst:
-                raise ValueError(f"rank {rank}: destination lacks {name} (a {plan.dst.side.value} {plan.dst.parallel} tensor)")
+                raise ValueError(f"rank {rank}: destination lacks {name} (a {plan.dst.side.value} "
+                                 f"{plan.dst.parallel} tensor)")
             if tuple(dst[name].shape) != local.shape:
-                raise ValueError(f"rank {rank}: destination {name} has shape {tuple(dst[name].shape)}, expected {local.shape}")
+                raise ValueError(f"rank {rank}: destination {name} has shape {tuple(dst[name].shape)}, "
+                                 f"expected {local.shape}")
             if sum(p.numel for p in local.pieces) < local.numel:
                 dst[name].zero_()
     accel = get_accelerator(device)
@@ -319,7 +328,8 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
             yield from done(touched)
     left = {n: k for n, k in remaining.items() if k}
     if left:
-        raise RuntimeError(f"rank {rank}: plan left {len(left)} HF tensors incomplete, e.g. {next(iter(left))}")
+        raise RuntimeError(f"rank {rank}: plan left {len(left)} HF tensors incomplete, e.g. "
+                           f"{next(iter(left))}")
     if stats is not None:
         stats.append(TransferStats(num_tensors=len(expected), sent_nbytes=sent, received_nbytes=received,
                                min_received_nbytes=plan.min_recv_nbytes(rank), temp_peak_nbytes=peak,

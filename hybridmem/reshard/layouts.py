@@ -2,10 +2,11 @@
 
 A :class:`ShardLayout` is (ModelSpec, ParallelLayout, world size, convention). ``layout.tensors(rank)``
 gives that rank's tensor names and, for each, a :class:`~hybridmem.reshard.transforms.LocalTensor`
-(see [Note: pieces]). The per-layer mapping is one table, :data:`LAYER_RULES`: each row names the HF
-tensors, the Megatron name, the vLLM name and the transform kind, over the canonical names of [Note:
-canonical names] in :mod:`hybridmem.models.family`; a family's own checkpoint and vLLM names come from its
-description, and pieces are rewritten to the checkpoint's names last (:func:`_to_checkpoint`).
+(see [Note: pieces] in :mod:`hybridmem.reshard.transforms`). The per-layer mapping is one table,
+:data:`LAYER_RULES`: each row names the HF tensors, the Megatron name, the vLLM name and the transform kind,
+over the canonical names of [Note: canonical names] in :mod:`hybridmem.models.family`; a family's own
+checkpoint and vLLM names come from its description, and pieces are rewritten to the checkpoint's names last
+(:func:`_to_checkpoint`).
 
 Rank order:
 
@@ -16,10 +17,22 @@ Rank order:
   ``ep_rank = (replica * tp + tp_rank) % ep`` (vLLM uses ``ep = dp * tp``; smaller ``ep`` replicates).
 
 The pieces of this package each have one job: :mod:`~hybridmem.reshard.vllm_versions` (which vLLM release a
-layout follows, [Note: vLLM versions]), :mod:`~hybridmem.reshard.conventions` (each side's naming options, a
-rank's coordinates), :mod:`~hybridmem.reshard.stages` (layers per pipeline stage, [Note: uneven stages]),
-:mod:`~hybridmem.reshard.rules` (the table and its kinds); this module assembles a rank's tensors from them and
-checks that a layout is valid.
+layout follows, [Note: vLLM versions] in :mod:`hybridmem.reshard.vllm_versions`),
+:mod:`~hybridmem.reshard.conventions` (each side's naming options, a rank's coordinates),
+:mod:`~hybridmem.reshard.stages` (layers per pipeline stage, [Note: uneven stages] in
+:mod:`hybridmem.reshard.stages`), :mod:`~hybridmem.reshard.rules` (the table and its kinds); this module
+assembles a rank's tensors from them and checks that a layout is valid.
+
+[Note: layout parts]
+A rank's tensors are two parts that depend on different coordinates: the dense part (embedding,
+attention, dense MLP, norms, head) on the tp rank and the stage, the expert part (routed experts) on
+the expert-parallel and expert-tp ranks and the stage. Ranks with equal coordinates for a part hold
+the same tensors of it, so a plan can learn who holds a tensor from one build per group of such ranks
+(:meth:`ShardLayout.part_groups`) instead of one per rank: a few dense groups and, for a MoE model,
+the expert groups of the experts it asks about. ``_tensors`` is the union of the two parts, built by
+the same function (``_part_tensors``); tests/reshard/test_rank_plan.py checks they agree. An HF layout
+has one part (each stage holds whole tensors). Layouts of other kinds (the HF source layouts of
+FSDP2) give one part grouped their own way; a plan uses only ``part_groups``.
 """
 
 from __future__ import annotations
@@ -120,7 +133,8 @@ def _part_groups(layout: ShardLayout) -> tuple[PartGroups, ...]:
 _EXPERT_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
-def _expert_keys(spec: ModelSpec, by_expert: Mapping[int, list[RankCoords]], hf_name: str) -> list[RankCoords]:
+def _expert_keys(spec: ModelSpec,
+                 by_expert: Mapping[int, list[RankCoords]], hf_name: str) -> list[RankCoords]:
     """The expert groups holding a piece of checkpoint tensor ``hf_name``: those of its experts' ep ranks
     whose stage has its layer."""
     keys: dict[RankCoords, None] = {}
@@ -135,18 +149,6 @@ def _expert_keys(spec: ModelSpec, by_expert: Mapping[int, list[RankCoords]], hf_
     return list(keys)
 
 
-# [Note: layout parts]
-# A rank's tensors are two parts that depend on different coordinates: the dense part (embedding,
-# attention, dense MLP, norms, head) on the tp rank and the stage, the expert part (routed experts) on
-# the expert-parallel and expert-tp ranks and the stage. Ranks with equal coordinates for a part hold
-# the same tensors of it, so a plan can learn who holds a tensor from one build per group of such ranks
-# (:meth:`ShardLayout.part_groups`) instead of one per rank: a few dense groups and, for a MoE model,
-# the expert groups of the experts it asks about. ``_tensors`` is the union of the two parts, built by
-# the same function (``_part_tensors``); tests/reshard/test_rank_plan.py checks they agree. An HF layout
-# has one part (each stage holds whole tensors). Layouts of other kinds (the HF source layouts of
-# FSDP2) give one part grouped their own way; a plan uses only ``part_groups``.
-
-
 class Part(Enum):
     """Which of a rank's tensors to build (see [Note: layout parts])."""
 
@@ -155,11 +157,10 @@ class Part(Enum):
     EXPERTS = "experts"
 
 
-
-
 @dataclass(frozen=True, eq=False)
 class PartGroups:
-    """The rank groups of one part: ranks grouped by the coordinates the part of their tensors depends on (see [Note: layout parts])."""
+    """The rank groups of one part: ranks grouped by the coordinates the part of their tensors depends on (see
+    [Note: layout parts])."""
 
     groups: Mapping[Any, tuple[int, ...]]
     """Group key -> its ranks, ascending; every rank is in exactly one group."""
@@ -175,11 +176,13 @@ def _coords(layout: ShardLayout, rank: int) -> RankCoords:
         raise ValueError(f"rank={rank} outside world_size={layout.world_size}")
     p, n = layout.parallel, layout.spec.num_hidden_layers
     tp, pp, ep = p.tp, p.pp, p.ep
-    stages = layout.convention.stage_layers  # resolved when the layout was built ([Note: uneven stages])
+    # resolved when the layout was built ([Note: uneven stages] in :mod:`hybridmem.reshard.stages`)
+    stages = layout.convention.stage_layers
     if layout.side is Side.MEGATRON:
         dp = layout.world_size // (tp * pp)
         dp_rank, pp_rank = (rank // tp) % dp, rank // (tp * dp)
-        layers = stage_range(stages, pp_rank) if stages is not None else tuple(range(pp_rank * (n // pp), (pp_rank + 1) * (n // pp)))
+        layers = (stage_range(stages, pp_rank) if stages is not None
+                  else tuple(range(pp_rank * (n // pp), (pp_rank + 1) * (n // pp))))
         return RankCoords(rank % tp, tp, pp_rank, pp, rank % tp, tp, dp_rank % ep, ep, layers)
     replica, tp_rank, pp_rank = rank // (tp * pp), rank % tp, (rank // tp) % pp
     layers = stage_range(stages, pp_rank)
@@ -199,7 +202,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
     """The tensors of a rank at ``c``, or only those of one :class:`Part` (see [Note: layout parts])."""
     spec, side = layout.spec, layout.side
     if spec.multimodal:
-        return _multimodal_names(spec, side, _part_tensors(replace(layout, spec=replace(spec, multimodal="")), c, part))
+        return _multimodal_names(spec, side,
+                                 _part_tensors(replace(layout, spec=replace(spec, multimodal="")), c, part))
     if part is Part.EXPERTS and side is Side.HF:
         return {}  # an HF stage holds whole tensors: all of them are in its dense part
     dense, experts = part is not Part.EXPERTS, part is not Part.DENSE
@@ -232,7 +236,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
         rows = vocab_rows(side, spec, layout.convention, c)
         return pad_rows(name, shapes[name], padded_rows=rows, rank=c.tp_rank, num=c.tp)
 
-    # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions]).
+    # vLLM builds some families' embedding, final norm and head on every stage ([Note: vLLM versions] in
+    # :mod:`hybridmem.reshard.vllm_versions`).
     every_stage = side is Side.VLLM and spec.description.vllm_every_stage
     if not dense:
         pass
@@ -252,7 +257,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
                 out.update(built)
     if dense and (c.last_stage or every_stage):
         if side is Side.MEGATRON:
-            out["decoder.final_layernorm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
+            out["decoder.final_layernorm.weight"] = replicate("model.norm.weight",
+                                                              shapes["model.norm.weight"])
             # Tied: Megatron keeps a copy of the embedding as output_layer on the last stage when pp > 1.
             if not spec.tie_word_embeddings or c.pp > 1:
                 out["output_layer.weight"] = vocab(head)
@@ -276,8 +282,9 @@ def _multimodal_names(spec: ModelSpec, side: Side, text: dict[str, LocalTensor])
 def to_checkpoint_names(where: Mapping[str, Placement], local: LocalTensor) -> LocalTensor:
     """``local`` with its pieces naming checkpoint tensors instead of canonical ones (a renamed tensor;
     rows of a fused one: the box shifted by the block's first row; one expert of a stacked one: the box
-    under a leading ``(e, e + 1)``, transposed where the checkpoint is; see [Note: canonical names]);
-    ``where`` is the spec's :meth:`~hybridmem.reshard.ModelSpec.checkpoint_names`."""
+    under a leading ``(e, e + 1)``, transposed where the checkpoint is; see [Note: canonical names] in
+    :mod:`hybridmem.models.family`); ``where`` is the spec's
+    :meth:`~hybridmem.reshard.ModelSpec.checkpoint_names`."""
     pieces = []
     for p in local.pieces:
         at = where[p.hf_name]
@@ -322,8 +329,8 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
     if spec.description.megatron is not None:
         raise ValueError(f"family={spec.family!r} has no Megatron-core layout: {spec.description.megatron}")
     if spec.multimodal:
-        raise ValueError(f"multimodal={spec.multimodal!r} (family={spec.family!r}) has no Megatron-core layout: "
-                         f"hybridmem's Megatron names are those of the text model alone")
+        raise ValueError(f"multimodal={spec.multimodal!r} (family={spec.family!r}) has no Megatron-core "
+                         "layout: hybridmem's Megatron names are those of the text model alone")
     dp = _check_world(parallel, world_size, "training layout")
     tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
     if tp > spec.num_key_value_heads or spec.num_key_value_heads % tp:
@@ -336,8 +343,8 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
         validate_stages(conv.stage_layers, spec.num_hidden_layers, pp, "Megatron")
     elif spec.num_hidden_layers % pp:
         raise ValueError(
-            f"training pp={pp} does not divide num_hidden_layers={spec.num_hidden_layers}: give the stages' layer "
-            f"counts (MegatronConvention(stage_layers=...), megatron_stage_layers(first=, last=))"
+            f"training pp={pp} does not divide num_hidden_layers={spec.num_hidden_layers}: give the stages' "
+            "layer counts (MegatronConvention(stage_layers=...), megatron_stage_layers(first=, last=))"
         )
     if spec.has_dense_layers and spec.intermediate_size % tp:
         raise ValueError(f"training tp={tp} does not divide intermediate_size={spec.intermediate_size}")
@@ -345,7 +352,8 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
         _check_megatron_mla(spec, tp, conv)
     if spec.is_moe:
         if dp % ep:
-            raise ValueError(f"training ep={ep} does not divide dp={dp} (world_size={world_size}, tp={tp}, pp={pp})")
+            raise ValueError(f"training ep={ep} does not divide dp={dp} (world_size={world_size}, tp={tp}, "
+                             f"pp={pp})")
         if spec.num_experts % ep:
             raise ValueError(f"training ep={ep} does not divide num_experts={spec.num_experts}")
         if spec.moe_intermediate_size % tp or spec.shared_expert_intermediate_size % tp:
@@ -355,24 +363,27 @@ def megatron_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, 
             )
     elif ep != 1:
         raise ValueError(f"ep={ep} given for a dense model")
-    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.MEGATRON, convention=conv)
+    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size,
+                       side=Side.MEGATRON, convention=conv)
 
 
 def _check_megatron_mla(spec: ModelSpec, tp: int, conv: MegatronConvention) -> None:
     if conv.norm_style != "local":
-        raise ValueError(f"norm_style={conv.norm_style!r} is not supported for MLA (deepseek_v3); expected 'local'")
+        raise ValueError(f"norm_style={conv.norm_style!r} is not supported for MLA (deepseek_v3); expected "
+                         "'local'")
     # The local spec's MLA down-projections are column-parallel too, so their rows must split evenly.
     kv_a = spec.kv_lora_rank + spec.qk_rope_head_dim
     if spec.q_lora_rank % tp or kv_a % tp:
         raise ValueError(
-            f"training tp={tp} must divide q_lora_rank={spec.q_lora_rank} and kv_lora_rank + qk_rope_head_dim="
-            f"{kv_a} (Megatron's MLA splits both down-projections by rows)"
+            f"training tp={tp} must divide q_lora_rank={spec.q_lora_rank} and kv_lora_rank + "
+            f"qk_rope_head_dim={kv_a} (Megatron's MLA splits both down-projections by rows)"
         )
 
 
 def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
                 convention: VLLMConvention | None = None, vllm_version: str | None = None) -> ShardLayout:
-    """The vLLM inference layout, for one vLLM release series (see [Note: vLLM versions]).
+    """The vLLM inference layout, for one vLLM release series (see [Note: vLLM versions] in
+    :mod:`hybridmem.reshard.vllm_versions`).
 
     Args:
         spec: The model.
@@ -403,16 +414,19 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
         if (tp >= nkv and tp % nkv) or (tp < nkv and nkv % tp):
             raise ValueError(f"inference tp={tp} and num_key_value_heads={nkv}: one must divide the other")
     if spec.linear_attention_layers and (spec.linear_num_key_heads % tp or spec.linear_num_value_heads % tp):
-        raise ValueError(f"inference tp={tp} must divide linear_num_key_heads={spec.linear_num_key_heads} and "
-                         f"linear_num_value_heads={spec.linear_num_value_heads} (vLLM splits the gated delta-net "
-                         f"by heads)")
+        raise ValueError(f"inference tp={tp} must divide linear_num_key_heads={spec.linear_num_key_heads} "
+                         f"and linear_num_value_heads={spec.linear_num_value_heads} (vLLM splits the gated "
+                         "delta-net by heads)")
     if pp > spec.num_hidden_layers:
         raise ValueError(f"inference pp={pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
-    # [Note: uneven stages]: the split is fixed here, so a later change of the environment cannot move it.
-    conv = dataclasses.replace(conv, stage_layers=engine_stage_layers(conv.stage_layers, spec.num_hidden_layers, pp))
+    # [Note: uneven stages] in :mod:`hybridmem.reshard.stages`: the split is fixed here, so a later change of
+    # the environment cannot move it.
+    conv = dataclasses.replace(conv, stage_layers=engine_stage_layers(conv.stage_layers,
+                                                                      spec.num_hidden_layers, pp))
     padded = -(-spec.vocab_size // conv.vocab_padding) * conv.vocab_padding
     if padded % tp:
-        raise ValueError(f"inference tp={tp} does not divide the padded vocab {padded} (vocab_size={spec.vocab_size})")
+        raise ValueError(f"inference tp={tp} does not divide the padded vocab {padded} "
+                         f"(vocab_size={spec.vocab_size})")
     if spec.has_dense_layers and spec.intermediate_size % tp:
         raise ValueError(f"inference tp={tp} does not divide intermediate_size={spec.intermediate_size}")
     if spec.is_moe:
@@ -445,5 +459,7 @@ def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
         raise ValueError(f"pp={parallel.pp} exceeds num_hidden_layers={spec.num_hidden_layers}")
     resolve_vllm_version(vllm_version)
     convention = HFConvention(every_stage=spec.description.vllm_every_stage,
-                              stage_layers=engine_stage_layers(stage_layers, spec.num_hidden_layers, parallel.pp))
-    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.HF, convention=convention)
+                              stage_layers=engine_stage_layers(stage_layers,
+                                                               spec.num_hidden_layers, parallel.pp))
+    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size,
+                       side=Side.HF, convention=convention)

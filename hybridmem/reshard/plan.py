@@ -81,7 +81,8 @@ class ReshardPlan:
         local: Per rank, the cells it copies from its own source tensors (a tuple over all ranks for
             the whole plan; ``{rank: cells}`` for a share).
         buckets: Per step, the transfers between different ranks (a share: those of its rank).
-        keys: Per step, its ``(window, shift, chunk)`` key ([Note: plan schedule]).
+        keys: Per step, its ``(window, shift, chunk)`` key ([Note: plan schedule] in
+            :mod:`hybridmem.reshard.schedule`).
     """
 
     def __init__(self, src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int,
@@ -120,7 +121,8 @@ class ReshardPlan:
 
     def _mine(self, rank: int) -> int:
         if self.rank is not None and rank != self.rank:
-            raise ValueError(f"this plan is rank {self.rank}'s share; build_plan(..., rank={rank}) gives rank {rank}'s")
+            raise ValueError(f"this plan is rank {self.rank}'s share; build_plan(..., rank={rank}) gives "
+                             f"rank {rank}'s")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} outside world_size={self.world_size}")
         return rank
@@ -242,13 +244,15 @@ def _whole(src: ShardLayout, dst: ShardLayout) -> tuple[list[list[Transfer]], li
     # wanting a piece that meets the box, ascending, holders excluded.
     first = {hf: {box: {r: (r, n, p) for r, n, p in reversed(owners)} for box, owners in boxes.items()}
              for hf, boxes in holders.items()}
-    ranks = {hf: {box: tuple(sorted(by_rank)) for box, by_rank in boxes.items()} for hf, boxes in first.items()}
+    ranks = {hf: {box: tuple(sorted(by_rank)) for box, by_rank in boxes.items()}
+             for hf, boxes in first.items()}
     wanted: dict[str, list[tuple[int, Box]]] = defaultdict(list)
     for d in range(world):
         for dlocal in dst.tensors(d).values():
             for dp in dlocal.pieces:
                 wanted[dp.hf_name].append((d, dp.src))
-    consumers = {hf: {box: tuple(sorted({d for d, want in wanted[hf] if box_intersection(want, box)} - set(by_rank)))
+    consumers = {hf: {box: tuple(sorted({d for d, want in wanted[hf]
+                                         if box_intersection(want, box)} - set(by_rank)))
                       for box, by_rank in boxes.items()} for hf, boxes in first.items()}
     local: list[list[Transfer]] = [[] for _ in range(world)]
     remote: list[Transfer] = []
@@ -287,7 +291,8 @@ def _share(src: ShardLayout, dst: ShardLayout, rank: int) -> tuple[list[list[Tra
                 cell = box_intersection(dp.src, box)
                 if cell is None:
                     continue
-                s = rank if rank in holders else sender_of(holders.ranks, want.wanting(dp.hf_name, box, holders.ranks),
+                s = rank if rank in holders else sender_of(holders.ranks,
+                                                           want.wanting(dp.hf_name, box, holders.ranks),
                                                              rank)
                 held = holders.held_by(s)
                 t = Transfer(s, rank, dp.hf_name, cell, held.name, held.piece, dname, dp)

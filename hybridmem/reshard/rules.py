@@ -1,8 +1,9 @@
-"""The per-layer mapping as one table, :data:`LAYER_RULES`, and the kinds that build one row's tensors on one rank.
+"""The per-layer mapping as one table, :data:`LAYER_RULES`, and the kinds that build one row's tensors on one
+rank.
 
-Each row names the HF tensors (canonical names, see [Note: canonical names] in :mod:`hybridmem.models.family`),
-the Megatron name, the vLLM name and the transform kind; :func:`build_rule` gives a row's tensors on a rank of a
-layout (:mod:`hybridmem.reshard.layouts` assembles them).
+Each row names the HF tensors (canonical names, see [Note: canonical names] in
+:mod:`hybridmem.models.family`), the Megatron name, the vLLM name and the transform kind; :func:`build_rule`
+gives a row's tensors on a rank of a layout (:mod:`hybridmem.reshard.layouts` assembles them).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from hybridmem.reshard.transforms import (
     stack,
 )
 
-__all__ = ["LayerRule", "LAYER_RULES", "EXPERT_KINDS", "Shapes", "build_rule", "expert_range", "rotary_permuted",
-           "vocab_rows", "vllm_loaded_hf_names"]
+__all__ = ["LayerRule", "LAYER_RULES", "EXPERT_KINDS", "Shapes", "build_rule", "expert_range",
+           "rotary_permuted", "vocab_rows", "vllm_loaded_hf_names"]
 
 
 # The table.
@@ -42,10 +43,10 @@ class LayerRule:
 
     ``hf`` are suffixes after ``model.layers.{i}.``; ``megatron`` after ``decoder.layers.{l}.`` (``l``
     the stage-local index); ``vllm`` after ``model.layers.{i}.``, or ``<field>``: that field of the
-    release's :class:`VLLMNames` (see [Note: vLLM versions]); ``None`` where that side has no such
-    tensor (DeepSeek's fused ``q_a``/``kv_a`` in vLLM are two tensors in Megatron). ``{e}`` in an ``hf``
-    suffix is a global expert index, ``{j}`` in a Megatron name a local expert index. ``when(spec, i)``
-    says whether global layer ``i`` has the tensor.
+    release's :class:`VLLMNames` (see [Note: vLLM versions] in :mod:`hybridmem.reshard.vllm_versions`);
+    ``None`` where that side has no such tensor (DeepSeek's fused ``q_a``/``kv_a`` in vLLM are two tensors in
+    Megatron). ``{e}`` in an ``hf`` suffix is a global expert index, ``{j}`` in a Megatron name a local expert
+    index. ``when(spec, i)`` says whether global layer ``i`` has the tensor.
     """
 
     hf: tuple[str, ...]
@@ -90,7 +91,8 @@ def _moe(spec: ModelSpec, i: int) -> bool:
 
 
 def _split_experts(spec: ModelSpec, i: int) -> bool:
-    return spec.is_moe_layer(i) and not spec.description.experts_interleaved and not spec.description.experts_fused_gate_up
+    d = spec.description
+    return spec.is_moe_layer(i) and not d.experts_interleaved and not d.experts_fused_gate_up
 
 
 def _fused_gate_up_experts(spec: ModelSpec, i: int) -> bool:
@@ -142,8 +144,10 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     LayerRule(("self_attn.k_norm.weight",), "self_attention.k_layernorm.weight", "self_attn.k_norm.weight",
               "replicate", when=_per_head_qk_norm),
     # MiniMax-M2: one norm over all heads, split by heads as q_proj's and k_proj's rows (no Megatron form).
-    LayerRule(("self_attn.q_norm.weight",), None, "self_attn.q_norm.weight", "column", when=_all_heads_qk_norm),
-    LayerRule(("self_attn.k_norm.weight",), None, "self_attn.k_norm.weight", "kv_rows", when=_all_heads_qk_norm),
+    LayerRule(("self_attn.q_norm.weight",), None, "self_attn.q_norm.weight",
+              "column", when=_all_heads_qk_norm),
+    LayerRule(("self_attn.k_norm.weight",), None, "self_attn.k_norm.weight",
+              "kv_rows", when=_all_heads_qk_norm),
     # DeepSeek MLA. Megatron's local spec makes both down-projections column-parallel; vLLM keeps them
     # whole on every rank, q_a and kv_a fused into one tensor ([q_a; kv_a_with_mqa]).
     LayerRule(("self_attn.q_a_proj.weight",), "self_attention.linear_q_down_proj.weight", None, "column",
@@ -152,58 +156,66 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "column", when=_mla),
     LayerRule(("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"), None,
               "self_attn.fused_qkv_a_proj.weight", "concat", when=_mla_q_lora),
-    LayerRule(("self_attn.kv_a_proj_with_mqa.weight",), None, "self_attn.kv_a_proj_with_mqa.weight", "replicate",
-              when=_mla_no_q_lora),
+    LayerRule(("self_attn.kv_a_proj_with_mqa.weight",), None, "self_attn.kv_a_proj_with_mqa.weight",
+              "replicate", when=_mla_no_q_lora),
     LayerRule(("self_attn.q_a_layernorm.weight",), "self_attention.q_layernorm.weight",
               "self_attn.q_a_layernorm.weight", "replicate", when=_mla_q_lora),
-    LayerRule(("self_attn.q_b_proj.weight",), "self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight",
-              "column", when=_mla_q_lora),
+    LayerRule(("self_attn.q_b_proj.weight",), "self_attention.linear_q_up_proj.weight",
+              "self_attn.q_b_proj.weight", "column", when=_mla_q_lora),
     LayerRule(("self_attn.q_proj.weight",), "self_attention.linear_q_proj.weight", "self_attn.q_proj.weight",
               "column", when=_mla_no_q_lora),
     LayerRule(("self_attn.kv_a_layernorm.weight",), "self_attention.kv_layernorm.weight",
               "self_attn.kv_a_layernorm.weight", "replicate", when=_mla),
     LayerRule(("self_attn.kv_b_proj.weight",), "self_attention.linear_kv_up_proj.weight",
               "self_attn.kv_b_proj.weight", "column", when=_mla),
-    # DeepSeek sparse attention's indexer: vLLM keeps it whole on every rank, wk and weights_proj fused into one
-    # tensor ([wk; weights_proj]); no Megatron form.
-    LayerRule(("self_attn.indexer.wq_b.weight",), None, "self_attn.indexer.wq_b.weight", "replicate", when=_indexer),
+    # DeepSeek sparse attention's indexer: vLLM keeps it whole on every rank, wk and weights_proj fused into
+    # one tensor ([wk; weights_proj]); no Megatron form.
+    LayerRule(("self_attn.indexer.wq_b.weight",), None, "self_attn.indexer.wq_b.weight",
+              "replicate", when=_indexer),
     LayerRule(("self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight"), None,
               "self_attn.indexer.wk_weights_proj.weight", "concat", when=_indexer),
-    *(LayerRule((f"self_attn.indexer.k_norm.{t}",), None, f"self_attn.indexer.k_norm.{t}", "replicate", when=_indexer)
+    *(LayerRule((f"self_attn.indexer.k_norm.{t}",), None, f"self_attn.indexer.k_norm.{t}",
+                "replicate", when=_indexer)
       for t in ("weight", "bias")),
-    LayerRule(("self_attn.sinks",), None, "self_attn.sinks", "column", when=lambda s, i: s.description.attention_sinks),
-    LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row",
-              when=_attention),
-    LayerRule(("self_attn.o_proj.bias",), "self_attention.linear_proj.bias", "self_attn.o_proj.bias", "replicate",
-              when=lambda s, i: s.o_bias and _attention(s, i)),
+    LayerRule(("self_attn.sinks",), None, "self_attn.sinks", "column",
+              when=lambda s, i: s.description.attention_sinks),
+    LayerRule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight", "self_attn.o_proj.weight",
+              "row", when=_attention),
+    LayerRule(("self_attn.o_proj.bias",), "self_attention.linear_proj.bias", "self_attn.o_proj.bias",
+              "replicate", when=lambda s, i: s.o_bias and _attention(s, i)),
     # Qwen3.5's gated delta-net layers (no Megatron form). vLLM fuses [q; k; v; z] and [b; a] into one
     # projection each, and every TP rank holds its rows of each part in turn (the checkpoint's in_proj_qkv is
     # [q; k; v]: canonically three tensors); the depthwise convolution over [q; k; v] is split the same way.
-    LayerRule(tuple(f"linear_attn.in_proj_{x}.weight" for x in "qkvz"), None, "linear_attn.in_proj_qkvz.weight",
+    LayerRule(tuple(f"linear_attn.in_proj_{x}.weight" for x in "qkvz"), None,
+              "linear_attn.in_proj_qkvz.weight", "gate_up", when=_linear_attention),
+    LayerRule(("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"), None,
+              "linear_attn.in_proj_ba.weight", "gate_up", when=_linear_attention),
+    LayerRule(tuple(f"linear_attn.conv1d_{x}.weight" for x in "qkv"), None, "linear_attn.conv1d.weight",
               "gate_up", when=_linear_attention),
-    LayerRule(("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"), None, "linear_attn.in_proj_ba.weight",
-              "gate_up", when=_linear_attention),
-    LayerRule(tuple(f"linear_attn.conv1d_{x}.weight" for x in "qkv"), None, "linear_attn.conv1d.weight", "gate_up",
-              when=_linear_attention),
     LayerRule(("linear_attn.dt_bias",), None, "linear_attn.dt_bias", "column", when=_linear_attention),
     LayerRule(("linear_attn.A_log",), None, "linear_attn.A_log", "column", when=_linear_attention),
-    LayerRule(("linear_attn.norm.weight",), None, "linear_attn.norm.weight", "replicate", when=_linear_attention),
-    LayerRule(("linear_attn.out_proj.weight",), None, "linear_attn.out_proj.weight", "row", when=_linear_attention),
-    LayerRule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight", "post_attention_layernorm.weight",
-              "replicate", megatron_te="mlp.linear_fc1.layer_norm_weight"),
+    LayerRule(("linear_attn.norm.weight",), None, "linear_attn.norm.weight",
+              "replicate", when=_linear_attention),
+    LayerRule(("linear_attn.out_proj.weight",), None, "linear_attn.out_proj.weight",
+              "row", when=_linear_attention),
+    LayerRule(("post_attention_layernorm.weight",), "pre_mlp_layernorm.weight",
+              "post_attention_layernorm.weight", "replicate", megatron_te="mlp.linear_fc1.layer_norm_weight"),
     # Gemma 3's sandwich norms (no Megatron equivalent: such a family is refused by megatron_layout).
     *(LayerRule((norm,), None, norm, "replicate", when=_extra_norm(norm))
       for norm in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")),
     # Gemma 4's per-layer scalar: a buffer in transformers and vLLM that the loaders fill.
-    LayerRule(("layer_scalar",), None, "layer_scalar", "replicate", when=lambda s, i: s.description.layer_scalar),
+    LayerRule(("layer_scalar",), None, "layer_scalar", "replicate",
+              when=lambda s, i: s.description.layer_scalar),
     # Dense MLP (every layer of a dense family; DeepSeek-V3's first k layers).
-    LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight", "mlp.gate_up_proj.weight",
-              "gate_up", when=_dense_mlp),
-    LayerRule(("mlp.gate_proj.bias", "mlp.up_proj.bias"), "mlp.linear_fc1.bias", "mlp.gate_up_proj.bias", "gate_up",
-              when=_dense_mlp_bias),
-    LayerRule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight", "mlp.down_proj.weight", "row", when=_dense_mlp),
+    LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight",
+              "mlp.gate_up_proj.weight", "gate_up", when=_dense_mlp),
+    LayerRule(("mlp.gate_proj.bias", "mlp.up_proj.bias"), "mlp.linear_fc1.bias", "mlp.gate_up_proj.bias",
+              "gate_up", when=_dense_mlp_bias),
+    LayerRule(("mlp.down_proj.weight",), "mlp.linear_fc2.weight",
+              "mlp.down_proj.weight", "row", when=_dense_mlp),
     # A row-parallel bias is whole on every TP rank (vLLM adds it on TP rank 0 only).
-    LayerRule(("mlp.down_proj.bias",), "mlp.linear_fc2.bias", "mlp.down_proj.bias", "replicate", when=_dense_mlp_bias),
+    LayerRule(("mlp.down_proj.bias",), "mlp.linear_fc2.bias", "mlp.down_proj.bias",
+              "replicate", when=_dense_mlp_bias),
     # MoE: the TE spec keeps pre_mlp_layernorm unfused for MoE layers.
     LayerRule(("mlp.gate.weight",), "mlp.router.weight", "mlp.gate.weight", "replicate", when=_moe),
     # Gemma 4: the router's input and per-expert scales, and the norms around its experts.
@@ -213,7 +225,8 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     *(LayerRule((norm,), None, norm, "replicate", when=_moe_norm(norm))
       for norm in ("pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_1.weight",
                    "post_feedforward_layernorm_2.weight")),
-    # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM, which has it only for noaux_tc routing.
+    # A persistent fp32 buffer in HF and Megatron, a parameter in vLLM, which has it only for noaux_tc
+    # routing.
     LayerRule(("mlp.gate.e_score_correction_bias",), "mlp.router.expert_bias", None, "replicate",
               when=lambda s, i: s.is_moe_layer(i) and s.has_router_bias),
     LayerRule(("mlp.gate.e_score_correction_bias",), None, "mlp.gate.e_score_correction_bias", "replicate",
@@ -239,10 +252,12 @@ LAYER_RULES: tuple[LayerRule, ...] = (
               "<experts_w2>", "experts_row", when=_moe),
     # {shared}: the family's shared-expert module name (shared_expert, shared_experts).
     LayerRule(("mlp.{shared}.gate_proj.weight", "mlp.{shared}.up_proj.weight"),
-              "mlp.shared_experts.linear_fc1.weight", "mlp.{shared}.gate_up_proj.weight", "gate_up", when=_shared),
+              "mlp.shared_experts.linear_fc1.weight",
+              "mlp.{shared}.gate_up_proj.weight", "gate_up", when=_shared),
     LayerRule(("mlp.{shared}.down_proj.weight",), "mlp.shared_experts.linear_fc2.weight",
               "mlp.{shared}.down_proj.weight", "row", when=_shared),
-    LayerRule(("mlp.shared_expert_gate.weight",), "mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight",
+    LayerRule(("mlp.shared_expert_gate.weight",), "mlp.shared_experts.gate_weight",
+              "mlp.shared_expert_gate.weight",
               "replicate", when=lambda s, i: s.is_moe_layer(i) and s.has_shared_expert_gate),
 )
 
@@ -253,7 +268,8 @@ LAYER_RULES: tuple[LayerRule, ...] = (
 Shapes = dict[str, tuple[int, ...]]
 
 
-def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes, c: RankCoords, layer: int) -> LocalTensor:
+def _qkv(side: Side, spec: ModelSpec, hf: tuple[str, ...], shapes: Shapes,
+         c: RankCoords, layer: int) -> LocalTensor:
     q, k, v = hf
     if spec.values_from_keys(layer):
         v = k  # no v_proj: the value rows are the key projection's (Gemma 4's attention_k_eq_v)
@@ -298,8 +314,8 @@ def _kv_rows(spec: ModelSpec, name: str, shapes: Shapes, c: RankCoords) -> Local
 
 def rotary_permuted(local: LocalTensor, names: tuple[str, ...], head_dim: int) -> LocalTensor:
     """``local`` with the rows of each q and k head (``names``, canonical) reordered as vLLM's Llama 4 loader
-    reorders them before splitting: row ``2i + j`` of a head goes to ``j * head_dim / 2 + i``. Every piece of q
-    or k covers whole heads; it becomes one piece per row."""
+    reorders them before splitting: row ``2i + j`` of a head goes to ``j * head_dim / 2 + i``. Every piece of
+    q or k covers whole heads; it becomes one piece per row."""
     half, pieces = head_dim // 2, []
     for p in local.pieces:
         if p.hf_name not in names:
@@ -318,8 +334,8 @@ def _gate_up(hf: tuple[str, ...], shapes: Shapes, rank: int, num: int) -> LocalT
 
 
 def _halves(name: str, shapes: Shapes, rank: int, num: int) -> LocalTensor:
-    """Rank ``rank``'s rows of each half of ``name`` ([gate; up] in one tensor), as :func:`_gate_up` takes them
-    of two tensors."""
+    """Rank ``rank``'s rows of each half of ``name`` ([gate; up] in one tensor), as :func:`_gate_up` takes
+    them of two tensors."""
     rows = shapes[name][0] // 2
     lo, hi = chunk(rows, rank, num, what=f"rows of either half of {name}")
     return concat([block(name, shapes[name], lo, hi), block(name, shapes[name], rows + lo, rows + hi)])
@@ -331,7 +347,8 @@ def vocab_rows(side: Side, spec: ModelSpec, conv: MegatronConvention | VLLMConve
     if side is Side.MEGATRON and conv.padded_vocab_size is not None:
         if conv.padded_vocab_size < v or conv.padded_vocab_size % c.tp:
             raise ValueError(
-                f"Megatron padded_vocab_size={conv.padded_vocab_size} must be >= vocab_size={v} and divisible by tp={c.tp}"
+                f"Megatron padded_vocab_size={conv.padded_vocab_size} must be >= vocab_size={v} and "
+                f"divisible by tp={c.tp}"
             )
         return conv.padded_vocab_size
     if side is Side.MEGATRON:
@@ -354,10 +371,11 @@ EXPERT_KINDS = frozenset({"experts_gate_up", "experts_row", "experts_column", "e
 """The :class:`LayerRule` kinds of routed experts: the expert part."""
 
 
-def build_rule(rule: LayerRule, spec: ModelSpec, side: Side, convention: MegatronConvention | VLLMConvention | HFConvention,
+def build_rule(rule: LayerRule, spec: ModelSpec, side: Side,
+               convention: MegatronConvention | VLLMConvention | HFConvention,
                c: RankCoords, layer: int, local_layer: int, shapes: Shapes) -> dict[str, LocalTensor]:
-    """Rule ``rule``'s tensors, by name, on the rank at ``c`` of global layer ``layer`` (``local_layer`` on its
-    stage) of a ``side`` layout with ``convention``; empty where that side has no such tensor."""
+    """Rule ``rule``'s tensors, by name, on the rank at ``c`` of global layer ``layer`` (``local_layer`` on
+    its stage) of a ``side`` layout with ``convention``; empty where that side has no such tensor."""
     hf_prefix = f"model.layers.{layer}."
     if side is Side.MEGATRON:
         te_name = (convention.norm_style == "te" and rule.megatron_te

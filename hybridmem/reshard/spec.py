@@ -47,8 +47,8 @@ resolve to one of them)."""
 
 
 def _numerics(get: Any) -> dict[str, float]:
-    """The fields no shape depends on, as every family's config names them: ``rms_norm_eps`` and the rotary base
-    (``rope_theta``, else transformers 5's ``rope_parameters``), each absent: the field's default."""
+    """The fields no shape depends on, as every family's config names them: ``rms_norm_eps`` and the rotary
+    base (``rope_theta``, else transformers 5's ``rope_parameters``), each absent: the field's default."""
     out = {}
     eps = get("rms_norm_eps")
     if eps is not None:
@@ -100,9 +100,9 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     """The output layer shares the embedding matrix."""
     rms_norm_eps: float = field(default=1e-6, compare=False)
-    """The RMSNorms' epsilon (the HF config's ``rms_norm_eps``): the embedded engine and the trainable decoder of
-    :mod:`hybridmem.nn` compute with it. No tensor depends on it, so it takes no part in equality or the hash:
-    specs describing the same tensors are equal (and share cached plans)."""
+    """The RMSNorms' epsilon (the HF config's ``rms_norm_eps``): the embedded engine and the trainable decoder
+    of :mod:`hybridmem.nn` compute with it. No tensor depends on it, so it takes no part in equality or the
+    hash: specs describing the same tensors are equal (and share cached plans)."""
     rope_theta: float = field(default=10000.0, compare=False)
     """The rotary base (``rope_theta``, or ``rope_parameters["rope_theta"]`` in transformers 5); like
     :attr:`rms_norm_eps`, computed with and not compared."""
@@ -116,8 +116,8 @@ class ModelSpec:
     first_k_dense_replace: int = 0
     """MoE families: the first this many layers have a dense MLP of ``intermediate_size`` (DeepSeek-V3)."""
     moe_layer_step: int = 1
-    """MoE families: of the layers past :attr:`first_k_dense_replace`, every this many is MoE (layer ``i`` when
-    ``(i + 1) % moe_layer_step == 0``), the others dense of ``intermediate_size`` (Llama 4's
+    """MoE families: of the layers past :attr:`first_k_dense_replace`, every this many is MoE (layer ``i``
+    when ``(i + 1) % moe_layer_step == 0``), the others dense of ``intermediate_size`` (Llama 4's
     ``interleave_moe_layer_step``)."""
     q_lora_rank: int = 0
     """MLA: rank of the query down-projection (``q_a_proj``); 0 projects queries directly (``q_proj``)."""
@@ -135,7 +135,8 @@ class ModelSpec:
     carry the router's ``e_score_correction_bias``; vLLM creates it only for ``"noaux_tc"``
     (:attr:`vllm_router_bias`). Ignored by other families."""
     index_n_heads: int = 0
-    """DeepSeek sparse attention (:attr:`hybridmem.models.Family.sparse_attention_indexer`): the indexer's heads."""
+    """DeepSeek sparse attention (:attr:`hybridmem.models.Family.sparse_attention_indexer`): the indexer's
+    heads."""
     index_head_dim: int = 0
     """DeepSeek sparse attention: the width of one indexer head (and of its key, ``indexer.wk``)."""
 
@@ -177,8 +178,9 @@ class ModelSpec:
         object.__setattr__(self, "family", family_name(self.family))
         object.__setattr__(self, "_family", get_family(self.family))
         if self.multimodal and self.multimodal not in dict(self._family.multimodal_names):
-            raise ValueError(f"multimodal={self.multimodal!r} is no multimodal model of family={self.family!r} with "
-                             f"names of its own; expected one of {[t for t, _ in self._family.multimodal_names]}")
+            raise ValueError(f"multimodal={self.multimodal!r} is no multimodal model of "
+                             f"family={self.family!r} with names of its own; expected one of "
+                             f"{[t for t, _ in self._family.multimodal_names]}")
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_hidden_layers", "vocab_size"):
             _positive(name, getattr(self, name))
@@ -198,8 +200,9 @@ class ModelSpec:
                 raise ValueError(f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
                                  f"{self.qk_nope_head_dim} + {self.qk_rope_head_dim} for MLA")
             if self.num_key_value_heads != self.num_attention_heads:
-                raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal num_attention_heads="
-                                 f"{self.num_attention_heads} for MLA (every head has its own key and value)")
+                raise ValueError(f"num_key_value_heads={self.num_key_value_heads} must equal "
+                                 f"num_attention_heads={self.num_attention_heads} for MLA (every head has "
+                                 "its own key and value)")
         if self.description.sparse_attention_indexer:
             for name in ("index_n_heads", "index_head_dim", "q_lora_rank"):
                 _positive(name, getattr(self, name))
@@ -221,14 +224,14 @@ class ModelSpec:
         if self.linear_attention_layers:
             if list(self.linear_attention_layers) != sorted(set(self.linear_attention_layers)) or not all(
                     0 <= i < self.num_hidden_layers for i in self.linear_attention_layers):
-                raise ValueError(f"linear_attention_layers={self.linear_attention_layers} must be distinct ascending "
-                                 f"layers in [0, num_hidden_layers={self.num_hidden_layers})")
+                raise ValueError(f"linear_attention_layers={self.linear_attention_layers} must be distinct "
+                                 f"ascending layers in [0, num_hidden_layers={self.num_hidden_layers})")
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel_dim"):
                 _positive(name, getattr(self, name))
         if self.shared_expert_intermediate_size and self.description.shared_expert is None:
-            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given for "
-                             f"family={self.family!r}, which has no shared expert")
+            raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given "
+                             f"for family={self.family!r}, which has no shared expert")
 
     def _check_full_attention(self) -> None:
         layers = self.full_attention_layers
@@ -251,7 +254,8 @@ class ModelSpec:
         return self.head_dim, self.num_key_value_heads
 
     def values_from_keys(self, layer: int) -> bool:
-        """Whether layer ``layer`` has no ``v_proj``, its values being its keys (:attr:`full_attention_k_eq_v`)."""
+        """Whether layer ``layer`` has no ``v_proj``, its values being its keys
+        (:attr:`full_attention_k_eq_v`)."""
         return self.full_attention_k_eq_v and layer in self.full_attention_layers
 
     @property
@@ -305,10 +309,10 @@ class ModelSpec:
         return bias is RouterBias.ALWAYS or (bias is RouterBias.NOAUX_TC and self.topk_method == "noaux_tc")
 
     def keeps_fp32(self, hf_name: str) -> bool:
-        """Whether checkpoint tensor ``hf_name`` travels in fp32 even on a narrower wire (see [Note: wire dtype]
-        in :mod:`hybridmem.reshard.execute`): a routing-score correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2's
-        ``block_sparse_moe.e_score_correction_bias``), whose bf16
-        rounding would change which experts a token is routed to."""
+        """Whether checkpoint tensor ``hf_name`` travels in fp32 even on a narrower wire (see [Note: wire
+        dtype] in :mod:`hybridmem.reshard.execute`): a routing-score correction bias (DeepSeek-V3, GLM-4.5,
+        MiniMax-M2's ``block_sparse_moe.e_score_correction_bias``), whose bf16 rounding would change which
+        experts a token is routed to."""
         return self.has_router_bias and any(name.endswith(".mlp.gate.e_score_correction_bias")
                                             for name in self.canonical_names_of(hf_name))
 
@@ -320,7 +324,8 @@ class ModelSpec:
 
     @property
     def shared_expert_name(self) -> str:
-        """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek, GLM) or ``shared_expert`` (Qwen)."""
+        """HF/vLLM module name of the shared expert: ``shared_experts`` (DeepSeek, GLM) or ``shared_expert``
+        (Qwen)."""
         return self.description.shared_expert or "shared_expert"
 
     @property
@@ -373,7 +378,8 @@ class ModelSpec:
                 shapes[p + "self_attn.sinks"] = (self.num_attention_heads,)
             hd, nkv = self.attention_dims(layer)
             q_rows, kv_rows = self.num_attention_heads * hd, nkv * hd
-            projections = (("q", q_rows), ("k", kv_rows)) + (() if self.values_from_keys(layer) else (("v", kv_rows),))
+            projections = (("q", q_rows), ("k", kv_rows)) + (() if self.values_from_keys(layer)
+                                                             else (("v", kv_rows),))
             gate = 2 if self.description.attention_output_gate else 1  # [q_h; gate_h] per head (Qwen3.5)
             for proj, rows in projections:
                 rows *= gate if proj == "q" else 1
@@ -409,7 +415,8 @@ class ModelSpec:
 
     def _linear_attention_shapes(self, p: str, shapes: dict[str, tuple[int, ...]]) -> None:
         """A gated delta-net layer by canonical names: its convolution and input projection over [q; k; v] as
-        one canonical tensor per segment (the checkpoint fuses them, see the family's ``checkpoint_fused``)."""
+        one canonical tensor per segment (the checkpoint fuses them, see the family's
+        ``checkpoint_fused``)."""
         h, la = self.hidden_size, p + "linear_attn."
         key = self.linear_num_key_heads * self.linear_key_head_dim
         value = self.linear_num_value_heads * self.linear_value_head_dim
@@ -447,8 +454,8 @@ class ModelSpec:
         return _inverse_checkpoint(self).get(hf_name, ())
 
     def canonical_shapes(self) -> Mapping[str, tuple[int, ...]]:
-        """Every tensor by its canonical name (see [Note: canonical names]) and its shape, in HF's order.
-        Cached per spec; do not modify."""
+        """Every tensor by its canonical name (see [Note: canonical names] in :mod:`hybridmem.models.family`)
+        and its shape, in HF's order. Cached per spec; do not modify."""
         return _canonical(self)
 
     def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -547,7 +554,8 @@ def _text_checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[
     if not (family.checkpoint_renames or family.checkpoint_fused or family.checkpoint_stacked):
         return dict(canonical), {name: Placement(name) for name in canonical}
     fused = {part: (whole, parts) for parts, whole in family.checkpoint_fused for part in parts}
-    # Entries naming one stacked tensor are its row blocks (canonical rows, before any transposition), in order.
+    # Entries naming one stacked tensor are its row blocks (canonical rows, before any transposition), in
+    # order.
     wholes = [whole for _, whole, _ in family.checkpoint_stacked]
     stacked = [(re.compile(pattern), whole, transposed, wholes[:k].count(whole), wholes.count(whole))
                for k, (pattern, whole, transposed) in enumerate(family.checkpoint_stacked)]
@@ -560,9 +568,11 @@ def _text_checkpoint(spec: ModelSpec) -> tuple[dict[str, tuple[int, ...]], dict[
             target = prefix + whole
             if target not in shapes:
                 shapes[target] = (sum(canonical[prefix + q][0] for q in parts), *shape[1:])
-            where[name] = Placement(target, sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
+            where[name] = Placement(target,
+                                    sum(canonical[prefix + q][0] for q in parts[: parts.index(suffix)]))
             continue
-        match = stacked and next(((m, *rest) for pattern, *rest in stacked if (m := pattern.fullmatch(suffix))), None)
+        match = stacked and next(((m, *rest) for pattern, *rest in stacked
+                                  if (m := pattern.fullmatch(suffix))), None)
         if match:
             m, whole, transposed, part, parts = match
             target, expert = prefix + whole, int(m.group(1))

@@ -45,10 +45,11 @@ class DeviceOwners:
         coresidents: The manager's co-resident models by name (the same dict, read live).
         device_budget_nbytes: ``HybridConfig.device_memory_budget_bytes``.
         engine_tags_stay: The engine's tags that stay resident through TRAIN ([Note: lora base] in
-            hybridmem.switch.lora_base): they are not a leftover there.
+            :mod:`hybridmem.switch.lora_base`): they are not a leftover there.
     """
 
-    def __init__(self, accel: Accelerator, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],
+    def __init__(self, accel: Accelerator, offloaders: Mapping[StateKind, Offloader],
+                 enabled: Mapping[StateKind, bool],
                  engine: Any, coresidents: Mapping[str, CoResident], device_budget_nbytes: int | None,
                  engine_tags_stay: frozenset[str] = frozenset()):
         self.accel = accel
@@ -60,7 +61,8 @@ class DeviceOwners:
         self.engine_tags_stay = engine_tags_stay
         self._extra: dict[str, tuple[Callable[[], int], tuple[Phase, ...]]] = {}
 
-    def register(self, name: str, resident_nbytes: Callable[[], int], *, empty_in: tuple[Phase, ...] = ()) -> None:
+    def register(self, name: str, resident_nbytes: Callable[[], int], *,
+                 empty_in: tuple[Phase, ...] = ()) -> None:
         """Count ``resident_nbytes()`` as owner ``name``; a leftover in the phases ``empty_in``.
 
         Raises:
@@ -72,7 +74,8 @@ class DeviceOwners:
 
     def nbytes(self) -> dict[str, int]:
         """Device bytes held now, by owner."""
-        owners = {OFFLOADER_OWNERS.get(k, str(k)): off.resident_nbytes() for k, off in self.offloaders.items()}
+        owners = {OFFLOADER_OWNERS.get(k, str(k)): off.resident_nbytes()
+                  for k, off in self.offloaders.items()}
         if self.engine is not None:
             reports = capabilities_of(self.engine).reports_residency
             for tag, name in ENGINE_OWNERS.items():
@@ -93,9 +96,11 @@ class DeviceOwners:
         figures = self.accel.memory_figures(sum(owners.values()))
         expected_empty: list[str] = []
         if phase is Phase.INFER:
-            expected_empty += [OFFLOADER_OWNERS[k] for k in self.offloaders if self.enabled.get(k) and k in OFFLOADER_OWNERS]
+            expected_empty += [OFFLOADER_OWNERS[k] for k in self.offloaders
+                               if self.enabled.get(k) and k in OFFLOADER_OWNERS]
         if phase is Phase.TRAIN:
-            expected_empty += [name for tag, name in ENGINE_OWNERS.items() if tag not in self.engine_tags_stay]
+            expected_empty += [name for tag, name in ENGINE_OWNERS.items()
+                               if tag not in self.engine_tags_stay]
         expected_empty += [n for n, (_, phases) in self._extra.items() if phase in phases]
         expected_empty += [n for n, co in self.coresidents.items() if co.state is CoResidentState.OFFLOADED]
         return ResidencyReport(
@@ -122,7 +127,8 @@ class DeviceOwners:
             budget = figures.allocated_nbytes + figures.free_nbytes + figures.cached_nbytes
             source = "allocated + device free + allocator cache"
         pool = self._pool()
-        return plan_switch(direction, figures.allocated_nbytes, estimates, budget_nbytes=budget, budget_source=source,
+        return plan_switch(direction, figures.allocated_nbytes, estimates, budget_nbytes=budget,
+                           budget_source=source,
                            host_start_nbytes=0 if pool is None else pool.reserved_nbytes(),
                            host_budget_nbytes=None if pool is None else pool.budget_nbytes)
 

@@ -11,7 +11,12 @@ TRAIN->INFER runs, in this order (only the steps that apply):
 5. offload training params,
    then return the allocator's cached blocks to the device (``empty_cache``), so engines with their
    own allocator (vLLM's ``CuMemAllocator``) and other processes see the freed bytes,
-6. resume KV cache          - last, so it can take everything the steps above freed.
+6. resume KV cache          - last, so it can take everything the steps above freed,
+7. agree                    - the ranks' vote, where the weight sync spans several ranks.
+
+A training framework's transient buffers are dropped by a :class:`ReleaseBuffersStep` its adapter
+registers where a :class:`BufferRelease` places it: FSDP2's before step 1 (:data:`FSDP_BUFFERS`),
+Megatron's workspaces just before ``empty_cache`` (:data:`MEGATRON_WORKSPACES`).
 
 The peak is therefore reached at step 4 (training params + engine weights + sync buffers, with the
 optimizer state and grads already gone) or at step 6.
@@ -23,9 +28,9 @@ INFER->TRAIN releases first and onloads after:
 
 Every TRAIN->INFER step has an ``undo`` (offload <-> onload, resume <-> release, sync: nothing), so a
 failure at step k undoes steps k..1 in reverse, step k included, from whatever part of it was done
-(see [Note: switch transactions] in hybridmem.switch.transaction). INFER->TRAIN steps need no undo: if one fails,
-the manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a no-op
-when already done and finishes what an interrupted run left.
+(see [Note: switch transactions] in :mod:`hybridmem.switch.transaction`). INFER->TRAIN steps need no undo: if
+one fails, the manager moves to FAILED and ``recover()`` re-runs the INFER->TRAIN steps, each of which is a
+no-op when already done and finishes what an interrupted run left.
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ class ToInferOrder(IntEnum):
     EMPTY_CACHE = 55
     KV_CACHE = 60
     AGREE = 100
-    """The ranks' vote on the outcome, always last ([Note: switch agreement] in hybridmem.switch.agreement)."""
+    """The ranks' vote on the outcome, always last ([Note: switch agreement] in
+    :mod:`hybridmem.switch.agreement`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +148,7 @@ class SwitchStep(ABC):
     kind: StateKind | None
     commits: bool = False
     """Once this step ran, the switch is decided: a held signal no longer rolls it back (the ranks' vote,
-    [Note: switch agreement] in hybridmem.switch.agreement)."""
+    [Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""
 
     @abstractmethod
     def estimate(self) -> StepEstimate:
@@ -151,9 +157,9 @@ class SwitchStep(ABC):
     @abstractmethod
     def run(self) -> StepResult:
         """Do the step, recording each irreversible act before doing it (see [Note: switch
-        transactions] in hybridmem.switch.transaction)."""
+        transactions] in :mod:`hybridmem.switch.transaction`)."""
 
-    def undo(self) -> None:
+    def undo(self) -> None:  # noqa: B027 - optional: INFER->TRAIN steps have nothing to undo
         """Reverse :meth:`run` (rollback of TRAIN->INFER), whether it completed or was stopped at any
         point: the manager undoes the failed step too. Idempotent."""
 
@@ -170,12 +176,14 @@ class OffloadStep(SwitchStep):
         self.kind = offloader.kind
 
     def estimate(self) -> StepEstimate:
-        return StepEstimate(free_nbytes=self.offloader.live_nbytes(), transient_nbytes=self.offloader.rehome_nbytes(),
+        return StepEstimate(free_nbytes=self.offloader.live_nbytes(),
+                            transient_nbytes=self.offloader.rehome_nbytes(),
                             host_alloc_nbytes=self.offloader.arena_growth_nbytes())
 
     def run(self) -> StepResult:
         s = self.offloader.offload()
-        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes, zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes,
+                          zero_nbytes=s.zero_nbytes, seconds=s.seconds)
 
     def undo(self) -> None:
         self.offloader.onload()
@@ -195,7 +203,8 @@ class OnloadStep(SwitchStep):
 
     def run(self) -> StepResult:
         s = self.offloader.onload()
-        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes, zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+        return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes,
+                          zero_nbytes=s.zero_nbytes, seconds=s.seconds)
 
     def undo(self) -> None:
         self.offloader.offload()
@@ -232,14 +241,16 @@ class EngineResumeStep(SwitchStep):
     def run(self) -> StepResult:
         start = time.perf_counter()
         self.engine.resume([self.tag])
-        return StepResult(kind=self.kind, seconds=time.perf_counter() - start, extra=_memory_extra(self.engine))
+        return StepResult(kind=self.kind, seconds=time.perf_counter() - start,
+                          extra=_memory_extra(self.engine))
 
     def undo(self) -> None:
         self.engine.release([self.tag])
 
 
 class EngineReleaseStep(SwitchStep):
-    """``engine.release([tag])``: the memory is discarded, not copied (see [Note: engine memory tags])."""
+    """``engine.release([tag])``: the memory is discarded, not copied (see [Note: engine memory tags] in
+    :mod:`hybridmem.contract.engine`)."""
 
     def __init__(self, engine: InferenceEngine, tag: str):
         self.engine = engine
@@ -262,9 +273,9 @@ class EngineReleaseStep(SwitchStep):
 
 
 class WeightSyncStep(SwitchStep):
-    """Run a :class:`~hybridmem.weight_sync.WeightSync` and fail with ``WeightCoverageError`` when it left engine
-    tensors unwritten ([Note: weight coverage] in hybridmem.weight_sync); nothing to undo (the engine weights
-    are released by the undo of the engine-weights resume)."""
+    """Run a :class:`~hybridmem.weight_sync.WeightSync` and fail with ``WeightCoverageError`` when it left
+    engine tensors unwritten ([Note: weight coverage] in :mod:`hybridmem.weight_sync`); nothing to undo (the
+    engine weights are released by the undo of the engine-weights resume)."""
 
     name = "weight sync"
     kind = StateKind.ENGINE_WEIGHTS
@@ -278,14 +289,16 @@ class WeightSyncStep(SwitchStep):
 
     def run(self) -> StepResult:
         s = self.sync.sync()
-        if s.unwritten:  # [Note: weight coverage]
+        if s.unwritten:  # [Note: weight coverage] in :mod:`hybridmem.weight_sync`
             raise WeightCoverageError(list(s.unwritten))
         committed: dict = {}
         if self.engine is not None and capabilities_of(self.engine).stages_weights:
-            committed = dict(self.engine.commit_weights() or {})  # an engine in its own process takes the staged
-        if s.dtype_note and self.sync not in _WARNED_CASTS:  # [Note: no silent dtype change]
-            log.warning("hybridmem: %s; the engine's weights differ from the trainer's by that rounding (build the "
-                        "engine in the trainer's dtype to get them bit for bit)", s.dtype_note)
+            # an engine in its own process takes the staged
+            committed = dict(self.engine.commit_weights() or {})
+        # [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`
+        if s.dtype_note and self.sync not in _WARNED_CASTS:
+            log.warning("hybridmem: %s; the engine's weights differ from the trainer's by that rounding "
+                        "(build the engine in the trainer's dtype to get them bit for bit)", s.dtype_note)
             _WARNED_CASTS.add(self.sync)
         return StepResult(
             kind=self.kind,
@@ -299,7 +312,8 @@ class WeightSyncStep(SwitchStep):
                 "temp_peak_nbytes": s.temp_peak_nbytes,
                 "coverage_checked": s.coverage_checked,
                 **({"route": s.route} if s.route else {}),
-                **({"note": "; ".join(n for n in (s.route, s.dtype_note) if n)} if s.route or s.dtype_note else {}),
+                **({"note": "; ".join(n for n in (s.route, s.dtype_note) if n)}
+                   if s.route or s.dtype_note else {}),
                 **committed,
             },
         )
@@ -323,7 +337,8 @@ class EmptyCacheStep(SwitchStep):
         return StepResult(seconds=time.perf_counter() - start)
 
 
-def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offloader], enabled: Mapping[StateKind, bool],
+def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offloader],
+                 enabled: Mapping[StateKind, bool],
                  accel: Accelerator, engine: InferenceEngine | None, weight_sync: WeightSync | None,
                  extra: Iterable[tuple[int, SwitchStep]] = (), agree: SwitchStep | None = None,
                  engine_tags_stay: frozenset[str] = frozenset()) -> list[SwitchStep]:
@@ -331,10 +346,11 @@ def switch_steps(direction: Direction, *, offloaders: Mapping[StateKind, Offload
     the enabled kinds, emptying the allocator cache, the engine's tags and the weight sync, the
     ``(order, step)`` pairs registered by adapters, sorted by :class:`ToInferOrder` / :class:`ToTrainOrder`,
     and, last in TRAIN->INFER, ``agree``: the ranks' vote of a multi-rank switch ([Note: switch agreement]
-    in hybridmem.switch.agreement). The engine's ``engine_tags_stay`` are neither released nor resumed (they stay resident
-    through TRAIN: [Note: lora base] in hybridmem.switch.lora_base)."""
+    in :mod:`hybridmem.switch.agreement`). The engine's ``engine_tags_stay`` are neither released nor resumed
+    (they stay resident through TRAIN: [Note: lora base] in :mod:`hybridmem.switch.lora_base`)."""
     items: list[tuple[int, SwitchStep]] = []
-    kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM) if k in offloaders and enabled.get(k)]
+    kinds = [k for k in (StateKind.OPTIMIZER, StateKind.GRAD, StateKind.PARAM)
+             if k in offloaders and enabled.get(k)]
     if direction is Direction.TO_INFER:
         items += [(ToInferOrder[k.name], OffloadStep(offloaders[k])) for k in kinds]
         items.append((ToInferOrder.EMPTY_CACHE, EmptyCacheStep(accel)))

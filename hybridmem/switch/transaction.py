@@ -16,6 +16,20 @@ switch running in another thread is never interrupted by one; the main thread ge
 ``KeyboardInterrupt`` while the switch finishes (or rolls back) on its own. Synchronous exceptions
 raised by the code a step calls (a torch call, an engine, the host pool) are not signals: they fail the
 step and are undone as in [Note: switch transactions].
+
+[Note: switch transactions]
+A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
+journal (``SwitchRun.entered``); the step then records its own irreversible acts before doing them (an
+offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
+journal] in :mod:`hybridmem.offload.base`; an engine's release frees every storage of a tag whatever state it
+believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
+KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] above),
+every entered step is undone in reverse, the failed one included, and each undo works
+from whatever part of its step was done: nothing is undone from what a step was *supposed* to have
+done. INFER->TRAIN steps are re-runnable from any partial state, so a failure there leaves FAILED and
+``recover()`` runs them all again. The whole switch runs with SIGINT/SIGTERM held, so no undo is itself
+interrupted by one. tests/test_fault_injection.py injects a failure at every call a switch makes into
+torch, the host pool and the engine, and checks the training state after each.
 """
 
 from __future__ import annotations
@@ -40,19 +54,6 @@ from hybridmem.switch.steps import SwitchStep
 
 __all__ = ["HeldSignals", "HELD_SIGNALS", "SwitchRun", "run_steps", "roll_back"]
 
-# [Note: switch transactions]
-# A switch is a transaction over its steps. Before a step runs, the manager appends it to the switch's
-# journal (``SwitchRun.entered``); the step then records its own irreversible acts before doing them (an
-# offloader records its slots and holds its host arenas before freeing a storage, see [Note: offload
-# journal] in hybridmem.offload.base; an engine's release frees every storage of a tag whatever state it
-# believes it is in). When a TRAIN->INFER step raises anything (an Exception from any torch call, a
-# KeyboardInterrupt) or a held signal is pending between steps (see [Note: held signals] above),
-# every entered step is undone in reverse, the failed one included, and each undo works
-# from whatever part of its step was done: nothing is undone from what a step was *supposed* to have
-# done. INFER->TRAIN steps are re-runnable from any partial state, so a failure there leaves FAILED and
-# ``recover()`` runs them all again. The whole switch runs with SIGINT/SIGTERM held, so no undo is itself
-# interrupted by one. tests/test_fault_injection.py injects a failure at every call a switch makes into
-# torch, the host pool and the engine, and checks the training state after each.
 
 HELD_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 """The asynchronous signals a switch holds (see [Note: held signals])."""
@@ -89,7 +90,8 @@ class HeldSignals:
                 self._previous[sig] = signal.signal(sig, self._record)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -177,8 +179,9 @@ def roll_back(run: SwitchRun, *, machine: PhaseMachine, guard: TrainingGuard) ->
     what = (
         f"TRAIN->INFER step {run.failed_step.name!r} failed ({run.error!r})"
         if run.failed_step is not None
-        else f"TRAIN->INFER was interrupted by a signal "
-        f"{'after its last step' if run.interrupted_before is None else f'before step {run.interrupted_before.name!r}'}"
+        else "TRAIN->INFER was interrupted by a signal "
+        + ("after its last step" if run.interrupted_before is None
+           else f"before step {run.interrupted_before.name!r}")
     )
     failed_name = run.failed_step.name if run.failed_step is not None else "(between steps)"
     machine.fire(Trigger.BEGIN_ROLLBACK, operation="roll back")
@@ -190,7 +193,8 @@ def roll_back(run: SwitchRun, *, machine: PhaseMachine, guard: TrainingGuard) ->
             guard.arm()
             raise RollbackError(
                 f"{what} and undoing {step.name!r} failed too ({undo_exc!r}). Phase is FAILED; no training "
-                f"state is lost (offloaded bytes stay in host arenas); call recover() once the cause is fixed",
+                "state is lost (offloaded bytes stay in host arenas); call recover() once the cause is "
+                "fixed",
                 direction="to_infer",
                 step=failed_name,
                 phase_after=machine.phase,

@@ -157,7 +157,7 @@ def _cuda_patches() -> list[tuple[Any, str, Any]]:
         (cuda, "stream", lambda stream=None: contextlib.nullcontext()),
         (cuda, "current_stream", lambda device=None: _DEFAULT_STREAM),
         (cuda, "default_stream", lambda device=None: _DEFAULT_STREAM),
-        # [Note: CUDA RNG on CPU]
+        # The CPU default generator is the CUDA one ([Note: CUDA RNG on CPU]).
         (cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
         (cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state)),
         # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly.

@@ -10,7 +10,7 @@
 - :func:`default_weight_sync`: picks between the two from the config's layouts and the model's spec;
 - :class:`LoraSync`: a PEFT LoRA model's adapters into vLLM's LoRA, the base kept by the engine (or
   :func:`merged_lora_weights` streamed where vLLM cannot serve the adapter), see [Note: lora sync] in
-  :mod:`~hybridmem.weight_sync.lora`.
+  :mod:`hybridmem.weight_sync.lora`.
 
 [Note: weight coverage]
 An engine tensor the sync never writes keeps whatever its storage held when it was resumed (uninitialised

@@ -1,5 +1,15 @@
 """The weight-sync interface: :class:`WeightSync`, what one sync did (:class:`SyncStats`), and the helpers
-every sync uses to say what it wrote (coverage, element types)."""
+every sync uses to say what it wrote (coverage, element types).
+
+[Note: no silent dtype change]
+A weight the engine holds in another element type than the trainer differs from it (an fp32 trainer into
+a bf16 engine: by up to 2^-9 relative), and in RL that is an error in the importance ratio the user cannot
+see. So nothing converts on its own: the resharding engine's wire dtype defaults to the trainer's
+(``ReshardSync(dtype=None)``), and with equal dtypes the engine's weights are the trainer's bit for bit.
+A conversion happens only where the engine was built in another dtype (what the user asked for) or a
+wire dtype was given; every sync then says so in ``SyncStats.dtype_note``, which the switch report shows
+in its caption, and the first one logs a warning.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +32,8 @@ class SyncStats(TransferStats):
     stream into ``load_weights`` counts every tensor as received), and what the engine ended up with."""
 
     unwritten: tuple[str, ...] = ()
-    """Engine tensors of this rank not entirely written (see [Note: weight coverage] in hybridmem.weight_sync)."""
+    """Engine tensors of this rank not entirely written (see [Note: weight coverage] in
+    :mod:`hybridmem.weight_sync`)."""
     coverage_checked: bool = False
     """Whether ``unwritten`` is a proof (False: the engine cannot report what it received)."""
     dtype_note: str = ""
@@ -30,17 +41,8 @@ class SyncStats(TransferStats):
     change]); empty when the engine received the trainer's dtypes unchanged."""
     route: str = ""
     """How the weights went, where a sync has several ways (a LoRA sync: the adapters only, or merged
-    weights and why, see [Note: lora sync] in :mod:`hybridmem.weight_sync.lora`); the switch report shows it."""
-
-
-# [Note: no silent dtype change]
-# A weight the engine holds in another element type than the trainer differs from it (an fp32 trainer into
-# a bf16 engine: by up to 2^-9 relative), and in RL that is an error in the importance ratio the user cannot
-# see. So nothing converts on its own: the resharding engine's wire dtype defaults to the trainer's
-# (``ReshardSync(dtype=None)``), and with equal dtypes the engine's weights are the trainer's bit for bit.
-# A conversion happens only where the engine was built in another dtype (what the user asked for) or a
-# wire dtype was given; every sync then says so in ``SyncStats.dtype_note``, which the switch report shows
-# in its caption, and the first one logs a warning.
+    weights and why, see [Note: lora sync] in :mod:`hybridmem.weight_sync.lora`); the switch report shows
+    it."""
 
 
 def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
@@ -51,7 +53,8 @@ def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
     return max(nbytes, key=nbytes.__getitem__) if nbytes else None
 
 
-def dtype_note(sources: Iterable[torch.dtype], engine: Iterable[torch.dtype], wire: torch.dtype | None = None) -> str:
+def dtype_note(sources: Iterable[torch.dtype], engine: Iterable[torch.dtype],
+               wire: torch.dtype | None = None) -> str:
     """Describe the casts between the trainer's dtypes, the wire's and the engine's; ``""`` when there are
     none (see [Note: no silent dtype change])."""
     names = lambda dtypes: "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))  # noqa: E731
@@ -72,11 +75,11 @@ class WeightSync(ABC):
     @property
     def adapters_only(self) -> bool:
         """The sync moves a LoRA model's adapters alone: the engine's base weights stay valid from one switch
-        to the next, and the trainer's frozen base is not what moves ([Note: lora base] in hybridmem.switch.lora_base).
-        ``False`` (default): every sync writes the whole model."""
+        to the next, and the trainer's frozen base is not what moves ([Note: lora base] in
+        :mod:`hybridmem.switch.lora_base`). ``False`` (default): every sync writes the whole model."""
         return False
 
-    def engine_holds_base(self) -> None:
+    def engine_holds_base(self) -> None:  # noqa: B027 - optional: most syncs ignore it
         """Told by the manager that the engine holds the trainer's base now (a shared base): a sync that would
         send the base first need not. The default does nothing."""
 
@@ -86,13 +89,14 @@ class WeightSync(ABC):
 
     def collective(self) -> tuple[Any, float] | None:
         """``(group, deadline_s)`` when a sync spans several ranks, which then vote on each switch's
-        outcome over ``group`` ([Note: switch agreement] in hybridmem.switch.agreement); ``None`` (default): this
-        rank's sync involves no other rank."""
+        outcome over ``group`` ([Note: switch agreement] in :mod:`hybridmem.switch.agreement`); ``None``
+        (default): this rank's sync involves no other rank."""
         return None
 
 
 def engine_dtypes(engine: Any) -> set[torch.dtype]:
-    """The element types the engine holds its weights in, where it says (``describes_weights``); else empty."""
+    """The element types the engine holds its weights in, where it says (``describes_weights``); else
+    empty."""
     dtype = engine.dtype if capabilities_of(engine).describes_weights else None
     return {dtype} if isinstance(dtype, torch.dtype) else set()
 

@@ -107,17 +107,18 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
     log.debug("hybridmem: weight sync: %s", route.value)
     if route is SyncRoute.TRAINING_NAMES:
         _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
-        # [Note: loaders write what they are given]: a copy of the module copies what it is handed
+        # [Note: loaders write what they are given] in :mod:`hybridmem.weight_sync.streamed`: a copy of the
+        # module copies what it is handed
         return LoadWeightsSync(training.named_weights, engine, copies=False)
     if route is SyncRoute.CHECKPOINT_NAMES:
         if capabilities.shards_weights:
             raise ValueError(
-                f"{type(training).__name__} holds sharded weights, which must be resharded into the engine: pass "
-                f"model_spec= (a hybridmem.reshard.ModelSpec or the model's HF config) or weight_sync="
+                f"{type(training).__name__} holds sharded weights, which must be resharded into the engine: "
+                "pass model_spec= (a hybridmem.reshard.ModelSpec or the model's HF config) or weight_sync="
             )
         _require_equal_layouts(config, "the model's family is not one the resharding engine knows")
-        return LoadWeightsSync(
-            training.checkpoint_weights if capabilities.lists_checkpoint_weights else training.named_weights, engine)
+        return LoadWeightsSync(training.checkpoint_weights if capabilities.lists_checkpoint_weights
+                               else training.named_weights, engine)
     if capabilities.reports_source_layout:
         _require_reported_layout(training.source_layout(), config)
     spec = model_spec if isinstance(model_spec, ModelSpec) else ModelSpec.from_hf_config(
@@ -149,15 +150,16 @@ def _require_reported_layout(actual: Any, config: Any) -> None:
     want = (config.train_layout.tp, config.train_layout.pp, config.train_layout.ep)
     if got != want:
         raise ValueError(
-            f"the training state runs at (tp, pp, ep)={got} but config.train_layout is {config.train_layout}; "
-            f"set tensor_model_parallel_size / pipeline_model_parallel_size / expert_model_parallel_size to match"
+            f"the training state runs at (tp, pp, ep)={got} but config.train_layout is "
+            f"{config.train_layout}; set tensor_model_parallel_size / pipeline_model_parallel_size / "
+            "expert_model_parallel_size to match"
         )
 
 
 def _require_equal_layouts(config: Any, why: str) -> None:
     if config.train_layout != config.infer_layout:
         raise ValueError(
-            f"train layout {config.train_layout} differs from infer layout {config.infer_layout}, so the weights "
-            f"must be resharded, but {why}: pass model_spec= (a hybridmem.reshard.ModelSpec or the model's HF "
-            f"config) or weight_sync="
+            f"train layout {config.train_layout} differs from infer layout {config.infer_layout}, so the "
+            f"weights must be resharded, but {why}: pass model_spec= (a hybridmem.reshard.ModelSpec or the "
+            "model's HF config) or weight_sync="
         )

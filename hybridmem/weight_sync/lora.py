@@ -61,14 +61,16 @@ class LoraRoute(Enum):
 def _active_adapter(model: Any) -> str:
     active = getattr(model, "active_adapters", None) or [getattr(model, "active_adapter", "default")]
     if len(active) != 1:
-        raise ValueError(f"the PEFT model has {len(active)} active adapters {list(active)}; the adapter sync takes one")
+        raise ValueError(f"the PEFT model has {len(active)} active adapters {list(active)}; the adapter sync "
+                         "takes one")
     return active[0]
 
 
 def adapter_config(model: Any, adapter: str | None = None) -> dict[str, Any]:
     """The PEFT adapter's configuration as its ``adapter_config.json`` holds it."""
     config = model.peft_config[adapter or _active_adapter(model)].to_dict()
-    return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
+    return json.loads(json.dumps(config,
+                                 default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 
 def adapter_tensors(model: Any, adapter: str | None = None) -> dict[str, torch.Tensor]:
@@ -76,12 +78,14 @@ def adapter_tensors(model: Any, adapter: str | None = None) -> dict[str, torch.T
     names), not copied."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach() for k, v in get_peft_model_state_dict(model, adapter_name=adapter or _active_adapter(model)).items()}
+    state = get_peft_model_state_dict(model, adapter_name=adapter or _active_adapter(model))
+    return {k: v.detach() for k, v in state.items()}
 
 
 def lora_nbytes(model: Any) -> int:
     """Bytes of the PEFT model's ``lora_A``/``lora_B`` weights (every adapter)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if ".lora_A." in n or ".lora_B." in n)
 
 
 def _lora_modules(model: Any) -> dict[str, Any]:
@@ -150,21 +154,23 @@ class LoraSync(WeightSync):
         if not getattr(engine, "lora_enabled", False):
             raise ValueError(
                 f"{type(engine).__name__} serves no LoRA adapters: build vLLM with enable_lora=True and "
-                f"max_lora_rank>=r, or sync merged weights (LoadWeightsSync(lambda: merged_lora_weights(model), engine))"
+                "max_lora_rank>=r, or sync merged weights "
+                "(LoadWeightsSync(lambda: merged_lora_weights(model), engine))"
             )
         self.model = model
         self.engine = engine
         self._base_pending = bool(send_base)
         self.merged_because = self._refusals()
         self.route = LoraRoute.MERGED if self.merged_because else LoraRoute.ADAPTERS
-        self._merged = LoadWeightsSync(lambda: merged_lora_weights(model), engine) if self.merged_because else None
+        self._merged = (LoadWeightsSync(lambda: merged_lora_weights(model), engine) if self.merged_because
+                        else None)
         if self.merged_because:
             log.warning("hybridmem: LoRA synced as merged weights: %s", self.merged_because)
 
     @property
     def adapters_only(self) -> bool:
         """On the adapter route the engine's base stays valid between switches ([Note: lora base] in
-        hybridmem.switch.lora_base); merged weights rewrite the whole model."""
+        :mod:`hybridmem.switch.lora_base`); merged weights rewrite the whole model."""
         return self.route is LoraRoute.ADAPTERS
 
     def engine_holds_base(self) -> None:
@@ -180,14 +186,15 @@ class LoraSync(WeightSync):
         reasons = list(self.engine.lora_refusals(adapter_config(self.model, adapter)))
         layout = getattr(self.engine, "parallel_layout", {}) or {}
         if layout.get("tp", 1) > 1 or layout.get("pp", 1) > 1:
-            reasons.append(f"vLLM runs at tp={layout.get('tp', 1)} pp={layout.get('pp', 1)}: each rank's LoRA slots "
-                           f"hold a part of the adapter, which the adapter sync does not check yet (TP 1 only)")
+            reasons.append(f"vLLM runs at tp={layout.get('tp', 1)} pp={layout.get('pp', 1)}: each rank's "
+                           "LoRA slots hold a part of the adapter, which the adapter sync does not check yet "
+                           "(TP 1 only)")
         served = set(self.engine.lora_info.modules)
         unserved = sorted({n.removeprefix(PEFT_PREFIX) for n, m in _lora_modules(self.model).items()
                            if adapter in m.lora_A} - served)
         if unserved:
-            reasons.append(f"vLLM has no LoRA layer for {len(unserved)} target modules ({', '.join(unserved[:4])}"
-                           f"{', ...' if len(unserved) > 4 else ''})")
+            reasons.append(f"vLLM has no LoRA layer for {len(unserved)} target modules "
+                           f"({', '.join(unserved[:4])}{', ...' if len(unserved) > 4 else ''})")
         return "; ".join(reasons)
 
     def temp_nbytes(self) -> int:
@@ -197,7 +204,8 @@ class LoraSync(WeightSync):
             return self._merged.temp_nbytes()
         adapters = sum(t.numel() * t.element_size() for t in adapter_tensors(self.model).values())
         if self._base_pending or self.engine.weights_discarded:
-            adapters += max((t.numel() * t.element_size() for _, t in peft_base_weights(self.model)), default=0)
+            adapters += max((t.numel() * t.element_size()
+                             for _, t in peft_base_weights(self.model)), default=0)
         return adapters
 
     def sync(self) -> SyncStats:
@@ -207,7 +215,8 @@ class LoraSync(WeightSync):
             s = self._merged.sync()
             route = f"LoRA merged into the base, whole model sent ({self.merged_because})"
             return SyncStats(num_tensors=s.num_tensors, received_nbytes=s.received_nbytes,
-                             min_received_nbytes=s.min_received_nbytes, seconds=s.seconds, unwritten=s.unwritten,
+                             min_received_nbytes=s.min_received_nbytes, seconds=s.seconds,
+                             unwritten=s.unwritten,
                              coverage_checked=s.coverage_checked, dtype_note=s.dtype_note, route=route)
         start = time.perf_counter()
         count = nbytes = base_nbytes = 0
@@ -230,12 +239,14 @@ class LoraSync(WeightSync):
         lora_dtype = getattr(torch, self.engine.lora_info.lora_dtype.removeprefix("torch."), None)
         return SyncStats(
             num_tensors=count, received_nbytes=nbytes + base_nbytes, min_received_nbytes=nbytes + base_nbytes,
-            temp_peak_nbytes=nbytes, seconds=time.perf_counter() - start, unwritten=unwritten, coverage_checked=True,
+            temp_peak_nbytes=nbytes, seconds=time.perf_counter() - start, unwritten=unwritten,
+            coverage_checked=True,
             dtype_note=dtype_note(dtypes, {lora_dtype} if isinstance(lora_dtype, torch.dtype) else set()),
             route=route,
         )
 
-    def _unchecked(self, tensors: Mapping[str, torch.Tensor], installed: Any, adapter: str) -> tuple[str, ...]:
+    def _unchecked(self, tensors: Mapping[str, torch.Tensor],
+                   installed: Any, adapter: str) -> tuple[str, ...]:
         """The adapter tensors whose slot sums in the engine differ from the trainer's (or that no LoRA module
         of the engine took), see [Note: lora sync]."""
         layers = _lora_modules(self.model)
@@ -243,7 +254,8 @@ class LoraSync(WeightSync):
         for name in installed.slot_sums:
             for i, part in enumerate(installed.packed.get(name, (name,))):
                 slices[part] = (name, i)
-        tolerance = 1e-5 if self.engine.lora_info.lora_dtype in {str(t.dtype) for t in tensors.values()} else 1e-2
+        same_dtype = self.engine.lora_info.lora_dtype in {str(t.dtype) for t in tensors.values()}
+        tolerance = 1e-5 if same_dtype else 1e-2
         bad: list[str] = []
         for full, layer in layers.items():
             if adapter not in layer.lora_A:

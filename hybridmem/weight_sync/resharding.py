@@ -78,17 +78,18 @@ class ReshardSync(WeightSync):
             whole (:func:`~hybridmem.reshard.hf_source.hf_source_layout`); it must then be tp = pp = ep = 1.
         dst: Inference layout (e.g. ``HybridConfig.infer_layout``).
         group: The process group spanning both layouts (``None``: the default group).
-        source: Returns this rank's training tensors by the source layout's names (a mapping or ``(name, tensor)``
-            pairs, e.g. ``model.named_parameters``); called on every sync.
+        source: Returns this rank's training tensors by the source layout's names (a mapping or
+            ``(name, tensor)`` pairs, e.g. ``model.named_parameters``); called on every sync.
         engine: The engine; written through ``named_parameters()`` when it has it, else ``load_weights``.
             An engine with ``check_weights(tensors, what=...)`` (the vLLM adapter) checks this rank's
             tensors of the vLLM layout against its own parameters here, before anything moves.
         bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
         verify: Compare per-slice checksums after each sync (raises ``WeightSyncError`` on mismatch).
-        dtype: Element type on the wire, the same on every rank (see [Note: wire dtype]); decides the
-            plan's byte figures. ``None`` (default): the training weights' own, the one holding most of
-            their bytes, so nothing is converted unless the engine holds another dtype (see [Note: no
-            silent dtype change] in :mod:`hybridmem.weight_sync.base`).
+        dtype: Element type on the wire, the same on every rank (see [Note: wire dtype] in
+            :mod:`hybridmem.reshard.execute`); decides the plan's byte figures. ``None`` (default): the
+            training weights' own, the one holding most of their bytes, so nothing is converted unless the
+            engine holds another dtype (see [Note: no silent dtype change] in
+            :mod:`hybridmem.weight_sync.base`).
         megatron: Megatron naming/padding options.
         vllm: vLLM padding options.
         deadline_s: Seconds within which each sync's collectives must complete on this rank, else
@@ -122,19 +123,27 @@ class ReshardSync(WeightSync):
                 raise ValueError(f"source layout {src!r} is not of this model on {world} ranks")
             src_layout = src
         read = src_layout.tensors(self.rank)
-        if dtype is None:  # [Note: no silent dtype change]: the trainer's own
+        # [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`: the trainer's own
+        if dtype is None:
             dtype = dominant_dtype(t for n, t in sources.items() if n in read) or torch.float32
         self.dtype = dtype
         dst_layout = (vllm_layout(spec, dst, world, convention=vllm) if self.in_place
-                      else hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None))
+                      else hf_layout(spec, dst, world,
+                                     vllm_version=vllm.version if vllm is not None else None))
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes,
-                                           rank=self.rank)  # this rank's share only ([Note: plan schedule])
+        self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize,
+                                            bucket_nbytes=bucket_nbytes,
+                                           # this rank's share only ([Note: plan schedule] in
+                                           # :mod:`hybridmem.reshard.schedule`)
+                                           rank=self.rank)
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s={deadline_s} must be > 0 or None")
-        self.deadline_s = default_deadline_s(self.plan, self.rank) if deadline_s is None else float(deadline_s)
-        """Seconds each sync's collectives have on this rank ([Note: collective deadlines])."""
-        if capabilities_of(engine).checks_weights:  # the engine's own parameters vs the tensors this sync fills
+        self.deadline_s = (default_deadline_s(self.plan, self.rank) if deadline_s is None
+                           else float(deadline_s))
+        """Seconds each sync's collectives have on this rank ([Note: collective deadlines] in
+        :mod:`hybridmem.reshard.execute`)."""
+        # the engine's own parameters vs the tensors this sync fills
+        if capabilities_of(engine).checks_weights:
             written = dst_layout if self.in_place else vllm_layout(spec, dst, world, convention=vllm)
             engine.check_weights(written.tensors(self.rank),
                                  what=f"the vLLM layout {dst} this sync writes, rank {self.rank}")
@@ -144,7 +153,8 @@ class ReshardSync(WeightSync):
         return self.plan.peak_temp_nbytes(self.rank)
 
     def collective(self) -> tuple[Any, float] | None:
-        """The group and deadline of a sync over several ranks ([Note: switch agreement])."""
+        """The group and deadline of a sync over several ranks ([Note: switch agreement] in
+        :mod:`hybridmem.switch.agreement`)."""
         return (self.group, self.deadline_s) if self.plan.world_size > 1 else None
 
     def _sources(self) -> dict[str, torch.Tensor]:
@@ -169,8 +179,8 @@ class ReshardSync(WeightSync):
         if self.in_place:
             params = {k: v.data for k, v in self.engine.named_parameters()}
             written: dict[str, int] = {}
-            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params, dtype=self.dtype,
-                                  deadline_s=left(),
+            dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params,
+                                  dtype=self.dtype, deadline_s=left(),
                                   written=written)
             unwritten, checked = self._unwritten(params, written), True
             dst_dtypes = {p.dtype for p in params.values()}
@@ -198,12 +208,13 @@ class ReshardSync(WeightSync):
             **{**asdict(stats), "seconds": time.perf_counter() - start},
             unwritten=unwritten,
             coverage_checked=checked,
-            dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src}, dst_dtypes,
-                                  self.dtype),
+            dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src},
+                                  dst_dtypes, self.dtype),
         )
 
     def _unwritten(self, params: Mapping[str, torch.Tensor], written: Mapping[str, int]) -> tuple[str, ...]:
-        """Engine tensors not written exactly once in every data element ([Note: weight coverage]).
+        """Engine tensors not written exactly once in every data element ([Note: weight coverage] in
+        :mod:`hybridmem.weight_sync`).
 
         A tensor's data elements are its plan pieces; the rest is padding, zeroed by ``run_plan``. An
         engine tensor the plan does not know at all (a bias the training model lacks) is unwritten.

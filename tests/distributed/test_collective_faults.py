@@ -11,8 +11,8 @@ n)``: an ``Exception`` raised before the n-th call of that kind on that rank (on
 n-th call where it makes one). For each point the test checks, on every rank:
 
 - every rank ends the switch in the same phase (the ranks' vote, [Note: switch agreement] in
-  hybridmem.switch.agreement): all in TRAIN, rolled back, or all in INFER, committed. All commit only where the
-  fault came at the vote's own wait, which a rank that posted its vote waits out again;
+  :mod:`hybridmem.switch.agreement`): all in TRAIN, rolled back, or all in INFER, committed. All commit only
+  where the fault came at the vote's own wait, which a rank that posted its vote waits out again;
 - where they rolled back: the faulted rank raised with the fault among the error's causes; a rank the
   fault did not reach raised ``CollectiveTimeoutError`` (as ``SwitchCollectiveTimeoutError``) naming the
   peers it waited for, within the deadline plus a margin (in a one-rank case, some rank of those raising
@@ -67,10 +67,10 @@ pytestmark = pytest.mark.slow
 WORLD = 4
 DEADLINE_S = float(os.environ.get("HYBRIDMEM_FAULTS_DEADLINE_S", "6.0"))
 """The sync's collective deadline (``HYBRIDMEM_FAULTS_DEADLINE_S`` overrides it for a full run on an idle
-machine, where a fault-free switch stays far below 2 s). A fault-free sync takes 0.1-0.2 s on an idle 2-core machine; with the
-machine loaded (load average 9: another test run beside this one) the first switches of a task took up
-to 1.9 s and later ones 0.2-0.4 s, and a fault-free round must never reach the deadline. A rank the fault
-did not reach waits for the whole of it, so it sets the one-rank sample's time (about 20 rounds)."""
+machine, where a fault-free switch stays far below 2 s). A fault-free sync takes 0.1-0.2 s on an idle 2-core
+machine; with the machine loaded (load average 9: another test run beside this one) the first switches of a
+task took up to 1.9 s and later ones 0.2-0.4 s, and a fault-free round must never reach the deadline. A rank
+the fault did not reach waits for the whole of it, so it sets the one-rank sample's time (about 20 rounds)."""
 MARGIN_S = 10.0
 """How long after the deadline a rank the fault did not reach may take to raise (its rollback, on a
 loaded machine)."""
@@ -93,7 +93,8 @@ def _spread(count: int, *, middle: bool = True) -> list[int]:
 
 
 def every_rank_points(counts: list[dict[str, int]]) -> list[Point]:
-    """Points at which every rank faults at its own n-th call of a kind (n up to the most calls of any rank)."""
+    """Points at which every rank faults at its own n-th call of a kind (n up to the most calls of any
+    rank)."""
     kinds = sorted(set().union(*counts))
     return [(ALL_RANKS, kind, n) for kind in kinds for n in _spread(max(c.get(kind, 0) for c in counts))]
 
@@ -104,7 +105,8 @@ def one_rank_points(counts: list[dict[str, int]]) -> list[Point]:
     kinds = sorted(set().union(*counts))
     points: list[Point] = []
     for k, kind in enumerate(kinds):
-        ranks = range(WORLD) if FULL else [next(r % WORLD for r in range(k, k + WORLD) if counts[r % WORLD].get(kind))]
+        ranks = range(WORLD) if FULL else [next(r % WORLD for r in range(k, k + WORLD)
+                                                if counts[r % WORLD].get(kind))]
         points += [(rank, kind, n) for rank in ranks for n in _spread(counts[rank].get(kind, 0), middle=False)]
     return points
 
@@ -136,12 +138,15 @@ def inject(pool, model_dir: str, store_dir: Path, points: list[Point], reference
         store = store_dir / f"task-{first}"
         store.mkdir()
         try:
-            results = pool.run(tasks.collective_fault_task, model_dir, points=chunk, store_dir=str(store), **COMMON)
-        except WorkerError as exc:  # a rank died or raised outside a round's checks: no rank's rounds came back
+            results = pool.run(tasks.collective_fault_task, model_dir, points=chunk,
+                               store_dir=str(store), **COMMON)
+        except WorkerError as exc:
+            # a rank died or raised outside a round's checks: no rank's rounds came back
             where = {rank: int((store / f"progress-{rank}").read_text()) for rank in range(WORLD)
                      if (store / f"progress-{rank}").exists()}
             at = chunk[min(where.values())] if where else "before the first round"
-            return problems + [f"{at}: the task failed (round reached per rank: {where}):\n{str(exc)[-3000:]}"]
+            return problems + [f"{at}: the task failed (round reached per rank: {where}):\n"
+                               f"{str(exc)[-3000:]}"]
         for i, point in enumerate(chunk):
             records = [results[rank][i] if i < len(results[rank]) else None for rank in range(WORLD)]
             print(point, outcome(records))
@@ -172,7 +177,7 @@ def outcome(records: list[dict | None]) -> str:
 
 def _is_vote_wait(kind: str, n: int, counts: dict[str, int]) -> bool:
     """Whether call ``n`` of ``kind`` on a rank making ``counts`` calls is the wait of the ranks' vote: the
-    last ``all_reduce`` of TRAIN->INFER ([Note: switch agreement] in hybridmem.switch.agreement)."""
+    last ``all_reduce`` of TRAIN->INFER ([Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""
     return kind == "all_reduce" + WAIT and n == counts.get(kind)
 
 
@@ -184,66 +189,74 @@ def check_round(point: Point, records: list[dict | None], losses: list[float],
     problems = []
     fired = [rank for rank, r in enumerate(records) if r is not None and r["fired"] is not None]
     if target != ALL_RANKS and fired != [target] or target == ALL_RANKS and not fired:
-        problems.append(f"the fault fired on ranks {fired}: the switch no longer makes call {n} of {kind} there")
+        problems.append(f"the fault fired on ranks {fired}: the switch no longer makes call {n} of {kind} "
+                        "there")
     phases = {rank: r["phase"] for rank, r in enumerate(records) if r is not None}
     if len(set(phases.values())) > 1:
         problems.append(f"the ranks disagree on the switch's outcome: phases {phases}")
     committed = set(phases.values()) == {"INFER"}
     if committed and not all(_is_vote_wait(kind, n, counts[rank]) for rank in fired):
-        problems.append(f"every rank committed though call {n} of {kind} failed on ranks {fired}, which is not "
-                        f"the wait of their vote")
+        problems.append(f"every rank committed though call {n} of {kind} failed on ranks {fired}, which is "
+                        "not the wait of their vote")
     raised = [r for rank, r in enumerate(records) if r is not None and r["error"] and rank not in fired]
     if target != ALL_RANKS and raised and not any(target in r["peers"] for r in raised):
-        problems.append(f"no rank names rank {target}, where the fault was: peers {[r['peers'] for r in raised]}")
+        problems.append(f"no rank names rank {target}, where the fault was: peers "
+                        f"{[r['peers'] for r in raised]}")
     for rank, r in enumerate(records):
         if r is None:
             problems.append(f"rank {rank} returned no record of this round")
             continue
         if committed:
             if r["error"] is not None:
-                problems.append(f"rank {rank} raised {r['error']} though every rank committed: {r['message']}")
+                problems.append(f"rank {rank} raised {r['error']} though every rank committed: "
+                                f"{r['message']}")
         elif rank in fired:
             if not (r["error"] and r["injected"] and r["phase"] == "TRAIN"):
-                problems.append(f"rank {rank} (faulted): error {r['error']} (injected fault among its causes: "
-                                f"{r.get('injected')}), phase {r['phase']}: {r.get('message')}")
+                problems.append(f"rank {rank} (faulted): error {r['error']} (injected fault among its "
+                                f"causes: {r.get('injected')}), phase {r['phase']}: {r.get('message')}")
         elif r["error"] is None:
             problems.append(f"rank {rank}: the switch returned without an error in phase {r['phase']}")
         else:
-            timeout = r["collective"] and r["error"] == "SwitchCollectiveTimeoutError" and r["group_usable"] is False
+            timeout = (r["collective"] and r["error"] == "SwitchCollectiveTimeoutError"
+                       and r["group_usable"] is False)
             if not ((timeout or r["error"] == "SwitchPeerAbortError") and r["peers"]):
-                problems.append(f"rank {rank}: raised {r['error']}, not a CollectiveTimeoutError or PeerAbortError "
-                                f"naming its peers (peers {r['peers']}, group_usable {r['group_usable']}): "
-                                f"{r['message']}")
+                problems.append(f"rank {rank}: raised {r['error']}, not a CollectiveTimeoutError or "
+                                f"PeerAbortError naming its peers (peers {r['peers']}, group_usable "
+                                f"{r['group_usable']}): {r['message']}")
             if r["seconds"] > DEADLINE_S + MARGIN_S:
                 problems.append(f"rank {rank}: raised after {r['seconds']:.1f} s, deadline {DEADLINE_S} s")
         if r["buffers_alive"] != r["buffers_alive_after_gc"]:  # those gloo still holds for a posted op stay
-            problems.append(f"rank {rank}: {r['buffers_alive'] - r['buffers_alive_after_gc']} staging buffers of "
-                            f"the switch were left to the garbage collector")
+            problems.append(f"rank {rank}: {r['buffers_alive'] - r['buffers_alive_after_gc']} staging "
+                            "buffers of the switch were left to the garbage collector")
         if not r.get("state_intact"):
-            problems.append(f"rank {rank}: training state not intact: {r.get('state_problem')}, phase {r['phase']}")
+            problems.append(f"rank {rank}: training state not intact: {r.get('state_problem')}, phase "
+                            f"{r['phase']}")
         if "next_error" in r:
             problems.append(f"rank {rank}: the next round trip or step failed (group re-created: "
                             f"{r['recreated']}):\n{r['next_error']}")
         elif r["loss"] != losses[rank]:
-            problems.append(f"rank {rank}: next loss {r['loss']!r}, a run that never switched: {losses[rank]!r} "
-                            f"(group re-created: {r['recreated']})")
+            problems.append(f"rank {rank}: next loss {r['loss']!r}, a run that never switched: "
+                            f"{losses[rank]!r} (group re-created: {r['recreated']})")
     return problems
 
 
 def test_the_dry_run_enumerates_the_collective_calls_of_each_switch(reference):
     counts = [r["to_infer"] for r in reference]
     for rank, c in enumerate(counts):
-        print(f"rank {rank}: TRAIN->INFER {dict(sorted(c.items()))}; INFER->TRAIN {reference[rank]['to_train']}")
+        print(f"rank {rank}: TRAIN->INFER {dict(sorted(c.items()))}; INFER->TRAIN "
+              f"{reference[rank]['to_train']}")
     for rank, c in enumerate(counts):
         assert {"batch_isend_irecv", "isend", "irecv", "all_reduce"} <= set(c), (rank, c)
         for kind in ("isend", "irecv", "all_reduce"):
             assert c[kind + WAIT] == c[kind], (rank, kind, c)  # every work is waited for, once
         assert c["batch_isend_irecv"] > 1, (rank, c)  # the sync runs in several buckets
         assert reference[rank]["to_train"] == {}, (
-            f"rank {rank}: INFER->TRAIN now makes collective calls {reference[rank]['to_train']}: inject there too")
+            f"rank {rank}: INFER->TRAIN now makes collective calls {reference[rank]['to_train']}: inject "
+            "there too")
 
 
-@pytest.mark.parametrize("where,points_of", [("every rank", every_rank_points), ("one rank", one_rank_points)],
+@pytest.mark.parametrize("where,points_of",
+                         [("every rank", every_rank_points), ("one rank", one_rank_points)],
                          ids=["every-rank", "one-rank"])
 def test_a_fault_at_each_sampled_call_loses_nothing(pool, model_dir, reference, tmp_path, where, points_of):
     points = points_of([r["to_infer"] for r in reference])
@@ -253,7 +266,8 @@ def test_a_fault_at_each_sampled_call_loses_nothing(pool, model_dir, reference, 
     assert not problems, "\n".join(problems)
 
 
-def test_a_fault_on_one_rank_after_its_last_post_of_the_sync_fails_every_rank(pool, model_dir, reference, tmp_path):
+def test_a_fault_on_one_rank_after_its_last_post_of_the_sync_fails_every_rank(pool, model_dir, reference,
+                                                                              tmp_path):
     """The checksum comparison's wait is the sync's last call: the faulted rank has posted everything, its
     peers complete the sync, then wait for its vote and roll back too."""
     point = (1, "all_reduce" + WAIT, reference[1]["to_infer"]["all_reduce" + WAIT] - 1)
@@ -261,22 +275,26 @@ def test_a_fault_on_one_rank_after_its_last_post_of_the_sync_fails_every_rank(po
                                       store_dir=str(tmp_path), **COMMON)]
     print(point, outcome(records))
     assert records[1]["injected"], f"rank 1 did not fault: {records[1]}"
-    assert not check_round(point, records, [r["losses"][0] for r in reference], [r["to_infer"] for r in reference])
+    assert not check_round(point, records, [r["losses"][0] for r in reference],
+                           [r["to_infer"] for r in reference])
     assert [r["phase"] for r in records] == ["TRAIN"] * WORLD and all(r["error"] for r in records), records
 
 
 def test_a_fault_at_the_wait_of_a_ranks_vote_commits_every_rank(pool, model_dir, reference, tmp_path):
-    """A rank that posted its vote and fails to learn the result waits again: the switch commits everywhere."""
+    """A rank that posted its vote and fails to learn the result waits again: the switch commits
+    everywhere."""
     point = (2, "all_reduce" + WAIT, reference[2]["to_infer"]["all_reduce" + WAIT])
     records = [r[0] for r in pool.run(tasks.collective_fault_task, model_dir, points=[point],
                                       store_dir=str(tmp_path), **COMMON)]
     print(point, outcome(records))
     assert records[2]["fired"], f"rank 2 did not fault: {records[2]}"
-    assert not check_round(point, records, [r["losses"][0] for r in reference], [r["to_infer"] for r in reference])
+    assert not check_round(point, records, [r["losses"][0] for r in reference],
+                           [r["to_infer"] for r in reference])
     assert [r["phase"] for r in records] == ["INFER"] * WORLD, records
 
 
-def test_a_failure_after_the_sync_on_one_rank_rolls_every_rank_back_at_once(pool, model_dir, reference, tmp_path):
+def test_a_failure_after_the_sync_on_one_rank_rolls_every_rank_back_at_once(pool, model_dir, reference,
+                                                                            tmp_path):
     """Rank 3 cannot resume its KV cache after a completed sync: it votes no, its peers roll back without
     waiting for a deadline and name it, the group stays usable, and the next round trip needs no new group."""
     results = pool.run(tasks.local_fault_task, model_dir, rank=3, store_dir=str(tmp_path), **COMMON)
@@ -286,7 +304,8 @@ def test_a_failure_after_the_sync_on_one_rank_rolls_every_rank_back_at_once(pool
             assert r["error"] == "SwitchError" and "kv_cache" in r["message"], r
         else:
             assert r["error"] == "SwitchPeerAbortError" and r["peers"] == [3] and r["group_usable"], r
-            assert r["seconds"] < DEADLINE_S, f"rank {rank} waited {r['seconds']:.1f} s: it did not hear the no"
+            assert r["seconds"] < DEADLINE_S, (f"rank {rank} waited {r['seconds']:.1f} s: "
+                                               "it did not hear the no")
         assert r["loss"] == reference[rank]["losses"][0], (rank, r["loss"])
 
 
@@ -297,7 +316,8 @@ if __name__ == "__main__":  # the dry run and the number of points; with --full,
         directory = save_tiny_qwen2(Path(tmp) / "qwen2")
         ref = main_pool.run(tasks.reference_task, directory, steps=ROUNDS_PER_TASK, **COMMON)
         for rank_, r_ in enumerate(ref):
-            print(f"rank {rank_}: TRAIN->INFER {dict(sorted(r_['to_infer'].items()))}; INFER->TRAIN {r_['to_train']}")
+            print(f"rank {rank_}: TRAIN->INFER {dict(sorted(r_['to_infer'].items()))}; INFER->TRAIN "
+                  f"{r_['to_train']}")
         counts_ = [r_["to_infer"] for r_ in ref]
         FULL = False
         ci = (len(every_rank_points(counts_)), len(one_rank_points(counts_)))
@@ -309,7 +329,7 @@ if __name__ == "__main__":  # the dry run and the number of points; with --full,
             shard, shards = map(int, sys.argv[sys.argv.index("--shard") + 1].split("/"))
         if "--full" in sys.argv:  # --full [every-rank|one-rank]: both sets, or one
             which = [a for a in sys.argv[sys.argv.index("--full") + 1:][:1] if not a.startswith("--")]
-            for name, pts in zip(("every rank", "one rank"), full):
+            for name, pts in zip(("every rank", "one rank"), full, strict=False):
                 if which and which[0].replace("-", " ") != name:
                     continue
                 pts = pts[shard::shards]

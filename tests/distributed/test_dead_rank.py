@@ -4,7 +4,7 @@ naming the step and the peer they waited for (the lost rank, or a rank waiting f
 with their training state bitwise what it was; a rank lost while no collective is pending
 (INFER->TRAIN) stops nobody.
 
-See [Note: collective deadlines] in hybridmem.reshard.execute.
+See [Note: collective deadlines] in :mod:`hybridmem.reshard.execute`.
 """
 
 from __future__ import annotations
@@ -65,11 +65,13 @@ def test_survivors_raise_within_the_deadline_with_nothing_lost(pool, model_dir, 
     results = _run(pool, model_dir, how=how, where=where, call=call, direction="to_infer")
     survivors = [r for r in range(WORLD) if r != BAD]
     assert set(survivors) <= set(results), sorted(results)
-    print(f"{how} at {where}: survivors raised after", [round(results[r]["seconds"], 2) for r in survivors], "s")
+    print(f"{how} at {where}: survivors raised after",
+          [round(results[r]["seconds"], 2) for r in survivors], "s")
     for rank in survivors:
         r = results[rank]
         assert r["error"] == "SwitchCollectiveTimeoutError" and r["collective"], (rank, r)
-        assert "weight sync" in r["message"] and "process group is no longer usable" in r["message"], r["message"]
+        assert ("weight sync" in r["message"]
+                and "process group is no longer usable" in r["message"]), r["message"]
         assert r["peers"] and r["group_usable"] is False, (rank, r)
         assert r["seconds"] < DEADLINE_S + MARGIN_S, (rank, r["seconds"])
         assert r["phase"] == "TRAIN" and r["state_intact"], (rank, r)
@@ -119,7 +121,7 @@ def test_a_fault_on_every_rank_at_each_exchange_keeps_the_group_and_the_run(pool
     assert len(keys) >= 3, keys
     for key in sorted({keys[0], keys[len(keys) // 2], keys[-1]}):
         faulted = pool.run(tasks.bad_rank_task, model_dir, how="raise", call=0, at_key=key, **common)
-        for rank, (f, c) in enumerate(zip(faulted, clean)):
+        for rank, (f, c) in enumerate(zip(faulted, clean, strict=False)):
             assert f["error"] == "SwitchError" and "injected before the collective" in f["message"], (key, f)
             assert f["phase"] == "TRAIN" and f["state_intact"], (key, f)
             assert f["next_loss"] == c["next_loss"], (key, rank, f["next_loss"], c["next_loss"])
@@ -131,7 +133,8 @@ def test_a_fault_on_one_rank_at_an_exchange_fails_the_others_by_the_deadline(poo
     """Rank 3 fails on its way into its ``call``-th exchange; it rolls back at once, the others wait for it
     until the deadline and roll back; every rank keeps its training state."""
     results = pool.run(tasks.bad_rank_task, model_dir, bad_rank=BAD, how="raise", where="exchange", call=call,
-                       direction="to_infer", deadline_s=DEADLINE_S, stall_s=STALL_S, bucket_bytes=SMALL_BUCKETS)
+                       direction="to_infer", deadline_s=DEADLINE_S, stall_s=STALL_S,
+                       bucket_bytes=SMALL_BUCKETS)
     assert results[BAD]["error"] == "SwitchError" and "injected" in results[BAD]["message"], results[BAD]
     for rank, r in enumerate(results):
         assert r["phase"] == "TRAIN" and r["state_intact"], (rank, r)

@@ -1,5 +1,5 @@
 """The GRPO demo started by torchrun instead of spawning its own processes (see [Note: demo under torchrun]
-in hybridmem/examples/grpo/__init__.py).
+in :mod:`hybridmem.examples.grpo`).
 
 Two torchrun "nodes" on this machine (``--nnodes 2 --node-rank 0|1``, one process each, rendezvous on
 127.0.0.1) train the same policy as ``hybridmem demo`` spawning two processes: the reward of every
@@ -43,9 +43,10 @@ def test_two_torchrun_nodes_learn_as_the_spawned_demo_does(tmp_path):
     nodes = []
     for node in (0, 1):
         out = tmp_path / f"node{node}"
-        cmd = _torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-                        "--master-port", port, demo=["--iters", ITERS, "--out", str(out)])
-        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()))
+        cmd = _torchrun("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
+                        "127.0.0.1", "--master-port", port, demo=["--iters", ITERS, "--out", str(out)])
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=_env()))
     logs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
     assert not (tmp_path / "node1" / "grpo.json").exists()  # the summary is rank 0's
@@ -64,7 +65,8 @@ def test_every_trainer_and_engine_runs_under_torchrun(tmp_path, demo):
         pytest.importorskip("megatron.core")
     if demo[0] == "--engine":
         pytest.importorskip("vllm")
-    cmd = _torchrun("--standalone", "--nproc-per-node", "2", demo=["--iters", "2", "--out", str(tmp_path), *demo])
+    cmd = _torchrun("--standalone", "--nproc-per-node", "2",
+                    demo=["--iters", "2", "--out", str(tmp_path), *demo])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((tmp_path / "grpo.json").read_text())

@@ -1,6 +1,6 @@
-"""The TRL integration's import-time check ([Note: TRL hooks] in hybridmem/integrations/trl_compat.py), its
-reading of ``trl.GRPOTrainer``'s arguments, and TRL's vLLM-range warning, against the installed TRL. Other
-TRL releases are stood in for by copies of the installed modules with one hook taken out."""
+"""The TRL integration's import-time check ([Note: TRL hooks] in :mod:`hybridmem.integrations.trl_compat`),
+its reading of ``trl.GRPOTrainer``'s arguments, and TRL's vLLM-range warning, against the installed TRL.
+Other TRL releases are stood in for by copies of the installed modules with one hook taken out."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ def test_patches_apply_inside_and_are_restored():
         assert torch.ones(2, device="cuda").cuda().pin_memory().device.type == "cpu"
         assert t.type() == "torch.cuda.FloatTensor"
         assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
-        # [Note: CUDA RNG on CPU]: the "CUDA" generator is the CPU default one.
+        # [Note: CUDA RNG on CPU] in :mod:`hybridmem.testing.megatron_cpu`: the "CUDA" generator is the CPU
+        # default one.
         torch.cuda.manual_seed(7)
         state = torch.cuda.get_rng_state()
         a = torch.rand(4)

@@ -65,8 +65,8 @@ def test_cuda_arenas_are_pinned():
     assert pool.report()[0].pinned
 
 
-# [Note: offload journal]: a held arena holds the only copy of offloaded bytes, so a request that would
-# replace it (a larger one) must be refused, not served with a fresh arena.
+# [Note: offload journal] in :mod:`hybridmem.offload.base`: a held arena holds the only copy of offloaded
+# bytes, so a request that would replace it (a larger one) must be refused, not served with a fresh arena.
 def test_a_held_arena_is_not_replaced_by_a_larger_request():
     pool = HostBufferPool(get_accelerator("cpu"))
     arena = pool.arena("param", torch.float32, 4)
@@ -123,7 +123,8 @@ def test_an_arena_being_prewarmed_counts_for_the_memory_plan():
     pool.arena("grad", torch.float32, 10)  # 40 bytes held
     pool.prewarm([("param", torch.float32, 100)])  # 400 bytes pending
     assert (pool.arena_nbytes("param", torch.float32), pool.arena_nbytes("grad", torch.float32)) == (400, 40)
-    assert (pool.reserved_nbytes(), pool.held_nbytes(), pool.arena_nbytes("param", torch.bfloat16)) == (440, 40, 0)
+    assert (pool.reserved_nbytes(), pool.held_nbytes(),
+            pool.arena_nbytes("param", torch.bfloat16)) == (440, 40, 0)
     release.set()
     pool.wait_prewarmed(5)
     assert pool.reserved_nbytes() == pool.held_nbytes() == 440

@@ -7,7 +7,7 @@ predicts per rank and per node (2 ranks a node) equal what the pools of those ra
 are named; a cluster that does not fit, the device or a node's host memory, gets advice that, applied,
 fits.
 
-See [Note: cluster plan] in hybridmem.planner.cluster.
+See [Note: cluster plan] in :mod:`hybridmem.planner.cluster`.
 """
 
 from __future__ import annotations
@@ -39,23 +39,26 @@ def test_the_plan_equals_a_gloo_run(model_dir, world):
     with WorkerPool(world, timeout_s=120) as pool:
         runs = pool.run(_tasks.switch_task, model_dir, infer_tp=2, kv_blocks=8)
     # The gloo run's host arenas are not pinned (CPU): no power-of-two rounding.
-    out = _plan(model_dir, "--world", str(world), "--train", "fsdp2", "--infer", "2/1/1", "--param-dtype", "fp32",
-                "--infer-dtype", "fp32", "--kv-cache-bytes", str(runs[0]["kv_nbytes"]), "--ranks", "all", "--json", "-",
-                "--devices-per-node", "2", "--no-pinned-rounding")
+    out = _plan(model_dir, "--world", str(world), "--train", "fsdp2", "--infer", "2/1/1",
+                "--param-dtype", "fp32", "--infer-dtype", "fp32", "--kv-cache-bytes",
+                str(runs[0]["kv_nbytes"]), "--ranks", "all", "--json", "-", "--devices-per-node", "2",
+                "--no-pinned-rounding")
     assert out.returncode == 0, out.stderr[-3000:]
     predicted = json.loads(out.stdout)
     assert predicted["fits"] and [p["rank"] for p in predicted["ranks"]] == list(range(world))
     # Host memory: per rank, each kind's arenas equal the pool's arenas of that owner; per node, the sum of
     # what the pools of its two ranks hold.
-    for ours, run in zip(predicted["ranks"], runs):
+    for ours, run in zip(predicted["ranks"], runs, strict=False):
         arenas = {k.split()[0]: v for k, v in ours["host_nbytes"].items() if k.endswith("arenas")}
-        assert arenas == run["arenas"] and sum(ours["host_nbytes"].values()) == run["pool_nbytes"], (ours, run)
+        assert arenas == run["arenas"], (ours, run)
+        assert sum(ours["host_nbytes"].values()) == run["pool_nbytes"], (ours, run)
     nodes = [n["peak_nbytes"] for n in predicted["nodes"]]
     assert nodes == [runs[r]["pool_nbytes"] + runs[r + 1]["pool_nbytes"] for r in range(0, world, 2)], nodes
     assert predicted["host_peak_nbytes"] == max(nodes) and predicted["host_fits"]
-    for rank, (ours, run) in enumerate(zip(predicted["ranks"], runs)):
+    for rank, (ours, run) in enumerate(zip(predicted["ranks"], runs, strict=False)):
         for direction in ("to_infer", "to_train"):
-            mine = [(s["name"], s["alloc_nbytes"], s["free_nbytes"], s["transient_nbytes"]) for s in ours[direction]]
+            mine = [(s["name"], s["alloc_nbytes"], s["free_nbytes"], s["transient_nbytes"])
+                    for s in ours[direction]]
             real = [(s["name"], s["alloc"], s["free"], s["transient"]) for s in run[direction]]
             assert mine == real, (rank, direction, mine, real)
             # The runtime's own host plan: the arenas prewarmed before the switch, none grown by it.
@@ -66,7 +69,8 @@ def test_the_plan_equals_a_gloo_run(model_dir, world):
                     assert step["host_link_nbytes"] == moved["copied"], (rank, step, moved)
                 elif step["name"] == "weight sync":
                     extra = moved["extra"]
-                    assert step["network_nbytes"] == extra["sent_nbytes"] + extra["received_nbytes"], (rank, extra)
+                    assert step["network_nbytes"] == extra["sent_nbytes"] + extra["received_nbytes"], \
+                        (rank, extra)
                 else:
                     assert step["host_link_nbytes"] == step["network_nbytes"] == 0
         assert ours["sent_nbytes"] == run["moved"]["weight sync"]["extra"]["sent_nbytes"] > 0
@@ -74,8 +78,8 @@ def test_the_plan_equals_a_gloo_run(model_dir, world):
 
 
 QWEN25_7B = ["--family", "qwen2", "--set", "hidden_size=3584", "--set", "intermediate_size=18944", "--set",
-             "num_hidden_layers=28", "--set", "num_attention_heads=28", "--set", "num_key_value_heads=4", "--set",
-             "vocab_size=152064", "--set", "tie_word_embeddings=false"]
+             "num_hidden_layers=28", "--set", "num_attention_heads=28", "--set", "num_key_value_heads=4",
+             "--set", "vocab_size=152064", "--set", "tie_word_embeddings=false"]
 
 
 def test_a_cluster_that_does_not_fit_gets_advice_that_fits(tmp_path, capsys):
@@ -105,14 +109,16 @@ def test_a_training_state_larger_than_the_device_is_said_so():
     norms = (2 * layers + 1) * h
     per_rank = split // 2 + norms
     expected = per_rank * (2 + 4) + per_rank * 12 // 4
-    out = _plan(*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "2/1/1", "--device-memory-gb", "24")
+    out = _plan(*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "2/1/1",
+                "--device-memory-gb", "24")
     assert out.returncode == 1, out.stdout[-2000:]
-    assert f"the training state alone needs {expected / 1e9:.1f} GB of 24.0 GB" in out.stdout, (expected, out.stdout[-800:])
+    assert f"the training state alone needs {expected / 1e9:.1f} GB of 24.0 GB" in out.stdout, \
+        (expected, out.stdout[-800:])
 
 
 def test_the_table_json_and_plot(tmp_path):
-    out = _plan(*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--json", str(tmp_path / "p.json"),
-                "--plot", str(tmp_path / "p.png"))
+    out = _plan(*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--json",
+                str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png"))
     assert out.returncode == 0, out.stderr[-2000:]
     for words in ("TRAIN->INFER", "INFER->TRAIN", "weight sync", "offload optimizer", "fits"):
         assert words in out.stdout, words
@@ -154,14 +160,16 @@ def test_a_node_whose_host_memory_cannot_hold_it_gets_advice_that_fits(tmp_path,
     split = 2 * v * h + layers * (2 * h * h + h + 2 * (kv * h + kv) + 3 * h * f)
     norms = (2 * layers + 1) * h
     per_rank = split // 2 + norms  # TP2: half of every split tensor, every norm whole
-    arenas = _pow2(per_rank * 2) + _pow2(per_rank * 4) + _pow2(per_rank * 12 // 4)  # bf16, fp32 grads, Adam / dp 4
+    # bf16, fp32 grads, Adam / dp 4
+    arenas = _pow2(per_rank * 2) + _pow2(per_rank * 4) + _pow2(per_rank * 12 // 4)
     sleep_copy = (split + norms) * 2  # TP1: the whole model in bf16 on every rank
     small = [*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--kv-cache-gb", "20",
              "--host-memory-gb", "400"]
     out = _plan(*small, "--sleep-level", "1", "--json", str(tmp_path / "plan.json"))
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     expected = 8 * (arenas + sleep_copy)
-    assert f"host peak {expected / 1e9:.1f} GB of 400.0 GB per node: DOES NOT FIT" in out.stdout, (expected, out.stdout)
+    assert f"host peak {expected / 1e9:.1f} GB of 400.0 GB per node: DOES NOT FIT" in out.stdout, \
+        (expected, out.stdout)
     data = json.loads((tmp_path / "plan.json").read_text())
     assert data["device_fits"] and not data["host_fits"] and data["host_peak_nbytes"] == expected
     advice = data["advice"]
@@ -181,7 +189,8 @@ def test_a_host_too_small_for_any_knob_is_said_so(capsys):
     assert main([*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1", "--host-memory-gb", "50",
                  "--device-memory-gb", "40"]) == 1
     text = capsys.readouterr().out
-    assert "none of unrounded pinned arenas, the engine's sleep level 2 or offloading fewer kinds" in text, text
+    assert ("none of unrounded pinned arenas, the engine's sleep level 2 or offloading fewer kinds"
+            in text), text
     assert "more host memory" in text, text
 
 
@@ -191,7 +200,8 @@ def test_gb200_and_gb300_presets_are_compute_trays():
 
     for name, hbm in (("gb200", 186e9), ("gb300", 288e9)):
         a = ACCELERATORS[name]
-        assert (a.devices_per_node, a.host_memory_nbytes, a.nvlink_domain, a.memory_nbytes) == (4, 2 * 480e9, 72, hbm)
+        assert (a.devices_per_node, a.host_memory_nbytes,
+                a.nvlink_domain, a.memory_nbytes) == (4, 2 * 480e9, 72, hbm)
     assert all(a.host_memory_nbytes >= 960e9 for a in ACCELERATORS.values())
 
 
@@ -231,10 +241,11 @@ def test_megatrons_expert_optimizer_state_is_divided_over_the_expert_data_parall
     from hybridmem.planner.cluster import TrainingSetup, rank_states
     from hybridmem.reshard import ModelSpec
 
-    config = dict(model_type="glm4_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=96, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
-                  first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True,
-                  tie_word_embeddings=False, num_hidden_layers=3, vocab_size=256)
+    config = dict(model_type="glm4_moe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=96, n_routed_experts=4, n_shared_experts=1,
+                  moe_intermediate_size=32, first_k_dense_replace=1, num_experts_per_tok=2, n_group=1,
+                  topk_group=1, attention_bias=True, tie_word_embeddings=False, num_hidden_layers=3,
+                  vocab_size=256)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)

@@ -1,4 +1,5 @@
-"""The LoRA plan ([Note: lora plan]) against PEFT's own adapters and against what the manager moves.
+"""The LoRA plan ([Note: lora plan] in :mod:`hybridmem.planner.lora`) against PEFT's own adapters and against
+what the manager moves.
 
 References: the adapter tensors PEFT builds for the targets (their element counts), and the bytes a
 ShardingManager's switch report says each offload step copied, on the embedded engine at TP 1.
@@ -22,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 TOKENS = torch.tensor([[1, 5, 9, 2, 7]])
-QWEN2 = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-             num_hidden_layers=2, vocab_size=100, max_position_embeddings=64)
+QWEN2 = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, num_hidden_layers=2, vocab_size=100, max_position_embeddings=64)
 
 
 def _peft(config: dict, targets: list[str], rank: int):
@@ -59,19 +60,22 @@ def test_the_bytes_offloaded_per_switch_are_the_plans(route):
     engine = ReferenceEngine(cfg.to_dict(), num_kv_blocks=8, block_size=8)
     engine.load_weights(peft_base_weights(model))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    for _ in range(2):  # PEFT's lora_B starts at zero, so lora_A's first gradients are zero (released, not copied)
+    # PEFT's lora_B starts at zero, so lora_A's first gradients are zero (released, not copied)
+    for _ in range(2):
         opt.zero_grad()
         model(TOKENS, labels=TOKENS).loss.backward()
         opt.step()
     sync = (LoadWeightsSync(lambda: merged_lora_weights(model), engine) if route == "merged"
             else AdaptersOnly(model, engine))
     manager = ShardingManager(model, engine, optimizer=opt, weight_sync=sync,
-                              config=HybridConfig(device="cpu", lora_base="shared" if route == "shared" else "engine_resident"))
+                              config=HybridConfig(device="cpu", lora_base="shared" if route == "shared"
+                                                  else "engine_resident"))
     with manager.inference():
         pass
     by_kind = manager.last_reports[Direction.TO_INFER].bytes_by_kind
     offloaded = sum(by_kind.get(k, 0) for k in ("param", "grad", "optimizer"))
-    (plan,) = [p for p in plan_lora(ModelSpec.from_hf_config(QWEN2), LoraSetup(rank=4, targets=tuple(targets)),
+    (plan,) = [p for p in plan_lora(ModelSpec.from_hf_config(QWEN2),
+                                    LoraSetup(rank=4, targets=tuple(targets)),
                                     param_bytes=4, infer_bytes=4, device_nbytes=2**34, kv_nbytes=0,
                                     buffer_nbytes=hf_buffer_nbytes(QWEN2, 4)) if p.route == route]
     assert offloaded == plan.host_link_nbytes // 2
@@ -80,7 +84,8 @@ def test_the_bytes_offloaded_per_switch_are_the_plans(route):
 def test_the_routes_order_as_the_modes_promise():
     plans = {p.route: p for p in plan_lora(ModelSpec.from_hf_config(QWEN2), LoraSetup(rank=4), param_bytes=2,
                                            infer_bytes=2, device_nbytes=2**30, kv_nbytes=2**20)}
-    merged, sleeps, resident, shared = (plans[r] for r in ("merged", "engine_sleeps", "engine_resident", "shared"))
+    merged, sleeps, resident, shared = (plans[r]
+                                        for r in ("merged", "engine_sleeps", "engine_resident", "shared"))
     assert shared.host_link_nbytes == resident.host_link_nbytes < sleeps.host_link_nbytes
     assert resident.host_link_nbytes < merged.host_link_nbytes
     assert shared.engine_write_nbytes == resident.engine_write_nbytes < merged.engine_write_nbytes
@@ -95,15 +100,19 @@ def test_hybridmem_plan_lora_prints_every_route_and_refuses_several_devices(tmp_
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(QWEN2))
-    assert main([str(config), "--world", "1", "--lora-rank", "4", "--kv-cache-bytes", "0", "--json", "-"]) == 0
+    assert main([str(config), "--world", "1", "--lora-rank", "4",
+                 "--kv-cache-bytes", "0", "--json", "-"]) == 0
     routes = json.loads(capsys.readouterr().out)
     assert [r["route"] for r in routes] == ["merged", "engine_sleeps", "engine_resident", "shared"]
     spec = ModelSpec.from_hf_config(QWEN2)
-    model, _ = _peft(QWEN2, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], rank=4)
-    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n) * 4  # fp32, as PEFT keeps them
+    model, _ = _peft(QWEN2,
+                     ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], rank=4)
+    # fp32, as PEFT keeps them
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n) * 4
     assert {r["route"]: r["engine_write_nbytes"] for r in routes}["shared"] == adapters
     base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
-    # The merged sync writes the whole model: its base in the engine's dtype (bf16), vocabulary padding on top.
+    # The merged sync writes the whole model: its base in the engine's dtype (bf16), vocabulary padding on
+    # top.
     assert base * 2 <= routes[0]["engine_write_nbytes"] < base * 2 * 1.1
     assert spec.vocab_size == 100
     with pytest.raises(SystemExit):

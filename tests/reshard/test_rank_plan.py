@@ -2,9 +2,10 @@
 groups alone, equals rank r's part of the whole plan, built from every rank's tensors; the steps both ends
 of every transfer compute run to the end without deadlock; the layouts' parts are their tensors.
 
-See [Note: plan cells] in hybridmem.reshard.plan and [Note: plan schedule] in hybridmem.reshard.schedule.
-The share-equals-whole property draws 20 cases in CI (each builds every rank's plan with buckets of a few
-elements: about 2 s) and 60 under ``HYBRIDMEM_TESTS_FULL=1``; hypothesis draws new ones on every run.
+See [Note: plan cells] in :mod:`hybridmem.reshard.plan` and [Note: plan schedule] in
+:mod:`hybridmem.reshard.schedule`. The share-equals-whole property draws 20 cases in CI (each builds every
+rank's plan with buckets of a few elements: about 2 s) and 60 under ``HYBRIDMEM_TESTS_FULL=1``; hypothesis
+draws new ones on every run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from tests.reshard.test_offline_property import deepseek_case, dense_case, moe_c
 
 
 def _share_of(whole, rank: int) -> list[tuple[tuple[int, int, int], tuple[Transfer, ...]]]:
-    steps = [(k, tuple(t for t in b if rank in (t.src_rank, t.dst_rank))) for k, b in zip(whole.keys, whole.buckets)]
+    steps = [(k, tuple(t for t in b if rank in (t.src_rank, t.dst_rank)))
+             for k, b in zip(whole.keys, whole.buckets, strict=False)]
     return [(k, b) for k, b in steps if b]
 
 
@@ -39,7 +41,7 @@ def _assert_shares_equal_whole(src, dst, *, itemsize: int = 2, bucket: int = 1 <
     for r in range(src.world_size):
         share = build_plan(src, dst, itemsize=itemsize, bucket_nbytes=bucket, rank=r)
         assert share.local[r] == whole.local[r], (r, src, dst)
-        assert list(zip(share.keys, share.buckets)) == _share_of(whole, r), (r, src, dst)
+        assert list(zip(share.keys, share.buckets, strict=False)) == _share_of(whole, r), (r, src, dst)
         for figure in ("recv_nbytes", "send_nbytes", "peak_temp_nbytes", "min_recv_nbytes"):
             assert getattr(share, figure)(r) == getattr(whole, figure)(r), (figure, r)
 
@@ -51,7 +53,7 @@ def _run_to_the_end(shares) -> int:
     as many rounds as there are steps. Returns the rounds taken."""
     world = len(shares)
     at = [0] * world
-    todo = [list(zip(p.keys, p.buckets)) for p in shares]
+    todo = [list(zip(p.keys, p.buckets, strict=False)) for p in shares]
     where = [{key: i for i, (key, _) in enumerate(steps)} for steps in todo]
     rounds = 0
     while any(at[r] < len(todo[r]) for r in range(world)):
@@ -69,7 +71,8 @@ def _run_to_the_end(shares) -> int:
                        [t for t in theirs if r in (t.src_rank, t.dst_rank)], (r, peer, key)
             if all(where[peer][key] <= at[peer] for peer in peers):  # every peer has posted it
                 done.append(r)
-        assert done, f"deadlock: ranks at steps {[todo[r][at[r]][0] if at[r] < len(todo[r]) else None for r in range(world)]}"
+        assert done, ("deadlock: ranks at steps "
+                      f"{[todo[r][at[r]][0] if at[r] < len(todo[r]) else None for r in range(world)]}")
         for r in done:
             at[r] += 1
         assert rounds <= sum(len(t) for t in todo)
@@ -117,39 +120,42 @@ def test_every_ranks_steps_run_to_the_end_with_bounded_staging(case, hf_dst, buc
 @pytest.mark.parametrize("model_id", sorted(MODELS))
 def test_every_family_from_fsdp2_shards_and_from_megatron(model_id):
     """Every described family, from FSDP2 shards (transformers' names) and from Megatron where the family
-    has a Megatron layout (a multimodal model's names have none), into vLLM at TP 2 with expert parallelism for MoE models."""
+    has a Megatron layout (a multimodal model's names have none), into vLLM at TP 2 with expert parallelism
+    for MoE models."""
     family, kw = MODELS[model_id]
     spec = ModelSpec.from_hf_config(transformers.AutoConfig.for_model(family, **{**COMMON, **kw}).to_dict())
     moe = spec.num_experts > 0
     dst = vllm_layout(spec, ParallelLayout(tp=2, ep=4 if moe else 1), 4)
     _assert_shares_equal_whole(hf_source_layout(spec, 4, shard_size=4), dst, bucket=4096)
-    _assert_shares_equal_whole(hf_source_layout(spec, 4, shard_size=2), hf_layout(spec, ParallelLayout(pp=2), 4),
-                               bucket=4096)
+    _assert_shares_equal_whole(hf_source_layout(spec, 4, shard_size=2),
+                               hf_layout(spec, ParallelLayout(pp=2), 4), bucket=4096)
     if spec.description.megatron is None and not spec.multimodal:
         pp = 2 if spec.num_hidden_layers % 2 == 0 and not moe else 1
-        _assert_shares_equal_whole(megatron_layout(spec, ParallelLayout(tp=2, pp=pp, ep=2 if moe else 1), 4), dst,
-                                   bucket=4096)
+        _assert_shares_equal_whole(megatron_layout(spec, ParallelLayout(tp=2, pp=pp, ep=2 if moe else 1), 4),
+                                   dst, bucket=4096)
 
 
 @pytest.mark.parametrize("train,infer,world", [((2, 1, 8), (8, 1, 16), 16), ((4, 1, 8), (8, 2, 8), 32),
                                                ((2, 2, 4), (4, 1, 32), 32)])
 def test_deepseek_v3_shape_at_scale(train, infer, world):
-    """A DeepSeek-V3-shaped spec (MLA, 4 dense layers then MoE, shared experts, router bias) at up to 32 ranks,
-    expert parallel on both sides: every share equals the whole plan's part."""
+    """A DeepSeek-V3-shaped spec (MLA, 4 dense layers then MoE, shared experts, router bias) at up to 32
+    ranks, expert parallel on both sides: every share equals the whole plan's part."""
     spec = ModelSpec.from_hf_config(dict(
         model_type="deepseek_v3", hidden_size=64, num_attention_heads=16, num_key_value_heads=16,
         intermediate_size=128, num_hidden_layers=6, vocab_size=512, n_routed_experts=32, n_shared_experts=1,
-        moe_intermediate_size=32, first_k_dense_replace=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, topk_method="noaux_tc", tie_word_embeddings=False))
+        moe_intermediate_size=32, first_k_dense_replace=2, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, topk_method="noaux_tc",
+        tie_word_embeddings=False))
     lay = lambda tp, pp, ep: ParallelLayout(tp=tp, pp=pp, ep=ep)  # noqa: E731
-    _assert_shares_equal_whole(megatron_layout(spec, lay(*train), world), vllm_layout(spec, lay(*infer), world),
-                               bucket=1 << 14)
+    _assert_shares_equal_whole(megatron_layout(spec, lay(*train), world),
+                               vllm_layout(spec, lay(*infer), world), bucket=1 << 14)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(dense_case(), moe_case(), deepseek_case()), st.booleans())
 def test_a_layouts_parts_are_its_tensors(case, hf_dst):
-    """[Note: layout parts]: for every rank, the parts of the groups it is in are exactly its tensors."""
+    """[Note: layout parts] in :mod:`hybridmem.reshard.layouts`: for every rank, the parts of the groups it is
+    in are exactly its tensors."""
     for layout in _pairs_by_layout(case, hf_dst):
         for rank in range(layout.world_size):
             merged = {}
@@ -164,10 +170,11 @@ def test_a_layouts_parts_are_its_tensors(case, hf_dst):
 def test_a_share_answers_only_for_its_rank():
     spec = ModelSpec(family="qwen2", hidden_size=16, num_attention_heads=8, num_key_value_heads=4, head_dim=2,
                      intermediate_size=32, num_hidden_layers=2, vocab_size=100)
-    share = build_plan(megatron_layout(spec, ParallelLayout(tp=2), 4), vllm_layout(spec, ParallelLayout(tp=4), 4),
-                       rank=1)
+    share = build_plan(megatron_layout(spec, ParallelLayout(tp=2), 4),
+                       vllm_layout(spec, ParallelLayout(tp=4), 4), rank=1)
     assert share.recv_nbytes(1) > 0
     with pytest.raises(ValueError, match=r"rank 1's share; build_plan\(..., rank=2\) gives rank 2's"):
         share.recv_nbytes(2)
     with pytest.raises(ValueError, match="rank=4 outside world_size=4"):
-        build_plan(megatron_layout(spec, ParallelLayout(tp=2), 4), vllm_layout(spec, ParallelLayout(tp=4), 4), rank=4)
+        build_plan(megatron_layout(spec, ParallelLayout(tp=2), 4),
+                   vllm_layout(spec, ParallelLayout(tp=4), 4), rank=4)

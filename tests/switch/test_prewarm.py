@@ -1,5 +1,6 @@
-"""Host arenas prewarmed in the background (see [Note: prewarmed arenas] in hybridmem.offload.host_pool): the first
-switch of a plain user loop finds its arenas ready, and prewarming never gets in the way of a switch.
+"""Host arenas prewarmed in the background (see [Note: prewarmed arenas] in
+:mod:`hybridmem.offload.host_pool`): the first switch of a plain user loop finds its arenas ready, and
+prewarming never gets in the way of a switch.
 
 The per-step timings live in ``benchmarks/switch_latency.py``; these tests check what was allocated where,
 through the pool's own report and the arenas' identity.
@@ -22,8 +23,9 @@ from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 
 def _user_model(tmp_path):
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=256)).save_pretrained(tmp_path)
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 vocab_size=256)).save_pretrained(tmp_path)
     return AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
@@ -79,7 +81,8 @@ def test_a_switch_waits_for_the_arena_being_prewarmed_and_takes_it():
 
 def test_prewarming_skips_what_it_must_not_do():
     pool = HostBufferPool(get_accelerator("cpu"), budget_nbytes=1000)
-    assert pool.prewarm([("param", torch.float32, 1000)]) == 0  # 4000 bytes over the budget: left to the switch
+    # 4000 bytes over the budget: left to the switch
+    assert pool.prewarm([("param", torch.float32, 1000)]) == 0
     pool.arena("grad", torch.float32, 10)
     pool.hold("grad")
     assert pool.prewarm([("grad", torch.float32, 100)]) == 0  # a held arena holds the only copy of some bytes

@@ -5,7 +5,7 @@ in a new session, so that it and everything it starts share one process group; o
 reported their pids it is interrupted as a user or a CI runner would: Ctrl-C in a terminal (SIGINT to
 the whole group), SIGTERM to the pytest process, or SIGTERM to the pytest-xdist worker that owns the
 pool. Then no process of that group may be left (see [Note: workers die with their parent] in
-hybridmem.testing.workers).
+:mod:`hybridmem.testing.workers`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def _wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout_s: float) -> N
     give_up = time.monotonic() + timeout_s
     while not path.exists():
         if proc.poll() is not None:
-            pytest.fail(f"the inner run ended (exit {proc.returncode}) before its pool started:\n{_output(proc)}")
+            pytest.fail(f"the inner run ended (exit {proc.returncode}) before its pool "
+                        f"started:\n{_output(proc)}")
         if time.monotonic() > give_up:
             pytest.fail(f"the inner run's pool did not start in {timeout_s} s")
         time.sleep(0.2)
@@ -94,15 +95,17 @@ def test_no_worker_outlives_an_interrupted_run(tmp_path, how):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "HYBRIDMEM_TEST_PIDS": str(pids_file)}
     xdist = ["-n", "1"] if how == "sigterm-xdist-worker" else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *xdist, "test_inner.py"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=_as_in_a_terminal)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+           "no:randomly", *xdist, "test_inner.py"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, preexec_fn=_as_in_a_terminal)
     try:
         _wait_for(pids_file, proc, START_S)
         workers = [tuple(map(int, w.split(":"))) for w in pids_file.read_text().split()]
         parents = {ppid for _, ppid in workers}
         assert len(workers) == 2 and len(parents) == 1, workers
-        assert all(pid in _group(proc.pid) for pid, _ in workers), "the workers are not in the run's process group"
+        assert all(pid in _group(proc.pid) for pid, _ in workers), \
+            "the workers are not in the run's process group"
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         elif how == "sigterm-pytest":
@@ -121,7 +124,8 @@ def test_no_worker_outlives_an_interrupted_run(tmp_path, how):
                 os.kill(proc.pid, signal.SIGUSR1)
                 time.sleep(2)
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"{how}: alive {GONE_S} s after the signal: {left}; the run's output:\n{_output(proc)}")
+            pytest.fail(f"{how}: alive {GONE_S} s after the signal: {left}; the run's "
+                        f"output:\n{_output(proc)}")
         assert proc.wait(timeout=10) != 0
     finally:
         if proc.poll() is None or _group(proc.pid):

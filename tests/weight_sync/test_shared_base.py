@@ -1,4 +1,5 @@
-"""share_base: a PEFT LoRA model's frozen base as views of the engine's weights ([Note: shared base]).
+"""share_base: a PEFT LoRA model's frozen base as views of the engine's weights ([Note: shared base] in
+:mod:`hybridmem.weight_sync.shared_base`).
 
 The engine is the embedded ReferenceEngine, which keeps vLLM's layout at TP 1 unrepacked on the CPU (the same
 layout vLLM's GPU kernels keep); the reference is the model itself before sharing: its logits, its values, and
@@ -34,7 +35,8 @@ def _model(tied: bool = False):
                                       max_position_embeddings=64, tie_word_embeddings=tied)
     torch.manual_seed(0)
     base = transformers.Qwen2ForCausalLM(config)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules=TARGETS, init_lora_weights=False))
     return model, config
 
 

@@ -200,13 +200,15 @@ class FSDPTrainingState:
         ``ShardingManager`` calls it for a state it builds or is given."""
         if id(manager) in self._attached:
             return
-        manager.register_step(Direction.TO_INFER, ReleaseBuffersStep(self.buffers, FSDP_BUFFERS), FSDP_BUFFERS.order)
+        manager.register_step(Direction.TO_INFER,
+                              ReleaseBuffersStep(self.buffers, FSDP_BUFFERS), FSDP_BUFFERS.order)
         manager.register_owner(UNSHARDED_OWNER, self.buffers.nbytes, empty_in=(Phase.INFER,))
         self._attached.add(id(manager))
 
     def guard_targets(self) -> tuple[list[torch.nn.Module], list[Any]]:
-        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards]); the
-        forward guard runs before FSDP2's own pre-forward, so a refused forward starts no all-gather."""
+        """The modules and optimizers that refuse work outside TRAIN (see [Note: misuse guards] in
+        :mod:`hybridmem.switch.guards`); the forward guard runs before FSDP2's own pre-forward, so a refused
+        forward starts no all-gather."""
         opts = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
         return list(self.modules), [o for o in opts if o is not None]
 

@@ -5,9 +5,9 @@ Megatron's ``DistributedDataParallel`` allocates, per dtype group, one ``_ParamA
 flat ``param_data`` tensor (every parameter's ``.data`` is a view into it) and a flat ``grad_data``
 tensor (every ``param.main_grad`` is a view into it); expert parameters get their own buffers in
 ``expert_parallel_buffers``. Because :class:`~hybridmem.offload.base.Offloader` works by storage (see
-[Note: offload by storage]), handing it ``buffer.param_data`` moves the whole buffer as one flat copy and
-``resize_(0)`` on that storage releases every parameter view at once, while the ``Parameter`` objects,
-the optimizer's references to them and DDP's grad hooks stay valid.
+[Note: offload by storage] in :mod:`hybridmem.offload.base`), handing it ``buffer.param_data`` moves the whole
+buffer as one flat copy and ``resize_(0)`` on that storage releases every parameter view at once, while the
+``Parameter`` objects, the optimizer's references to them and DDP's grad hooks stay valid.
 
 Megatron allocates ``param_data`` only with ``use_distributed_optimizer=True`` (it needs the flat
 buffer for its param all-gather); otherwise ``param_data`` is ``None`` and each parameter keeps its own
@@ -113,7 +113,8 @@ class MegatronParamOffloader(Offloader):
 
     kind: ClassVar[StateKind] = StateKind.PARAM
 
-    def __init__(self, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *, owner: str | None = None):
+    def __init__(self, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *,
+                 owner: str | None = None):
         super().__init__(accel, pool, owner=owner)
         self.model_chunks = list(model_chunks)
         self.buffers = ddp_buffers(self.model_chunks)
@@ -182,14 +183,16 @@ class MegatronOptimizerOffloader(Offloader):
     kind: ClassVar[StateKind] = StateKind.OPTIMIZER
 
     def __init__(
-        self, optimizer: Any, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *, owner: str | None = None
+        self, optimizer: Any, model_chunks: Iterable[Any], accel: Accelerator, pool: HostBufferPool, *,
+        owner: str | None = None
     ):
         super().__init__(accel, pool, owner=owner)
         self.optimizer = optimizer
         self.buffers = ddp_buffers(model_chunks)
 
     def tensors(self) -> Iterable[torch.Tensor]:
-        excluded = _storage_keys([*(b.param_data for b in self.buffers), *(b.grad_data for b in self.buffers)])
+        excluded = _storage_keys([*(b.param_data for b in self.buffers),
+                                  *(b.grad_data for b in self.buffers)])
         for t in [*main_param_tensors(self.optimizer), *_inner_state_tensors(self.optimizer)]:
             if t.untyped_storage()._cdata not in excluded:
                 yield t

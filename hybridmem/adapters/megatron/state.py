@@ -135,7 +135,8 @@ class MegatronTrainingState:
         ddp_buffers(self.model_chunks)  # validates the wrapping early, naming the bad chunk
         self.optimizer = optimizer
         if vocab_size is not None and not 1 <= vocab_size <= self.padded_vocab_size:
-            raise ValueError(f"vocab_size={vocab_size} must be in [1, the model's padded vocab {self.padded_vocab_size}]")
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, the model's padded vocab "
+                             f"{self.padded_vocab_size}]")
         self._vocab_size = vocab_size
         self.workspaces: MegatronWorkspaces | None = None
         self._attached: set[int] = set()
@@ -167,7 +168,8 @@ class MegatronTrainingState:
         """The ``TransformerConfig`` of the first chunk."""
         return unwrap_model(self.model_chunks[0]).config
 
-    def build_offloaders(self, accel: Accelerator, pool: HostBufferPool, config: HybridConfig) -> dict[StateKind, Offloader]:
+    def build_offloaders(self, accel: Accelerator,
+                         pool: HostBufferPool, config: HybridConfig) -> dict[StateKind, Offloader]:
         """``PARAM``: every buffer's ``param_data``; ``GRAD``: every ``grad_data`` (all-zero ones skipped
         when ``config.skip_zero_grads``); ``OPTIMIZER``: fp32 main params and optimizer state."""
         self.workspaces = MegatronWorkspaces(accel.device.type)
@@ -178,7 +180,8 @@ class MegatronTrainingState:
             ),
         }
         if self.optimizer is not None:
-            offloaders[StateKind.OPTIMIZER] = MegatronOptimizerOffloader(self.optimizer, self.model_chunks, accel, pool)
+            offloaders[StateKind.OPTIMIZER] = MegatronOptimizerOffloader(self.optimizer,
+                                                                         self.model_chunks, accel, pool)
         return offloaders
 
     def attach(self, manager: Any) -> None:
@@ -195,7 +198,8 @@ class MegatronTrainingState:
         manager.register_owner(WORKSPACE_OWNER, self.workspaces.nbytes, empty_in=(Phase.INFER,))
 
     def guard_targets(self) -> tuple[list[Any], list[Any]]:
-        """The DDP-wrapped chunks and the Megatron optimizer (see [Note: misuse guards])."""
+        """The DDP-wrapped chunks and the Megatron optimizer (see [Note: misuse guards] in
+        :mod:`hybridmem.switch.guards`)."""
         return list(self.model_chunks), [] if self.optimizer is None else [self.optimizer]
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
@@ -220,10 +224,12 @@ class MegatronTrainingState:
 
     @property
     def padded_vocab_size(self) -> int:
-        """The vocab the GPTModel was built with (Megatron's ``args.padded_vocab_size``, over all TP ranks)."""
+        """The vocab the GPTModel was built with (Megatron's ``args.padded_vocab_size``, over all TP
+        ranks)."""
         return int(unwrap_model(self.model_chunks[0]).vocab_size)
 
-    def model_spec_dict(self, *, vocab_size: int | None = None, model_type: str | None = None) -> dict[str, Any]:
+    def model_spec_dict(self, *, vocab_size: int | None = None,
+                        model_type: str | None = None) -> dict[str, Any]:
         """The HF-style dict of the model (see :func:`megatron_model_spec_dict`), with ``vocab_size``
         the unpadded vocab given at construction, else ``vocab_size`` (the engine's, as the manager passes
         it), else the padded one; ``model_type``: the family the engine serves (the manager passes the
@@ -235,7 +241,8 @@ class MegatronTrainingState:
         model = unwrap_model(self.model_chunks[0])
         if vocab_size is not None and not 1 <= vocab_size <= self.padded_vocab_size:
             raise ValueError(
-                f"the engine's vocab_size={vocab_size} exceeds the Megatron model's padded vocab {self.padded_vocab_size}"
+                f"the engine's vocab_size={vocab_size} exceeds the Megatron model's padded vocab "
+                f"{self.padded_vocab_size}"
             )
         return megatron_model_spec_dict(
             self.config,
@@ -257,6 +264,7 @@ class MegatronTrainingState:
         first = getattr(config, "num_layers_in_first_pipeline_stage", None)
         last = getattr(config, "num_layers_in_last_pipeline_stage", None)
         pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
-        stages = None if first is None and last is None else megatron_stage_layers(config.num_layers, pp, first=first, last=last)
-        return MegatronConvention(padded_vocab_size=self.padded_vocab_size, norm_style="te" if te else "local",
-                                  stage_layers=stages)
+        stages = (None if first is None and last is None
+                  else megatron_stage_layers(config.num_layers, pp, first=first, last=last))
+        return MegatronConvention(padded_vocab_size=self.padded_vocab_size,
+                                  norm_style="te" if te else "local", stage_layers=stages)

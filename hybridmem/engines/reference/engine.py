@@ -1,9 +1,9 @@
 """ReferenceEngine: a small tensor-parallel inference engine for Llama/Qwen2 that hybridmem can switch.
 
 It implements :class:`hybridmem.contract.engine.InferenceEngine` for real: weights in vLLM's per-rank
-layout ([Note: vLLM per-rank layout]) released by storage resize and rewritten by the weight sync, a
-paged KV cache whose pool comes from a :mod:`hybridmem.kv` allocator, batched prefill + decode, greedy
-and temperature/top-p sampling with a seed, and per-token log-probs.
+layout ([Note: vLLM per-rank layout] in :mod:`hybridmem.engines.reference.layout`) released by storage resize
+and rewritten by the weight sync, a paged KV cache whose pool comes from a :mod:`hybridmem.kv` allocator,
+batched prefill + decode, greedy and temperature/top-p sampling with a seed, and per-token log-probs.
 
 >>> engine = ReferenceEngine(hf_config, num_kv_blocks=64)                     # doctest: +SKIP
 >>> engine.load_weights(hf_model.state_dict().items())
@@ -85,9 +85,10 @@ class ReferenceEngine:
         ValueError: A bad argument, or a model that ``group``'s size cannot split.
     """
 
-    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True, reports_residency=True,
-                                      binds_phase=True, describes_decoder=True, describes_weights=True,
-                                      reports_layout=True, sizes_kv_by_share=True, releases_kv_alone=True)
+    capabilities = EngineCapabilities(writes_in_place=True, reports_weight_coverage=True,
+                                      reports_residency=True, binds_phase=True, describes_decoder=True,
+                                      describes_weights=True, reports_layout=True, sizes_kv_by_share=True,
+                                      releases_kv_alone=True)
     """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
 
     def __init__(
@@ -179,14 +180,16 @@ class ReferenceEngine:
             for name, full in split_fused_hf(self.shard, fused_name, fused):
                 for target, piece in place_hf_weight(self.shard, name, full) or ():
                     dst = self.model.params[target]
-                    if target not in self._written and sum(p.numel for p in layout[target].pieces) < dst.numel():
+                    if (target not in self._written
+                            and sum(p.numel for p in layout[target].pieces) < dst.numel()):
                         dst.zero_()  # vocab padding rows: zero, as vLLM leaves them
                     piece_view(dst, piece).copy_(full[src_index(piece.src)])
                     self._written.setdefault(target, set()).add(piece)
 
     def release(self, tags: Sequence[str]) -> None:
         """Give back the memory of ``tags``: weights by storage resize (no host copy), the KV pool
-        through its allocator. A released tag is left as it is; see [Note: engine memory tags]."""
+        through its allocator. A released tag is left as it is; see [Note: engine memory tags] in
+        :mod:`hybridmem.contract.engine`."""
         for tag in check_tags(tags):
             if tag == WEIGHTS:  # every storage, whatever the state: an interrupted resume may have grown some
                 self.accel.synchronize()
@@ -252,9 +255,10 @@ class ReferenceEngine:
         """Weights :meth:`load_weights` has not entirely written since the weights were resumed: a piece
         of the vLLM layout not received (vocab padding rows count as written: they are zeroed, a weight that
         is all padding on this rank too);
-        see [Note: weight coverage] in hybridmem.weight_sync."""
+        see [Note: weight coverage] in :mod:`hybridmem.weight_sync`."""
         layout = rank_tensors(self.shard)
-        return [name for name in self.model.params if set(layout[name].pieces) - self._written.get(name, set())]
+        return [name for name in self.model.params
+                if set(layout[name].pieces) - self._written.get(name, set())]
 
     def bind_phase(self, phase: Any) -> None:
         """Name ``phase()`` (the owning manager's phase) when refusing work outside INFER."""
@@ -287,7 +291,7 @@ class ReferenceEngine:
                 self._admit(waiting, running, lambda s: len(s.tokens) + params.max_tokens - 1)
                 logits = self._step(running, last_only=True)
                 still = []
-                for seq, row in zip(running, logits):
+                for seq, row in zip(running, logits, strict=False):
                     token, logprob = sample_next(row, params, seq.generator)
                     seq.tokens.append(token)
                     seq.logprobs.append(logprob)
@@ -338,7 +342,8 @@ class ReferenceEngine:
         if self._state[tag] is not EngineMemoryState.RESIDENT:
             state = self._state[tag]
             if self._phase is not None:
-                hint = f"the engine's {tag!r} are {state.name}; use the engine inside `with manager.inference()`"
+                hint = (f"the engine's {tag!r} are {state.name}; "
+                        "use the engine inside `with manager.inference()`")
                 raise PhaseError(operation, self._phase(), hint)
             hint = f"the engine's {tag!r} are {state.name}; resume([{tag!r}]) first"
             raise PhaseError(operation, state, hint)
