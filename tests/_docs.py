@@ -99,7 +99,7 @@ def sybil() -> Sybil:
 
 def main(path: str, summary_path: str) -> int:
     if os.environ.get("HYBRIDMEM_DOCS_CHECK"):
-        from _docs_check import install  # noqa: PLC0415
+        from _docs_check import install
 
         install()
     document = sybil().parse(Path(path).resolve())
@@ -111,7 +111,7 @@ def main(path: str, summary_path: str) -> int:
         except unittest.SkipTest as skip:
             summary["skipped"].append([example.line, str(skip)])
             continue
-        except BaseException as exc:  # noqa: BLE001 - reported with the block's line, then the run stops
+        except BaseException as exc:  # reported with the block's line, then the run stops
             summary["failed"].append([example.line, f"{type(exc).__name__}: {exc}"])
             Path(summary_path).write_text(json.dumps(summary))
             raise

@@ -99,11 +99,11 @@ def _reference_weights(manager: Any) -> Any:
 def _megatron_to_hf(training: Any) -> Any:
     """Every rank's Megatron weights, mapped to transformers' names through the reference sharder run on
     index tensors (each HF element numbered, then sharded as Megatron shards it)."""
-    import torch.distributed as dist  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch.distributed as dist
+    import transformers
 
-    from hybridmem.reshard import ModelSpec  # noqa: PLC0415
-    from tests.reshard.reference import megatron_shard  # noqa: PLC0415
+    from hybridmem.reshard import ModelSpec
+    from tests.reshard.reference import megatron_shard
 
     spec_dict = training.model_spec_dict()
     spec = ModelSpec.from_hf_config(spec_dict)
@@ -130,7 +130,7 @@ def _megatron_to_hf(training: Any) -> Any:
 
 
 def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
-    import transformers  # noqa: PLC0415
+    import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.to(next(iter(weights.values())).dtype)
@@ -160,8 +160,8 @@ def teacher_forced_greedy(model: Any, prompts: list[list[int]], got: list[list[i
 
 def install() -> None:
     """Wrap ShardingManager's switches and the engines' ``generate`` (see the module docstring)."""
-    from hybridmem import ShardingManager  # noqa: PLC0415
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem import ShardingManager
+    from hybridmem.engines import ReferenceEngine
 
     checker = _Checker(Path(os.environ["HYBRIDMEM_DOCS_CHECK"]))
     to_infer, to_train = ShardingManager.to_infer, ShardingManager.to_train
@@ -180,8 +180,8 @@ def install() -> None:
     ShardingManager.to_infer, ShardingManager.to_train = watched_to_infer, watched_to_train
     engines = [ReferenceEngine]
     try:
-        from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415 - never imports vLLM itself
-        from hybridmem.adapters.vllm.server import VLLMServerEngine  # noqa: PLC0415 - nor does this
+        from hybridmem.adapters.vllm import VLLMEngine  # never imports vLLM itself
+        from hybridmem.adapters.vllm.server import VLLMServerEngine  # nor does this
 
         engines += [VLLMEngine, VLLMServerEngine]
     except ImportError:

@@ -84,7 +84,7 @@ def pytest_xdist_make_scheduler(config, log):
     long units start early and the short tests fill the workers' ends. Other ``--dist`` modes are left alone."""
     if config.getvalue("dist") != "load":
         return None
-    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 - only under xdist
+    from xdist.scheduler import LoadScopeScheduling  # only under xdist
 
     class OneWorkerModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -237,7 +237,7 @@ def _switch(actor: _Actor, direction: str, counter: CollectiveCounter,
     with counter.active(target):
         try:
             getattr(actor.manager, direction)()
-        except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+        except Exception as exc:  # what each rank saw is the result
             chain = list(_cause_chain(exc))
             timeout = next((e for e in chain if isinstance(e, CollectiveTimeoutError)), None)
             refused = next((e for e in chain if isinstance(e, PeerAbortError)), None)
@@ -331,7 +331,7 @@ def collective_fault_task(ctx: Any, model_dir: str, *, points: Sequence[Point], 
             actor.manager.to_infer()
             actor.manager.to_train()
             record["loss"] = actor.step(i + 1)
-        except Exception:  # noqa: BLE001 - the rounds so far are the result; the next ones cannot run
+        except Exception:  # the rounds so far are the result; the next ones cannot run
             record["next_error"] = traceback.format_exc()[-6000:]
             break
     return rounds

@@ -98,7 +98,7 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
     start = time.monotonic()
     try:
         getattr(manager, direction)()
-    except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+    except Exception as exc:  # what each rank saw is the result
         record.update(error=type(exc).__name__, message=str(exc),
                       collective=isinstance(exc, CollectiveTimeoutError),
                       peers=list(getattr(exc, "peers", ())), group_usable=getattr(exc, "group_usable", None))

@@ -80,7 +80,7 @@ def test_training_state_layout_must_match_the_config():
 def test_training_state_convention_sets_the_megatron_vocab_padding():
     """A Megatron model built with a padded vocab of 56 rows (not 128's multiple): the state's
     ``megatron_convention()`` tells the sync, so the plan expects 56 rows and the engine gets the 50 real ones."""
-    from hybridmem.reshard import MegatronConvention  # noqa: PLC0415
+    from hybridmem.reshard import MegatronConvention
 
     spec = CFG
     conv = MegatronConvention(padded_vocab_size=56)
@@ -104,7 +104,7 @@ def _hf_state():
 
 def test_transformers_names_get_the_replicated_hf_source():
     """Before HF sources were known, this sync expected Megatron names and failed at the first switch."""
-    from hybridmem.reshard import HFSourceLayout  # noqa: PLC0415
+    from hybridmem.reshard import HFSourceLayout
 
     engine = ReferenceEngine(hf_config_dict(CFG), num_kv_blocks=8, block_size=8)
     sync = default_weight_sync(_hf_state(), engine, HybridConfig(device="cpu"), model_spec=hf_config_dict(CFG))
