@@ -47,7 +47,7 @@ def engine_seams(engine: Any) -> list[tuple[Any, str, str]]:
     return [(cls, name, f"engine {name}") for name in ("resume", "release", "load_weights")]
 
 
-class Injected(Exception):
+class Injected(Exception):  # noqa: N818 - imported by the fault-injection tests under this name
     """The synchronous exception injected (a stand-in for any error a torch call can raise)."""
 
 

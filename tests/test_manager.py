@@ -100,7 +100,7 @@ def test_training_with_a_switch_between_every_step_matches_training_without(tiny
 
 def _rss_nbytes() -> int:
     """Resident set size of this process as the kernel reports it (VmRSS, /proc/self/status)."""
-    line = next(l for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+    line = next(entry for entry in open("/proc/self/status") if entry.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
 
 
@@ -360,12 +360,12 @@ def test_user_exception_inside_inference_switches_back_and_propagates(tiny_setup
     before = snapshot(model, opt)
     mgr, _ = _manager(model, opt)
 
-    class UserBug(Exception):
+    class UserBugError(Exception):
         pass
 
-    with pytest.raises(UserBug, match="in generate"):
+    with pytest.raises(UserBugError, match="in generate"):
         with mgr.inference():
-            raise UserBug("in generate")
+            raise UserBugError("in generate")
     assert mgr.phase is Phase.TRAIN
     assert_bitwise_equal(before, snapshot(model, opt))
     assert mgr.last_report.direction is Direction.TO_TRAIN

@@ -8,7 +8,7 @@ verify_weight_sync=True)``; the checksum comparison adds the sync's ``all_reduce
 catch a sync that wrote the engine from the wrong bytes (a message left over from a failed switch).
 
 :class:`CollectiveCounter` patches the functions of ``torch.distributed`` that communicate, and
-``Work.wait``: it counts this rank's calls per kind and can raise :class:`InjectedFault` before the n-th
+``Work.wait``: it counts this rank's calls per kind and can raise :class:`InjectedFaultError` before the n-th
 call of one kind. :func:`reference_task` is the dry run (the calls of each switch, per kind) and the
 losses of a run that never switches; :func:`collective_fault_task` runs one round per injection point.
 """
@@ -54,7 +54,7 @@ Point = tuple[int, str, int]
 """``(rank or ALL_RANKS, kind, n)``: raise before the n-th call of ``kind`` on that rank (1-based)."""
 
 
-class InjectedFault(Exception):
+class InjectedFaultError(Exception):
     """The fault raised before a collective call (a stand-in for any error on the way into one)."""
 
 
@@ -78,7 +78,7 @@ class CollectiveCounter:
         self.counts[kind] += 1
         if self.target == (kind, self.counts[kind]):
             self.fired = self.target
-            raise InjectedFault(f"injected on rank {self.rank} before call {self.counts[kind]} of {kind}")
+            raise InjectedFaultError(f"injected on rank {self.rank} before call {self.counts[kind]} of {kind}")
 
     def _remember(self, kind: str, result: Any) -> Any:
         """Label the works ``result`` holds with the call that returned them (unless already labelled)."""
@@ -109,7 +109,7 @@ class CollectiveCounter:
     def active(self, target: tuple[str, int] | None = None) -> Iterator[CollectiveCounter]:
         """Patch the functions (in ``torch.distributed`` and ``distributed_c10d``, which calls its own, e.g.
         ``batch_isend_irecv`` checks its ops against ``isend``) with counting wrappers; with ``target``
-        ``(kind, n)``, raise :class:`InjectedFault` before the n-th call of ``kind``."""
+        ``(kind, n)``, raise :class:`InjectedFaultError` before the n-th call of ``kind``."""
         self.counts, self.target, self.fired, self._origin = collections.Counter(), target, None, {}
         self.buffers = []
         saved: list[tuple[Any, str, Any]] = []
@@ -243,7 +243,7 @@ def _switch(actor: _Actor, direction: str, counter: CollectiveCounter,
             refused = next((e for e in chain if isinstance(e, PeerAbortError)), None)
             record.update(
                 error=type(exc).__name__, message=str(exc),
-                injected=any(isinstance(e, InjectedFault) for e in chain),
+                injected=any(isinstance(e, InjectedFaultError) for e in chain),
                 collective=timeout is not None,
                 peers=(sorted(timeout.peers) if timeout is not None else sorted(refused.ranks) if refused is not None
                        else []),
@@ -337,7 +337,7 @@ def collective_fault_task(ctx: Any, model_dir: str, *, points: Sequence[Point], 
     return rounds
 
 
-class InjectedKVFault(RuntimeError):
+class InjectedKVFaultError(RuntimeError):
     """The fault of :func:`local_fault_task`: no room for the KV cache on one rank, after its weight sync."""
 
 
@@ -357,7 +357,7 @@ def local_fault_task(ctx: Any, model_dir: str, *, rank: int, deadline_s: float, 
 
         def failing_resume(tags: Sequence[str]) -> None:
             if "kv_cache" in tags:
-                raise InjectedKVFault(f"injected on rank {ctx.rank}: no room for the KV cache")
+                raise InjectedKVFaultError(f"injected on rank {ctx.rank}: no room for the KV cache")
             resume(tags)
 
         actor.engine.resume = failing_resume

@@ -27,7 +27,7 @@ def megatron_shard(full: dict[str, torch.Tensor], cfg: ModelSpec, tp: int, rank:
     hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     qpg = nq // nkv
     groups = range(rank * nkv // tp, (rank + 1) * nkv // tp)
-    I = cfg.intermediate_size // tp
+    I = cfg.intermediate_size // tp  # noqa: E741 - the per-rank intermediate size, its math name
 
     def vocab(t):
         padded = torch.zeros(padded_vocab, t.shape[1], dtype=t.dtype)

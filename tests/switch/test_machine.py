@@ -9,7 +9,9 @@ from hybridmem.switch.machine import TRANSITIONS, PhaseMachine, Trigger
 
 # The legal transitions, written out by hand from the design (not read from hybridmem.switch.machine), so a
 # wrong row in the machine's table is a test failure: phase -> {trigger: destination}.
-T, TI, I, TT, RB, F = Phase.TRAIN, Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK, Phase.FAILED
+T, TI, I, TT, RB, F = (  # noqa: E741 - the phases' initials, so the table below reads as one
+    Phase.TRAIN, Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK, Phase.FAILED
+)
 C = Phase.CLOSED
 EXPECTED = {
     T: {"begin_infer": TI, "close": C},
