@@ -85,7 +85,8 @@ def test_onload_that_cannot_fit_is_refused_with_the_plan():
     first, model, ref = _setup()
     first.close()  # one manager per model
     train_nbytes = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
-    mgr = ShardingManager(model, None, config=HybridConfig(device="cpu", device_memory_budget_bytes=train_nbytes + 64))
+    mgr = ShardingManager(model, None,
+                          config=HybridConfig(device="cpu", device_memory_budget_bytes=train_nbytes + 64))
     mgr.add_coresident("reference", ref)
     with pytest.raises(MemoryPlanError, match="onload reference"):
         with mgr.onloaded("reference"):

@@ -22,8 +22,8 @@ EXPECTED = {
     F: {"recover": TT},
     C: {},
 }
-TRIGGERS = ["abort_train", "begin_infer", "begin_rollback", "begin_train", "close", "end_infer", "end_rollback",
-            "end_train", "fail", "recover"]
+TRIGGERS = ["abort_train", "begin_infer", "begin_rollback", "begin_train", "close", "end_infer",
+            "end_rollback", "end_train", "fail", "recover"]
 
 
 def test_the_machine_knows_exactly_these_phases_and_triggers():
@@ -57,8 +57,9 @@ def test_a_full_cycle_and_the_failure_path():
     for trig in path:
         m.fire(Trigger(trig), operation=trig)
         seen.append(m.phase)
-    assert seen == [Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.TRAIN, Phase.TO_INFER, Phase.ROLLING_BACK,
-                    Phase.TRAIN, Phase.TO_INFER, Phase.FAILED, Phase.TO_TRAIN, Phase.TRAIN]
+    assert seen == [Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.TRAIN, Phase.TO_INFER,
+                    Phase.ROLLING_BACK, Phase.TRAIN, Phase.TO_INFER, Phase.FAILED, Phase.TO_TRAIN,
+                    Phase.TRAIN]
 
 
 def test_a_trigger_that_is_not_a_trigger_is_a_type_error():
