@@ -8,8 +8,8 @@ verify_weight_sync=True)``; the checksum comparison adds the sync's ``all_reduce
 catch a sync that wrote the engine from the wrong bytes (a message left over from a failed switch).
 
 :class:`CollectiveCounter` patches the functions of ``torch.distributed`` that communicate, and
-``Work.wait``: it counts this rank's calls per kind and can raise :class:`InjectedFaultError` before the n-th
-call of one kind. :func:`reference_task` is the dry run (the calls of each switch, per kind) and the
+``Work.wait``: it counts this rank's calls per kind and can raise :class:`InjectedFaultError` before the
+n-th call of one kind. :func:`reference_task` is the dry run (the calls of each switch, per kind) and the
 losses of a run that never switches; :func:`collective_fault_task` runs one round per injection point.
 """
 
@@ -39,8 +39,8 @@ from tests.distributed.fsdp_job import build_fsdp_model, train_step
 COLLECTIVES = (
     "batch_isend_irecv", "isend", "irecv", "send", "recv", "all_reduce", "all_reduce_coalesced", "reduce",
     "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "scatter",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
-    "broadcast_object_list", "gather_object", "scatter_object_list",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+    "monitored_barrier", "broadcast_object_list", "gather_object", "scatter_object_list",
 )
 """The functions of ``torch.distributed`` that communicate; each is a kind of call counted."""
 
@@ -78,7 +78,8 @@ class CollectiveCounter:
         self.counts[kind] += 1
         if self.target == (kind, self.counts[kind]):
             self.fired = self.target
-            raise InjectedFaultError(f"injected on rank {self.rank} before call {self.counts[kind]} of {kind}")
+            raise InjectedFaultError(
+                f"injected on rank {self.rank} before call {self.counts[kind]} of {kind}")
 
     def _remember(self, kind: str, result: Any) -> Any:
         """Label the works ``result`` holds with the call that returned them (unless already labelled)."""
@@ -92,7 +93,8 @@ class CollectiveCounter:
         def call(*args: Any, **kwargs: Any) -> Any:
             self._tick(kind)
             if kind == "batch_isend_irecv":
-                self.buffers += [weakref.ref(op.tensor) for op in (args[0] if args else kwargs["p2p_op_list"])]
+                self.buffers += [weakref.ref(op.tensor)
+                                 for op in (args[0] if args else kwargs["p2p_op_list"])]
             return self._remember(kind, original(*args, **kwargs))
 
         return call
@@ -149,7 +151,8 @@ def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.
         local = _local(t).detach()
         needed = (local.storage_offset() + local.numel()) * local.element_size() if local.numel() else 0
         held = local.untyped_storage().nbytes()
-        assert held >= needed, f"tensor {i} of {len(tensors)} {tuple(local.shape)}: {held} storage bytes, needs {needed}"
+        assert held >= needed, (
+            f"tensor {i} of {len(tensors)} {tuple(local.shape)}: {held} storage bytes, needs {needed}")
         copies.append(local.clone())
     return copies
 
@@ -245,8 +248,8 @@ def _switch(actor: _Actor, direction: str, counter: CollectiveCounter,
                 error=type(exc).__name__, message=str(exc),
                 injected=any(isinstance(e, InjectedFaultError) for e in chain),
                 collective=timeout is not None,
-                peers=(sorted(timeout.peers) if timeout is not None else sorted(refused.ranks) if refused is not None
-                       else []),
+                peers=(sorted(timeout.peers) if timeout is not None
+                       else sorted(refused.ranks) if refused is not None else []),
                 group_usable=getattr(exc, "group_usable", True),
             )
     record["seconds"] = time.monotonic() - start
@@ -265,7 +268,8 @@ def _config(deadline_s: float, bucket_bytes: int) -> HybridConfig:
                         reshard_bucket_bytes=bucket_bytes, verify_weight_sync=True)
 
 
-def reference_task(ctx: Any, model_dir: str, *, steps: int, deadline_s: float, bucket_bytes: int) -> dict[str, Any]:
+def reference_task(ctx: Any, model_dir: str, *, steps: int, deadline_s: float,
+                   bucket_bytes: int) -> dict[str, Any]:
     """The dry run and the fault-free losses.
 
     Returns:
@@ -325,7 +329,8 @@ def collective_fault_task(ctx: Any, model_dir: str, *, points: Sequence[Point], 
         try:
             if record["recreated"]:
                 actor.recreate_group(f"file://{store_dir}/group-{i}", timeout_s=60.0)
-                record["state_problem"] = record["state_problem"] or _differs(before, _snapshot(actor.model, actor.opt))
+                record["state_problem"] = (record["state_problem"]
+                                           or _differs(before, _snapshot(actor.model, actor.opt)))
             record["state_intact"] = actor.manager.phase.name == "TRAIN" and record["state_problem"] is None
             dist.barrier()  # the round trip starts together too (a re-creation takes each rank its own time)
             actor.manager.to_infer()
