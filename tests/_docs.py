@@ -61,8 +61,8 @@ class TorchrunBlockParser(_InfoParser):
         script = Path(tempfile.mkdtemp(prefix="hybridmem-docs-", dir=".")) / f"line{example.line}.py"
         script.write_text(str(source))
         launch = [str(HERE / "_docs_launch.py")] + (["--megatron-cpu"] if match["megatron"] else [])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={match['nproc']}",
-               *launch, str(script)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={match['nproc']}", *launch, str(script)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
         sys.stdout.write(proc.stdout[-4000:])
         if proc.returncode != 0:
@@ -77,8 +77,8 @@ class ProcessBlockParser(_InfoParser):
         _, source = example.parsed
         script = Path(tempfile.mkdtemp(prefix="hybridmem-docs-", dir=".")) / f"line{example.line}.py"
         script.write_text(str(source))
-        proc = subprocess.run([sys.executable, str(HERE / "_docs_launch.py"), str(script)], capture_output=True,
-                              text=True, timeout=TORCHRUN_TIMEOUT_S)
+        proc = subprocess.run([sys.executable, str(HERE / "_docs_launch.py"), str(script)],
+                              capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
         sys.stdout.write(proc.stdout[-4000:])
         if proc.returncode != 0:
             return f"program at line {example.line} exited {proc.returncode}:\n{proc.stderr[-8000:]}"
@@ -94,12 +94,13 @@ class YamlFileParser(_InfoParser):
 
 
 def sybil() -> Sybil:
-    return Sybil(parsers=[PythonCodeBlockParser(), TorchrunBlockParser(), ProcessBlockParser(), YamlFileParser(), SkipParser()])
+    return Sybil(parsers=[PythonCodeBlockParser(), TorchrunBlockParser(), ProcessBlockParser(),
+                          YamlFileParser(), SkipParser()])
 
 
 def main(path: str, summary_path: str) -> int:
     if os.environ.get("HYBRIDMEM_DOCS_CHECK"):
-        from _docs_check import install  # noqa: PLC0415
+        from _docs_check import install
 
         install()
     document = sybil().parse(Path(path).resolve())
@@ -111,7 +112,7 @@ def main(path: str, summary_path: str) -> int:
         except unittest.SkipTest as skip:
             summary["skipped"].append([example.line, str(skip)])
             continue
-        except BaseException as exc:  # noqa: BLE001 - reported with the block's line, then the run stops
+        except BaseException as exc:  # reported with the block's line, then the run stops
             summary["failed"].append([example.line, f"{type(exc).__name__}: {exc}"])
             Path(summary_path).write_text(json.dumps(summary))
             raise

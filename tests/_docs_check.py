@@ -7,8 +7,9 @@ directory; the program itself is the reader's code, unchanged. For every switch 
   state) after INFER->TRAIN is byte for byte what it was before TRAIN->INFER;
 - for every greedy ``generate`` call of a ``ReferenceEngine``, ``VLLMEngine`` or ``VLLMServerEngine``
   inside INFER: the prompts, the tokens the engine returned, and the training weights of that switch as
-  a transformers checkpoint names them (a transformers model's ``state_dict()``; for Megatron-core, the weights of every rank
-  mapped to transformers' names by the independent sharder in tests/reshard/reference.py).
+  a transformers checkpoint names them (a transformers model's ``state_dict()``; for Megatron-core, the
+  weights of every rank mapped to transformers' names by the independent sharder in
+  tests/reshard/reference.py).
 
 At exit, transformers checks every recorded call on those weights: a forward over each prompt and the
 engine's tokens gives, at every position, transformers' greedy token (the argmax of its logits; where the
@@ -59,7 +60,8 @@ class _Checker:
     def on_generate(self, prompts: Any, params: Any, outputs: Any) -> None:
         if self._weights is None or params is None or float(getattr(params, "temperature", 1.0)) != 0.0:
             return
-        self.calls.append({"prompts": [list(map(int, p)) for p in prompts], "max_tokens": int(params.max_tokens),
+        self.calls.append({"prompts": [list(map(int, p)) for p in prompts],
+                           "max_tokens": int(params.max_tokens),
                            "got": [list(map(int, o.token_ids)) for o in outputs], "weights": self._weights})
 
     # Exit -------------------------------------------------------------------------------------------
@@ -78,7 +80,8 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _state(manager: Any) -> list[torch.Tensor]:
-    return [t.detach().cpu().clone().contiguous() for off in manager.offloaders.values() for t in off.tensors()
+    return [t.detach().cpu().clone().contiguous()
+            for off in manager.offloaders.values() for t in off.tensors()
             if t is not None and t.untyped_storage().nbytes() > 0]
 
 
@@ -88,7 +91,8 @@ def _reference_weights(manager: Any) -> Any:
     capabilities = manager.training_capabilities
     config = training.hf_config if capabilities.has_hf_config else None
     if config is not None and hasattr(training.modules[0], "peft_config"):
-        return None  # a PEFT model: its state dict is not a checkpoint of the base model (checked by its caller)
+        # A PEFT model: its state dict is not a checkpoint of the base model (checked by its caller).
+        return None
     if config is not None:
         return config, {k: v.detach().cpu().clone() for k, v in training.modules[0].state_dict().items()}
     if capabilities.describes_model and capabilities.megatron_names:
@@ -99,16 +103,17 @@ def _reference_weights(manager: Any) -> Any:
 def _megatron_to_hf(training: Any) -> Any:
     """Every rank's Megatron weights, mapped to transformers' names through the reference sharder run on
     index tensors (each HF element numbered, then sharded as Megatron shards it)."""
-    import torch.distributed as dist  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch.distributed as dist
+    import transformers
 
-    from hybridmem.reshard import ModelSpec  # noqa: PLC0415
-    from tests.reshard.reference import megatron_shard  # noqa: PLC0415
+    from hybridmem.reshard import ModelSpec
+    from tests.reshard.reference import megatron_shard
 
     spec_dict = training.model_spec_dict()
     spec = ModelSpec.from_hf_config(spec_dict)
     config = transformers.AutoConfig.for_model(**spec_dict)
-    shapes = {n: tuple(t.shape) for n, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
+    shapes = {n: tuple(t.shape)
+              for n, t in transformers.AutoModelForCausalLM.from_config(config).state_dict().items()}
     index, offset = {}, 1
     for name, shape in shapes.items():
         n = int(torch.tensor(shape).prod())
@@ -130,16 +135,18 @@ def _megatron_to_hf(training: Any) -> Any:
 
 
 def _hf_model(config: Any, weights: dict[str, torch.Tensor]) -> Any:
-    import transformers  # noqa: PLC0415
+    import transformers
 
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.to(next(iter(weights.values())).dtype)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (missing, unexpected)
+    assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (
+        missing, unexpected)
     return model
 
 
-def teacher_forced_greedy(model: Any, prompts: list[list[int]], got: list[list[int]]) -> tuple[list[list[int]], float]:
+def teacher_forced_greedy(model: Any, prompts: list[list[int]],
+                          got: list[list[int]]) -> tuple[list[list[int]], float]:
     """Transformers' greedy token at every position of each prompt followed by the engine's tokens (see the
     module docstring), and the largest log-probability gap between transformers' best token and the
     engine's."""
@@ -160,8 +167,8 @@ def teacher_forced_greedy(model: Any, prompts: list[list[int]], got: list[list[i
 
 def install() -> None:
     """Wrap ShardingManager's switches and the engines' ``generate`` (see the module docstring)."""
-    from hybridmem import ShardingManager  # noqa: PLC0415
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem import ShardingManager
+    from hybridmem.engines import ReferenceEngine
 
     checker = _Checker(Path(os.environ["HYBRIDMEM_DOCS_CHECK"]))
     to_infer, to_train = ShardingManager.to_infer, ShardingManager.to_train
@@ -180,8 +187,8 @@ def install() -> None:
     ShardingManager.to_infer, ShardingManager.to_train = watched_to_infer, watched_to_train
     engines = [ReferenceEngine]
     try:
-        from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415 - never imports vLLM itself
-        from hybridmem.adapters.vllm.server import VLLMServerEngine  # noqa: PLC0415 - nor does this
+        from hybridmem.adapters.vllm import VLLMEngine  # never imports vLLM itself
+        from hybridmem.adapters.vllm.server import VLLMServerEngine  # nor does this
 
         engines += [VLLMEngine, VLLMServerEngine]
     except ImportError:

@@ -20,12 +20,12 @@ def main(argv: list[str]) -> None:
     megatron_cpu = "--megatron-cpu" in argv
     script = [a for a in argv if a != "--megatron-cpu"][0]
     if os.environ.get("HYBRIDMEM_DOCS_CHECK"):
-        from _docs_check import install  # noqa: PLC0415
+        from _docs_check import install
 
         install()
     harness = contextlib.nullcontext()
     if megatron_cpu and not torch.cuda.is_available():
-        from hybridmem.testing.megatron_cpu import megatron_on_cpu  # noqa: PLC0415
+        from hybridmem.testing.megatron_cpu import megatron_on_cpu
 
         harness = megatron_on_cpu()
     with harness:

@@ -47,7 +47,7 @@ def engine_seams(engine: Any) -> list[tuple[Any, str, str]]:
     return [(cls, name, f"engine {name}") for name in ("resume", "release", "load_weights")]
 
 
-class Injected(Exception):
+class Injected(Exception):  # noqa: N818 - imported by the fault-injection tests under this name
     """The synchronous exception injected (a stand-in for any error a torch call can raise)."""
 
 
@@ -138,7 +138,7 @@ def inject(injector: FaultInjector, point: int, exc: Callable[[], BaseException]
     with injector.active(target=point, exc=exc) as inj:
         try:
             switch()
-        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - every kind is checked by the caller
+        except (Exception, KeyboardInterrupt) as e:  # every kind is checked by the caller
             raised = e
     return inj.fired, raised
 
@@ -146,7 +146,7 @@ def inject(injector: FaultInjector, point: int, exc: Callable[[], BaseException]
 def leftovers(manager: Any, engine: Any) -> str | None:
     """What a switch that was undone left behind, or None: offloaders not on the device, host arenas
     still held, engine memory still resident."""
-    from hybridmem.offload import OffloadState  # noqa: PLC0415
+    from hybridmem.offload import OffloadState
 
     if set(manager.offload_states().values()) != {OffloadState.ON_DEVICE}:
         return f"offloaders {manager.offload_states()}"

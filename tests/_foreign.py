@@ -37,7 +37,8 @@ def foreign_copy(tensor: torch.Tensor, kind: str) -> torch.Tensor:
         raw = bytearray(src.view(torch.uint8).reshape(-1).numpy().tobytes())
         return torch.frombuffer(raw, dtype=src.dtype).reshape(src.shape)
     if kind == "dlpack":
-        return torch.from_dlpack(np.array(src.view(torch.uint8).reshape(-1).numpy())).view(src.dtype).reshape(src.shape)
+        return (torch.from_dlpack(np.array(src.view(torch.uint8).reshape(-1).numpy()))
+                .view(src.dtype).reshape(src.shape))
     if kind == "shared-memory":
         return src.clone().share_memory_()
     raise ValueError(f"kind={kind!r}; known: {KINDS}")

@@ -61,7 +61,8 @@ ONE_WORKER_MODULES = frozenset({
     "tests/engines/test_reshard_into_engine.py",
     "tests/nn/test_gpt.py",
 })
-"""Modules whose tests share what their module-scoped fixtures start; see :func:`pytest_xdist_make_scheduler`."""
+"""Modules whose tests share what their module-scoped fixtures start; see
+:func:`pytest_xdist_make_scheduler`."""
 ONE_WORKER_FOLDERS = ("tests/megatron/",)
 """Folders whose modules share session-scoped worker pools (tests/megatron/conftest.py): one worker runs
 them all, so each pool starts once per run."""
@@ -76,15 +77,16 @@ def _one_worker_scope(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist's default ``--dist load`` (the README's ``-n 2``), each of :data:`ONE_WORKER_MODULES`
-    runs whole on one worker, so its engines start once instead of once per worker (and again on a worker
-    that went to another module in between) that draws one of its tests; every other test is scheduled on
-    its own, as ``load`` does. xdist's ``loadscope`` scheduler, told that only these modules are one scope,
-    does this, and hands out the scopes with the most tests first (its ``--loadscope-reorder``), so these
-    long units start early and the short tests fill the workers' ends. Other ``--dist`` modes are left alone."""
+    """Under pytest-xdist's default ``--dist load`` (the README's ``-n 2``), each of
+    :data:`ONE_WORKER_MODULES` runs whole on one worker, so its engines start once instead of once per
+    worker (and again on a worker that went to another module in between) that draws one of its tests;
+    every other test is scheduled on its own, as ``load`` does. xdist's ``loadscope`` scheduler, told that
+    only these modules are one scope, does this, and hands out the scopes with the most tests first (its
+    ``--loadscope-reorder``), so these long units start early and the short tests fill the workers' ends.
+    Other ``--dist`` modes are left alone."""
     if config.getvalue("dist") != "load":
         return None
-    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 - only under xdist
+    from xdist.scheduler import LoadScopeScheduling  # only under xdist
 
     class OneWorkerModules(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -116,7 +118,8 @@ def _torch_seed(request) -> None:
     of the test's id, as pytest-randomly seeds ``random`` and numpy; ``-p randomly --randomly-seed=N``
     replays a run's values."""
     base = request.config.getoption("randomly_seed", default=None)
-    torch.manual_seed(((base if isinstance(base, int) else 0) + zlib.crc32(request.node.nodeid.encode())) % 2**32)
+    torch.manual_seed(
+        ((base if isinstance(base, int) else 0) + zlib.crc32(request.node.nodeid.encode())) % 2**32)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])])

@@ -36,7 +36,8 @@ def test_version_matches_the_package_metadata(capsys):
     assert capsys.readouterr().out.strip() == f"hybridmem {expected}"
 
 
-@pytest.mark.parametrize("command, prog", [("demo", "hybridmem demo"), ("switch-loop", "hybridmem switch-loop")])
+@pytest.mark.parametrize("command, prog", [("demo", "hybridmem demo"),
+                                           ("switch-loop", "hybridmem switch-loop")])
 def test_help_names_the_command_and_has_no_markup(capsys, command, prog):
     with pytest.raises(SystemExit) as info:
         main([command, "--help"])
@@ -83,7 +84,8 @@ def test_demo_megatron_trainer_without_megatron_core_says_how_to_get_it(capsys, 
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "megatron" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "megatron" else real(name, *a))
     line = _fail(capsys, "demo", "--trainer", "megatron")
     assert "--trainer megatron" in line and "hybridmem[megatron]" in line and "--trainer torch" in line
 
@@ -111,5 +113,6 @@ def test_demo_vllm_engine_takes_infer_tp_1_or_the_world_size(capsys):
         grpo.main(["--engine", "vllm", "--world-size", "4", "--train-tp", "1", "--infer-tp", "2"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["hybridmem demo: error: --infer-tp 2 is not allowed with --engine vllm: expected 1 (a replica "
-                   "per process) or 4 (--world-size, one engine over all processes) (see 'hybridmem demo --help')"], err
+    assert err == ["hybridmem demo: error: --infer-tp 2 is not allowed with --engine vllm: expected 1 "
+                   "(a replica per process) or 4 (--world-size, one engine over all processes) "
+                   "(see 'hybridmem demo --help')"], err

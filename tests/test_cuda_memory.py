@@ -11,7 +11,8 @@ from hybridmem.offload import ParamOffloader
 from hybridmem.offload.host_pool import HostBufferPool
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MIB = 1 << 20
 
@@ -33,13 +34,15 @@ def test_offload_frees_exactly_the_formula_and_returns_it_to_the_device():
     before = snapshot(model, opt)
     per_tensor = 1024 * 1024 * 4
     expected = 8 * per_tensor * (1 + 1 + 2)  # params, grads, exp_avg + exp_avg_sq
-    mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"), config=HybridConfig(skip_zero_grads=False))
+    mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"),
+                          config=HybridConfig(skip_zero_grads=False))
     alloc0 = torch.cuda.memory_allocated()
     free0 = torch.cuda.mem_get_info()[0]
     report = mgr.to_infer()
     assert alloc0 - torch.cuda.memory_allocated() == expected == report.copied_nbytes
     freed = torch.cuda.mem_get_info()[0] - free0
-    assert freed >= 0.99 * expected, f"only {freed / MIB:.1f} MiB of {expected / MIB:.1f} MiB returned to the device"
+    assert freed >= 0.99 * expected, (
+        f"only {freed / MIB:.1f} MiB of {expected / MIB:.1f} MiB returned to the device")
     assert report.peak_source == "allocator" and report.device_peak_nbytes <= alloc0
     mgr.to_train()
     assert torch.cuda.memory_allocated() == alloc0
@@ -51,11 +54,13 @@ def test_cycles_keep_allocator_figures_flat():
     mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"))
     mgr.to_infer()
     mgr.to_train()
-    alloc, reserved, host = torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), mgr.pool.held_nbytes()
+    alloc, reserved, host = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(),
+                             mgr.pool.held_nbytes())
     for _ in range(50):
         mgr.to_infer()
         mgr.to_train()
-        assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), mgr.pool.held_nbytes()) == (alloc, reserved, host)
+        assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), mgr.pool.held_nbytes()) == (
+            alloc, reserved, host)
 
 
 def test_offload_waits_for_pending_writes_on_the_compute_stream():
@@ -92,7 +97,8 @@ def test_residency_shows_device_memory_outside_the_allocator_as_unexplained():
     mgr.to_infer()
     base = mgr.residency()
     assert base.device_used_nbytes is not None and base.unexplained_nbytes is not None
-    assert 0 < base.unexplained_nbytes < 4 << 30, f"CUDA context and friends: {base.unexplained_nbytes / MIB:.0f} MiB"
+    assert 0 < base.unexplained_nbytes < 4 << 30, (
+        f"CUDA context and friends: {base.unexplained_nbytes / MIB:.0f} MiB")
     outside = 256 * MIB
     driver = pytest.importorskip("cuda.bindings.driver")
     err, ptr = driver.cuMemAlloc(outside)  # in torch's current (primary) context, outside its allocator
@@ -100,7 +106,8 @@ def test_residency_shows_device_memory_outside_the_allocator_as_unexplained():
     try:
         grown = mgr.residency()
         delta = grown.unexplained_nbytes - base.unexplained_nbytes
-        assert outside <= delta <= outside + 4 * MIB, f"{delta / MIB:.1f} MiB appeared for a {outside / MIB:.0f} MiB malloc"
+        assert outside <= delta <= outside + 4 * MIB, (
+            f"{delta / MIB:.1f} MiB appeared for a {outside / MIB:.0f} MiB malloc")
         assert grown.owned_nbytes == base.owned_nbytes
     finally:
         driver.cuMemFree(ptr)

@@ -41,8 +41,8 @@ CHECKED = {"README.md": 3, "vllm.md": 3, "megatron.md": 3}
 SLOW = {"vllm.md", "megatron.md", "fsdp.md", "trl.md", "ray.md"}
 # The variables vLLM's CPU build would otherwise use to reach the network or a shared cache; none of them
 # changes how hybridmem or vLLM run the program.
-ISOLATION_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
-                 "TRL_EXPERIMENTAL_SILENCE": "1"}
+ISOLATION_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+                 "VLLM_HOST_IP": "127.0.0.1", "TRL_EXPERIMENTAL_SILENCE": "1"}
 KNOBS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "RANK",
          "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -62,13 +62,14 @@ def test_every_code_block_runs(path, tmp_path):
     check_dir.mkdir()
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in KNOBS}
-    env.update(ISOLATION_ENV, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]), HYBRIDMEM_DOCS_CHECK=str(check_dir),
-               XDG_CACHE_HOME=str(cache), VLLM_CACHE_ROOT=str(cache / "vllm"), HF_HOME=str(cache / "hf"))
+    env.update(ISOLATION_ENV, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]),
+               HYBRIDMEM_DOCS_CHECK=str(check_dir), XDG_CACHE_HOME=str(cache),
+               VLLM_CACHE_ROOT=str(cache / "vllm"), HF_HOME=str(cache / "hf"))
     summary = tmp_path / "summary.json"
     work = tmp_path / "work"
     work.mkdir()
-    proc = subprocess.run([sys.executable, str(HERE / "_docs.py"), str(path), str(summary)], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run([sys.executable, str(HERE / "_docs.py"), str(path), str(summary)], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=1500)
     result = json.loads(summary.read_text()) if summary.exists() else {}
     assert proc.returncode == 0, f"{result.get('failed')}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     assert len(result["ran"]) + len(result["skipped"]) == fences, result
@@ -86,6 +87,7 @@ def _check_switches(name: str, check_dir: Path) -> None:
         assert all(report["switches"]), f"{name}: training state changed by a switch: {report['switches']}"
         assert len(report["greedy"]) == CHECKED[name], f"{name}: {len(report['greedy'])} greedy generations"
         for i, call in enumerate(report["greedy"]):
-            assert call["got"] == call["expected"], f"{name}: switch {i}: engine {call['got']} != transformers {call['expected']}"
+            assert call["got"] == call["expected"], (
+                f"{name}: switch {i}: engine {call['got']} != transformers {call['expected']}")
         # Training changed the weights enough to change the greedy tokens: the engine followed them.
         assert report["greedy"][0]["expected"] != report["greedy"][-1]["expected"], name

@@ -33,7 +33,8 @@ def _over_the_host_budget(tiny_setup):
     opt_nbytes = 8 * numel + 4 * len(list(model.parameters()))
     config = HybridConfig(host_memory_budget_bytes=opt_nbytes + 1024, skip_zero_grads=False)
     before = snapshot(model, opt)
-    manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt, config=config)
+    manager = ShardingManager(model, TorchCopyEngine(model, kv_cache_nbytes=1024), optimizer=opt,
+                              config=config)
     # The arenas are prewarmed in a background thread from construction on: on a loaded machine it may still
     # be growing them when the test reads what the pool holds.
     assert manager.pool.wait_prewarmed(timeout=120), "the host arenas were not prewarmed in 120 s"
@@ -50,7 +51,8 @@ def test_a_switch_over_the_host_budget_is_refused_before_its_first_step(tiny_set
     err = info.value
     assert isinstance(err, HostMemoryPlanError) and isinstance(err, MemoryPlanError)
     assert not isinstance(err, SwitchError)
-    assert err.key == "offload grad" and err.requested_nbytes == 4 * numel and err.budget_nbytes == opt_nbytes + 1024
+    assert (err.key == "offload grad" and err.requested_nbytes == 4 * numel
+            and err.budget_nbytes == opt_nbytes + 1024)
     assert not err.plan.host_fits and err.plan.device_fits and "offload grad" in str(err)
     assert "host_memory_budget_bytes" in str(err) and "DOES NOT FIT" in str(err)
     assert manager.phase is Phase.TRAIN and manager.pool.held_nbytes() == held
@@ -58,7 +60,8 @@ def test_a_switch_over_the_host_budget_is_refused_before_its_first_step(tiny_set
     assert_bitwise_equal(before, snapshot(model, opt))
 
 
-def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_the_step(tiny_setup, monkeypatch):
+def test_host_budget_overflow_in_a_switch_is_a_host_memory_budget_error_naming_the_step(
+        tiny_setup, monkeypatch):
     """When the plan misses the arenas' growth (here: forced to), the offload that overflows fails and the
     done steps are undone."""
     from hybridmem.offload import Offloader
@@ -120,6 +123,7 @@ def test_other_step_errors_stay_plain_switch_errors(tiny_setup, monkeypatch):
 def test_unwritten_adapters_are_named_as_adapters_not_as_another_architecture():
     from hybridmem.errors import WeightCoverageError
 
-    adapter = str(WeightCoverageError(["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]))
+    adapter = str(WeightCoverageError(
+        ["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]))
     assert "LoRA slots" in adapter and "another architecture" not in adapter
     assert "another architecture" in str(WeightCoverageError(["model.layers.0.mlp.down_proj.weight"]))

@@ -100,7 +100,7 @@ def test_training_with_a_switch_between_every_step_matches_training_without(tiny
 
 def _rss_nbytes() -> int:
     """Resident set size of this process as the kernel reports it (VmRSS, /proc/self/status)."""
-    line = next(l for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+    line = next(entry for entry in open("/proc/self/status") if entry.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
 
 
@@ -112,7 +112,8 @@ def test_cycles_do_not_grow_process_or_device_memory(tiny_setup, device):
     train_step(model, opt, 0)
     mgr, _ = _manager(model, opt)
     state_nbytes = sum(4 * p.numel() for p in model.parameters()) * 4
-    assert 300 * state_nbytes > 24 << 20, "the model is too small for the bound below to catch a per-cycle leak"
+    assert 300 * state_nbytes > 24 << 20, (
+        "the model is too small for the bound below to catch a per-cycle leak")
     for _ in range(20):  # warm-up: arenas, allocator caches, lazily imported code
         mgr.to_infer()
         mgr.to_train()
@@ -135,11 +136,13 @@ def test_bytes_moved_and_freed_match_formulas(tiny_setup):
     model, opt = tiny_setup(optimizer="adamw")
     train_step(model, opt, 0)
     mgr, _ = _manager(model, opt)
-    unique = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+    unique = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+              for t in [*model.parameters(), *model.buffers()]}
     param_nbytes = sum(unique.values())
     n_tensors = len(list(model.parameters()))
     grad_nbytes = sum(p.numel() * 4 for p in model.parameters())
-    opt_nbytes = 2 * sum(p.numel() * 4 for p in model.parameters()) + 4 * n_tensors  # exp_avg, exp_avg_sq, step
+    # exp_avg, exp_avg_sq, step
+    opt_nbytes = 2 * sum(p.numel() * 4 for p in model.parameters()) + 4 * n_tensors
     report = mgr.to_infer()
     assert report.bytes_by_kind["param"] == param_nbytes
     assert report.bytes_by_kind["grad"] == grad_nbytes
@@ -164,7 +167,8 @@ def test_zero_grads_are_not_copied(tiny_setup):
     mgr, _ = _manager(model, opt)
     report = mgr.to_infer()
     grad_step = next(s for s in report.steps if s.name == "offload grad")
-    assert grad_step.copied_nbytes == 0 and grad_step.zero_nbytes == sum(p.numel() * 4 for p in model.parameters())
+    assert grad_step.copied_nbytes == 0 and grad_step.zero_nbytes == sum(
+        p.numel() * 4 for p in model.parameters())
     mgr.to_train()
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
 
@@ -212,10 +216,12 @@ def test_step_order_is_declared(tiny_setup):
         "offload optimizer", "offload grad", "resume engine weights", "weight sync", "offload param",
         "empty cache", "resume engine kv_cache"]
     assert [s.name for s in mgr.steps(Direction.TO_TRAIN)] == [
-        "release engine kv_cache", "release engine weights", "onload param", "onload grad", "onload optimizer"]
+        "release engine kv_cache", "release engine weights", "onload param", "onload grad",
+        "onload optimizer"]
     mgr.close()  # one manager per model: let the model go before building another on it
     off = ShardingManager(model, optimizer=opt, config=HybridConfig(offload_train_param=False))
-    assert [s.name for s in off.steps(Direction.TO_INFER)] == ["offload optimizer", "offload grad", "empty cache"]
+    assert [s.name for s in off.steps(Direction.TO_INFER)] == [
+        "offload optimizer", "offload grad", "empty cache"]
 
 
 def test_a_dropped_manager_in_train_lets_its_model_go_without_the_cycle_collector(tiny_setup):
@@ -360,12 +366,12 @@ def test_user_exception_inside_inference_switches_back_and_propagates(tiny_setup
     before = snapshot(model, opt)
     mgr, _ = _manager(model, opt)
 
-    class UserBug(Exception):
+    class UserBugError(Exception):
         pass
 
-    with pytest.raises(UserBug, match="in generate"):
+    with pytest.raises(UserBugError, match="in generate"):
         with mgr.inference():
-            raise UserBug("in generate")
+            raise UserBugError("in generate")
     assert mgr.phase is Phase.TRAIN
     assert_bitwise_equal(before, snapshot(model, opt))
     assert mgr.last_report.direction is Direction.TO_TRAIN
@@ -403,7 +409,8 @@ def test_to_train_failure_goes_to_failed_then_recover(tiny_setup):
     del mgr.steps
     report = mgr.recover()
     assert mgr.phase is Phase.TRAIN
-    assert report.bytes_by_kind["optimizer"] > 0 and report.bytes_by_kind["param"] == 0  # params were already back
+    # The params were already back.
+    assert report.bytes_by_kind["optimizer"] > 0 and report.bytes_by_kind["param"] == 0
     assert_bitwise_equal(before, snapshot(model, opt))
 
 
@@ -534,7 +541,8 @@ def test_a_failed_step_leaves_nothing_to_the_garbage_collector(tiny_setup):
             mgr.to_infer()
         assert staged[0]() is None, "the staging buffer waits for the garbage collector"
         lines = "".join(__import__("traceback").format_exception(info.value.__cause__))
-        assert 'raise RuntimeError("the sync failed' in lines and "in sync" in lines  # where it failed still shows
+        # Where it failed still shows.
+        assert 'raise RuntimeError("the sync failed' in lines and "in sync" in lines
     finally:
         gc.enable()
     assert mgr.phase is Phase.TRAIN

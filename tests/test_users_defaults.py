@@ -20,8 +20,8 @@ from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
 from hybridmem.weight_sync import LoadWeightsSync, ReshardSync
 from tests.reshard.reference import vllm_shard
 
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
 PROMPTS = [[3, 17, 42, 99, 5], [8, 8, 1]]
 
 
@@ -42,7 +42,8 @@ def _train_step(model, opt, step: int) -> None:
 
 def _hf_greedy(model, max_tokens: int = 6) -> list[list[int]]:
     with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist()
+        return [model.generate(torch.tensor([p]), max_new_tokens=max_tokens,
+                               do_sample=False)[0, len(p):].tolist()
                 for p in PROMPTS]
 
 
@@ -85,12 +86,14 @@ def test_equal_dtypes_give_the_engine_the_trainers_weights_bit_for_bit(model_dir
         assert got.keys() == expected.keys()
         for name, tensor in expected.items():
             assert got[name].dtype == dtype and torch.equal(got[name], tensor.to(dtype)), name
-    sync = next(s for s in manager.last_reports[manager.last_report.direction.TO_INFER].steps if s.name == "weight sync")
+    sync = next(s for s in manager.last_reports[manager.last_report.direction.TO_INFER].steps
+                if s.name == "weight sync")
     assert "note" not in sync.extra  # nothing was cast
 
 
 def test_reshard_sync_built_by_hand_keeps_the_trainers_dtype(model_dir):
-    """``ReshardSync`` as docs/reshard.md builds it, with no ``dtype=``: an fp32 trainer is not sent as bf16."""
+    """``ReshardSync`` as docs/reshard.md builds it, with no ``dtype=``: an fp32 trainer is not sent as
+    bf16."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     engine = ReferenceEngine(model.config)
     cfg = HybridConfig()
@@ -152,10 +155,13 @@ def test_a_model_of_no_known_family_streams_what_a_checkpoint_holds():
 
 def test_a_layout_key_that_contradicts_the_parts_is_refused_naming_both(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 .*expected 1, what the training state "
-                                          r"TorchTrainingState runs at"):
-        ShardingManager(model, ReferenceEngine(model.config), config=HybridConfig(tensor_model_parallel_size=2))
-    with pytest.raises(ConfigError, match=r"infer_tensor_parallel_size=2 .*expected 1, what the engine ReferenceEngine"):
-        ShardingManager(model, ReferenceEngine(model.config), config=HybridConfig(infer_tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=2 .*expected 1, what the training "
+                                          r"state TorchTrainingState runs at"):
+        ShardingManager(model, ReferenceEngine(model.config),
+                        config=HybridConfig(tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError,
+                       match=r"infer_tensor_parallel_size=2 .*expected 1, what the engine ReferenceEngine"):
+        ShardingManager(model, ReferenceEngine(model.config),
+                        config=HybridConfig(infer_tensor_parallel_size=2))
     manager = ShardingManager(model, ReferenceEngine(model.config), config=HybridConfig())
     assert (manager.config.tensor_model_parallel_size, manager.config.infer_tensor_parallel_size) == (1, 1)

@@ -41,15 +41,17 @@ CASES = {
     "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=1,
                                                        tie_word_embeddings=True)),
     # Mistral (Llama's rules), no sliding window.
-    "mistral": (MistralConfig, MistralForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=2,
-                                                        head_dim=16, sliding_window=None, tie_word_embeddings=False)),
+    "mistral": (MistralConfig, MistralForCausalLM,
+                dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=None,
+                     tie_word_embeddings=False)),
     # Phi-3: q/k/v and gate/up fused in the modules and the checkpoint.
-    "phi3": (Phi3Config, Phi3ForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-                                               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
+    "phi3": (Phi3Config, Phi3ForCausalLM,
+             dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)),
     # transformers 5's fused experts; 6 experts over 4 ranks: 2/2/2/0 (the last rank holds none).
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(_COMMON, num_attention_heads=4, num_key_value_heads=2,
-                                                             head_dim=16, num_experts=6, num_experts_per_tok=2,
-                                                             moe_intermediate_size=32, tie_word_embeddings=False)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                       num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False)),
 }
 PROMPTS = [[3, 17, 42, 99, 5], [7, 8], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 249, 0]]
 MAX_TOKENS = 6
@@ -96,7 +98,8 @@ def hf_greedy(case: str, full: dict) -> list[list[int]]:
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = torch.tensor([prompt])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 do_sample=False)
             out.append(gen[0, len(prompt):].tolist())
     return out
 
@@ -104,7 +107,8 @@ def hf_greedy(case: str, full: dict) -> list[list[int]]:
 def _storages(model, opt) -> dict[str, list[int]]:
     return {
         "params": [_local(p).untyped_storage().nbytes() for p in model.parameters()],
-        "grads": [_local(p.grad).untyped_storage().nbytes() for p in model.parameters() if p.grad is not None],
+        "grads": [_local(p.grad).untyped_storage().nbytes()
+                  for p in model.parameters() if p.grad is not None],
         "optimizer": [_local(t).untyped_storage().nbytes() for t in optimizer_state_tensors(opt)],
     }
 
@@ -115,7 +119,8 @@ def _snapshot(model, opt) -> list[torch.Tensor]:
     return [_local(t).detach().clone() for t in tensors]
 
 
-def train_task(ctx, case: str, k: int, *, switch: bool, fsdp: bool = True, steps: int = 3, eval_forward: bool = True):
+def train_task(ctx, case: str, k: int, *, switch: bool, fsdp: bool = True, steps: int = 3,
+               eval_forward: bool = True):
     """Train ``steps`` AdamW steps; with ``switch``, go through ``manager.inference()`` after each.
 
     Returns per step: the loss, and with ``switch`` the engine's greedy tokens, transformers' greedy tokens
@@ -131,8 +136,8 @@ def train_task(ctx, case: str, k: int, *, switch: bool, fsdp: bool = True, steps
         tp_group, _ = dist.new_subgroups(k)
         engine = ReferenceEngine(cfg.to_dict(), group=tp_group)
         engine.release(["weights", "kv_cache"])
-        manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(infer_tensor_parallel_size=k),
-                                  model_spec=cfg)
+        manager = ShardingManager(model, engine, optimizer=opt,
+                                  config=HybridConfig(infer_tensor_parallel_size=k), model_spec=cfg)
     out = []
     for step in range(steps):
         loss = _train_step(trained, opt, ctx.rank, step)
@@ -171,7 +176,10 @@ def misuse_task(ctx):
     for step in range(2):
         losses.append(_train_step(model, opt, ctx.rank, step).item())
         with manager.inference():
-            for what, call in (("forward", lambda: model(input_ids=_batch(ctx.rank, step))), ("step", opt.step)):
+            for what, call in (
+                ("forward", lambda: model(input_ids=_batch(ctx.rank, step))),  # noqa: B023 - called in this iteration
+                ("step", opt.step),
+            ):
                 try:
                     call()
                 except PhaseError as exc:
@@ -215,7 +223,8 @@ def moe_task(ctx, k: int, steps: int = 2):
     out = []
     for step in range(steps):
         loss = _train_step(model, opt, ctx.rank, step)
-        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in model.named_parameters()}
         before = _snapshot(model, opt)
         with manager.inference():
             storages = _storages(model, opt)
@@ -259,8 +268,8 @@ def buffers_task(ctx):
     step = ReleaseBuffersStep(state.buffers, FSDP_BUFFERS)
     planned = step.estimate().free_nbytes
     result = step.run()
-    return {"after_backward": root_unsharded, "after_eval": after_eval, "with_comm": with_comm, "planned": planned,
-            "released": result.extra["released_nbytes"], "left": state.unsharded_nbytes(),
+    return {"after_backward": root_unsharded, "after_eval": after_eval, "with_comm": with_comm,
+            "planned": planned, "released": result.extra["released_nbytes"], "left": state.unsharded_nbytes(),
             "comm_left": (comm.all_gather_state is not None, len(comm.reduce_scatter_states)),
             # FSDP2 all-gathers padded shards: ceil(rows / world) * world rows per root parameter.
             "root_nbytes": sum(-(-p.shape[0] // ctx.world_size) * ctx.world_size * p[0].numel() * 4

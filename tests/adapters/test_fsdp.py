@@ -46,7 +46,8 @@ def _spec_and_names(case: str):
     return ModelSpec.from_hf_config(cfg), names
 
 
-FSDP_CASES = [(case, k) for case in ("qwen2", "llama_tied") for k in (1, 2, 4)] + [("mistral", 2), ("phi3", 2)]
+FSDP_CASES = ([(case, k) for case in ("qwen2", "llama_tied") for k in (1, 2, 4)]
+              + [("mistral", 2), ("phi3", 2)])
 
 
 @pytest.mark.parametrize("case,k", FSDP_CASES, ids=[f"{c}-{k}" for c, k in FSDP_CASES])
@@ -55,17 +56,20 @@ def test_fsdp2_into_reference_engine(pool, baselines, case, k):
     spec, names = _spec_and_names(case)
     lacking = fsdp_to_vllm_lacking(spec, names, world=WORLD, shards=WORLD, tp=k)
     for rank, steps in enumerate(results):
-        assert [s["loss"] for s in steps] == baselines[case][rank], f"rank {rank}: losses differ from a run without switches"
+        assert [s["loss"] for s in steps] == baselines[case][rank], (
+            f"rank {rank}: losses differ from a run without switches")
         for i, s in enumerate(steps):
             ref = results[0][i]["ref_tokens"]
-            assert s["tokens"] == ref, f"{case} TP{k} rank {rank} step {i}: engine greedy differs from transformers"
+            assert s["tokens"] == ref, (
+                f"{case} TP{k} rank {rank} step {i}: engine greedy differs from transformers")
             assert s["sync"]["received_nbytes"] == s["sync"]["min_received_nbytes"] == 4 * lacking[rank], (
                 f"rank {rank} step {i}: received {s['sync']['received_nbytes']} B, plan minimum "
                 f"{s['sync']['min_received_nbytes']} B, independent minimum {4 * lacking[rank]} B")
             assert s["unsharded_before"] > 0, "the eval forward should leave FSDP2's root unsharded"
             assert s["unsharded_infer"] == 0, f"rank {rank}: FSDP2 buffers survive into INFER"
             for kind, nbytes in s["infer_storages"].items():
-                assert nbytes and not any(nbytes), f"rank {rank} step {i}: {kind} storages hold {nbytes} B in INFER"
+                assert nbytes and not any(nbytes), (
+                    f"rank {rank} step {i}: {kind} storages hold {nbytes} B in INFER")
             assert not s["leftovers"], s["leftovers"]
             assert s["restored"], f"rank {rank} step {i}: local shards, grads or optimizer state changed"
 

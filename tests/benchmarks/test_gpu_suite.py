@@ -19,8 +19,9 @@ from tests._full import TESTS_FULL
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
-SECTIONS = ("## CUDA tests", "## DeepSeek sparse attention in vLLM", "## LoRA with vLLM", "## Switch latency", "## First three cycles", "## KV cache release / resume",
-            "## GRPO demo", "## Device in INFER", "## Targets", "## Jobs")
+SECTIONS = ("## CUDA tests", "## DeepSeek sparse attention in vLLM", "## LoRA with vLLM", "## Switch latency",
+            "## First three cycles", "## KV cache release / resume", "## GRPO demo", "## Device in INFER",
+            "## Targets", "## Jobs")
 
 
 def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -51,7 +52,8 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
         assert len(fig["cycles"]) == 3 and fig["freed_share"] == 1.0
     for run in (r for r in runs.values() if r["part"] == "tms"):
         assert run["result"] == {"skipped": "needs a CUDA device"}
-    assert runs["dsa vllm"]["result"] == {"skipped": "needs --device cuda (vLLM's CPU platform refuses sparse attention)"}
+    assert runs["dsa vllm"]["result"] == {
+        "skipped": "needs --device cuda (vLLM's CPU platform refuses sparse attention)"}
     assert runs["lora shared base"]["result"]["skipped"].startswith("needs --device cuda")
     for trainer in ("torch", "megatron", "fsdp") if TESTS_FULL else ():
         assert len(runs[f"demo --trainer {trainer}"]["result"]["iterations"]) == 2
@@ -96,8 +98,8 @@ def test_parts_left_without_time_fail_the_run(tmp_path):
 
 
 def test_sparse_attention_check_without_a_gpu_skips_and_says_why(tmp_path):
-    """The ``dsa`` part's script, where it cannot build vLLM's CUDA model: exit status 0, the reason printed and
-    written, and nothing imported that needs a GPU."""
+    """The ``dsa`` part's script, where it cannot build vLLM's CUDA model: exit status 0, the reason printed
+    and written, and nothing imported that needs a GPU."""
     torch = pytest.importorskip("torch")
     out = tmp_path / "dsa.json"
     script = ROOT / "benchmarks" / "vllm_sparse_attention.py"
@@ -108,4 +110,5 @@ def test_sparse_attention_check_without_a_gpu_skips_and_says_why(tmp_path):
                               capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         why = json.loads(out.read_text())["skipped"]
-        assert why in proc.stdout and ("--device cuda" in why if device == "cpu" else "CUDA device" in why), why
+        assert why in proc.stdout and (
+            "--device cuda" in why if device == "cpu" else "CUDA device" in why), why

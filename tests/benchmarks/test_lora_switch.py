@@ -33,7 +33,8 @@ def test_help_names_both_routes(lora_switch, capsys):
     assert "LoraSync" in out and "merged_lora_weights" in out
 
 
-@pytest.mark.parametrize(("argv", "named"), [(["--steps", "1"], "--steps 1"), (["--hidden", "100"], "--hidden 100"),
+@pytest.mark.parametrize(("argv", "named"), [(["--steps", "1"], "--steps 1"),
+                                             (["--hidden", "100"], "--hidden 100"),
                                              (["--rank", "0"], "--rank 0")])
 def test_bad_options_are_refused_before_vllm_starts(lora_switch, capsys, argv, named):
     before = set(sys.modules)

@@ -12,13 +12,15 @@ DATA = Path(__file__).parents[1] / "data"
 
 def test_defaults_offload_everything_on_one_rank():
     cfg = HybridConfig()
-    assert (cfg.offload_train_param, cfg.offload_train_grad, cfg.offload_train_optimizer) == (True, True, True)
+    assert (cfg.offload_train_param, cfg.offload_train_grad, cfg.offload_train_optimizer) == (
+        True, True, True)
     assert cfg.train_layout == ParallelLayout() == cfg.infer_layout
 
 
 def test_layouts_from_mindspeed_keys():
-    cfg = HybridConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2, expert_model_parallel_size=1,
-                       infer_tensor_parallel_size=2, infer_expert_parallel_size=4)
+    cfg = HybridConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2,
+                       expert_model_parallel_size=1, infer_tensor_parallel_size=2,
+                       infer_expert_parallel_size=4)
     assert cfg.train_layout == ParallelLayout(tp=4, pp=2, ep=1)
     assert cfg.infer_layout == ParallelLayout(tp=2, pp=1, ep=4)
     assert str(cfg.train_layout) == "TP4xPP2xEP1"
@@ -70,9 +72,11 @@ def test_parallel_layout_checks():
 
 
 def test_from_dict_unknown_key_is_an_error_that_suggests_the_right_one():
-    with pytest.raises(ConfigError, match=r"unknown key 'infer_tensor_paralel_size'.*did you mean 'infer_tensor_parallel_size'") as info:
+    with pytest.raises(ConfigError, match=r"unknown key 'infer_tensor_paralel_size'.*"
+                                          r"did you mean 'infer_tensor_parallel_size'") as info:
         HybridConfig.from_dict({"infer_tensor_parallel_size": 2, "infer_tensor_paralel_size": 4})
-    assert info.value.key == "infer_tensor_paralel_size" and info.value.suggestions[0] == "infer_tensor_parallel_size"
+    assert (info.value.key == "infer_tensor_paralel_size"
+            and info.value.suggestions[0] == "infer_tensor_parallel_size")
 
 
 def test_from_dict_lenient_warning_points_at_the_caller():
@@ -90,7 +94,8 @@ def test_from_yaml_reads_mindspeed_sections():
         cfg = HybridConfig.from_yaml(DATA / "grpo_qwen25_7b_A3.yaml")
     assert cfg.train_layout == ParallelLayout(tp=4, pp=2, ep=1)
     assert cfg.infer_layout == ParallelLayout(tp=2, pp=1, ep=1)
-    assert (cfg.offload_train_param, cfg.offload_train_grad, cfg.offload_train_optimizer) == (True, False, True)
+    assert (cfg.offload_train_param, cfg.offload_train_grad, cfg.offload_train_optimizer) == (
+        True, False, True)
     assert cfg.gpu_memory_utilization == 0.4
 
 
@@ -98,7 +103,8 @@ def test_a_typo_in_a_section_name_is_an_error_naming_it(tmp_path):
     text = (DATA / "grpo_qwen25_7b_A3.yaml").read_text().replace("generate_config:", "generate_confg:")
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=r"unknown section 'generate_confg'.*c\.yaml: did you mean 'generate_config'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown section 'generate_confg'.*c\.yaml: did you mean 'generate_config'"):
         HybridConfig.from_yaml(path)
 
 
@@ -115,7 +121,8 @@ def test_a_typo_in_a_key_is_an_error_with_a_suggestion(tmp_path, section, key, s
     path = tmp_path / "c.yaml"
     path.write_text(f"generate_config:\n  infer_tensor_parallel_size: 2\n{section}:\n  {key}: 1\n"
                     if section != "generate_config" else f"generate_config:\n  {key}: true\n")
-    with pytest.raises(ConfigError, match=rf"unknown key '{key}' in {section} of .*c\.yaml: did you mean '{suggestion}'"):
+    with pytest.raises(ConfigError,
+                       match=rf"unknown key '{key}' in {section} of .*c\.yaml: did you mean '{suggestion}'"):
         HybridConfig.from_yaml(path)
 
 
@@ -169,7 +176,8 @@ def test_from_yaml_syntax_error_names_line(tmp_path):
         HybridConfig.from_yaml(path)
 
 
-@pytest.mark.parametrize("text, needle", [("- a\n- b\n", "mapping of sections"), ("generate_config: 3\n", "generate_config=3"),
+@pytest.mark.parametrize("text, needle", [("- a\n- b\n", "mapping of sections"),
+                                          ("generate_config: 3\n", "generate_config=3"),
                                           ("hybridmem: [1]\n", r"hybridmem=\[1\]")])
 def test_from_yaml_wrong_shapes(tmp_path, text, needle):
     path = tmp_path / "c.yaml"

@@ -43,9 +43,10 @@ class _ClaimsTooMuch(_ThirdParty):
 
 
 def test_a_capability_without_its_method_is_refused_at_construction():
-    with pytest.raises(TypeError, match=r"_ClaimsTooMuch.capabilities declares megatron_names=True but the training "
-                                        r"state has no callable \['megatron_convention'\]"):
-        ShardingManager(_ClaimsTooMuch(), TorchCopyEngine(torch.nn.Linear(4, 4)), config=HybridConfig(device="cpu"))
+    with pytest.raises(TypeError, match=r"_ClaimsTooMuch.capabilities declares megatron_names=True but the "
+                                        r"training state has no callable \['megatron_convention'\]"):
+        ShardingManager(_ClaimsTooMuch(), TorchCopyEngine(torch.nn.Linear(4, 4)),
+                        config=HybridConfig(device="cpu"))
 
 
 def test_capabilities_of_another_type_are_refused():
@@ -84,8 +85,8 @@ def test_a_from_pretrained_model_declares_its_config_guards_and_checkpoint(tmp_p
     opt = torch.optim.AdamW(model.parameters())
     manager = ShardingManager(model, ReferenceEngine(model.config), optimizer=opt)
     assert manager.training_capabilities == TrainingCapabilities(guards_misuse=True, has_hf_config=True,
-                                                                 lists_checkpoint_weights=True, reports_layout=True,
-                                                                 holds_module=True)
+                                                                 lists_checkpoint_weights=True,
+                                                                 reports_layout=True, holds_module=True)
     assert isinstance(manager.weight_sync, ReshardSync)  # the spec read from the declared hf_config
     with manager.inference():
         with pytest.raises(PhaseError):

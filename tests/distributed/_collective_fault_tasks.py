@@ -8,8 +8,8 @@ verify_weight_sync=True)``; the checksum comparison adds the sync's ``all_reduce
 catch a sync that wrote the engine from the wrong bytes (a message left over from a failed switch).
 
 :class:`CollectiveCounter` patches the functions of ``torch.distributed`` that communicate, and
-``Work.wait``: it counts this rank's calls per kind and can raise :class:`InjectedFault` before the n-th
-call of one kind. :func:`reference_task` is the dry run (the calls of each switch, per kind) and the
+``Work.wait``: it counts this rank's calls per kind and can raise :class:`InjectedFaultError` before the
+n-th call of one kind. :func:`reference_task` is the dry run (the calls of each switch, per kind) and the
 losses of a run that never switches; :func:`collective_fault_task` runs one round per injection point.
 """
 
@@ -39,8 +39,8 @@ from tests.distributed.fsdp_job import build_fsdp_model, train_step
 COLLECTIVES = (
     "batch_isend_irecv", "isend", "irecv", "send", "recv", "all_reduce", "all_reduce_coalesced", "reduce",
     "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather", "scatter",
-    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
-    "broadcast_object_list", "gather_object", "scatter_object_list",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
+    "monitored_barrier", "broadcast_object_list", "gather_object", "scatter_object_list",
 )
 """The functions of ``torch.distributed`` that communicate; each is a kind of call counted."""
 
@@ -54,7 +54,7 @@ Point = tuple[int, str, int]
 """``(rank or ALL_RANKS, kind, n)``: raise before the n-th call of ``kind`` on that rank (1-based)."""
 
 
-class InjectedFault(Exception):
+class InjectedFaultError(Exception):
     """The fault raised before a collective call (a stand-in for any error on the way into one)."""
 
 
@@ -78,7 +78,8 @@ class CollectiveCounter:
         self.counts[kind] += 1
         if self.target == (kind, self.counts[kind]):
             self.fired = self.target
-            raise InjectedFault(f"injected on rank {self.rank} before call {self.counts[kind]} of {kind}")
+            raise InjectedFaultError(
+                f"injected on rank {self.rank} before call {self.counts[kind]} of {kind}")
 
     def _remember(self, kind: str, result: Any) -> Any:
         """Label the works ``result`` holds with the call that returned them (unless already labelled)."""
@@ -92,7 +93,8 @@ class CollectiveCounter:
         def call(*args: Any, **kwargs: Any) -> Any:
             self._tick(kind)
             if kind == "batch_isend_irecv":
-                self.buffers += [weakref.ref(op.tensor) for op in (args[0] if args else kwargs["p2p_op_list"])]
+                self.buffers += [weakref.ref(op.tensor)
+                                 for op in (args[0] if args else kwargs["p2p_op_list"])]
             return self._remember(kind, original(*args, **kwargs))
 
         return call
@@ -109,7 +111,7 @@ class CollectiveCounter:
     def active(self, target: tuple[str, int] | None = None) -> Iterator[CollectiveCounter]:
         """Patch the functions (in ``torch.distributed`` and ``distributed_c10d``, which calls its own, e.g.
         ``batch_isend_irecv`` checks its ops against ``isend``) with counting wrappers; with ``target``
-        ``(kind, n)``, raise :class:`InjectedFault` before the n-th call of ``kind``."""
+        ``(kind, n)``, raise :class:`InjectedFaultError` before the n-th call of ``kind``."""
         self.counts, self.target, self.fired, self._origin = collections.Counter(), target, None, {}
         self.buffers = []
         saved: list[tuple[Any, str, Any]] = []
@@ -149,7 +151,8 @@ def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.
         local = _local(t).detach()
         needed = (local.storage_offset() + local.numel()) * local.element_size() if local.numel() else 0
         held = local.untyped_storage().nbytes()
-        assert held >= needed, f"tensor {i} of {len(tensors)} {tuple(local.shape)}: {held} storage bytes, needs {needed}"
+        assert held >= needed, (
+            f"tensor {i} of {len(tensors)} {tuple(local.shape)}: {held} storage bytes, needs {needed}")
         copies.append(local.clone())
     return copies
 
@@ -237,16 +240,16 @@ def _switch(actor: _Actor, direction: str, counter: CollectiveCounter,
     with counter.active(target):
         try:
             getattr(actor.manager, direction)()
-        except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+        except Exception as exc:  # what each rank saw is the result
             chain = list(_cause_chain(exc))
             timeout = next((e for e in chain if isinstance(e, CollectiveTimeoutError)), None)
             refused = next((e for e in chain if isinstance(e, PeerAbortError)), None)
             record.update(
                 error=type(exc).__name__, message=str(exc),
-                injected=any(isinstance(e, InjectedFault) for e in chain),
+                injected=any(isinstance(e, InjectedFaultError) for e in chain),
                 collective=timeout is not None,
-                peers=(sorted(timeout.peers) if timeout is not None else sorted(refused.ranks) if refused is not None
-                       else []),
+                peers=(sorted(timeout.peers) if timeout is not None
+                       else sorted(refused.ranks) if refused is not None else []),
                 group_usable=getattr(exc, "group_usable", True),
             )
     record["seconds"] = time.monotonic() - start
@@ -265,7 +268,8 @@ def _config(deadline_s: float, bucket_bytes: int) -> HybridConfig:
                         reshard_bucket_bytes=bucket_bytes, verify_weight_sync=True)
 
 
-def reference_task(ctx: Any, model_dir: str, *, steps: int, deadline_s: float, bucket_bytes: int) -> dict[str, Any]:
+def reference_task(ctx: Any, model_dir: str, *, steps: int, deadline_s: float,
+                   bucket_bytes: int) -> dict[str, Any]:
     """The dry run and the fault-free losses.
 
     Returns:
@@ -325,19 +329,20 @@ def collective_fault_task(ctx: Any, model_dir: str, *, points: Sequence[Point], 
         try:
             if record["recreated"]:
                 actor.recreate_group(f"file://{store_dir}/group-{i}", timeout_s=60.0)
-                record["state_problem"] = record["state_problem"] or _differs(before, _snapshot(actor.model, actor.opt))
+                record["state_problem"] = (record["state_problem"]
+                                           or _differs(before, _snapshot(actor.model, actor.opt)))
             record["state_intact"] = actor.manager.phase.name == "TRAIN" and record["state_problem"] is None
             dist.barrier()  # the round trip starts together too (a re-creation takes each rank its own time)
             actor.manager.to_infer()
             actor.manager.to_train()
             record["loss"] = actor.step(i + 1)
-        except Exception:  # noqa: BLE001 - the rounds so far are the result; the next ones cannot run
+        except Exception:  # the rounds so far are the result; the next ones cannot run
             record["next_error"] = traceback.format_exc()[-6000:]
             break
     return rounds
 
 
-class InjectedKVFault(RuntimeError):
+class InjectedKVFaultError(RuntimeError):
     """The fault of :func:`local_fault_task`: no room for the KV cache on one rank, after its weight sync."""
 
 
@@ -357,7 +362,7 @@ def local_fault_task(ctx: Any, model_dir: str, *, rank: int, deadline_s: float, 
 
         def failing_resume(tags: Sequence[str]) -> None:
             if "kv_cache" in tags:
-                raise InjectedKVFault(f"injected on rank {ctx.rank}: no room for the KV cache")
+                raise InjectedKVFaultError(f"injected on rank {ctx.rank}: no room for the KV cache")
             resume(tags)
 
         actor.engine.resume = failing_resume

@@ -50,17 +50,18 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
                   at_key: tuple | None = None) -> dict:
     """Switch with rank ``bad_rank`` stalling ``stall_s`` s or dying (``how``) at its ``call``-th call of
     ``where`` (``"resume"``: the engine taking its memory back, before the weight sync; ``"exchange"``: the
-    ``call``-th bucket of the resharding plan, before anything of it is posted; ``"release"``: the engine giving its memory back) during ``direction``
-    (``"to_infer"`` or ``"to_train"``). ``bad_rank=-1``: every rank; ``how="raise"``: an exception before
-    the call; ``how="none"``: no fault (the reference run). When the group is still usable after the
-    switch, one more round trip and one more training step follow; their loss is recorded, and so is the
-    number of exchanges the switch made (``exchanges``)."""
+    ``call``-th bucket of the resharding plan, before anything of it is posted; ``"release"``: the engine
+    giving its memory back) during ``direction`` (``"to_infer"`` or ``"to_train"``). ``bad_rank=-1``: every
+    rank; ``how="raise"``: an exception before the call; ``how="none"``: no fault (the reference run). When
+    the group is still usable after the switch, one more round trip and one more training step follow;
+    their loss is recorded, and so is the number of exchanges the switch made (``exchanges``)."""
     model, opt = build_fsdp_model(model_dir)
     train_step(model, opt, seed=ctx.rank)
     tp_group, _ = dist.new_subgroups(2)
     engine = ReferenceEngine(model.config, group=tp_group)
     manager = ShardingManager(model, engine, optimizer=opt,
-                              config=HybridConfig(infer_tensor_parallel_size=2, collective_deadline_s=deadline_s,
+                              config=HybridConfig(infer_tensor_parallel_size=2,
+                                                  collective_deadline_s=deadline_s,
                                                   reshard_bucket_bytes=bucket_bytes))
     manager.pool.wait_prewarmed()
     before = _snapshot(model, opt)
@@ -98,7 +99,7 @@ def bad_rank_task(ctx, model_dir: str, *, bad_rank: int, how: str, where: str, c
     start = time.monotonic()
     try:
         getattr(manager, direction)()
-    except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+    except Exception as exc:  # what each rank saw is the result
         record.update(error=type(exc).__name__, message=str(exc),
                       collective=isinstance(exc, CollectiveTimeoutError),
                       peers=list(getattr(exc, "peers", ())), group_usable=getattr(exc, "group_usable", None))

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 def save_tiny_qwen2(path: str | Path, *, vocab_size: int = 256) -> str:
     """Save a 2-layer Qwen2 (hidden 64, 4 heads, 2 kv heads, untied) with seed-0 weights; returns ``path``."""
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=vocab_size,
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
                                  tie_word_embeddings=False)).save_pretrained(path)
     return str(path)
 

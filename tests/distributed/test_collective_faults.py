@@ -107,7 +107,8 @@ def one_rank_points(counts: list[dict[str, int]]) -> list[Point]:
     for k, kind in enumerate(kinds):
         ranks = range(WORLD) if FULL else [next(r % WORLD for r in range(k, k + WORLD)
                                                 if counts[r % WORLD].get(kind))]
-        points += [(rank, kind, n) for rank in ranks for n in _spread(counts[rank].get(kind, 0), middle=False)]
+        points += [(rank, kind, n)
+                   for rank in ranks for n in _spread(counts[rank].get(kind, 0), middle=False)]
     return points
 
 

@@ -37,8 +37,8 @@ def _model():
 
 def test_a_capability_without_its_method_is_refused_at_construction():
     model, opt = _model()
-    with pytest.raises(TypeError, match=r"_Claims.capabilities declares writes_in_place=True but the engine has no "
-                                        r"callable \['named_parameters'\]"):
+    with pytest.raises(TypeError, match=r"_Claims.capabilities declares writes_in_place=True but the engine "
+                                        r"has no callable \['named_parameters'\]"):
         ShardingManager(model, _Claims(), optimizer=opt, config=HybridConfig(device="cpu"))
 
 
@@ -56,7 +56,8 @@ def test_the_copy_engine_declares_its_capabilities_and_the_manager_uses_them():
     assert manager.engine_capabilities is engine.capabilities
     with manager.inference():
         # The residency report reads the engine's bytes because the engine says it reports them.
-        assert manager.residency().by_owner["engine weights"] == sum(p.numel() * 4 for p in model.parameters())
+        assert manager.residency().by_owner["engine weights"] == sum(
+            p.numel() * 4 for p in model.parameters())
 
 
 def test_a_wrong_type_of_declaration_is_named():
@@ -79,11 +80,12 @@ class _DeclaresALayoutItLacks(_Minimal):
 def test_what_an_engine_serves_is_read_only_when_declared():
     """Declared, not probed: an engine declaring capabilities is read through them alone, attributes too."""
     model, opt = _model()
-    manager = ShardingManager(model, _SaysItsLayoutWithoutDeclaring(), optimizer=opt, config=HybridConfig(device="cpu"))
+    manager = ShardingManager(model, _SaysItsLayoutWithoutDeclaring(), optimizer=opt,
+                              config=HybridConfig(device="cpu"))
     assert manager.config.infer_tensor_parallel_size == 1  # its undeclared parallel_layout is not read
     manager.close()
-    with pytest.raises(TypeError, match=r"_DeclaresALayoutItLacks.capabilities declares reports_layout=True but the "
-                                        r"engine has no attribute \['parallel_layout'\]"):
+    with pytest.raises(TypeError, match=r"_DeclaresALayoutItLacks.capabilities declares reports_layout=True "
+                                        r"but the engine has no attribute \['parallel_layout'\]"):
         ShardingManager(model, _DeclaresALayoutItLacks(), optimizer=opt, config=HybridConfig(device="cpu"))
 
 

@@ -186,18 +186,21 @@ def test_kv_utilization_sizes_the_pool(qwen, monkeypatch):
     # Fixed figures: the machine's own free memory varies, and a pool of all of it may not be allocatable.
     total, free = 64 * 2**20, 60 * 2**20
     figures = MemoryFigures(allocated_nbytes=0, reserved_nbytes=0, free_nbytes=free, total_nbytes=total)
-    monkeypatch.setattr(type(get_accelerator("cpu")), "memory_figures", lambda self, tracked_nbytes=0: figures)
+    monkeypatch.setattr(type(get_accelerator("cpu")), "memory_figures",
+                        lambda self, tracked_nbytes=0: figures)
     config, model = qwen
     engine = ReferenceEngine(config, kv_utilization=0.5, block_size=4)
     block_nbytes = engine.kv_allocator.block_nbytes
-    assert engine.num_kv_blocks == (free // 2) // block_nbytes  # on the CPU: half of what is free, not of the total
+    # On the CPU: half of what is free, not of the total.
+    assert engine.num_kv_blocks == (free // 2) // block_nbytes
     assert engine.kv_allocator.nbytes == engine.num_kv_blocks * block_nbytes
     with pytest.raises(ValueError, match="kv_utilization=1e-06 leaves no room"):
         ReferenceEngine(config, kv_utilization=1e-6, block_size=4)
     with pytest.raises(ValueError, match="at most one"):
         ReferenceEngine(config, kv_utilization=0.5, num_kv_blocks=4)
     too_many = free // block_nbytes + 1
-    with pytest.raises(ValueError, match=rf"num_blocks={too_many} .* is {too_many * block_nbytes} bytes, more than the {free} bytes free"):
+    with pytest.raises(ValueError, match=rf"num_blocks={too_many} .* is {too_many * block_nbytes} bytes, "
+                                         rf"more than the {free} bytes free"):
         ReferenceEngine(config, num_kv_blocks=too_many, block_size=4)
 
 

@@ -58,10 +58,12 @@ def test_gpu_memory_utilization_of_the_config_is_the_engines_kv_share(monkeypatc
 
     total, free = 64 * 2**20, 60 * 2**20
     figures = MemoryFigures(allocated_nbytes=0, reserved_nbytes=0, free_nbytes=free, total_nbytes=total)
-    monkeypatch.setattr(type(get_accelerator("cpu")), "memory_figures", lambda self, tracked_nbytes=0: figures)
+    monkeypatch.setattr(type(get_accelerator("cpu")), "memory_figures",
+                        lambda self, tracked_nbytes=0: figures)
     hf_config, model = build_hf("qwen2_gqa_bias")
     cfg = HybridConfig.from_yaml(Path(__file__).parents[1] / "data" / "grpo_qwen25_7b_A3.yaml").replace(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, infer_tensor_parallel_size=1, device="cpu")
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, infer_tensor_parallel_size=1,
+        device="cpu")
     assert cfg.gpu_memory_utilization == 0.4
 
     def engine(**kv):
@@ -71,9 +73,12 @@ def test_gpu_memory_utilization_of_the_config_is_the_engines_kv_share(monkeypatc
 
     ok = engine(kv_utilization=0.4)
     ShardingManager(model, ok, config=cfg)
-    assert ok.num_kv_blocks == int(free * 0.4) // ok.kv_allocator.block_nbytes  # on the CPU: a share of what is free
-    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0\.4 .*expected 0\.5, the share the ReferenceEngine"):
+    # On the CPU: a share of what is free.
+    assert ok.num_kv_blocks == int(free * 0.4) // ok.kv_allocator.block_nbytes
+    with pytest.raises(ConfigError,
+                       match=r"gpu_memory_utilization=0\.4 .*expected 0\.5, the share the ReferenceEngine"):
         ShardingManager(model, engine(kv_utilization=0.5), config=cfg)
-    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0\.4 .*sized its KV pool by a block count"):
+    with pytest.raises(ConfigError,
+                       match=r"gpu_memory_utilization=0\.4 .*sized its KV pool by a block count"):
         ShardingManager(model, engine(num_kv_blocks=8), config=cfg)
     ShardingManager(model, engine(num_kv_blocks=8), config=cfg.replace(gpu_memory_utilization=None))

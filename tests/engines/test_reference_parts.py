@@ -1,4 +1,5 @@
-"""The pure parts of ReferenceEngine: the embedded spec and TPShard sizes, HF->vLLM placement, block tables, sampling."""
+"""The pure parts of ReferenceEngine: the embedded spec and TPShard sizes, HF->vLLM placement, block
+tables, sampling."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def test_placements_fill_every_parameter_exactly_once(tp, kv, bias, tied):
             real = t.shape[0]
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
                 real = max(0, min(t.shape[0], 250 - rank * t.shape[0]))
-            assert torch.equal(t[:real], torch.ones_like(t[:real])), f"{name} on rank {rank}/{tp} not filled exactly once"
+            assert torch.equal(t[:real], torch.ones_like(t[:real])), (
+                f"{name} on rank {rank}/{tp} not filled exactly once")
             assert not t[real:].any(), f"{name} on rank {rank}/{tp}: padding rows written"
 
 

@@ -29,7 +29,8 @@ def _hf_greedy(name: str, full: dict[str, torch.Tensor]) -> list[list[int]]:
     """HF greedy generation with ``full`` loaded (independent of hybridmem's engine)."""
     _, model = build_hf(name)
     missing, unexpected = model.load_state_dict(full, strict=False)
-    assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (missing, unexpected)
+    assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (
+        missing, unexpected)
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -41,11 +42,13 @@ def _hf_greedy(name: str, full: dict[str, torch.Tensor]) -> list[list[int]]:
 
 
 def task_switch(ctx, config_dict, full, train_tp, infer_tp):
-    """Per rank: greedy tokens after the first and the second switch, and the full weights trained in between."""
+    """Per rank: greedy tokens after the first and the second switch, and the full weights trained in
+    between."""
     world, rank = ctx.world_size, ctx.rank
     train_groups = [dist.new_group(list(range(s, s + train_tp))) for s in range(0, world, train_tp)]
     infer_groups = [dist.new_group(list(range(s, s + infer_tp))) for s in range(0, world, infer_tp)]
-    config = HybridConfig(device="cpu", tensor_model_parallel_size=train_tp, infer_tensor_parallel_size=infer_tp)
+    config = HybridConfig(device="cpu", tensor_model_parallel_size=train_tp,
+                          infer_tensor_parallel_size=infer_tp)
     spec = ModelSpec.from_hf_config(config_dict)
     layout = megatron_layout(spec, config.train_layout, world)
     local = shard(full, layout, rank)
@@ -54,9 +57,11 @@ def task_switch(ctx, config_dict, full, train_tp, infer_tp):
                               dtype=torch.float32, device="cpu")
     model.load_state_dict(local)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine = ReferenceEngine(config_dict, group=infer_groups[rank // infer_tp], num_kv_blocks=32, block_size=4)
+    engine = ReferenceEngine(config_dict, group=infer_groups[rank // infer_tp], num_kv_blocks=32,
+                             block_size=4)
     engine.release(list(ENGINE_TAGS))
-    manager = ShardingManager(model, engine, optimizer=opt, config=config, model_spec=config_dict, group=ctx.group)
+    manager = ShardingManager(model, engine, optimizer=opt, config=config, model_spec=config_dict,
+                              group=ctx.group)
     tokens = []
     for cycle in range(2):
         with manager.inference() as eng:
@@ -89,7 +94,9 @@ def test_resharded_engine_equals_hf_greedy(pool, name, train_tp, infer_tp):
     trained_full = unshard([r[1] for r in results], megatron_layout(spec, HybridConfig(
         tensor_model_parallel_size=train_tp).train_layout, WORLD))
     after = _hf_greedy(name, trained_full)
-    assert after != before, "the training step did not change greedy generation; the test would miss a stale sync"
+    assert after != before, (
+        "the training step did not change greedy generation; the test would miss a stale sync")
     for rank, (tokens, _) in enumerate(results):
         assert tokens[0] == before, f"rank {rank}: first switch, TP{train_tp} -> TP{infer_tp}"
-        assert tokens[1] == after, f"rank {rank}: second switch after a training step, TP{train_tp} -> TP{infer_tp}"
+        assert tokens[1] == after, (
+            f"rank {rank}: second switch after a training step, TP{train_tp} -> TP{infer_tp}")

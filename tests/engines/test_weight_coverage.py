@@ -68,7 +68,8 @@ def _check_failed_switch(manager: ShardingManager, engine: ReferenceEngine, befo
 
 def test_llama_into_a_qwen2_engine_is_refused_at_construction_naming_both():
     model = _llama()
-    with pytest.raises(ValueError, match="ReferenceEngine.*LlamaForCausalLM \\(llama\\).*qkv_bias=True.*qkv_bias=False"):
+    with pytest.raises(ValueError,
+                       match="ReferenceEngine.*LlamaForCausalLM \\(llama\\).*qkv_bias=True.*qkv_bias=False"):
         ShardingManager(model, _qwen2_engine(), optimizer=torch.optim.AdamW(model.parameters()))
 
 
@@ -88,7 +89,8 @@ def test_llama_into_a_qwen2_engine_through_the_resharding_engine_fails_the_switc
     config = HybridConfig(device="cpu")
     spec = ModelSpec.from_hf_config(LLAMA)
     hf = _llama()
-    local = shard({k: v.detach() for k, v in hf.state_dict().items()}, megatron_layout(spec, config.train_layout, 1), 0)
+    local = shard({k: v.detach() for k, v in hf.state_dict().items()},
+                  megatron_layout(spec, config.train_layout, 1), 0)
     model = MegatronLayoutGPT(spec, group=None,
                               padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0],
                               dtype=torch.float32, device="cpu")
@@ -114,7 +116,8 @@ def test_a_matching_engine_is_proven_fully_written():
     manager = ShardingManager(model, engine, optimizer=opt)
     prompt = [3, 17, 42, 99, 5]
     with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6,
+                                  do_sample=False)[0, len(prompt):].tolist()
     report = manager.to_infer()
     sync_step = next(s for s in report.steps if s.name == "weight sync")
     assert sync_step.extra["coverage_checked"] is True

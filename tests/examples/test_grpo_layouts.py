@@ -40,9 +40,9 @@ def test_readme_two_node_command_passes_the_demos_checks_as_printed(monkeypatch)
     torchrun, demo_args = readme_torchrun_command()
     world = torchrun.nnodes * torchrun.nproc_per_node
     # What torchrun sets in the first process of node 0, on a node with one GPU per process.
-    env = {"RANK": str(torchrun.node_rank * torchrun.nproc_per_node), "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
-           "LOCAL_WORLD_SIZE": str(torchrun.nproc_per_node), "MASTER_ADDR": torchrun.master_addr,
-           "MASTER_PORT": torchrun.master_port}
+    env = {"RANK": str(torchrun.node_rank * torchrun.nproc_per_node), "LOCAL_RANK": "0",
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(torchrun.nproc_per_node),
+           "MASTER_ADDR": torchrun.master_addr, "MASTER_PORT": torchrun.master_port}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -85,13 +85,15 @@ def test_megatron_tp_that_does_not_divide_the_vocabulary_is_refused_in_one_line(
         grpo.main(["--out", str(tmp_path), "--world-size", "3", "--train-tp", "3", "--trainer", "megatron"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--train-tp 3 is not allowed with --world-size 3: expected one of [1]" in err[0], err
+    assert len(err) == 1 and (
+        "--train-tp 3 is not allowed with --world-size 3: expected one of [1]" in err[0]), err
     assert "vocabulary of 16" in err[0]
 
 
 @pytest.mark.slow
 def test_train_tp_four_runs_on_the_widened_policy_and_syncs_exact_weights(tmp_path):
     # Refused before the policy followed the TP (2 KV heads do not split over 4 training ranks).
-    grpo.main(["--out", str(tmp_path), "--world-size", "4", "--train-tp", "4", "--infer-tp", "2", "--iters", "2"])
+    grpo.main(["--out", str(tmp_path), "--world-size", "4", "--train-tp", "4", "--infer-tp", "2",
+               "--iters", "2"])
     summary = json.loads((tmp_path / "grpo.json").read_text())
     assert len(summary["iterations"]) == 2 and summary["max_logprob_gap"] < 1e-4

@@ -28,8 +28,8 @@ TRAINING_OWNERS = ("train param", "train grad", "optimizer")
 
 def _ray_demo(out, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in grpo.TORCHRUN_VARS and k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "hybridmem", "demo", "--launcher", "ray", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, "-m", "hybridmem", "demo", "--launcher", "ray", "--out", str(out),
+                           *args], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "grpo.json").read_text())
 
@@ -65,7 +65,8 @@ def _assert_co_residents_only_in_their_tasks(summary: dict, names: tuple[str, ..
         if phase == "infer":
             assert all(owners[o] == 0 for o in TRAINING_OWNERS) and owners["kv cache"] > 0, owners
         if phase in ("train", *names):
-            assert owners["train param"] > 0 and owners["engine weights"] == owners["kv cache"] == 0, (phase, owners)
+            assert owners["train param"] > 0 and owners["engine weights"] == owners["kv cache"] == 0, (
+                phase, owners)
 
 
 def test_the_ray_demo_learns_as_the_spawned_demo_does(tmp_path, spawned):
@@ -79,7 +80,8 @@ def test_the_ray_demo_learns_as_the_spawned_demo_does(tmp_path, spawned):
 def test_two_raylets_with_a_reward_model_learn_as_the_spawned_demo_does(tmp_path, spawned_dp):
     """The reward model scores as the task's rule does (see hybridmem/examples/grpo/reward.py), so the run
     scored by the model on two raylets gives the spawned rule run's rewards; data parallel over the two."""
-    summary = _ray_demo(tmp_path, "--iters", ITERS, "--ray-nodes", "2", "--reward", "model", "--train-tp", "1")
+    summary = _ray_demo(tmp_path, "--iters", ITERS, "--ray-nodes", "2", "--reward", "model",
+                        "--train-tp", "1")
     assert len({w["node_id"] for w in summary["workers"]}) == 2, summary["workers"]  # a raylet each
     assert _rewards(summary) == _rewards(spawned_dp) and summary["last5_reward"] > summary["first5_reward"]
     _assert_co_residents_only_in_their_tasks(summary, ("reference", "reward"))
@@ -97,7 +99,8 @@ def test_the_spawned_demo_with_a_reward_model_learns_as_with_the_rule(tmp_path, 
     ["--trainer", "megatron", "--engine", "vllm", "--world-size", "1", "--train-tp", "1"],
     # Two actors resharding into the engine's layout run in the learning tests above, and FSDP2 in
     # tests/examples/test_grpo_demo.py and test_grpo_torchrun.py.
-    pytest.param(["--trainer", "fsdp", "--infer-tp", "2"], marks=full_only("two actors run in the tests above")),
+    pytest.param(["--trainer", "fsdp", "--infer-tp", "2"],
+                 marks=full_only("two actors run in the tests above")),
     # vLLM's engine core in a process of its own per actor: a minute and a half on a 2-core machine.
     pytest.param(["--engine", "vllm-server"], marks=full_only("vLLM runs in the actor's process in CI")),
 ], ids=["megatron-vllm-one-actor", "fsdp", "vllm-server"])

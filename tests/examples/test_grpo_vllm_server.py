@@ -27,8 +27,8 @@ def test_demo_with_vllm_in_its_own_process_learns(tmp_path):
            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1800"}
     out = tmp_path / "out"
     # One rank: one engine process at a time on a 2-core machine (each rank would start its own).
-    cmd = [sys.executable, "-m", "hybridmem", "demo", "--engine", "vllm-server", "--world-size", "1", "--train-tp", "1",
-           "--iters", str(ITERS), "--out", str(out)]
+    cmd = [sys.executable, "-m", "hybridmem", "demo", "--engine", "vllm-server", "--world-size", "1",
+           "--train-tp", "1", "--iters", str(ITERS), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     summary = json.loads((out / "grpo.json").read_text())

@@ -21,7 +21,8 @@ def environment(ctx) -> dict:
 
 
 def raise_on(ctx, rank: int) -> int:
-    """Rank ``rank`` raises hybridmem's ConfigError (a keyword-only constructor); the others return their rank."""
+    """Rank ``rank`` raises hybridmem's ConfigError (a keyword-only constructor); the others return their
+    rank."""
     if ctx.rank == rank:
         raise ConfigError("offload_train_param", "maybe", "true or false")
     return ctx.rank

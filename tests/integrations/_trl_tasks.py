@@ -36,11 +36,14 @@ def write_checkpoint(path: str, *, hidden_size: int = 64, layers: int = 2) -> No
     vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(LETTERS)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                         eos_token="<eos>").save_pretrained(path)
     heads = hidden_size // 32
-    config = transformers.Qwen2Config(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=min(heads, 2), head_dim=32, vocab_size=32, max_position_embeddings=128,
-                                      pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False)
+    config = transformers.Qwen2Config(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=min(heads, 2), head_dim=32, vocab_size=32,
+                                      max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+                                      bos_token_id=1, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(path)
 
@@ -102,21 +105,24 @@ def main(scenario: str, out_path: str) -> None:
         return [sum(t == a for t in ids) / max(1, len(ids)) for ids in completion_ids]
 
     options = dict(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", logging_steps=1,
-                   per_device_train_batch_size=8, num_generations=8, max_completion_length=8, learning_rate=3e-2,
-                   max_steps=8, seed=0, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64)
+                   per_device_train_batch_size=8, num_generations=8, max_completion_length=8,
+                   learning_rate=3e-2, max_steps=8, seed=0, use_vllm=True, vllm_mode="colocate",
+                   vllm_max_model_length=64)
     extra = {}
     if scenario == "options":
-        options.update(beta=0.05, num_generations=4, gradient_accumulation_steps=2, steps_per_generation=4, max_steps=6)
+        options.update(beta=0.05, num_generations=4, gradient_accumulation_steps=2, steps_per_generation=4,
+                       max_steps=6)
     elif scenario == "lora":
         from peft import LoraConfig
 
         options.update(learning_rate=5e-2, max_steps=6)
         extra["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    resumes = inject_one_wake_failure(at_call=5) if scenario == "learn" else None  # generation 3's weights wake-up
+    # at_call=5: generation 3's weights wake-up.
+    resumes = inject_one_wake_failure(at_call=5) if scenario == "learn" else None
     served = watch_lora_requests() if scenario == "lora" else None
     dataset = Dataset.from_dict({"prompt": PROMPTS * 8})
-    trainer = HybridGRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
-                                args=GRPOConfig(**options), **extra)
+    trainer = HybridGRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset,
+                                processing_class=tokenizer, args=GRPOConfig(**options), **extra)
     trainer.train()
 
     manager = trainer.hybrid_manager
@@ -152,12 +158,16 @@ def main(scenario: str, out_path: str) -> None:
         "coresidents": sorted(manager.coresidents),
         "reference_nbytes_in_train": manager.coresidents[REFERENCE_OWNER].resident_nbytes()
         if REFERENCE_OWNER in manager.coresidents else None,
-        "trainable_param_nbytes": sum(p.numel() * p.element_size() for p in trained.parameters() if p.requires_grad),
-        "lora_nbytes": sum(p.numel() * p.element_size() for n, p in trained.named_parameters() if ".lora_" in n),
-        "base_nbytes": sum(p.numel() * p.element_size() for n, p in trained.named_parameters() if ".lora_" not in n),
+        "trainable_param_nbytes": sum(p.numel() * p.element_size()
+                                      for p in trained.parameters() if p.requires_grad),
+        "lora_nbytes": sum(p.numel() * p.element_size()
+                           for n, p in trained.named_parameters() if ".lora_" in n),
+        "base_nbytes": sum(p.numel() * p.element_size()
+                           for n, p in trained.named_parameters() if ".lora_" not in n),
         "resume_calls": resumes[0] if resumes else None,
         "lora_requests": served,
-        "logged_metrics": sorted({k for h in trainer.state.log_history for k in h if k.startswith("hybridmem/")}),
+        "logged_metrics": sorted({k for h in trainer.state.log_history
+                                  for k in h if k.startswith("hybridmem/")}),
     }
     with open(out_path, "w") as f:
         json.dump(result, f)

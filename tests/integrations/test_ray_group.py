@@ -40,7 +40,8 @@ ENV = {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Two GPUs and two NPUs declared to Ray (none here): what Ray does with a bundle's device is tested without one.
+    # Two GPUs and two NPUs declared to Ray (none here): what Ray does with a bundle's device is tested
+    # without one.
     ray.init(address="local", num_cpus=4, num_gpus=2, resources={"NPU": 2}, object_store_memory=128 * 2**20,
              include_dashboard=False)
     yield
@@ -51,7 +52,8 @@ def test_placement_bundles_hold_one_device_each():
     assert placement_bundles(3, device="cuda", cpus_per_worker=4) == [{"CPU": 4.0, "GPU": 1.0}] * 3
     assert placement_bundles(2, device="npu", cpus_per_worker=2) == [{"CPU": 2.0, "NPU": 1.0}] * 2
     assert placement_bundles(2, device="cpu") == [{"CPU": 1.0}] * 2
-    for bad, named in ((dict(world_size=0), "world_size=0"), (dict(world_size=2, device="xpu"), "device='xpu'"),
+    for bad, named in ((dict(world_size=0), "world_size=0"),
+                       (dict(world_size=2, device="xpu"), "device='xpu'"),
                        (dict(world_size=2, cpus_per_worker=0), "cpus_per_worker=0")):
         with pytest.raises(ValueError, match=named):
             placement_bundles(**bad)
@@ -64,7 +66,8 @@ def test_actors_join_one_process_group_with_torchruns_variables(local_ray):
     assert [g["dist_rank"] for g in got] == [0, 1] and [g["RANK"] for g in got] == ["0", "1"]
     assert {g["WORLD_SIZE"] for g in got} == {"2"} and {g["dist_world"] for g in got} == {2}
     assert {g["LOCAL_RANK"] for g in got} == {"0"} and {g["backend"] for g in got} == {"gloo"}
-    assert {g["MASTER_ADDR"] for g in got} == {nodes[0]["address"]} and len({g["MASTER_PORT"] for g in got}) == 1
+    assert ({g["MASTER_ADDR"] for g in got} == {nodes[0]["address"]}
+            and len({g["MASTER_PORT"] for g in got}) == 1)
     assert [g["sum"] for g in got] == [1.0, 1.0]  # 0 + 1 over the group
     assert len({g["pid"] for g in got} | {os.getpid()}) == 3  # an actor process each, not the driver
 
@@ -127,8 +130,8 @@ def test_an_actor_killed_during_train_to_infer_fails_the_others_by_the_deadline(
     model_dir = save_tiny_qwen2(tmp_path / "qwen2")
     with HybridWorkerGroup(HybridWorker, WORLD, device="cpu", env_vars=ENV) as group:
         with pytest.raises(WorkerDiedError) as info:
-            group.run(_dead_rank_tasks.bad_rank_task, model_dir, bad_rank=BAD, how="kill", where=where, call=1,
-                      direction="to_infer", deadline_s=DEADLINE_S, stall_s=DEADLINE_S + MARGIN_S)
+            group.run(_dead_rank_tasks.bad_rank_task, model_dir, bad_rank=BAD, how="kill", where=where,
+                      call=1, direction="to_infer", deadline_s=DEADLINE_S, stall_s=DEADLINE_S + MARGIN_S)
     err = info.value
     assert list(err.died) == [BAD] and f"rank {BAD}'s actor died" in str(err), str(err)
     assert f"pid {group.placements[BAD]['pid']}" in err.died[BAD], err.died

@@ -110,7 +110,7 @@ def test_patch_releases_of_the_series_the_hooks_were_read_from_are_accepted(vers
     check_trl(version, {})
 
 
-class _Built(Exception):
+class _Built(Exception):  # noqa: N818 - a signal that stops the constructor, not an error
     """Raised by the stand-in for ``trl.GRPOTrainer.__init__``: what came before it is under test."""
 
 

@@ -22,7 +22,8 @@ class FakeVmmDriver:
             (``"cuMemCreate"``, ``"cuMemMap"``, ``"cuMemSetAccess"``) fails.
     """
 
-    def __init__(self, *, capacity_nbytes: int, granularity: int = 2 << 20, fail_at: dict[str, int] | None = None):
+    def __init__(self, *, capacity_nbytes: int, granularity: int = 2 << 20,
+                 fail_at: dict[str, int] | None = None):
         self.capacity_nbytes = capacity_nbytes
         self._granularity = granularity
         self.fail_at = dict(fail_at or {})
@@ -98,7 +99,8 @@ class FakeVmmDriver:
 
     def unmap(self, address: int, nbytes: int) -> None:
         if self.mapped.get(address, (None,))[0] != nbytes:
-            raise CudaDriverError("cuMemUnmap", "CUDA_ERROR_INVALID_VALUE", f"{address:#x}+{nbytes} not mapped")
+            raise CudaDriverError("cuMemUnmap", "CUDA_ERROR_INVALID_VALUE",
+                                  f"{address:#x}+{nbytes} not mapped")
         del self.mapped[address]
         self.accessible.discard(address)
         self.log.append(("unmap", address))

@@ -35,7 +35,8 @@ def test_register_refuses_a_second_class_under_a_taken_name():
     with pytest.raises(ValueError, match="'torch' is already taken by TorchKVAllocator"):
         register_kv_allocator(Impostor)
     assert KV_ALLOCATORS["torch"] is TorchKVAllocator
-    assert register_kv_allocator(TorchKVAllocator) is TorchKVAllocator  # re-registering the same class is fine
+    # Re-registering the same class is fine.
+    assert register_kv_allocator(TorchKVAllocator) is TorchKVAllocator
 
 
 def test_allocator_refuses_an_unsupported_backend():
@@ -43,7 +44,8 @@ def test_allocator_refuses_an_unsupported_backend():
         name = "test-cuda-only"
         backends = frozenset({"cuda"})
 
-    with pytest.raises(ValueError, match=r"'test-cuda-only' does not support accelerator backend 'cpu'.*\['cuda'\]"):
+    with pytest.raises(ValueError,
+                       match=r"'test-cuda-only' does not support accelerator backend 'cpu'.*\['cuda'\]"):
         CudaOnly(CpuAccelerator())
 
 
@@ -134,7 +136,8 @@ def test_repeated_release_and_resume_are_no_ops():
 def test_view_size_mismatch_names_both_sizes():
     kv = TorchKVAllocator(CpuAccelerator())
     kv.allocate(block_nbytes=32, num_blocks=4)
-    with pytest.raises(ValueError, match=r"covers 256 bytes \(128 x 2\), but the pool has nbytes=128 \(4 blocks x 32\)"):
+    with pytest.raises(ValueError,
+                       match=r"covers 256 bytes \(128 x 2\), but the pool has nbytes=128 \(4 blocks x 32\)"):
         kv.view(torch.float16, (4, 32))
     assert kv.view(torch.float16, (4, 16)).shape == (4, 16)
     assert kv.view(torch.float64, (16,)).numel() == 16

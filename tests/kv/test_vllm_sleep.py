@@ -22,7 +22,8 @@ KV_NBYTES = BLOCK_NBYTES * NUM_BLOCKS
 
 
 def weights_nbytes(model: torch.nn.Module) -> int:
-    seen = {t.untyped_storage()._cdata: t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    seen = {t.untyped_storage()._cdata: t.numel() * t.element_size()
+            for t in [*model.parameters(), *model.buffers()]}
     return sum(seen.values())
 
 
@@ -35,7 +36,8 @@ class FakeCuda(FakeDeviceAccelerator):
 @pytest.fixture
 def setup():
     accel = FakeCuda()
-    llm = FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES, kv_block_nbytes=BLOCK_NBYTES, gpu_memory_utilization=0.6)
+    llm = FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES, kv_block_nbytes=BLOCK_NBYTES,
+                  gpu_memory_utilization=0.6)
     engine = VLLMEngine(llm, accel=accel, kv_only_release="offload_weights")
     engine.resume(["weights", "kv_cache"])  # as after TRAIN->INFER
     llm.calls.clear()

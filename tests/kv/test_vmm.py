@@ -1,4 +1,5 @@
-"""The ``cuda-vmm`` allocator on CPU: chunked mapping and its undo over a fake driver (CUDA: test_vmm_cuda.py)."""
+"""The ``cuda-vmm`` allocator on CPU: chunked mapping and its undo over a fake driver (CUDA:
+test_vmm_cuda.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _round_up(n: int, m: int) -> int:
 def test_cuda_vmm_is_registered_and_refuses_the_cpu_backend():
     assert KV_ALLOCATORS["cuda-vmm"] is CudaVmmKVAllocator
     assert CudaVmmKVAllocator.preserves_addresses is True
-    with pytest.raises(ValueError, match=r"'cuda-vmm' does not support accelerator backend 'cpu'; it supports \['cuda'\]"):
+    with pytest.raises(ValueError, match=r"'cuda-vmm' does not support accelerator backend 'cpu'; "
+                                         r"it supports \['cuda'\]"):
         get_kv_allocator("cuda-vmm", CpuAccelerator())
 
 

@@ -14,20 +14,21 @@ transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
     "qwen2-gqa-bias": ModelSpec(family="qwen2", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                                head_dim=8, intermediate_size=96, num_hidden_layers=2, vocab_size=61, qkv_bias=True,
-                                rope_theta=10000.0, rms_norm_eps=1e-6),
-    "llama-tied": ModelSpec(family="llama", hidden_size=48, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                                intermediate_size=64, num_hidden_layers=2, vocab_size=50, tie_word_embeddings=True,
-                                rope_theta=500000.0, rms_norm_eps=1e-5),
+                                head_dim=8, intermediate_size=96, num_hidden_layers=2, vocab_size=61,
+                                qkv_bias=True, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "llama-tied": ModelSpec(family="llama", hidden_size=48, num_attention_heads=4, num_key_value_heads=4,
+                            head_dim=16, intermediate_size=64, num_hidden_layers=2, vocab_size=50,
+                            tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5),
 }
 
 
-def megatron_shard(full: dict[str, torch.Tensor], cfg: ModelSpec, tp: int, rank: int, padded_vocab: int) -> dict[str, torch.Tensor]:
+def megatron_shard(full: dict[str, torch.Tensor], cfg: ModelSpec, tp: int, rank: int,
+                   padded_vocab: int) -> dict[str, torch.Tensor]:
     """Reference: slice full HF weights into Megatron's per-rank layout, written out longhand."""
     hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     qpg = nq // nkv
     groups = range(rank * nkv // tp, (rank + 1) * nkv // tp)
-    I = cfg.intermediate_size // tp
+    I = cfg.intermediate_size // tp  # noqa: E741 - the per-rank intermediate size, its math name
 
     def vocab(t):
         padded = torch.zeros(padded_vocab, t.shape[1], dtype=t.dtype)
@@ -47,11 +48,13 @@ def megatron_shard(full: dict[str, torch.Tensor], cfg: ModelSpec, tp: int, rank:
                 rows += [q[g * qpg * hd:(g + 1) * qpg * hd], k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd]]
             out[m + "self_attention.linear_qkv." + kind] = torch.cat(rows)
         qcols = nq * hd // tp
-        out[m + "self_attention.linear_proj.weight"] = full[p + "self_attn.o_proj.weight"][:, rank * qcols:(rank + 1) * qcols]
+        out[m + "self_attention.linear_proj.weight"] = full[p + "self_attn.o_proj.weight"][
+            :, rank * qcols:(rank + 1) * qcols]
         out[m + "input_layernorm.weight"] = full[p + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = full[p + "post_attention_layernorm.weight"]
         gate, up = full[p + "mlp.gate_proj.weight"], full[p + "mlp.up_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate[rank * I:(rank + 1) * I], up[rank * I:(rank + 1) * I]])
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate[rank * I:(rank + 1) * I],
+                                                      up[rank * I:(rank + 1) * I]])
         out[m + "mlp.linear_fc2.weight"] = full[p + "mlp.down_proj.weight"][:, rank * I:(rank + 1) * I]
     out["decoder.final_layernorm.weight"] = full["model.norm.weight"]
     if "lm_head.weight" in full:
@@ -94,7 +97,8 @@ def _dp_grads(ctx, name: str, tokens: torch.Tensor):
     cfg = CONFIGS[name]
     singletons = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank creates each
     model = MegatronLayoutGPT(cfg, padded_vocab_size=128, group=singletons[ctx.rank], dtype=torch.float64)
-    model.load_state_dict(megatron_shard({k: v.double() for k, v in init_hf_weights(cfg, seed=3).items()}, cfg, 1, 0, 128))
+    model.load_state_dict(megatron_shard({k: v.double() for k, v in init_hf_weights(cfg, seed=3).items()},
+                                         cfg, 1, 0, 128))
     model.token_logprobs(tokens[ctx.rank: ctx.rank + 1]).sum().backward()
     allreduce_grads(model, ctx.group)
     return {n: p.grad for n, p in model.named_parameters()}
@@ -127,7 +131,8 @@ def test_allreduce_grads_averages_over_data_parallel_ranks(pool):
     tokens = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
     per_rank = pool.run(_dp_grads, "qwen2-gqa-bias", tokens, world_size=2)
     model = MegatronLayoutGPT(cfg, padded_vocab_size=128, dtype=torch.float64)
-    model.load_state_dict(megatron_shard({k: v.double() for k, v in init_hf_weights(cfg, seed=3).items()}, cfg, 1, 0, 128))
+    model.load_state_dict(megatron_shard({k: v.double() for k, v in init_hf_weights(cfg, seed=3).items()},
+                                         cfg, 1, 0, 128))
     (model.token_logprobs(tokens).sum() / 2).backward()
     for name, p in model.named_parameters():
         for grads in per_rank:
@@ -136,8 +141,8 @@ def test_allreduce_grads_averages_over_data_parallel_ranks(pool):
 
 def test_config_errors():
     with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by num_key_value_heads=4"):
-        ModelSpec(hidden_size=8, num_attention_heads=6, num_key_value_heads=4, head_dim=2, intermediate_size=8,
-                  num_hidden_layers=1, vocab_size=8)
+        ModelSpec(hidden_size=8, num_attention_heads=6, num_key_value_heads=4, head_dim=2,
+                  intermediate_size=8, num_hidden_layers=1, vocab_size=8)
     with pytest.raises(ValueError, match="head_dim=3 must be even"):
         embedded_spec(ModelSpec(hidden_size=6, num_attention_heads=2, num_key_value_heads=2, head_dim=3,
                                 intermediate_size=8, num_hidden_layers=1, vocab_size=8))
@@ -147,7 +152,7 @@ def test_config_errors():
 
 
 def test_from_hf_config_reads_transformers_config():
-    hf = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
-                                  num_hidden_layers=2, vocab_size=61)
+    hf = transformers.Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                  intermediate_size=96, num_hidden_layers=2, vocab_size=61)
     cfg = embedded_spec(hf)
     assert (cfg.family, cfg.head_dim, cfg.qkv_bias, cfg.num_key_value_heads) == ("qwen2", 8, True, 2)

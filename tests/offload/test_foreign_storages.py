@@ -58,9 +58,11 @@ def test_foreign_storages_round_trip_through_the_manager(kind):
                 assert t.untyped_storage().nbytes() == 0, f"{kind}: {name} still holds device memory in INFER"
         assert_bitwise_equal(before, snapshot(model, opt))
         assert model.head.weight is head and model.embed.weight is head, "tied weight replaced"
-        assert train_step(model, opt, 2 + cycle) == train_step(reference_model, reference_opt, 2 + cycle), cycle
+        assert train_step(model, opt, 2 + cycle) == train_step(reference_model, reference_opt,
+                                                               2 + cycle), cycle
     # Re-homed once: the parameters now live on storages torch owns, which later switches resize.
-    assert all(p.untyped_storage().resizable() and not p.untyped_storage().is_shared() for p in model.parameters())
+    assert all(p.untyped_storage().resizable() and not p.untyped_storage().is_shared()
+               for p in model.parameters())
     assert_bitwise_equal(snapshot(reference_model, reference_opt), snapshot(model, opt))
 
 
@@ -76,7 +78,8 @@ def test_views_of_one_foreign_storage_stay_views_of_one_storage():
         assert module.a.untyped_storage().nbytes() == 0
     assert module.a.untyped_storage()._cdata == module.b.untyped_storage()._cdata
     assert (module.a.storage_offset(), module.b.storage_offset()) == (0, 8)
-    assert torch.equal(torch.cat([module.a.reshape(-1), module.b.reshape(-1)]), torch.arange(24, dtype=torch.float32))
+    assert torch.equal(torch.cat([module.a.reshape(-1), module.b.reshape(-1)]),
+                       torch.arange(24, dtype=torch.float32))
     with torch.no_grad():  # still one buffer: a write through one is seen by a view over both
         module.a.add_(1)
     whole = torch.empty(0).set_(module.a.untyped_storage(), 0, (24,), (1,))

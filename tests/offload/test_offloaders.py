@@ -18,7 +18,8 @@ from hybridmem.testing.tiny import assert_bitwise_equal, snapshot, train_step
 def _offloaders(model, opt, device, *, budget=None):
     accel = get_accelerator(device)
     pool = HostBufferPool(accel, budget_nbytes=budget)
-    return pool, [OptimizerStateOffloader(opt, accel, pool), GradOffloader(model, accel, pool), ParamOffloader(model, accel, pool)]
+    return pool, [OptimizerStateOffloader(opt, accel, pool), GradOffloader(model, accel, pool),
+                  ParamOffloader(model, accel, pool)]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -43,7 +44,8 @@ def test_round_trip_is_bitwise_and_frees_every_storage(tiny_setup, device, optim
     for o in reversed(offs):
         o.onload()
     assert_bitwise_equal(before, snapshot(model, opt))
-    assert ids == {k: id(t) for k, t in [*model.named_parameters(), *model.named_buffers()]}, "tensor objects replaced"
+    assert ids == {k: id(t) for k, t in [*model.named_parameters(), *model.named_buffers()]}, (
+        "tensor objects replaced")
 
 
 def test_tied_weight_and_views_move_once():

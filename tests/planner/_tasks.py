@@ -11,7 +11,8 @@ from tests.distributed.fsdp_job import build_fsdp_model, train_step
 
 def _steps(plan) -> list[dict]:
     return [{"name": s.name, "alloc": s.estimate.alloc_nbytes, "free": s.estimate.free_nbytes,
-             "transient": s.estimate.transient_nbytes, "host_alloc": s.estimate.host_alloc_nbytes} for s in plan.steps]
+             "transient": s.estimate.transient_nbytes, "host_alloc": s.estimate.host_alloc_nbytes}
+            for s in plan.steps]
 
 
 def switch_task(ctx, model_dir: str, *, infer_tp: int, kv_blocks: int) -> dict:
@@ -24,7 +25,8 @@ def switch_task(ctx, model_dir: str, *, infer_tp: int, kv_blocks: int) -> dict:
     train_step(model, opt, seed=ctx.rank)
     tp_group, _ = dist.new_subgroups(infer_tp)
     engine = ReferenceEngine(model.config, group=tp_group, num_kv_blocks=kv_blocks)
-    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(infer_tensor_parallel_size=infer_tp))
+    manager = ShardingManager(model, engine, optimizer=opt,
+                              config=HybridConfig(infer_tensor_parallel_size=infer_tp))
     to_infer = manager.plan("to_infer")
     manager.to_infer()
     infer_report = manager.last_report
@@ -34,10 +36,11 @@ def switch_task(ctx, model_dir: str, *, infer_tp: int, kv_blocks: int) -> dict:
     moved = {}
     for report in (infer_report, train_report):
         for step in report.steps:
-            moved[step.name] = {"copied": step.copied_nbytes, "zero": step.zero_nbytes, "extra": dict(step.extra)}
+            moved[step.name] = {"copied": step.copied_nbytes, "zero": step.zero_nbytes,
+                                "extra": dict(step.extra)}
     arenas: dict[str, int] = {}
     for arena in manager.pool.report():
         arenas[arena.owner] = arenas.get(arena.owner, 0) + arena.nbytes
     return {"to_infer": _steps(to_infer), "to_train": _steps(to_train), "moved": moved,
-            "kv_nbytes": engine.planned_nbytes("kv_cache"), "arenas": arenas, "pool_nbytes": manager.pool.held_nbytes(),
-            "host_start": to_infer.host_start_nbytes}
+            "kv_nbytes": engine.planned_nbytes("kv_cache"), "arenas": arenas,
+            "pool_nbytes": manager.pool.held_nbytes(), "host_start": to_infer.host_start_nbytes}

@@ -8,9 +8,11 @@ from hybridmem.contract.kinds import StateKind
 from hybridmem.planner.host import node_hosts, pinned_nbytes, rank_host_nbytes
 
 
-@pytest.mark.parametrize("nbytes,rounded", [(0, 0), (1, 1), (3, 4), (4096, 4096), (4097, 8192), (5 * 10**9, 2**33)])
+@pytest.mark.parametrize("nbytes,rounded", [(0, 0), (1, 1), (3, 4), (4096, 4096), (4097, 8192),
+                                            (5 * 10**9, 2**33)])
 def test_a_pinned_arena_takes_the_next_power_of_two(nbytes, rounded):
-    assert pinned_nbytes(nbytes, rounds_up=True) == rounded and pinned_nbytes(nbytes, rounds_up=False) == nbytes
+    assert (pinned_nbytes(nbytes, rounds_up=True) == rounded
+            and pinned_nbytes(nbytes, rounds_up=False) == nbytes)
 
 
 def test_a_rank_holds_the_arenas_of_what_it_offloads_and_a_level_1_sleep_copy():
@@ -20,11 +22,12 @@ def test_a_rank_holds_the_arenas_of_what_it_offloads_and_a_level_1_sleep_copy():
                             rounds_up=False)
     assert host == {"param arenas": 104, "grad arenas": 200, "optimizer arenas": 600, "engine sleep copy": 50,
                     "training framework": 7}
-    # Level 2 discards the weights; a kind kept on the device holds no arena; each dtype's arena is rounded alone.
-    host = rank_host_nbytes(arenas, offload={**everything, StateKind.GRAD: False}, weights_nbytes=50, sleep_level=2,
-                            framework_nbytes=0, rounds_up=True)
-    assert host == {"param arenas": 128 + 4, "grad arenas": 0, "optimizer arenas": 1024, "engine sleep copy": 0,
-                    "training framework": 0}
+    # Level 2 discards the weights; a kind kept on the device holds no arena; each dtype's arena is rounded
+    # alone.
+    host = rank_host_nbytes(arenas, offload={**everything, StateKind.GRAD: False}, weights_nbytes=50,
+                            sleep_level=2, framework_nbytes=0, rounds_up=True)
+    assert host == {"param arenas": 128 + 4, "grad arenas": 0, "optimizer arenas": 1024,
+                    "engine sleep copy": 0, "training framework": 0}
     with pytest.raises(ValueError, match="sleep_level=3"):
         rank_host_nbytes(arenas, offload=everything, weights_nbytes=0, sleep_level=3, framework_nbytes=0,
                          rounds_up=False)

@@ -75,7 +75,7 @@ def test_exception_in_body_offloads_and_propagates():
     mgr.add_coresident("reference", ref)
     with pytest.raises(ZeroDivisionError):
         with mgr.onloaded("reference"):
-            1 / 0
+            1 / 0  # noqa: B018 - raises ZeroDivisionError in the body on purpose
     assert _storage_nbytes(ref) == {0}
     with mgr.onloaded("reference"):
         assert_bitwise_equal(snapshot(ref), expected)
@@ -85,7 +85,8 @@ def test_onload_that_cannot_fit_is_refused_with_the_plan():
     first, model, ref = _setup()
     first.close()  # one manager per model
     train_nbytes = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
-    mgr = ShardingManager(model, None, config=HybridConfig(device="cpu", device_memory_budget_bytes=train_nbytes + 64))
+    mgr = ShardingManager(model, None,
+                          config=HybridConfig(device="cpu", device_memory_budget_bytes=train_nbytes + 64))
     mgr.add_coresident("reference", ref)
     with pytest.raises(MemoryPlanError, match="onload reference"):
         with mgr.onloaded("reference"):

@@ -9,7 +9,9 @@ from hybridmem.switch.machine import TRANSITIONS, PhaseMachine, Trigger
 
 # The legal transitions, written out by hand from the design (not read from hybridmem.switch.machine), so a
 # wrong row in the machine's table is a test failure: phase -> {trigger: destination}.
-T, TI, I, TT, RB, F = Phase.TRAIN, Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK, Phase.FAILED
+T, TI, I, TT, RB, F = (  # noqa: E741 - the phases' initials, so the table below reads as one
+    Phase.TRAIN, Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.ROLLING_BACK, Phase.FAILED
+)
 C = Phase.CLOSED
 EXPECTED = {
     T: {"begin_infer": TI, "close": C},
@@ -20,8 +22,8 @@ EXPECTED = {
     F: {"recover": TT},
     C: {},
 }
-TRIGGERS = ["abort_train", "begin_infer", "begin_rollback", "begin_train", "close", "end_infer", "end_rollback",
-            "end_train", "fail", "recover"]
+TRIGGERS = ["abort_train", "begin_infer", "begin_rollback", "begin_train", "close", "end_infer",
+            "end_rollback", "end_train", "fail", "recover"]
 
 
 def test_the_machine_knows_exactly_these_phases_and_triggers():
@@ -55,8 +57,9 @@ def test_a_full_cycle_and_the_failure_path():
     for trig in path:
         m.fire(Trigger(trig), operation=trig)
         seen.append(m.phase)
-    assert seen == [Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.TRAIN, Phase.TO_INFER, Phase.ROLLING_BACK,
-                    Phase.TRAIN, Phase.TO_INFER, Phase.FAILED, Phase.TO_TRAIN, Phase.TRAIN]
+    assert seen == [Phase.TO_INFER, Phase.INFER, Phase.TO_TRAIN, Phase.TRAIN, Phase.TO_INFER,
+                    Phase.ROLLING_BACK, Phase.TRAIN, Phase.TO_INFER, Phase.FAILED, Phase.TO_TRAIN,
+                    Phase.TRAIN]
 
 
 def test_a_trigger_that_is_not_a_trigger_is_a_type_error():

@@ -57,7 +57,8 @@ def test_the_host_curve_adds_each_steps_arena_growth_to_the_pool():
     assert [s.host_nbytes for s in plan.steps] == [65, 85, 85]
     assert (plan.host_peak_nbytes, plan.host_fits, plan.device_fits, plan.fits) == (85, True, True, True)
     data = plan.to_dict()
-    assert (data["host_start_nbytes"], data["host_peak_nbytes"], data["steps"][1]["host_alloc_nbytes"]) == (5, 85, 20)
+    assert (data["host_start_nbytes"], data["host_peak_nbytes"],
+            data["steps"][1]["host_alloc_nbytes"]) == (5, 85, 20)
 
 
 def test_a_host_peak_over_the_host_budget_does_not_fit_though_the_device_does():

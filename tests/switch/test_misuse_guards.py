@@ -75,9 +75,11 @@ SCRIPT = textwrap.dedent(
 def test_three_misuse_cases_raise_phase_error_in_a_subprocess_without_crashing():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     out = proc.stdout
-    assert proc.returncode == 0, f"exit {proc.returncode} (negative: killed by a signal)\n{out}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode} (negative: killed by a signal)\n{out}\n{proc.stderr[-3000:]}")
     lines = dict(line.split(": ", 1) for line in out.splitlines())
-    for case in ("opt.step in INFER", "opt.zero_grad in INFER", "model.zero_grad in INFER", "forward in INFER", "submodule forward in INFER"):
+    for case in ("opt.step in INFER", "opt.zero_grad in INFER", "model.zero_grad in INFER",
+                 "forward in INFER", "submodule forward in INFER"):
         assert lines[case].startswith("PhaseError"), (case, out)
         assert "phase INFER" in lines[case] and "manager.inference()" in lines[case], (case, lines[case])
     assert lines["switch back"] == "SwitchError; phase FAILED", out
@@ -91,7 +93,8 @@ def test_guards_are_gone_in_train_and_training_is_unchanged():
     """In TRAIN nothing is installed: no hooks on modules, params or the optimizer, autograd untouched,
     and a run with switches trains exactly as one without."""
     gc.collect()  # managers other tests dropped outside TRAIN take their guards with them
-    backward_before = inspect.unwrap(torch.autograd.backward)  # torch's own, even if a dropped guard's check is still in
+    # torch's own, even if a dropped guard's check is still in.
+    backward_before = inspect.unwrap(torch.autograd.backward)
 
     def run(switch: bool) -> list[float]:
         torch.manual_seed(1)
@@ -106,7 +109,8 @@ def test_guards_are_gone_in_train_and_training_is_unchanged():
             assert mgr.phase is Phase.TRAIN
             assert not any(m._forward_pre_hooks for m in model.modules())
             assert not any(p._backward_hooks for p in model.parameters())
-            assert not opt._optimizer_step_pre_hooks and "zero_grad" not in vars(opt) and "step" not in vars(opt)
+            assert (not opt._optimizer_step_pre_hooks and "zero_grad" not in vars(opt)
+                    and "step" not in vars(opt))
             assert "zero_grad" not in vars(model)
             assert torch.autograd.backward is backward_before
             losses.append(train_step(model, opt, step))
@@ -122,7 +126,8 @@ def test_phase_error_names_the_phase_of_the_manager_in_process():
     train_step(model, opt, 0)
     mgr = ShardingManager(model, TorchCopyEngine(model), optimizer=opt)
     with mgr.inference():
-        with pytest.raises(PhaseError, match="step the training optimizer: the manager is in phase INFER") as info:
+        with pytest.raises(PhaseError,
+                           match="step the training optimizer: the manager is in phase INFER") as info:
             opt.step()
         assert info.value.current is Phase.INFER
         other = torch.nn.Linear(2, 2)  # modules outside the training model are not guarded

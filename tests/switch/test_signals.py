@@ -128,7 +128,7 @@ def _run(script: str, **env: str) -> str:
 
 def test_sigint_at_random_moments_of_large_switches_loses_nothing():
     out = _run(SIGINT_SCRIPT, NUM_ITERS="40")
-    counts = eval(out.split("COUNTS ", 1)[1])  # noqa: S307 - our own subprocess's dict literal
+    counts = eval(out.split("COUNTS ", 1)[1])  # our own subprocess's dict literal
     # Signals really landed inside switches in both directions (not only between them).
     print("signals landed in", counts)
     assert counts["to_infer"] >= 3 and counts["to_train"] >= 3, counts

@@ -36,8 +36,8 @@ def _env() -> dict[str, str]:
 
 def run(program: str, policy: str, cwd: Path, *args: str) -> tuple[int, str, str]:
     """``(return code, last line of stdout, last line of stderr)`` of ``programs/<program>.py``."""
-    proc = subprocess.run([sys.executable, str(PROGRAMS / f"{program}.py"), policy, *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run([sys.executable, str(PROGRAMS / f"{program}.py"), policy, *args], cwd=cwd,
+                          env=_env(), capture_output=True, text=True, timeout=600, check=False)
 
     def last(text: str) -> str:
         lines = [line for line in text.splitlines() if line.strip()]
@@ -49,19 +49,22 @@ def run(program: str, policy: str, cwd: Path, *args: str) -> tuple[int, str, str
 # (program, exit code, pattern of the last line of stdout (exit 0) or stderr (exit 1)), written from what a
 # user must read: the value at fault and the fix.
 CASES = [
-    ("two_managers", 1, (r"^ValueError: model Qwen2ForCausalLM is already managed by ShardingManager\(phase=TRAIN, "
-                        r".*\(built at .*two_managers\.py:14\): one manager per model\..* call its close\(\)$")),
+    ("two_managers", 1, (r"^ValueError: model Qwen2ForCausalLM is already managed by "
+                        r"ShardingManager\(phase=TRAIN, .*\(built at .*two_managers\.py:14\): "
+                        r"one manager per model\..* call its close\(\)$")),
     ("close_then_new_manager", 0, (r"^cannot switch to INFER: the manager is in phase CLOSED; .*build a new "
                                   r"ShardingManager$")),
     ("rebuilds_a_dropped_manager", 0, r"^two managers, one after another$"),
     ("foreign_optimizer", 1, (r"^ValueError: optimizer AdamW holds 27 of its 27 parameters outside the model "
-                             r"Qwen2ForCausalLM \(the first: shape \(256, 64\), torch\.float32\); pass the optimizer "
-                             r"built on this model's parameters")),
-    ("config_typo", 1, (r"^TypeError: HybridConfig got an unknown keyword 'offload_train_optimiser': did you mean "
-                       r"'offload_train_optimizer'")),
-    ("empty_yaml", 1, r"^hybridmem\.errors\.ConfigError: job\.yaml is empty .*use HybridConfig\(\) for the defaults$"),
-    ("misplaced_yaml_key", 1, (r"^hybridmem\.errors\.ConfigError: actor_config\.infer_tensor_parallel_size=4 in "
-                              r"job\.yaml is not allowed: expected infer_tensor_parallel_size under generate_config")),
+                             r"Qwen2ForCausalLM \(the first: shape \(256, 64\), torch\.float32\); "
+                             r"pass the optimizer built on this model's parameters")),
+    ("config_typo", 1, (r"^TypeError: HybridConfig got an unknown keyword 'offload_train_optimiser': "
+                       r"did you mean 'offload_train_optimizer'")),
+    ("empty_yaml", 1, (r"^hybridmem\.errors\.ConfigError: job\.yaml is empty "
+                      r".*use HybridConfig\(\) for the defaults$")),
+    ("misplaced_yaml_key", 1, (r"^hybridmem\.errors\.ConfigError: "
+                              r"actor_config\.infer_tensor_parallel_size=4 in job\.yaml is not allowed: "
+                              r"expected infer_tensor_parallel_size under generate_config")),
 ]
 
 
@@ -75,8 +78,9 @@ def test_a_users_mistake_ends_in_one_line_and_no_signal(policy, tmp_path, progra
 
 # What a read of the offloaded training state inside ``inference()`` did before the guard: SIGSEGV (139)
 # for the norm, the gradient and AdamW's moment; exit 0 for the checkpoint, whose bytes were freed memory.
-# The same with FSDP2 (``fsdp``: DTensor parameters, gradients and moments) before the DTensors were guarded as
-# well as their local shards. Under torch.distributed the error's lines carry torch's ``[rank0]: `` prefix.
+# The same with FSDP2 (``fsdp``: DTensor parameters, gradients and moments) before the DTensors were
+# guarded as well as their local shards. Under torch.distributed the error's lines carry torch's
+# ``[rank0]: `` prefix.
 READS = [("param_norm", "norm", "param"), ("checkpoint", "detach", "param"), ("grad", "abs", "grad"),
          ("optimizer", "sum", "optimizer"), ("print", "repr", "param")]
 CASES_READ = [(*r, "") for r in READS] + [(*r, "fsdp") for r in READS if r[0] != "print"]
@@ -84,13 +88,15 @@ CASES_READ = [(*r, "") for r in READS] + [(*r, "fsdp") for r in READS if r[0] !=
 
 @pytest.mark.parametrize("read, op, kind, sharding", CASES_READ, ids=[f"{c[0]}{'-' + c[3] if c[3] else ''}"
                                                                         for c in CASES_READ])
-def test_reading_the_offloaded_training_state_is_one_error_naming_it(policy, tmp_path, read, op, kind, sharding):
+def test_reading_the_offloaded_training_state_is_one_error_naming_it(policy, tmp_path, read, op, kind,
+                                                                     sharding):
     rc, out, err = run("reads_offloaded_state", policy, tmp_path, read, *([sharding] if sharding else []))
     assert rc == 1, f"{read}: exit {rc} (a negative code is a signal):\n{err}"
     assert out == "shape (256, 64)", out
     prefix = r"\[rank0\]: " if sharding else ""
-    assert re.search(rf"^{prefix}hybridmem\.errors\.OffloadedTensorError: cannot {op} a tensor of the training state "
-                     rf"\({kind}, shape \[\d+(, \d+)*\], torch\.float32\): hybridmem moved its bytes to host memory .*"
+    assert re.search(rf"^{prefix}hybridmem\.errors\.OffloadedTensorError: cannot {op} a tensor of the "
+                     rf"training state \({kind}, shape \[\d+(, \d+)*\], torch\.float32\): "
+                     rf"hybridmem moved its bytes to host memory .*"
                      rf"manager\.to_train\(\) / manager\.recover\(\)$", err), err
 
 
@@ -107,7 +113,8 @@ def test_a_script_ending_with_a_switch_and_a_step_exits_zero_under_load(policy, 
     try:
         for attempt in range(3):
             rc, out, err = run("ends_with_a_step", policy, tmp_path)
-            assert (rc, out) == (0, "last line"), f"run {attempt + 1}: exit {rc}, last lines {out!r} / {err!r}"
+            assert (rc, out) == (0, "last line"), (
+                f"run {attempt + 1}: exit {rc}, last lines {out!r} / {err!r}")
     finally:
         for proc in load:
             proc.kill()

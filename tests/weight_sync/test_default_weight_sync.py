@@ -17,15 +17,17 @@ from hybridmem.reshard import megatron_layout, shard
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.weight_sync import LoadWeightsSync, ReshardSync, default_weight_sync
 
-CFG = ModelSpec(family="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                    num_hidden_layers=2, vocab_size=50, qkv_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)
+CFG = ModelSpec(family="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                intermediate_size=48, num_hidden_layers=2, vocab_size=50, qkv_bias=True, rms_norm_eps=1e-6,
+                rope_theta=10000.0)
 
 
 def _megatron_layout_model() -> MegatronLayoutGPT:
     spec = CFG
-    local = shard(init_hf_weights(CFG, seed=3, dtype=torch.float32), megatron_layout(spec, HybridConfig().train_layout, 1), 0)
-    model = MegatronLayoutGPT(CFG, padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0], group=None,
-                              dtype=torch.float32, device="cpu")
+    local = shard(init_hf_weights(CFG, seed=3, dtype=torch.float32),
+                  megatron_layout(spec, HybridConfig().train_layout, 1), 0)
+    model = MegatronLayoutGPT(CFG, padded_vocab_size=local["embedding.word_embeddings.weight"].shape[0],
+                              group=None, dtype=torch.float32, device="cpu")
     model.load_state_dict(local)
     return model
 
@@ -35,7 +37,8 @@ def test_model_spec_reshards_megatron_names_into_the_engine():
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     engine = ReferenceEngine(hf_config_dict(CFG), num_kv_blocks=8, block_size=8)
     engine.release(list(ENGINE_TAGS))
-    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"), model_spec=hf_config_dict(CFG))
+    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"),
+                              model_spec=hf_config_dict(CFG))
     assert isinstance(manager.weight_sync, ReshardSync)
     seqs = torch.tensor([[1, 5, 7, 9, 11, 2], [4, 4, 8, 15, 16, 23]])
     for _ in range(2):  # the second sync must carry the updated weights
@@ -59,19 +62,23 @@ def test_equal_layouts_without_spec_stream_load_weights():
 
 def test_different_layouts_without_spec_raise_naming_both():
     model = torch.nn.Linear(4, 4)
-    engine = SimpleNamespace(load_weights=lambda weights: None, release=lambda tags: None, resume=lambda tags: None)
+    engine = SimpleNamespace(load_weights=lambda weights: None, release=lambda tags: None,
+                             resume=lambda tags: None)
     with pytest.raises(ValueError, match=r"TP1xPP1xEP1 differs from infer layout TP2xPP1xEP1.*model_spec="):
         ShardingManager(model, engine, config=HybridConfig(device="cpu", infer_tensor_parallel_size=2))
 
 
 def test_a_copy_engine_is_laid_out_as_training_and_refuses_another_infer_layout():
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(ConfigError, match=r"infer_tensor_parallel_size=2 .*expected 1, what the engine TorchCopyEngine"):
-        ShardingManager(model, TorchCopyEngine(model), config=HybridConfig(device="cpu", infer_tensor_parallel_size=2))
+    with pytest.raises(ConfigError,
+                       match=r"infer_tensor_parallel_size=2 .*expected 1, what the engine TorchCopyEngine"):
+        ShardingManager(model, TorchCopyEngine(model),
+                        config=HybridConfig(device="cpu", infer_tensor_parallel_size=2))
 
 
 def test_training_state_layout_must_match_the_config():
-    state = SimpleNamespace(named_weights=lambda: iter(()), source_layout=lambda: SimpleNamespace(tp=2, pp=1, ep=1))
+    state = SimpleNamespace(named_weights=lambda: iter(()),
+                            source_layout=lambda: SimpleNamespace(tp=2, pp=1, ep=1))
     with pytest.raises(ValueError, match=r"\(2, 1, 1\).*TP1xPP1xEP1"):
         default_weight_sync(state, TorchCopyEngine(torch.nn.Linear(2, 2)), HybridConfig(device="cpu"),
                             model_spec=hf_config_dict(CFG))
@@ -79,8 +86,9 @@ def test_training_state_layout_must_match_the_config():
 
 def test_training_state_convention_sets_the_megatron_vocab_padding():
     """A Megatron model built with a padded vocab of 56 rows (not 128's multiple): the state's
-    ``megatron_convention()`` tells the sync, so the plan expects 56 rows and the engine gets the 50 real ones."""
-    from hybridmem.reshard import MegatronConvention  # noqa: PLC0415
+    ``megatron_convention()`` tells the sync, so the plan expects 56 rows and the engine gets the 50 real
+    ones."""
+    from hybridmem.reshard import MegatronConvention
 
     spec = CFG
     conv = MegatronConvention(padded_vocab_size=56)
@@ -104,10 +112,11 @@ def _hf_state():
 
 def test_transformers_names_get_the_replicated_hf_source():
     """Before HF sources were known, this sync expected Megatron names and failed at the first switch."""
-    from hybridmem.reshard import HFSourceLayout  # noqa: PLC0415
+    from hybridmem.reshard import HFSourceLayout
 
     engine = ReferenceEngine(hf_config_dict(CFG), num_kv_blocks=8, block_size=8)
-    sync = default_weight_sync(_hf_state(), engine, HybridConfig(device="cpu"), model_spec=hf_config_dict(CFG))
+    sync = default_weight_sync(_hf_state(), engine, HybridConfig(device="cpu"),
+                               model_spec=hf_config_dict(CFG))
     assert isinstance(sync, ReshardSync) and isinstance(sync.plan.src, HFSourceLayout)
     assert sync.plan.src.shard_size == 1
     sync.sync()
@@ -118,7 +127,8 @@ def test_transformers_names_get_the_replicated_hf_source():
 def test_transformers_names_with_a_tensor_parallel_train_layout_are_refused():
     with pytest.raises(ValueError, match=r"transformers' names.*TP2xPP1xEP1; its tp, pp and ep must be 1"):
         default_weight_sync(_hf_state(), TorchCopyEngine(torch.nn.Linear(2, 2)),
-                            HybridConfig(device="cpu", tensor_model_parallel_size=2), model_spec=hf_config_dict(CFG))
+                            HybridConfig(device="cpu", tensor_model_parallel_size=2),
+                            model_spec=hf_config_dict(CFG))
 
 
 def test_sharded_state_without_spec_is_refused_even_with_equal_layouts():

@@ -8,8 +8,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 def save(directory: str) -> str:
     if not (Path(directory) / "config.json").exists():
-        Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=256)).save_pretrained(directory)
+        Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=256)).save_pretrained(directory)
     return directory
 
 

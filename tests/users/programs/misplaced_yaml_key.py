@@ -4,6 +4,7 @@ from pathlib import Path
 
 from hybridmem import HybridConfig
 
-Path("job.yaml").write_text("actor_config:\n  tensor_model_parallel_size: 2\n  infer_tensor_parallel_size: 4\n")
+Path("job.yaml").write_text("actor_config:\n  tensor_model_parallel_size: 2\n"
+                            "  infer_tensor_parallel_size: 4\n")
 HybridConfig.from_yaml("job.yaml")
 print("accepted")

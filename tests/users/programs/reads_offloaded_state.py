@@ -26,7 +26,8 @@ if fsdp:
 
     with socket.socket() as s:  # torchrun's variables for a world of one
         s.bind(("127.0.0.1", 0))
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(s.getsockname()[1]))
     dist.init_process_group("gloo")
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 if fsdp:
