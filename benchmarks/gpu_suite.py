@@ -240,7 +240,7 @@ def cuda_unavailable() -> str | None:
 
 
 def _gib(nbytes: float | None) -> str:
-    from hybridmem.switch.memplan import format_nbytes  # noqa: PLC0415 - the parent imports no torch before it must
+    from hybridmem.switch.memplan import format_nbytes  # the parent imports no torch before it must
 
     return "-" if nbytes is None else format_nbytes(nbytes)
 
@@ -385,7 +385,7 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
         if device == "cpu":
             lines.append("not applicable on CPU (no PCIe link, no `mem_get_info`); the dry run checks that every part runs.")
         else:
-            from switch_latency import targets_met  # noqa: PLC0415 - a sibling script
+            from switch_latency import targets_met  # a sibling script
 
             lines += ["| state | " + " | ".join(targets_met(switch[0])) + " |",
                       "|---|" + "---|" * len(targets_met(switch[0]))]

@@ -39,10 +39,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybridmem.config import ParallelLayout  # noqa: E402
-from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout  # noqa: E402
-from hybridmem.reshard.transforms import build_local, scatter_local  # noqa: E402
-from hybridmem.testing.megatron_refit import SeededFull, compare_refits  # noqa: E402
+from hybridmem.config import ParallelLayout
+from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout
+from hybridmem.reshard.transforms import build_local, scatter_local
+from hybridmem.testing.megatron_refit import SeededFull, compare_refits
 
 PRESETS = {
     # Qwen1.5-0.5B's shapes with 4 kv heads (Qwen2-0.5B's 2 kv heads cannot be split 4 ways by Megatron).
@@ -231,7 +231,7 @@ def _megatron_reason(spec: ModelSpec, dst: ParallelLayout, world: int) -> str | 
     """Why (c) cannot run for this case, or ``None`` when it can."""
     try:
         import megatron.core.resharding  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - report why it is absent
+    except Exception as exc:  # report why it is absent
         return f"megatron.core.resharding not importable ({type(exc).__name__}: {exc})"
     if spec.is_moe:
         return "MoE presets are not wired into (c)"

@@ -22,8 +22,8 @@ import statistics
 import time
 
 import torch
-from kv_release import import_torch_memory_saver  # noqa: E402  (a sibling script of benchmarks/)
-from switch_latency import DTYPES, build, device_tensors  # noqa: E402
+from kv_release import import_torch_memory_saver  # a sibling script of benchmarks/
+from switch_latency import DTYPES, build, device_tensors
 
 from hybridmem.accel import get_accelerator
 from hybridmem.switch.memplan import format_nbytes

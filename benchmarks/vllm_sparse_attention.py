@@ -40,22 +40,22 @@ def why_skipped(device: str) -> str | None:
     """Why this machine cannot run the check, or ``None``."""
     if device != "cuda":
         return "needs --device cuda (vLLM's CPU platform refuses sparse attention)"
-    import torch  # noqa: PLC0415
+    import torch
 
     if not torch.cuda.is_available():
         return f"needs a CUDA device (torch.cuda.is_available() is False, torch {torch.__version__})"
     try:
-        import vllm  # noqa: PLC0415
-    except Exception as exc:  # noqa: BLE001 - absent, or a build that fails to load beside this torch
+        import vllm
+    except Exception as exc:  # absent, or a build that fails to load beside this torch
         return f"needs vLLM ({type(exc).__name__}: {exc})"
     return None if vllm.__version__ else "vLLM reports no version"
 
 
 def _checkpoint(model_type: str, path: Path) -> dict:
     """Write a transformers checkpoint of ``model_type`` into ``path``; its ``{name: tensor}`` (bfloat16)."""
-    import safetensors.torch  # noqa: PLC0415
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import safetensors.torch
+    import torch
+    import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def _free_port() -> int:
 
 def check_family(model_type: str, root: Path) -> dict:
     """Build ``model_type``'s checkpoint with vLLM on the GPU and compare every loaded parameter."""
-    import torch  # noqa: PLC0415
+    import torch
     from vllm.config import (
         DeviceConfig,
         LoadConfig,
@@ -90,8 +90,8 @@ def check_family(model_type: str, root: Path) -> dict:
     from vllm.distributed import parallel_state
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from hybridmem.config import ParallelLayout  # noqa: PLC0415
-    from hybridmem.reshard import ModelSpec, shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.config import ParallelLayout
+    from hybridmem.reshard import ModelSpec, shard, vllm_layout
 
     path = root / model_type
     path.mkdir()
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm_sparse_attention.py: skipped: {why}")
         out.write_text(json.dumps({"skipped": why}))
         return 0
-    import vllm  # noqa: PLC0415
+    import vllm
 
     results = {"vllm": vllm.__version__, "families": {}}
     with tempfile.TemporaryDirectory() as tmp:

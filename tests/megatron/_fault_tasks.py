@@ -99,7 +99,7 @@ class _Actor:
         with self.injector.active(target=fail_at, exc=lambda: Injected("first failure")):
             try:
                 self.manager.to_train()
-            except Exception as e:  # noqa: BLE001 - the SwitchError of the first failure
+            except Exception as e:  # the SwitchError of the first failure
                 if not isinstance(e.__cause__, Injected):
                     raise
         if self.manager.phase is not Phase.FAILED:

@@ -157,8 +157,8 @@ def test_llama4_multimodal_checkpoints_are_read_as_their_text_model(tmp_path):
     Their config (object or config.json) gives the text model's spec; the text weights are the spec's checkpoint
     under that prefix; and transformers' causal LM of such a checkpoint has exactly the spec's module tensors,
     each equal to the checkpoint's values where the source layout says."""
-    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors
+    from hybridmem.reshard.transforms import build_local
 
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
                   patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
@@ -186,7 +186,7 @@ def test_llama4_layers_experts_and_rotary_rows(tmp_path):
     stacked tensors sliced and transposed (gate then up), and each q/k head's rows are reordered from interleaved
     pairs to halves as vLLM's loader reorders them; MoE layers placed otherwise than vLLM places them are
     refused by name. tests/reshard/test_vllm_names.py checks the same against vLLM's loaders."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg, _ = _saved("llama4_text", tmp_path)
     torch.manual_seed(0)
@@ -221,7 +221,7 @@ def test_minimax_m2_router_bias_and_configs_it_refuses(tmp_path):
 def test_gpt_oss_experts_are_the_checkpoints_transposed_slices(tmp_path):
     """One expert's canonical tensors, as vLLM's TP 1 layout holds them, are the checkpoint's stacked tensors
     sliced at that expert and transposed (gate/up columns interleaved, kept so)."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model("gpt_oss", **{**_COMMON, **CONFIGS["gpt_oss"]})
     torch.manual_seed(0)
@@ -243,7 +243,7 @@ def test_shared_expert_on_a_family_without_one_is_refused():
 
 
 def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     for model_type in ("llama", "mistral", "qwen2", "phi3"):
         cfg, _ = _saved(model_type, tmp_path / model_type)
@@ -266,7 +266,7 @@ def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
 
 
 def test_gemma4_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved("gemma4_text", tmp_path)
     with pytest.raises(ValueError, match=r"model_type='gemma4_text' does not run in the embedded engine \(Gemma 4's"):
@@ -300,7 +300,7 @@ def test_gemma4_moe_is_what_transformers_saves(tied, tmp_path):
 
 def test_gemma4_moe_experts_are_the_checkpoints_slices(tmp_path):
     """At TP 2 vLLM's w13 of an expert holds its rank's rows of the gate half, then of the up half."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model("gemma4_text", **{**_COMMON, **CONFIGS["gemma4_text"], "enable_moe_block": True,
                                                               "num_experts": 4, "top_k_experts": 2,
@@ -342,10 +342,10 @@ def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_pat
     multimodal class) holds exactly the source layout's module tensors (``model.language_model.*``, the
     ``layer_scalar`` buffers too) beside its vision tower, each equal to the checkpoint's values where the
     layout says (what a training copy of it syncs from)."""
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
-    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named
+    from hybridmem.reshard.transforms import build_local
 
     text = {**_COMMON, **CONFIGS["gemma4_text"], **(_GEMMA4_MOE if moe else {})}
     vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -378,7 +378,7 @@ def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_pat
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_qwen3_5_is_refused_by_the_embedded_engine_and_megatron(model_type, tmp_path):
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved(model_type, tmp_path)
     with pytest.raises(ValueError, match=rf"model_type='{model_type}' does not run in the embedded engine \(gated "
@@ -395,8 +395,8 @@ def test_qwen3_5_multimodal_checkpoints_are_read_as_their_text_model(model_type,
     weights are the spec's checkpoint with that prefix; and transformers' causal LM of such a checkpoint (its
     text model) has exactly the spec's module tensors, each equal to the checkpoint's values where the
     source layout says (what a training copy of it syncs from)."""
-    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors
+    from hybridmem.reshard.transforms import build_local
 
     text = {**_COMMON, **CONFIGS[model_type]}
     vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=_COMMON["hidden_size"],
@@ -425,8 +425,8 @@ def test_qwen3_5_module_tensors_are_transformers_parameters(model_type, tmp_path
     """The FSDP2 source layout's tensors (``hf_module_tensors``) are transformers' own parameters: the same
     names (in_proj_qkv and conv1d fused as the checkpoint holds them; Qwen3.5-MoE's experts fused as
     transformers fuses them) and, built from the saved checkpoint, the same values."""
-    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors
+    from hybridmem.reshard.transforms import build_local
 
     cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
     torch.manual_seed(0)
@@ -445,7 +445,7 @@ def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
     checkpoint's in_proj_qkv and conv1d) and z, and of b and a; A_log and dt_bias by value heads; the
     full-attention q_proj ([q_h; gate_h] per head) by heads. Slices of transformers' own tensors, cut as
     vLLM's loaders (``MergedColumnParallelLinear``, ``mamba_v2_sharded_weight_loader``) cut them."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model("qwen3_5_text", **{**_COMMON, **CONFIGS["qwen3_5_text"]})
     torch.manual_seed(0)
@@ -480,7 +480,7 @@ def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
 
 def test_ernie4_5_biases_and_the_embedded_engine_are_refused_by_name():
     """transformers' Ernie 4.5 gives every projection a bias with ``use_bias``; vLLM's Ernie class builds none."""
-    from hybridmem.nn.config import embedded_spec  # noqa: PLC0415
+    from hybridmem.nn.config import embedded_spec
 
     cfg = transformers.AutoConfig.for_model("ernie4_5", **{**_COMMON, **CONFIGS["ernie4_5"]})
     with pytest.raises(ValueError, match=r"model_type='ernie4_5' does not run in the embedded engine \(Ernie 4.5"):
@@ -509,7 +509,7 @@ def test_llama_and_granite_biases_are_what_transformers_saves(model_type, biases
 def test_the_embedded_engine_refuses_biases_it_has_no_place_for(biases, names, tmp_path):
     """The embedded engine's blocks add q/k/v biases only: a Llama whose o projection or MLP has biases
     is refused with the config key and the tensors it would drop."""
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved("llama", tmp_path, **biases)
     key = next(iter(biases))
@@ -524,7 +524,7 @@ def test_gpt_oss_down_bias_is_where_vllms_loader_puts_it(tp, pp, ep):
     whole; otherwise TP rank 0 of every pipeline stage gets them whole and the other TP ranks zeros (a
     row-parallel bias is added once). tests/reshard/test_vllm_names.py checks the same against the loader
     itself."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model("gpt_oss", **{**_COMMON, **CONFIGS["gpt_oss"], "num_hidden_layers": 2,
                                                           "num_key_value_heads": 4})
@@ -576,10 +576,10 @@ def test_kimi_k25_is_deepseek_v3_under_its_multimodal_names(tmp_path):
     ``language_model.``); transformers' Kimi_K25ForConditionalGeneration of that checkpoint holds exactly the
     source layout's module tensors (``model.language_model.*``, ``lm_head.weight``) beside its vision tower and
     projector, each equal to the checkpoint's values where the layout says."""
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
-    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named
+    from hybridmem.reshard.transforms import build_local
 
     cfg, data, weights = _kimi_k25(tmp_path)
     spec = ModelSpec.from_hf_config(data)
@@ -600,8 +600,8 @@ def test_kimi_k25_is_deepseek_v3_under_its_multimodal_names(tmp_path):
 
 
 def test_kimi_k25_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
-    from hybridmem.adapters.megatron import megatron_model_spec_dict  # noqa: PLC0415
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.adapters.megatron import megatron_model_spec_dict
+    from hybridmem.engines import ReferenceEngine
 
     _, data, _ = _kimi_k25(tmp_path)
     with pytest.raises(ValueError, match=r"model_type='kimi_k25' does not run in the embedded engine"):
@@ -617,8 +617,8 @@ def test_kimi_k25_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_sparse_attention_families_are_refused_by_the_embedded_engine_and_megatron(model_type, tmp_path):
-    from hybridmem.adapters.megatron import megatron_model_spec_dict  # noqa: PLC0415
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.adapters.megatron import megatron_model_spec_dict
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved(model_type, tmp_path)
     with pytest.raises(ValueError, match=rf"model_type='{model_type}' does not run in the embedded engine \(DeepSeek "
@@ -673,7 +673,7 @@ def test_sparse_attention_indexer_is_where_vllms_loader_puts_it(model_type, tp):
     """Each TP rank's indexer tensors are :data:`INDEXER_PLACEMENT`'s rows of the checkpoint, whole on every rank;
     the layers' MLA and MoE tensors are DeepSeek-V3's (tests/reshard/test_vllm_names.py checks all of it against
     vLLM's loaders themselves)."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
     spec = ModelSpec.from_hf_config(cfg)

@@ -42,8 +42,8 @@ def _torchvision_or_standin() -> None:
     """Where torchvision does not import, its import-only stand-in (``_standins/torchvision``): vLLM's
     Qwen3.5 module imports vision code at module level that the text model never runs."""
     try:
-        import torchvision  # noqa: F401, PLC0415
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build that fails to load beside the CPU torch
+        import torchvision  # noqa: F401
+    except Exception:  # absent, or a CUDA build that fails to load beside the CPU torch
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_standins"))
@@ -216,13 +216,13 @@ def transformers_model(model_dir: str):
     transformers' ``DeepseekV3Config`` for ``deepseek_v32`` (vLLM's ``_CONFIG_REGISTRY`` in
     vllm/transformers_utils/config.py, 0.32 and 0.33), after which the auto classes build DeepSeek-V3's model,
     without the indexer, from such a checkpoint (its indexer tensors "unexpected" and dropped)."""
-    import json  # noqa: PLC0415
+    import json
 
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-    from transformers.models.auto import modeling_auto  # noqa: PLC0415
+    import torch
+    import transformers
+    from transformers.models.auto import modeling_auto
 
-    from tests.reshard.families import MULTIMODAL  # noqa: PLC0415
+    from tests.reshard.families import MULTIMODAL
 
     with open(os.path.join(model_dir, "config.json")) as f:
         model_type = json.load(f)["model_type"]
@@ -244,8 +244,8 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
     """This rank's vLLM-layout tensors at ``tp`` after ``run_plan`` over the pool's gloo group, from
     transformers' own model of ``model_dir`` (``from_pretrained``, its module names) chunked as FSDP2 shards
     dim 0 (``torch.chunk`` over the pool). What the in-place sync writes into vLLM's parameters."""
-    from hybridmem.config import ParallelLayout  # noqa: PLC0415
-    from hybridmem.reshard import (  # noqa: PLC0415
+    from hybridmem.config import ParallelLayout
+    from hybridmem.reshard import (
         ModelSpec,
         build_plan,
         hf_source_layout,
@@ -272,11 +272,11 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
     ...], "after": {name: tensor}}``: the model's persistent buffers and the parameters the backend left
     unrepacked, after the update."""
     _environment()
-    import json  # noqa: PLC0415
+    import json
 
-    import safetensors.torch  # noqa: PLC0415
-    import torch  # noqa: PLC0415
-    from vllm.config import (  # noqa: PLC0415
+    import safetensors.torch
+    import torch
+    from vllm.config import (
         DeviceConfig,
         LoadConfig,
         ModelConfig,
@@ -285,22 +285,22 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
         WeightTransferConfig,
         set_current_vllm_config,
     )
-    from vllm.distributed import parallel_state  # noqa: PLC0415
-    from vllm.model_executor.model_loader.utils import (  # noqa: PLC0415
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.model_loader.utils import (
         initialize_model,
         process_weights_after_loading,
     )
-    from vllm.model_executor.models import registry  # noqa: PLC0415
+    from vllm.model_executor.models import registry
 
-    from hybridmem.adapters.vllm.names import sync_rule  # noqa: PLC0415
-    from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries  # noqa: PLC0415
-    from hybridmem.adapters.vllm.transfer import (  # noqa: PLC0415
+    from hybridmem.adapters.vllm.names import sync_rule
+    from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
+    from hybridmem.adapters.vllm.transfer import (
         HybridmemInitInfo,
         HybridmemUpdateInfo,
         HybridmemWeightTransferEngine,
         layout_file,
     )
-    from hybridmem.adapters.vllm.worker import persistent_buffers  # noqa: PLC0415
+    from hybridmem.adapters.vllm.worker import persistent_buffers
 
     if hasattr(registry, "_run_in_subprocess"):
         registry._run_in_subprocess = _call

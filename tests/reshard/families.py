@@ -156,9 +156,9 @@ MULTIMODAL = {
 def take_checkpoint(path) -> dict:
     """Every tensor of the ``*.safetensors`` files ``save_pretrained`` wrote in ``path``, by name; the files
     are removed (the caller writes the checkpoint it tests in their place)."""
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
-    from safetensors import torch as safetensors_torch  # noqa: PLC0415
+    from safetensors import torch as safetensors_torch
 
     names = {}
     for f in sorted(Path(path).glob("*.safetensors")):
@@ -171,7 +171,7 @@ def distinct_values(names: dict) -> dict:
     """Tensors of ``names``' shapes holding a random permutation of 1..N (exact in fp32), in name order, so a
     swapped row, expert or tensor cannot compare equal, and each value names one element of the checkpoint
     (0 is padding)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     total = sum(t.numel() for t in names.values())
     ids = (torch.randperm(total, generator=torch.Generator().manual_seed(1)) + 1).float()

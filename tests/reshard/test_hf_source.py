@@ -128,7 +128,7 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
 def test_fsdp_to_full_hf_tensors_for_load_weights_engines(family):
     """Engines that only take ``load_weights`` get full HF tensors: each rank lacks all but its own rows."""
-    from hybridmem.reshard import hf_layout  # noqa: PLC0415
+    from hybridmem.reshard import hf_layout
 
     cfg, model = _model(family, True)
     spec = ModelSpec.from_hf_config(cfg)
