@@ -361,7 +361,8 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
                   "| device TRAIN / INFER | outside allocator in INFER |", "|---|---|---|---|---|---|---|---|"]
         for r in demos:
             its = r.result["iterations"]
-            med = lambda key: statistics.median(i[key] for i in its)  # noqa: E731
+            # med is called within this iteration only, so it reads this iteration's its
+            med = lambda key: statistics.median(i[key] for i in its)  # noqa: E731, B023
             unexplained = its[-1].get("device_unexplained_nbytes")
             lines.append(f"| {r.label.split()[-1]} | {len(its)} | {r.seconds:.0f} "
                          f"| {r.result['first5_reward']:.3f} -> {r.result['last5_reward']:.3f} "

@@ -122,12 +122,12 @@ def test_ep2_experts_get_global_indices(collected):
 
 def test_source_layout(collected):
     layouts = [r["layout"] for r in collected["tp2"]]
-    assert [(l.tp, l.pp, l.ep, l.dp, l.tp_rank, l.pp_rank, l.ep_rank) for l in layouts] == [
+    assert [(x.tp, x.pp, x.ep, x.dp, x.tp_rank, x.pp_rank, x.ep_rank) for x in layouts] == [
         (2, 1, 1, 1, 0, 0, 0),
         (2, 1, 1, 1, 1, 0, 0),
     ]
     layouts = [r["layout"] for r in collected["ep2"]]
-    assert [(l.tp, l.ep, l.dp, l.ep_rank) for l in layouts] == [(1, 2, 2, 0), (1, 2, 2, 1)]
+    assert [(x.tp, x.ep, x.dp, x.ep_rank) for x in layouts] == [(1, 2, 2, 0), (1, 2, 2, 1)]
 
 
 def test_model_spec_dict(collected):

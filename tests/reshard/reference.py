@@ -40,9 +40,9 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
     tied = spec.tie_word_embeddings
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = _pad_chunk(full["model.embed_tokens.weight"], divisible_by * tp, tp, r)
-    for l in range(n_local):
-        i = pp_rank * n_local + l
-        h, m = f"model.layers.{i}.", f"decoder.layers.{l}."
+    for local in range(n_local):
+        i = pp_rank * n_local + local
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
         ln1 = m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
         out[ln1] = full[h + "input_layernorm.weight"].clone()
         if spec.is_mla:

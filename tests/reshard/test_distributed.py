@@ -138,6 +138,6 @@ def test_reshard_sync_writes_engine_and_verifies(pool, in_place, src):
 def test_reshard_sync_detects_corruption(pool):
     results = pool.run(_tasks.sync_task, SPEC, ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2), in_place=True,
                        corrupt_rank=1, world_size=4)
-    for got, stats, error, _ in results:
+    for _got, _stats, error, _ in results:
         assert error is not None and error.startswith("WeightSyncError")
         assert "written on rank 1" in error

@@ -44,7 +44,7 @@ def test_split(axis, num):
     for r, local in enumerate(parts):
         assert torch.equal(build_local(local, full), full["a"].chunk(num, axis)[r])
     back = {"a": torch.zeros(12, 6)}
-    for r, local in enumerate(parts):
+    for _, local in enumerate(parts):
         scatter_local(local, build_local(local, full), back)
     assert torch.equal(back["a"], full["a"])
 
