@@ -57,8 +57,8 @@ def make_engine(kind: str, model_dir: str):
     from hybridmem.adapters.vllm.server import VLLMServerEngine
 
     if kind == "AsyncLLM":
-        return VLLMServerEngine.start_async(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                                            enforce_eager=True, seed=0)
+        return VLLMServerEngine.start_async(model_dir, skip_tokenizer_init=True, dtype="float32",
+                                            max_model_len=256, enforce_eager=True, seed=0)
     return VLLMServerEngine.launch(model_dir, server_args=["--dtype", "float32", "--max-model-len", "256",
                                                            "--enforce-eager", "--seed", "0"])
 
@@ -107,8 +107,8 @@ def child(kind: str, model_dir: str, switches: int) -> dict:
 def run_child(kind: str, model_dir: str, switches: int, timeout_s: float) -> dict:
     env = {**os.environ, **{k: v for k, v in ENV.items() if k not in os.environ}}
     proc = subprocess.Popen([sys.executable, __file__, "--child", kind, "--model-dir", model_dir,
-                             "--switches", str(switches)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                             "--switches", str(switches)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -122,7 +122,8 @@ def run_child(kind: str, model_dir: str, switches: int, timeout_s: float) -> dic
 def table(results: list[dict]) -> str:
     med = statistics.median
     head = ("| engine | start s | TRAIN->INFER ms | weight sync ms | of which update transaction ms | "
-            "bytes per rank from other ranks | bytes per rank into the engine | sync GB/s | INFER->TRAIN ms |")
+            "bytes per rank from other ranks | bytes per rank into the engine | sync GB/s | "
+            "INFER->TRAIN ms |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         runs = r["runs"]
@@ -130,9 +131,10 @@ def table(results: list[dict]) -> str:
         updates = [x["update_s"] for x in runs if x["update_s"] is not None]
         update = f"{med(updates) * 1e3:.0f}" if updates else "-"
         nbytes = runs[-1]["engine_nbytes"]
-        lines.append(f"| {r['engine']} | {r['start_s']:.1f} | {med(x['to_infer_s'] for x in runs) * 1e3:.0f} | "
-                     f"{sync_s * 1e3:.0f} | {update} | {runs[-1]['received_nbytes']:,} | {nbytes:,} | "
-                     f"{nbytes / sync_s / 1e9:.2f} | {med(x['to_train_s'] for x in runs) * 1e3:.0f} |")
+        lines.append(f"| {r['engine']} | {r['start_s']:.1f} | "
+                     f"{med(x['to_infer_s'] for x in runs) * 1e3:.0f} | {sync_s * 1e3:.0f} | {update} | "
+                     f"{runs[-1]['received_nbytes']:,} | {nbytes:,} | {nbytes / sync_s / 1e9:.2f} | "
+                     f"{med(x['to_train_s'] for x in runs) * 1e3:.0f} |")
     return "\n".join(lines)
 
 
@@ -162,8 +164,8 @@ def main() -> None:
             results.append(run_child(kind, model_dir, args.switches, args.timeout_s))
     same = all(r["tokens"] == results[0]["tokens"] for r in results)
     print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
-          f"{results[0]['weights_nbytes'] / 2**20:.1f} MiB fp32; medians of {args.switches} switches after one "
-          f"warm-up; greedy tokens equal across engines every switch: {same}")
+          f"{results[0]['weights_nbytes'] / 2**20:.1f} MiB fp32; medians of {args.switches} "
+          f"switches after one warm-up; greedy tokens equal across engines every switch: {same}")
     print(table(results))
     if not same:
         raise SystemExit("the engines generated different tokens")

@@ -24,7 +24,8 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 - ``kv``: ``kv_release.py``: the ``torch`` and ``cuda-vmm`` KV allocators and torch_memory_saver,
   address stability and a CUDA graph replayed after resume.
 - ``demo``: the GRPO demo on the device, torch, Megatron and FSDP2 trainers (one process: one GPU), and the
-  torch trainer in a Ray worker actor holding the GPU's placement-group bundle (``--launcher ray``; on a GPU where Ray is installed).
+  torch trainer in a Ray worker actor holding the GPU's placement-group bundle (``--launcher ray``; on a GPU
+  where Ray is installed).
 
 The parent never touches the device, so each part's ``mem_get_info`` sees only its own process.
 Targets (GPU only): steady-state switch >= 0.9 of the raw pinned link both ways, first switch within 2x
@@ -73,18 +74,18 @@ class Profile:
 
 
 PROFILES = {
-    ("cuda", False): Profile(state_nbytes=(1.25 * GB, 5 * GB, 20 * GB), hidden=4096, repeats=3, naive_repeats=2,
-                             kv_gib=16, kv_cycles=5, demo_iters=12),
+    ("cuda", False): Profile(state_nbytes=(1.25 * GB, 5 * GB, 20 * GB), hidden=4096, repeats=3,
+                             naive_repeats=2, kv_gib=16, kv_cycles=5, demo_iters=12),
     ("cuda", True): Profile(state_nbytes=(0.25 * GB, 1 * GB, 2 * GB), hidden=4096, repeats=2, naive_repeats=1,
                             kv_gib=2, kv_cycles=3, demo_iters=3),
-    ("cpu", False): Profile(state_nbytes=(0.1 * GB, 0.2 * GB, 0.4 * GB), hidden=1024, repeats=3, naive_repeats=2,
-                            kv_gib=0.25, kv_cycles=3, demo_iters=12),
-    # The CPU dry run shows the tests part runs and is reported; collecting the whole tree (every vLLM, Megatron and
-    # TRL import) would only cost time, so it collects the files made of CUDA tests.
+    ("cpu", False): Profile(state_nbytes=(0.1 * GB, 0.2 * GB, 0.4 * GB), hidden=1024, repeats=3,
+                            naive_repeats=2, kv_gib=0.25, kv_cycles=3, demo_iters=12),
+    # The CPU dry run shows the tests part runs and is reported; collecting the whole tree (every vLLM,
+    # Megatron and TRL import) would only cost time, so it collects the files made of CUDA tests.
     ("cpu", True): Profile(state_nbytes=(8e6, 16e6, 32e6), hidden=512, repeats=2, naive_repeats=1,
                            kv_gib=0.03, kv_cycles=2, demo_iters=2,
-                           test_paths=("tests/test_cuda_memory.py", "tests/kv", "tests/offload/test_host_pool.py",
-                                       "tests/megatron/test_cuda.py")),
+                           test_paths=("tests/test_cuda_memory.py", "tests/kv",
+                                       "tests/offload/test_host_pool.py", "tests/megatron/test_cuda.py")),
 }
 
 
@@ -132,24 +133,28 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
                               "--json", str(out / "dsa.json"))))
     if "lora" in parts:
         jobs.append(Job(part="lora", label="lora shared base", timeout_s=240, result="lora.json",
-                        argv=(py, f"{bench}/lora_shared_base.py", "--device", device, "--json", str(out / "lora.json"))))
+                        argv=(py, f"{bench}/lora_shared_base.py", "--device", device, "--json",
+                              str(out / "lora.json"))))
     for i, nbytes in enumerate(prof.state_nbytes):
         params = f"{nbytes / 16:.4g}"
         if "switch" in parts:
-            jobs.append(Job(part="switch", label=f"switch {nbytes / GB:g} GB", timeout_s=150, result=f"switch_{i}.json",
+            jobs.append(Job(part="switch", label=f"switch {nbytes / GB:g} GB", timeout_s=150,
+                            result=f"switch_{i}.json",
                             argv=(py, f"{bench}/switch_latency.py", "--device", device, "--params", params,
-                                  "--hidden", str(prof.hidden), "--dtype", "fp32", "--repeats", str(prof.repeats),
-                                  "--naive-repeats", str(prof.naive_repeats), "--json", str(out / f"switch_{i}.json"))))
+                                  "--hidden", str(prof.hidden), "--dtype", "fp32", "--repeats",
+                                  str(prof.repeats), "--naive-repeats", str(prof.naive_repeats), "--json",
+                                  str(out / f"switch_{i}.json"))))
         if "tms" in parts:
             jobs.append(Job(part="tms", label=f"torch_memory_saver {nbytes / GB:g} GB", timeout_s=120,
                             result=f"tms_{i}.json",
-                            argv=(py, f"{bench}/tms_switch.py", "--params", params, "--hidden", str(prof.hidden),
-                                  "--dtype", "fp32", "--cycles", str(prof.repeats + 1),
+                            argv=(py, f"{bench}/tms_switch.py", "--params", params, "--hidden",
+                                  str(prof.hidden), "--dtype", "fp32", "--cycles", str(prof.repeats + 1),
                                   "--json", str(out / f"tms_{i}.json"))))
     if "kv" in parts:
         jobs.append(Job(part="kv", label=f"kv {prof.kv_gib:g} GiB", timeout_s=120, result="kv.json",
                         argv=(py, f"{bench}/kv_release.py", "--device", device, "--gib", str(prof.kv_gib),
-                              "--cycles", str(prof.kv_cycles), "--graph-check", "--json", str(out / "kv.json"))))
+                              "--cycles", str(prof.kv_cycles), "--graph-check", "--json",
+                              str(out / "kv.json"))))
     if "demo" in parts:
         for trainer in ("torch", "megatron", "fsdp"):
             jobs.append(Job(part="demo", label=f"demo --trainer {trainer}", timeout_s=240,
@@ -157,10 +162,12 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
                             argv=(py, "-m", "hybridmem", "demo", "--device", device, "--trainer", trainer,
                                   "--world-size", "1", "--train-tp", "1", "--infer-tp", "1",
                                   "--iters", str(prof.demo_iters), "--out", str(out / f"demo_{trainer}"))))
-        # On a GPU, where Ray is installed (the ray extra); the CPU dry run leaves it to tests/examples/test_grpo_ray.py,
-        # which runs this command's shape (one actor) and the other launchers'.
+        # On a GPU, where Ray is installed (the ray extra); the CPU dry run leaves it to
+        # tests/examples/test_grpo_ray.py, which runs this command's shape (one actor) and the other
+        # launchers'.
         if device == "cuda" and importlib.util.find_spec("ray") is not None:
-            jobs.append(Job(part="demo", label="demo --launcher ray", timeout_s=240, result="demo_ray/grpo.json",
+            jobs.append(Job(part="demo", label="demo --launcher ray", timeout_s=240,
+                            result="demo_ray/grpo.json",
                             argv=(py, "-m", "hybridmem", "demo", "--device", device, "--launcher", "ray",
                                   "--world-size", "1", "--train-tp", "1", "--infer-tp", "1",
                                   "--iters", str(prof.demo_iters), "--out", str(out / "demo_ray"))))
@@ -206,7 +213,8 @@ def run_job(job: Job, out: Path, env: dict[str, str], budget_left_s: float) -> J
 def machine_info(device: str) -> dict:
     """What ran the suite, read without touching the device (``nvidia-smi`` where present)."""
     info = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": device}
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": device}
     try:
         import torch
 
@@ -214,10 +222,12 @@ def machine_info(device: str) -> dict:
     except ImportError:
         info["torch"] = None
     if device == "cuda" and shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                            "--format=csv,noheader"],
                            capture_output=True, text=True, check=False)
         info["gpu"] = q.stdout.strip()
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                         check=False)
     info["commit"] = git.stdout.strip() or None
     return info
 
@@ -240,7 +250,7 @@ def cuda_unavailable() -> str | None:
 
 
 def _gib(nbytes: float | None) -> str:
-    from hybridmem.switch.memplan import format_nbytes  # noqa: PLC0415 - the parent imports no torch before it must
+    from hybridmem.switch.memplan import format_nbytes  # the parent imports no torch before it must
 
     return "-" if nbytes is None else format_nbytes(nbytes)
 
@@ -261,8 +271,9 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
     for r in by_part.get("tests", []):
         res = r.result or {}
         lines += ["## CUDA tests (`pytest -m cuda`)", "",
-                  f"{res.get('passed', '-')} passed, {res.get('failures', '-')} failed, {res.get('errors', '-')} errors, "
-                  f"{res.get('skipped', '-')} skipped ({r.status}, {r.seconds:.0f} s)", ""]
+                  f"{res.get('passed', '-')} passed, {res.get('failures', '-')} failed, "
+                  f"{res.get('errors', '-')} errors, {res.get('skipped', '-')} skipped ({r.status}, "
+                  f"{r.seconds:.0f} s)", ""]
         lines += [f"- failed: `{name}`" for name in res.get("failed", [])]
         lines.append("")
 
@@ -273,8 +284,8 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
             lines.append(f"skipped: {res['skipped']}")
         for model_type, f in res.get("families", {}).items():
             verdict = "equal to the layout" if f["ok"] else (
-                f"**differs**: missing in vLLM {f['missing_in_vllm']}, not in the layout {f['not_in_layout']}, "
-                f"different values {f['different']}")
+                f"**differs**: missing in vLLM {f['missing_in_vllm']}, not in the layout "
+                f"{f['not_in_layout']}, different values {f['different']}")
             lines.append(f"- `{model_type}` (vLLM {res['vllm']}, `{f['model_class']}`, indexer "
                          f"{', '.join(f['indexer_class'])}): {f['parameters']} parameters "
                          f"({f['indexer_parameters']} of the indexer), {verdict}")
@@ -283,7 +294,8 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
         lines.append("")
 
     for r in by_part.get("lora", []):
-        lines += ["## LoRA with vLLM: the base resident in the engine, then shared (`lora_shared_base.py`)", ""]
+        lines += ["## LoRA with vLLM: the base resident in the engine, then shared (`lora_shared_base.py`)",
+                  ""]
         res = r.result or {}
         if "skipped" in res:
             lines.append(f"skipped: {res['skipped']}")
@@ -293,8 +305,9 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
                          f"{_gib(m['base_nbytes'])}, {m['shared_tensors']} base tensors shared): synced "
                          f"{', '.join(_gib(s['synced_nbytes']) for s in steps)}; TRAIN->INFER ms "
                          f"{', '.join(_ms(s['to_infer_s']) for s in steps)}; device in use TRAIN "
-                         f"{_gib(steps[-1]['train_used_nbytes'])}, INFER {_gib(steps[-1]['infer_used_nbytes'])}; "
-                         f"greedy equal to PEFT {sum(s['greedy_equal'] for s in steps)}/{len(steps)}")
+                         f"{_gib(steps[-1]['train_used_nbytes'])}, INFER "
+                         f"{_gib(steps[-1]['infer_used_nbytes'])}; greedy equal to PEFT "
+                         f"{sum(s['greedy_equal'] for s in steps)}/{len(steps)}")
         if "ok" in res:
             lines.append(f"- shared saves {_gib(res['shared_saves_nbytes'])} in TRAIN; {res['ok']}")
         if not res:
@@ -304,16 +317,20 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
     switch = [r.result for r in by_part.get("switch", []) if r.result]
     if switch:
         lines += ["## Switch latency (params + grads + AdamW state, fp32)", "",
-                  "| state | raw D2H / H2D GB/s | TRAIN->INFER s (GB/s, vs raw) | INFER->TRAIN s (GB/s, vs raw) "
+                  "| state | raw D2H / H2D GB/s | TRAIN->INFER s (GB/s, vs raw) "
+                  "| INFER->TRAIN s (GB/s, vs raw) "
                   "| first / steady | vs naive (off / on) | freed / offloaded |",
                   "|---|---|---|---|---|---|---|"]
         for f in switch:
             total, st = f["total_nbytes"], f["steady"]
             lines.append(
                 f"| {_gib(total)} | {f['raw']['d2h_gbps']:.1f} / {f['raw']['h2d_gbps']:.1f} "
-                f"| {st['to_infer_s']:.3f} ({total / st['to_infer_s'] / GB:.1f}, {f['to_infer_ratio_to_raw']:.2f}) "
-                f"| {st['to_train_s']:.3f} ({total / st['to_train_s'] / GB:.1f}, {f['to_train_ratio_to_raw']:.2f}) "
-                f"| {f['first_vs_steady']:.2f}x | {f['to_infer_speedup_vs_naive']:.1f}x / {f['to_train_speedup_vs_naive']:.1f}x "
+                f"| {st['to_infer_s']:.3f} ({total / st['to_infer_s'] / GB:.1f}, "
+                f"{f['to_infer_ratio_to_raw']:.2f}) "
+                f"| {st['to_train_s']:.3f} ({total / st['to_train_s'] / GB:.1f}, "
+                f"{f['to_train_ratio_to_raw']:.2f}) "
+                f"| {f['first_vs_steady']:.2f}x "
+                f"| {f['to_infer_speedup_vs_naive']:.1f}x / {f['to_train_speedup_vs_naive']:.1f}x "
                 f"| {f['freed_share']:.4f} ({f['freed_source']}) |")
         lines.append("")
 
@@ -322,7 +339,8 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
     tms_skip = next((r.result["skipped"] for r in tms_runs if r.result and "skipped" in r.result), None)
     if switch:
         lines += ["## First three cycles: hybridmem vs torch_memory_saver (CPU backup)", "",
-                  "| state | cycle | hybridmem TRAIN->INFER / INFER->TRAIN s | torch_memory_saver pause / resume s |",
+                  "| state | cycle | hybridmem TRAIN->INFER / INFER->TRAIN s | "
+                  "torch_memory_saver pause / resume s |",
                   "|---|---|---|---|"]
         for f in switch:
             peer = tms.get(f["total_nbytes"])
@@ -332,7 +350,8 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
                 else:
                     pc = peer["cycles"][i] if i < len(peer["cycles"]) else None
                     theirs = "-" if pc is None else f"{pc['pause_s']:.3f} / {pc['resume_s']:.3f}"
-                lines.append(f"| {_gib(f['total_nbytes'])} | {i + 1} | {c['to_infer_s']:.3f} / {c['to_train_s']:.3f} "
+                lines.append(f"| {_gib(f['total_nbytes'])} | {i + 1} "
+                             f"| {c['to_infer_s']:.3f} / {c['to_train_s']:.3f} "
                              f"| {theirs} |")
         if tms_skip:
             lines.append(f"- torch_memory_saver skipped: {tms_skip}")
@@ -344,11 +363,13 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
         if not r.result:
             continue
         lines += ["## KV cache release / resume", "",
-                  "| allocator | pool | release s | resume s | touch s | freed | re-taken | address stable | graph replay |",
+                  "| allocator | pool | release s | resume s | touch s | freed | re-taken | address stable | "
+                  "graph replay |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for k in r.result["results"]:
             graph = "-" if k.get("graph_replay") is None else ("ok" if k["graph_replay"] else "WRONG")
-            lines.append(f"| {k['allocator']} | {_gib(k['nbytes'])} | {k['release_s']:.4f} | {k['resume_s']:.4f} "
+            lines.append(f"| {k['allocator']} | {_gib(k['nbytes'])} | {k['release_s']:.4f} "
+                         f"| {k['resume_s']:.4f} "
                          f"| {k['touch_s']:.4f} | {_gib(k['freed_nbytes'])} | {_gib(k['retaken_nbytes'])} "
                          f"| {k['address_stable']} | {graph} |")
         lines += [f"- skipped {name}: {why}" for name, why in r.result.get("skipped", {}).items()]
@@ -358,10 +379,12 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
     if demos:
         lines += ["## GRPO demo (1 process; ray: 1 worker actor)", "",
                   "| trainer | iterations | wall s | reward first -> last | TO_INFER ms | TO_TRAIN ms "
-                  "| device TRAIN / INFER | outside allocator in INFER |", "|---|---|---|---|---|---|---|---|"]
+                  "| device TRAIN / INFER | outside allocator in INFER |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in demos:
             its = r.result["iterations"]
-            med = lambda key: statistics.median(i[key] for i in its)  # noqa: E731
+            # med is called within this iteration only, so it reads this iteration's its
+            med = lambda key: statistics.median(i[key] for i in its)  # noqa: E731, B023
             unexplained = its[-1].get("device_unexplained_nbytes")
             lines.append(f"| {r.label.split()[-1]} | {len(its)} | {r.seconds:.0f} "
                          f"| {r.result['first5_reward']:.3f} -> {r.result['last5_reward']:.3f} "
@@ -370,28 +393,33 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
                          f"| {_gib(unexplained)} |")
         lines.append("")
 
-    residencies = [(f["total_nbytes"], f["residency_in_infer"]) for f in switch if f.get("residency_in_infer")]
+    residencies = [(f["total_nbytes"], f["residency_in_infer"]) for f in switch
+                   if f.get("residency_in_infer")]
     if residencies:
         lines += ["## Device in INFER, by owner (switch benchmark, no engine)", "",
-                  "| state offloaded | owned | allocated, no owner | cached by allocator | outside allocator | device used |",
+                  "| state offloaded | owned | allocated, no owner | cached by allocator | "
+                  "outside allocator | device used |",
                   "|---|---|---|---|---|---|"]
         for total, res in residencies:
             lines.append(f"| {_gib(total)} | {_gib(res['owned_nbytes'])} | {_gib(res['unowned_nbytes'])} "
-                         f"| {_gib(res['cached_nbytes'])} | {_gib(res['unexplained_nbytes'])} | {_gib(res['device_used_nbytes'])} |")
+                         f"| {_gib(res['cached_nbytes'])} | {_gib(res['unexplained_nbytes'])} | "
+                         f"{_gib(res['device_used_nbytes'])} |")
         lines.append("")
 
     if switch:
         lines += ["## Targets", ""]
         if device == "cpu":
-            lines.append("not applicable on CPU (no PCIe link, no `mem_get_info`); the dry run checks that every part runs.")
+            lines.append("not applicable on CPU (no PCIe link, no `mem_get_info`); the dry run checks that "
+                         "every part runs.")
         else:
-            from switch_latency import targets_met  # noqa: PLC0415 - a sibling script
+            from switch_latency import targets_met  # a sibling script
 
             lines += ["| state | " + " | ".join(targets_met(switch[0])) + " |",
                       "|---|" + "---|" * len(targets_met(switch[0]))]
             for f in switch:
                 lines.append(f"| {_gib(f['total_nbytes'])} | "
-                             + " | ".join("met" if ok else "**missed**" for ok in targets_met(f).values()) + " |")
+                             + " | ".join("met" if ok else "**missed**" for ok in targets_met(f).values())
+                             + " |")
         lines.append("")
 
     lines += ["## Jobs", "", "| job | status | s | log |", "|---|---|---|---|"]
@@ -400,12 +428,16 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--quick", action="store_true", help="small sizes (the CPU dry run, or a fast GPU check)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes (the CPU dry run, or a fast GPU check)")
     parser.add_argument("--out", default="gpu-suite-out", help="folder for the report, JSON and logs")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget for all parts (default 540)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="wall-clock budget for all parts (default 540)")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
     unknown = sorted(set(parts) - set(PARTS))
@@ -415,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         why = cuda_unavailable()
         if why is not None:
-            print(f"gpu_suite.py: --device cuda needs a CUDA device, and {why}: run it on a GPU machine, or run "
-                  f"the CPU dry run with --device cpu --quick", file=sys.stderr)
+            print(f"gpu_suite.py: --device cuda needs a CUDA device, and {why}: run it on a GPU "
+                  f"machine, or run the CPU dry run with --device cpu --quick", file=sys.stderr)
             return 2
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -428,11 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for job in jobs:
         run = run_job(job, out, env, args.budget_s - (time.perf_counter() - start))
-        print(f"[{time.perf_counter() - start:6.1f} s] {job.label}: {run.status} ({run.seconds:.1f} s)", flush=True)
+        print(f"[{time.perf_counter() - start:6.1f} s] {job.label}: {run.status} ({run.seconds:.1f} s)",
+              flush=True)
         runs.append(run)
     text = report(info, runs, args.device)
     (out / "gpu_suite.md").write_text(text)
-    (out / "gpu_suite.json").write_text(json.dumps({"machine": info, "runs": [asdict(r) for r in runs]}, indent=1))
+    (out / "gpu_suite.json").write_text(json.dumps({"machine": info, "runs": [asdict(r) for r in runs]},
+                                                   indent=1))
     print(text)
     bad = [r.label for r in runs if r.status != "ok"]
     if bad:

@@ -103,13 +103,15 @@ class GraphCheck:
 
     def replay_ok(self) -> bool:
         self.y.zero_()
-        self.x.copy_(torch.randn(self.x.numel(), generator=torch.Generator().manual_seed(1)).to(self.x.device))
+        self.x.copy_(torch.randn(self.x.numel(),
+                                 generator=torch.Generator().manual_seed(1)).to(self.x.device))
         self.graph.replay()
         torch.cuda.synchronize()
         return bool(torch.equal(self.y, self.x * 2))
 
 
-def bench_allocator(name: str, accel: Accelerator, nbytes: int, cycles: int, graph_check: bool = False) -> Result:
+def bench_allocator(name: str, accel: Accelerator, nbytes: int, cycles: int,
+                    graph_check: bool = False) -> Result:
     """Allocate, touch, then ``cycles`` x (release, resume, touch) with a hybridmem KV allocator.
 
     With ``graph_check`` on CUDA and an address-stable allocator, a CUDA graph captured over the pool
@@ -121,7 +123,8 @@ def bench_allocator(name: str, accel: Accelerator, nbytes: int, cycles: int, gra
     pool = kv.view(torch.uint8, (kv.nbytes,))
     pool.fill_(1)
     ptr = pool.data_ptr()
-    graph = GraphCheck(pool) if graph_check and accel.device.type == "cuda" and kv.preserves_addresses else None
+    graph = (GraphCheck(pool) if graph_check and accel.device.type == "cuda" and kv.preserves_addresses
+             else None)
     releases, resumes, touches, released, freed, retaken, stable = [], [], [], [], [], [], True
     for _ in range(cycles):
         before = free_nbytes(accel)
@@ -165,7 +168,8 @@ def import_torch_memory_saver():
     return saver
 
 
-def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int, graph_check: bool = False) -> Result | None:
+def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int,
+                             graph_check: bool = False) -> Result | None:
     """SGLang's torch_memory_saver pausing one tensor of ``nbytes`` (no CPU backup), if importable."""
     saver = import_torch_memory_saver()
     if saver is None:
@@ -207,12 +211,14 @@ def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int, graph
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--gib", type=float, default=1.0, help="KV pool size in GiB")
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--graph-check", action="store_true",
-                        help="CUDA: replay a graph captured before release after resume (address-stable pools)")
+                        help="CUDA: replay a graph captured before release after resume "
+                             "(address-stable pools)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     if args.cycles < 1:

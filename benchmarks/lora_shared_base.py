@@ -38,20 +38,20 @@ def why_skipped(device: str) -> str | None:
     """Why this machine cannot run the check, or ``None``."""
     if device != "cuda":
         return "needs --device cuda (the shared base needs vLLM's GPU layout; its CPU build repacks weights)"
-    import torch  # noqa: PLC0415
+    import torch
 
     if not torch.cuda.is_available():
         return f"needs a CUDA device (torch.cuda.is_available() is False, torch {torch.__version__})"
     try:
-        import peft  # noqa: F401, PLC0415
-        import vllm  # noqa: PLC0415
-    except Exception as exc:  # noqa: BLE001 - absent, or a build that fails to load beside this torch
+        import peft  # noqa: F401
+        import vllm
+    except Exception as exc:  # absent, or a build that fails to load beside this torch
         return f"needs vLLM and PEFT ({type(exc).__name__}: {exc})"
     return None if vllm.__version__ else "vLLM reports no version"
 
 
 def _used() -> int:
-    import torch  # noqa: PLC0415
+    import torch
 
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
@@ -59,9 +59,9 @@ def _used() -> int:
 
 
 def _peft_model(path: str):
-    import torch  # noqa: PLC0415
-    from peft import LoraConfig, get_peft_model  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     torch.manual_seed(1)
@@ -69,7 +69,7 @@ def _peft_model(path: str):
 
 
 def _greedy_hf(model) -> list[list[int]]:
-    import torch  # noqa: PLC0415
+    import torch
 
     model.eval()
     out = []
@@ -84,14 +84,14 @@ def _greedy_hf(model) -> list[list[int]]:
 
 
 def _greedy_vllm(engine) -> list[list[int]]:
-    from hybridmem.engines import SamplingParams  # noqa: PLC0415
+    from hybridmem.engines import SamplingParams
 
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=False))
     return [o.token_ids for o in outs]
 
 
 def _step(model, opt, step: int) -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
     batch = torch.randint(0, CONFIG["vocab_size"], (4, 64),
                           generator=torch.Generator().manual_seed(step)).cuda()
@@ -102,10 +102,10 @@ def _step(model, opt, step: int) -> None:
 
 def run_mode(path: str, engine, mode: str) -> dict:
     """Three steps under ``lora_base=mode``; the figures of each switch."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from hybridmem import Direction, HybridConfig, ShardingManager  # noqa: PLC0415
-    from hybridmem.weight_sync import LoraSync  # noqa: PLC0415
+    from hybridmem import Direction, HybridConfig, ShardingManager
+    from hybridmem.weight_sync import LoraSync
 
     model = _peft_model(path)
     adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" in n)
@@ -149,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"skipped": skipped}))
         return 0
     sys.path.insert(0, str(ROOT))
-    import gc  # noqa: PLC0415
+    import gc
 
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-    import vllm  # noqa: PLC0415
+    import torch
+    import transformers
+    import vllm
 
-    from hybridmem.adapters.vllm import VLLMEngine  # noqa: PLC0415
+    from hybridmem.adapters.vllm import VLLMEngine
 
     path = tempfile.mkdtemp(prefix="hybridmem-lora-gpu-")
     torch.manual_seed(0)

@@ -47,7 +47,8 @@ ROUTES = ("adapters", "merged")
 def refusal(args: argparse.Namespace) -> str | None:
     """Why these options cannot run, or ``None``."""
     if args.hidden < 64 or args.hidden % 64:
-        return f"--hidden {args.hidden}: must be a multiple of 64 (heads of 32 or 64, as vLLM's CPU attention needs)"
+        return (f"--hidden {args.hidden}: must be a multiple of 64 (heads of 32 or 64, as vLLM's CPU "
+                "attention needs)")
     if args.layers < 1:
         return f"--layers {args.layers}: must be at least 1"
     if args.rank < 1:
@@ -65,9 +66,10 @@ def write_checkpoint(path: str, args: argparse.Namespace) -> dict:
     import transformers
 
     head_dim = 32 if args.hidden < 256 else 64
-    config = {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden, "num_hidden_layers": args.layers,
-              "num_attention_heads": args.hidden // head_dim, "num_key_value_heads": max(1, args.hidden // (4 * head_dim)),
-              "head_dim": head_dim, "vocab_size": args.vocab, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    config = {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
+              "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // head_dim,
+              "num_key_value_heads": max(1, args.hidden // (4 * head_dim)), "head_dim": head_dim,
+              "vocab_size": args.vocab, "max_position_embeddings": 256, "tie_word_embeddings": False}
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).save_pretrained(path)
     return config
@@ -109,8 +111,9 @@ def hf_greedy(model) -> list[list[int]]:
 def vllm_greedy(engine) -> list[list[int]]:
     from hybridmem.engines import SamplingParams
 
-    return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                         logprobs=False))]
+    return [o.token_ids
+            for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                             logprobs=False))]
 
 
 def merged_sync(model, engine):
@@ -140,8 +143,10 @@ def run_route(path: str, engine, route: str, args: argparse.Namespace) -> dict:
     sync = LoraSync(model, engine) if route == "adapters" else merged_sync(model, engine)
     manager = ShardingManager(model, engine, optimizer=opt, weight_sync=sync)
     out = {"route": route, "sync_route": getattr(getattr(sync, "route", None), "value", route),
-           "adapter_nbytes": sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" in n),
-           "base_nbytes": sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" not in n),
+           "adapter_nbytes": sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                                 if ".lora_" in n),
+           "base_nbytes": sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                              if ".lora_" not in n),
            "switches": []}
     for step in range(args.steps):
         train_step(model, opt, step, args.vocab)
@@ -169,7 +174,8 @@ def summary(res: dict) -> dict:
 
 
 def table(fig: dict) -> Table:
-    out = Table(title=f"LoRA switch into vLLM: base {fig['base_nbytes']:,} B, adapters {fig['adapter_nbytes']:,} B")
+    out = Table(title=f"LoRA switch into vLLM: base {fig['base_nbytes']:,} B, adapters "
+                      f"{fig['adapter_nbytes']:,} B")
     for col in ("figure", *ROUTES, "merged / adapters"):
         out.add_column(col, justify="left" if col == "figure" else "right")
     rows = (("weight sync bytes", "sync_nbytes", lambda v: f"{int(v):,}"),
@@ -184,7 +190,8 @@ def table(fig: dict) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=4096)
@@ -206,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     path = tempfile.mkdtemp(prefix="hybridmem-lora-switch-")
     config = write_checkpoint(path, args)
     start = time.perf_counter()
-    engine = VLLMEngine.create(path, distributed_executor_backend=None, skip_tokenizer_init=True, enable_lora=True,
-                               max_lora_rank=args.rank, max_loras=1, dtype="float32", enforce_eager=True,
-                               max_model_len=128, seed=0, block_size=32)
-    fig = {"vllm": vllm.__version__, "torch": torch.__version__, "machine": f"{platform.node()} {os.cpu_count()} CPUs",
-           "load_average": os.getloadavg(), "config": config, "rank": args.rank, "steps": args.steps,
+    engine = VLLMEngine.create(path, distributed_executor_backend=None, skip_tokenizer_init=True,
+                               enable_lora=True, max_lora_rank=args.rank, max_loras=1, dtype="float32",
+                               enforce_eager=True, max_model_len=128, seed=0, block_size=32)
+    fig = {"vllm": vllm.__version__, "torch": torch.__version__,
+           "machine": f"{platform.node()} {os.cpu_count()} CPUs", "load_average": os.getloadavg(),
+           "config": config, "rank": args.rank, "steps": args.steps,
            "engine_build_s": time.perf_counter() - start, "routes": {}}
     for route in ROUTES:
         fig["routes"][route] = run_route(path, engine, route, args)
@@ -220,9 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     fig["summary"] = {r: summary(fig["routes"][r]) for r in ROUTES}
     console = Console(width=120)
     console.print(f"vLLM {fig['vllm']}, torch {fig['torch']}, {fig['machine']}, load average "
-                  f"{' '.join(f'{x:.1f}' for x in fig['load_average'])}; engine start {fig['engine_build_s']:.1f} s")
-    console.print(f"Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, LoRA rank {args.rank}, "
-                  f"{args.steps} switches per route")
+                  f"{' '.join(f'{x:.1f}' for x in fig['load_average'])}; engine start "
+                  f"{fig['engine_build_s']:.1f} s")
+    console.print(f"Qwen2 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, LoRA rank "
+                  f"{args.rank}, {args.steps} switches per route")
     console.print(table(fig))
     console.print("greedy tokens equal to PEFT's after the last switch: "
                   + ", ".join(f"{r}: {fig['routes'][r]['greedy_equal']}" for r in ROUTES))

@@ -39,16 +39,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybridmem.config import ParallelLayout  # noqa: E402
-from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout  # noqa: E402
-from hybridmem.reshard.transforms import build_local, scatter_local  # noqa: E402
-from hybridmem.testing.megatron_refit import SeededFull, compare_refits  # noqa: E402
+from hybridmem.config import ParallelLayout
+from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout
+from hybridmem.reshard.transforms import build_local, scatter_local
+from hybridmem.testing.megatron_refit import SeededFull, compare_refits
 
 PRESETS = {
     # Qwen1.5-0.5B's shapes with 4 kv heads (Qwen2-0.5B's 2 kv heads cannot be split 4 ways by Megatron).
-    "qwen2-0.5b": dict(family="qwen2", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                       intermediate_size=2816, num_hidden_layers=24, vocab_size=151936, qkv_bias=True,
-                       tie_word_embeddings=True),
+    "qwen2-0.5b": dict(family="qwen2", hidden_size=1024, num_attention_heads=16, num_key_value_heads=4,
+                       head_dim=64, intermediate_size=2816, num_hidden_layers=24, vocab_size=151936,
+                       qkv_bias=True, tie_word_embeddings=True),
     "tiny": dict(family="qwen2", hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                  intermediate_size=128, num_hidden_layers=4, vocab_size=1000, qkv_bias=True),
 }
@@ -107,7 +107,8 @@ def _allgather_then_slice(ctx, spec, src, dst_layout, train, groups):
             shards = list(gathered) if split else [gathered[0]] * tp
             for t in range(tp):
                 scatter_local(src_layout.tensors(stage_rank0 + t)[name], shards[t], _Alloc(full, spec, dtype))
-    out = {name: build_local(local, full, dtype=dtype) for name, local in dst_layout.tensors(ctx.rank).items()}
+    out = {name: build_local(local, full, dtype=dtype)
+           for name, local in dst_layout.tensors(ctx.rank).items()}
     del me
     return out, received
 
@@ -146,10 +147,10 @@ def _task(ctx, spec, src, dst, dtype, bucket_nbytes, repeats):
     t0 = time.perf_counter()
     plan = build_plan(src_layout, dst_layout, itemsize=itemsize, bucket_nbytes=bucket_nbytes, rank=ctx.rank)
     plan_s = time.perf_counter() - t0
-    res = {"plan_s": plan_s, "min_nbytes": plan.min_recv_nbytes(ctx.rank), "dst_nbytes": plan.dst_nbytes(ctx.rank),
-           "buckets": len(plan.buckets)}
-    res.update(_compare(ctx, plan, train, lambda: _allgather_then_slice(ctx, spec, src, dst_layout, train, groups),
-                        repeats))
+    res = {"plan_s": plan_s, "min_nbytes": plan.min_recv_nbytes(ctx.rank),
+           "dst_nbytes": plan.dst_nbytes(ctx.rank), "buckets": len(plan.buckets)}
+    res.update(_compare(ctx, plan, train,
+                        lambda: _allgather_then_slice(ctx, spec, src, dst_layout, train, groups), repeats))
     return res
 
 
@@ -174,13 +175,14 @@ def _compare(ctx, plan, src: dict, baseline, repeats: int) -> dict:
         del out_b
     out_a, stats = run_plan(plan, rank=ctx.rank, src=src)
     out_b, _ = baseline()
-    return {"same_result": all(torch.equal(out_a[n], out_b[n]) for n in out_a), "a_recv": stats.received_nbytes,
-            "a_sent": stats.sent_nbytes, "a_temp": stats.temp_peak_nbytes, "a_s": min(a_times), "b_recv": recv_b,
-            "b_s": min(b_times)}
+    return {"same_result": all(torch.equal(out_a[n], out_b[n]) for n in out_a),
+            "a_recv": stats.received_nbytes, "a_sent": stats.sent_nbytes, "a_temp": stats.temp_peak_nbytes,
+            "a_s": min(a_times), "b_recv": recv_b, "b_s": min(b_times)}
 
 
 def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
-    """FSDP2 source: (a) the plan from the FSDP2 shards, (b) ``full_tensor()`` of every parameter, then slice."""
+    """FSDP2 source: (a) the plan from the FSDP2 shards, (b) ``full_tensor()`` of every parameter, then
+    slice."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -199,8 +201,8 @@ def _fsdp_task(ctx, spec, dst, dtype, bucket_nbytes, repeats):
         local[name] = full[name][lo:hi].clone()
         full.pop(name)
         t = torch.empty(shape)
-        dtensors[name] = DTensor.from_local(local[name], mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                            stride=t.stride())
+        dtensors[name] = DTensor.from_local(local[name], mesh, [Shard(0)], run_check=False,
+                                            shape=torch.Size(shape), stride=t.stride())
         del t
     itemsize = torch.empty((), dtype=dtype).element_size()
     t0 = time.perf_counter()
@@ -231,7 +233,7 @@ def _megatron_reason(spec: ModelSpec, dst: ParallelLayout, world: int) -> str | 
     """Why (c) cannot run for this case, or ``None`` when it can."""
     try:
         import megatron.core.resharding  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - report why it is absent
+    except Exception as exc:  # report why it is absent
         return f"megatron.core.resharding not importable ({type(exc).__name__}: {exc})"
     if spec.is_moe:
         return "MoE presets are not wired into (c)"
@@ -244,28 +246,30 @@ def _megatron_reason(spec: ModelSpec, dst: ParallelLayout, world: int) -> str | 
 
 def _print_megatron(results: list[dict], repeats: int) -> None:
     mib = 2**20
-    print("(c) megatron-core swap_model_weights (gloo), Megatron src -> Megatron dst with the inference (tp, pp); "
-          "hybridmem's plan run for the same Megatron -> Megatron pair:")
-    print(f"{'rank':>4} {'dst MiB':>9} {'min MiB':>9} {'mcore recv':>10} {'ours recv':>10} {'mcore/ours':>10} "
-          f"{'mcore s':>8} {'ours s':>8} {'mcore 1st s':>11} equal(mcore, ours)")
+    print("(c) megatron-core swap_model_weights (gloo), Megatron src -> Megatron dst with the "
+          "inference (tp, pp); hybridmem's plan run for the same Megatron -> Megatron pair:")
+    print(f"{'rank':>4} {'dst MiB':>9} {'min MiB':>9} {'mcore recv':>10} {'ours recv':>10} "
+          f"{'mcore/ours':>10} {'mcore s':>8} {'ours s':>8} {'mcore 1st s':>11} equal(mcore, ours)")
     for r, x in enumerate(results):
         ratio = x["megatron_recv"] / x["hybridmem_recv"] if x["hybridmem_recv"] else float("nan")
-        print(f"{r:>4} {x['dst_nbytes'] / mib:>9.1f} {x['min_recv'] / mib:>9.1f} {x['megatron_recv'] / mib:>10.1f} "
-              f"{x['hybridmem_recv'] / mib:>10.1f} {ratio:>10.2f} {x['megatron_s']:>8.3f} {x['hybridmem_s']:>8.3f} "
-              f"{x['megatron_first_s']:>11.3f} {x['megatron_equal']}, {x['hybridmem_equal']}")
+        print(f"{r:>4} {x['dst_nbytes'] / mib:>9.1f} {x['min_recv'] / mib:>9.1f} "
+              f"{x['megatron_recv'] / mib:>10.1f} {x['hybridmem_recv'] / mib:>10.1f} {ratio:>10.2f} "
+              f"{x['megatron_s']:>8.3f} {x['hybridmem_s']:>8.3f} {x['megatron_first_s']:>11.3f} "
+              f"{x['megatron_equal']}, {x['hybridmem_equal']}")
     tot_c = sum(x["megatron_recv"] for x in results)
     tot_a = sum(x["hybridmem_recv"] for x in results)
     ratio = tot_c / tot_a if tot_a else float("inf") if tot_c else 1.0
-    print(f"total received: mcore {tot_c / mib:.1f} MiB, ours {tot_a / mib:.1f} MiB, ratio {ratio:.2f}; wall (slowest "
-          f"rank, best of {repeats}): mcore {max(x['megatron_s'] for x in results):.3f} s, ours "
-          f"{max(x['hybridmem_s'] for x in results):.3f} s; mcore's first call (plan + copy) "
+    print(f"total received: mcore {tot_c / mib:.1f} MiB, ours {tot_a / mib:.1f} MiB, ratio {ratio:.2f}; "
+          f"wall (slowest rank, best of {repeats}): mcore {max(x['megatron_s'] for x in results):.3f} s, "
+          f"ours {max(x['hybridmem_s'] for x in results):.3f} s; mcore's first call (plan + copy) "
           f"{max(x['megatron_first_s'] for x in results):.3f} s")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="qwen2-0.5b")
-    ap.add_argument("--src", default="tp=4", help="training layout, e.g. tp=2,pp=2, or 'fsdp' (FSDP2 over all ranks)")
+    ap.add_argument("--src", default="tp=4",
+                    help="training layout, e.g. tp=2,pp=2, or 'fsdp' (FSDP2 over all ranks)")
     ap.add_argument("--dst", default="tp=2", help="inference layout, e.g. tp=2")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -286,25 +290,27 @@ def main(argv=None) -> int:
         megatron_layout(spec, src, args.world)  # validate before spawning
     vllm_layout(spec, dst, args.world)
     dtype = DTYPES[args.dtype]
-    reason = "an FSDP2 source" if fsdp else _megatron_reason(spec, dst, args.world) if args.megatron else "--no-megatron"
+    reason = ("an FSDP2 source" if fsdp
+              else _megatron_reason(spec, dst, args.world) if args.megatron else "--no-megatron")
     with WorkerPool(args.world, timeout_s=args.timeout_s) as pool:
         if fsdp:
             results = pool.run(_fsdp_task, spec, dst, dtype, args.bucket_mb * 2**20, args.repeats)
         else:
             results = pool.run(_task, spec, src, dst, dtype, args.bucket_mb * 2**20, args.repeats)
-        megatron = None if reason else pool.run(compare_refits, spec, src, dst, dtype=dtype, repeats=args.repeats)
+        megatron = None if reason else pool.run(compare_refits, spec, src, dst, dtype=dtype,
+                                                repeats=args.repeats)
     mib = 2**20
     nparams = sum(torch.Size(s).numel() for s in spec.full_shapes().values())
-    print(f"model {args.preset}: {nparams / 1e6:.1f} M params, {args.dtype}; {src} -> {dst} on {args.world} ranks "
-          f"(gloo, CPU); bucket {args.bucket_mb} MiB; plan built in {results[0]['plan_s']:.2f} s, "
-          f"{results[0]['buckets']} buckets")
+    print(f"model {args.preset}: {nparams / 1e6:.1f} M params, {args.dtype}; {src} -> {dst} on "
+          f"{args.world} ranks (gloo, CPU); bucket {args.bucket_mb} MiB; plan built in "
+          f"{results[0]['plan_s']:.2f} s, {results[0]['buckets']} buckets")
     print(f"{'rank':>4} {'dst MiB':>9} {'min MiB':>9} {'(a) recv':>9} {'(b) recv':>9} {'b/a':>6} "
           f"{'(a) s':>7} {'(b) s':>7} {'(a) temp MiB':>12} same")
     for r, x in enumerate(results):
         ratio = x["b_recv"] / x["a_recv"] if x["a_recv"] else float("inf") if x["b_recv"] else 1.0
         print(f"{r:>4} {x['dst_nbytes'] / mib:>9.1f} {x['min_nbytes'] / mib:>9.1f} {x['a_recv'] / mib:>9.1f} "
-              f"{x['b_recv'] / mib:>9.1f} {ratio:>6.2f} {x['a_s']:>7.3f} {x['b_s']:>7.3f} {x['a_temp'] / mib:>12.1f} "
-              f"{x['same_result']}")
+              f"{x['b_recv'] / mib:>9.1f} {ratio:>6.2f} {x['a_s']:>7.3f} {x['b_s']:>7.3f} "
+              f"{x['a_temp'] / mib:>12.1f} {x['same_result']}")
     tot_a = sum(x["a_recv"] for x in results)
     tot_b = sum(x["b_recv"] for x in results)
     wall_a = max(x["a_s"] for x in results)

@@ -130,7 +130,8 @@ def soak(*, cycles: int = 10_000, dim: int = 64, device: str = "cpu", sample_eve
 
 def main() -> None:
     p = argparse.ArgumentParser(description="TRAIN<->INFER soak with OS-measured memory")
-    p.add_argument("--cycles", type=int, default=10_000, help="switch cycles after the warm-up (default 10000)")
+    p.add_argument("--cycles", type=int, default=10_000,
+                   help="switch cycles after the warm-up (default 10000)")
     p.add_argument("--dim", type=int, default=64, help="TinyNet width (default 64)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
     p.add_argument("--sample-every", type=int, default=250, help="cycles between samples (default 250)")
@@ -139,11 +140,13 @@ def main() -> None:
     torch.set_num_threads(1)
     r = soak(cycles=args.cycles, dim=args.dim, device=args.device, sample_every=args.sample_every)
     first, last = r.samples[0], r.samples[-1]
-    print(f"soak on {r.device} ({platform.node()}), TinyNet dim={r.dim}, {r.cycles} cycles in {r.seconds:.1f} s "
-          f"({r.seconds / r.cycles * 1e3:.2f} ms/cycle)")
+    print(f"soak on {r.device} ({platform.node()}), TinyNet dim={r.dim}, {r.cycles} cycles in "
+          f"{r.seconds:.1f} s ({r.seconds / r.cycles * 1e3:.2f} ms/cycle)")
     print(f"  RSS        start {format_nbytes(first.rss_nbytes)}, end {format_nbytes(last.rss_nbytes)}, "
-          f"growth {format_nbytes(r.rss_growth_nbytes)}, slope {format_nbytes(r.rss_slope_per_1k)} / 1,000 cycles")
-    print(f"  host pool  start {format_nbytes(first.host_pool_nbytes)}, end {format_nbytes(last.host_pool_nbytes)}")
+          f"growth {format_nbytes(r.rss_growth_nbytes)}, slope {format_nbytes(r.rss_slope_per_1k)} / "
+          "1,000 cycles")
+    print(f"  host pool  start {format_nbytes(first.host_pool_nbytes)}, end "
+          f"{format_nbytes(last.host_pool_nbytes)}")
     if r.device_free_drop_nbytes is not None:
         print(f"  device free (mem_get_info) start {format_nbytes(first.device_free_nbytes)}, end "
               f"{format_nbytes(last.device_free_nbytes)}, drop {format_nbytes(r.device_free_drop_nbytes)}")

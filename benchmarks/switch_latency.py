@@ -41,12 +41,14 @@ from hybridmem.switch.memplan import format_nbytes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build(num_params: float, dtype: torch.dtype, accel: Accelerator, hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(num_params: float, dtype: torch.dtype, accel: Accelerator,
+          hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A stack of ``hidden x hidden`` linear layers with about ``num_params`` weights, AdamW state and
     non-zero grads, all on the device."""
     num_layers = max(1, round(num_params / (hidden * hidden)))
     with torch.device(accel.device):
-        model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=False, dtype=dtype) for _ in range(num_layers)))
+        model = torch.nn.Sequential(*(torch.nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+                                      for _ in range(num_layers)))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -65,7 +67,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, accel: Accele
     return time.perf_counter() - start
 
 
-def first_switch(model: torch.nn.Module, opt: torch.optim.Optimizer, accel: Accelerator, *, prewarm: bool) -> dict:
+def first_switch(model: torch.nn.Module, opt: torch.optim.Optimizer, accel: Accelerator, *,
+                 prewarm: bool) -> dict:
     """The first TRAIN->INFER and INFER->TRAIN of a manager used right after its construction."""
     manager = ShardingManager(model, optimizer=opt, accel=accel,
                               config=HybridConfig(skip_zero_grads=False, prewarm_host_buffers=prewarm))
@@ -76,7 +79,8 @@ def first_switch(model: torch.nn.Module, opt: torch.optim.Optimizer, accel: Acce
 
 def device_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     out = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
-    out += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.device == next(model.parameters()).device]
+    out += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+            and v.device == next(model.parameters()).device]
     return out
 
 
@@ -163,7 +167,8 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
         "num_params": sum(p.numel() for p in model.parameters()),
         "dtype": str(dtype).removeprefix("torch."),
         "total_nbytes": total,
-        "raw": {"d2h_s": raw_d2h, "h2d_s": raw_h2d, "d2h_gbps": total / raw_d2h / 1e9, "h2d_gbps": total / raw_h2d / 1e9},
+        "raw": {"d2h_s": raw_d2h, "h2d_s": raw_h2d, "d2h_gbps": total / raw_d2h / 1e9,
+                "h2d_gbps": total / raw_h2d / 1e9},
         "naive": {"offload_s": naive_off, "onload_s": naive_on},
         "cycles": cycles,
         "steady": {"to_infer_s": steady_off, "to_train_s": steady_on},
@@ -186,7 +191,8 @@ def targets_met(fig: dict) -> dict[str, bool]:
         "to_infer >= 0.9 raw": fig["to_infer_ratio_to_raw"] >= TARGETS["ratio_to_raw"],
         "to_train >= 0.9 raw": fig["to_train_ratio_to_raw"] >= TARGETS["ratio_to_raw"],
         "first <= 2x steady": fig["first_vs_steady"] <= TARGETS["first_vs_steady"],
-        ">= 10x naive": min(fig["to_infer_speedup_vs_naive"], fig["to_train_speedup_vs_naive"]) >= TARGETS["speedup_vs_naive"],
+        ">= 10x naive": min(fig["to_infer_speedup_vs_naive"],
+                            fig["to_train_speedup_vs_naive"]) >= TARGETS["speedup_vs_naive"],
         "freed >= 0.99": fig["freed_share"] >= TARGETS["freed_share"],
     }
 
@@ -209,7 +215,8 @@ def table(fig: dict) -> Table:
         ("hybridmem INFER->TRAIN, first", first["to_train_s"], raw_h2d, naive_on),
         ("TRAIN->INFER, first, right after construction", fig["first_right_after_construction"]["to_infer_s"],
          raw_d2h, naive_off),
-        ("TRAIN->INFER, first, prewarming off", fig["first_without_prewarm"]["to_infer_s"], raw_d2h, naive_off),
+        ("TRAIN->INFER, first, prewarming off", fig["first_without_prewarm"]["to_infer_s"], raw_d2h,
+         naive_off),
         ("hybridmem TRAIN->INFER, steady", fig["steady"]["to_infer_s"], raw_d2h, naive_off),
         ("hybridmem INFER->TRAIN, steady", fig["steady"]["to_train_s"], raw_h2d, naive_on),
     ]
@@ -220,13 +227,15 @@ def table(fig: dict) -> Table:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=5e7, help="model weights (count)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--repeats", type=int, default=5, help="steady-state cycles after the first (>= 2)")
-    parser.add_argument("--naive-repeats", type=int, default=None, help="naive round trips (default: --repeats)")
+    parser.add_argument("--naive-repeats", type=int, default=None,
+                        help="naive round trips (default: --repeats)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
     if args.repeats < 2:
@@ -234,12 +243,14 @@ def main() -> None:
 
     accel = get_accelerator(args.device)
     console = Console(width=120)
-    console.print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, device {accel.device}"
+    console.print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, device "
+                  f"{accel.device}"
                   + (f" ({torch.cuda.get_device_name(accel.device)})" if accel.device.type == "cuda" else "")
                   + f", torch {torch.__version__}, {torch.get_num_threads()} threads")
     fig = measure(accel, num_params=args.params, dtype=DTYPES[args.dtype], hidden=args.hidden,
                   repeats=args.repeats, naive_repeats=args.naive_repeats or args.repeats)
-    fig["device"] = str(accel.device) + (f" ({torch.cuda.get_device_name(accel.device)})" if accel.device.type == "cuda" else "")
+    fig["device"] = str(accel.device) + (f" ({torch.cuda.get_device_name(accel.device)})"
+                                         if accel.device.type == "cuda" else "")
     console.print(f"model: {fig['num_params'] / 1e6:.1f} M params ({args.dtype}), "
                   f"params + grads + AdamW state = {format_nbytes(fig['total_nbytes'])} on the device")
     console.print(table(fig))
@@ -247,19 +258,23 @@ def main() -> None:
                   + ", ".join(f"{c['to_infer_s']:.4f} / {c['to_train_s']:.4f}" for c in fig["cycles"][:3])
                   + f"; training step before each: {fig['cycles'][0]['train_step_s']:.3f} s")
     steady = fig["steady"]
-    console.print(f"first / steady: TRAIN->INFER {fig['cycles'][0]['to_infer_s'] / steady['to_infer_s']:.2f}x, "
-                  f"INFER->TRAIN {fig['cycles'][0]['to_train_s'] / steady['to_train_s']:.2f}x (after a training "
-                  f"step); right after construction {fig['first_right_after_construction']['to_infer_s'] / steady['to_infer_s']:.2f}x; "
+    console.print("first / steady: TRAIN->INFER "
+                  f"{fig['cycles'][0]['to_infer_s'] / steady['to_infer_s']:.2f}x, INFER->TRAIN "
+                  f"{fig['cycles'][0]['to_train_s'] / steady['to_train_s']:.2f}x (after a training step); "
+                  "right after construction "
+                  f"{fig['first_right_after_construction']['to_infer_s'] / steady['to_infer_s']:.2f}x; "
                   f"prewarming off {fig['first_without_prewarm']['to_infer_s'] / steady['to_infer_s']:.2f}x")
     console.print(f"device memory freed by TRAIN->INFER ({fig['freed_source']}): "
                   f"{fig['freed_share'] * 100:.2f}% of the {format_nbytes(fig['total_nbytes'])} offloaded")
     res = fig["residency_in_infer"]
     if res is not None and res["unexplained_nbytes"] is not None:
         console.print(f"device in INFER: {format_nbytes(res['device_used_nbytes'])} used, "
-                      f"{format_nbytes(res['owned_nbytes'])} owned, {format_nbytes(res['cached_nbytes'])} cached, "
+                      f"{format_nbytes(res['owned_nbytes'])} owned, "
+                      f"{format_nbytes(res['cached_nbytes'])} cached, "
                       f"{format_nbytes(res['unexplained_nbytes'])} outside the allocator (CUDA context, ...)")
     if accel.measures_device_memory:
-        console.print("targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets_met(fig).items()))
+        console.print("targets: "
+                      + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in targets_met(fig).items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(fig, f, indent=2)

@@ -22,8 +22,8 @@ import statistics
 import time
 
 import torch
-from kv_release import import_torch_memory_saver  # noqa: E402  (a sibling script of benchmarks/)
-from switch_latency import DTYPES, build, device_tensors  # noqa: E402
+from kv_release import import_torch_memory_saver  # a sibling script of benchmarks/
+from switch_latency import DTYPES, build, device_tensors
 
 from hybridmem.accel import get_accelerator
 from hybridmem.switch.memplan import format_nbytes
@@ -76,7 +76,8 @@ def skip_reason() -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=5e7, help="model weights (count)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -90,14 +91,16 @@ def main() -> None:
         print(f"torch_memory_saver benchmark skipped: {why}")
         fig: dict = {"skipped": why}
     else:
-        fig = measure(num_params=args.params, dtype=DTYPES[args.dtype], hidden=args.hidden, cycles=args.cycles)
+        fig = measure(num_params=args.params, dtype=DTYPES[args.dtype], hidden=args.hidden,
+                      cycles=args.cycles)
         fig["device"] = torch.cuda.get_device_name()
         print(f"torch_memory_saver, {format_nbytes(fig['total_nbytes'])} of params + grads + AdamW state "
               f"(cpu backup on):")
         for i, r in enumerate(fig["cycles"], 1):
-            print(f"  cycle {i}: pause {r['pause_s']:.4f} s ({fig['total_nbytes'] / r['pause_s'] / 1e9:.1f} GB/s), "
-                  f"resume {r['resume_s']:.4f} s ({fig['total_nbytes'] / r['resume_s'] / 1e9:.1f} GB/s), "
-                  f"freed {format_nbytes(r['freed_nbytes'])}")
+            print(f"  cycle {i}: pause {r['pause_s']:.4f} s "
+                  f"({fig['total_nbytes'] / r['pause_s'] / 1e9:.1f} GB/s), resume {r['resume_s']:.4f} s "
+                  f"({fig['total_nbytes'] / r['resume_s'] / 1e9:.1f} GB/s), freed "
+                  f"{format_nbytes(r['freed_nbytes'])}")
         print(f"state bitwise equal after resume: {fig['bitwise_after_resume']}")
     if args.json:
         with open(args.json, "w") as f:

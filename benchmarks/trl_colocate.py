@@ -30,7 +30,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+       "TRL_EXPERIMENTAL_SILENCE": "1"}
 
 
 def _state_nbytes(model, optimizer) -> int:
@@ -69,11 +70,13 @@ def run(mode: str, args: argparse.Namespace, out: str) -> None:
 
     config = GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=not torch.cuda.is_available(), bf16=False,
                         report_to="none", logging_steps=1, per_device_train_batch_size=8, num_generations=8,
-                        max_completion_length=16, learning_rate=1e-2, max_steps=args.steps, seed=0, use_vllm=True,
-                        vllm_mode="colocate", vllm_max_model_length=64, vllm_enable_sleep_mode=args.sleep,
+                        max_completion_length=16, learning_rate=1e-2, max_steps=args.steps, seed=0,
+                        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=64,
+                        vllm_enable_sleep_mode=args.sleep,
                         vllm_gpu_memory_utilization=args.gpu_memory_utilization)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 16})
-    kwargs = dict(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer, args=config)
+    kwargs = dict(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
+                  args=config)
     if mode == "hybridmem":
         from hybridmem.integrations.trl import HybridGRPOTrainer
 
@@ -150,7 +153,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--sleep", action="store_true", help="TRL's vllm_enable_sleep_mode (not on vLLM's CPU build)")
+    p.add_argument("--sleep", action="store_true",
+                   help="TRL's vllm_enable_sleep_mode (not on vLLM's CPU build)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--out", default=None, help="write both runs' figures as JSON here")
     p.add_argument("--mode", choices=("trl", "hybridmem"), help=argparse.SUPPRESS)
@@ -165,7 +169,8 @@ def main() -> None:
             result = os.path.join(tmp, "r.json")
             cmd = [sys.executable, __file__, "--mode", mode, "--result", result, "--steps", str(args.steps),
                    "--hidden", str(args.hidden), "--layers", str(args.layers),
-                   "--gpu-memory-utilization", str(args.gpu_memory_utilization), *(["--sleep"] if args.sleep else [])]
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                   *(["--sleep"] if args.sleep else [])]
             proc = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"{mode} run failed:\n{proc.stderr[-4000:]}")
@@ -185,7 +190,8 @@ def main() -> None:
             moved = r.get("switch_moved", 0) + r["sync_moved"]
             held = r["held"][0] if r["held"] else float("nan")
             print(f"{i:>4} | {mode:>9} | {r['gen_s']:6.3f} | {r.get('step_s', float('nan')):6.3f} | "
-                  f"{held / mib:8.2f} | {moved / mib:9.2f} | {r.get('logp_gap_mean') or float('nan'):13.2e} | "
+                  f"{held / mib:8.2f} | {moved / mib:9.2f} | "
+                  f"{r.get('logp_gap_mean') or float('nan'):13.2e} | "
                   f"{r.get('logp_gap_max') or float('nan'):7.1e} | {r.get('reward') or 0:6.3f}")
     for mode in ("trl", "hybridmem"):
         rows = results[mode]["steps"][1:]  # after the first (compilation, lazy optimizer state)

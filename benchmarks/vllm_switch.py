@@ -44,7 +44,8 @@ def main() -> None:
     engine = VLLMEngine.create(cfg, distributed_executor_backend=None, dtype=args.dtype, enforce_eager=True,
                                max_model_len=256, seed=0)
     create_s = time.perf_counter() - t0
-    manager = ShardingManager(model, engine, optimizer=opt, weight_sync=LoadWeightsSync(model.named_parameters, engine))
+    manager = ShardingManager(model, engine, optimizer=opt,
+                              weight_sync=LoadWeightsSync(model.named_parameters, engine))
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
     to_infer, to_train, sync = [], [], []
     for i in range(args.switches + 1):
@@ -64,8 +65,10 @@ def main() -> None:
         sync.append(next(s.seconds for s in r_in.steps if s.name == "weight sync"))
     med = statistics.median
     print(f"model: {nbytes / 2**20:.1f} MiB of weights ({args.dtype}), LLM created in {create_s:.1f} s")
-    print(f"TRAIN->INFER median {med(to_infer) * 1e3:.1f} ms, INFER->TRAIN median {med(to_train) * 1e3:.1f} ms")
-    print(f"weight sync (reload_weights) median {med(sync) * 1e3:.1f} ms = {nbytes / med(sync) / 1e9:.2f} GB/s")
+    print(f"TRAIN->INFER median {med(to_infer) * 1e3:.1f} ms, INFER->TRAIN median "
+          f"{med(to_train) * 1e3:.1f} ms")
+    print(f"weight sync (reload_weights) median {med(sync) * 1e3:.1f} ms = "
+          f"{nbytes / med(sync) / 1e9:.2f} GB/s")
     print(f"release/resume: {engine.memory_note}")
     engine.close()
 

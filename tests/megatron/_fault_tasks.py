@@ -60,7 +60,8 @@ def _diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
         x, y = a[k], b[k]
         if x.untyped_storage().nbytes() == 0:
             out.append(f"{k} has 0 bytes")
-        elif x.dtype != y.dtype or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+        elif x.dtype != y.dtype or not torch.equal(x.reshape(-1).view(torch.uint8),
+                                                   y.reshape(-1).view(torch.uint8)):
             out.append(k)
     return out
 
@@ -88,7 +89,8 @@ class _Actor:
                 v.copy_(self.snapshot[k])
 
     def next_losses(self) -> list[float]:
-        return [mm.train_step(self.chunks, self.optimizer, mm.make_batch(self.spec, s), self.spec) for s in (2, 3)]
+        return [mm.train_step(self.chunks, self.optimizer, mm.make_batch(self.spec, s), self.spec)
+                for s in (2, 3)]
 
     def prepare(self, direction: str, fail_at: int | None) -> Callable[[], Any]:
         if direction == "to_infer":
@@ -99,7 +101,7 @@ class _Actor:
         with self.injector.active(target=fail_at, exc=lambda: Injected("first failure")):
             try:
                 self.manager.to_train()
-            except Exception as e:  # noqa: BLE001 - the SwitchError of the first failure
+            except Exception as e:  # the SwitchError of the first failure
                 if not isinstance(e.__cause__, Injected):
                     raise
         if self.manager.phase is not Phase.FAILED:
@@ -168,7 +170,8 @@ def inject_everywhere(ctx, spec: mm.TinyGPTSpec, directions: tuple[str, ...], fu
         actor.restore()
         again = actor.next_losses()  # the restore is complete: the reference repeats
         if again != reference:
-            raise AssertionError(f"restoring the snapshot does not reproduce the losses: {again} != {reference}")
+            raise AssertionError(f"restoring the snapshot does not reproduce the losses: {again} "
+                                 f"!= {reference}")
         out["reference"] = reference
         out["leaf_optimizers"] = [type(o).__name__ for o in leaf_optimizers(actor.optimizer)]
         out["misuse"] = _misuse(actor)
@@ -194,5 +197,6 @@ def inject_everywhere(ctx, spec: mm.TinyGPTSpec, directions: tuple[str, ...], fu
                         problems.append(f"{direction} {kind} {problem}")
                         if actor.manager.phase is not Phase.TRAIN or len(problems) > 5:
                             break
-            out[direction] = {"points": len(labels), "runs": runs, "problems": problems, "kinds": sorted(set(labels))}
+            out[direction] = {"points": len(labels), "runs": runs, "problems": problems,
+                              "kinds": sorted(set(labels))}
     return out

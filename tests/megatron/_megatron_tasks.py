@@ -64,7 +64,8 @@ def _snapshot(model_chunks: list[Any], optimizer: Any) -> dict[str, torch.Tensor
 def _bitwise_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     if a.keys() != b.keys():
         return [f"keys differ: {sorted(set(a) ^ set(b))}"]
-    return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
+    return [k for k in a if a[k].dtype != b[k].dtype
+            or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
 
 
 def _infer_checks(state: MegatronTrainingState, manager: ShardingManager) -> dict[str, Any]:
@@ -76,7 +77,8 @@ def _infer_checks(state: MegatronTrainingState, manager: ShardingManager) -> dic
     return {
         "num_buffers": len(buffers),
         "buffer_storage_nbytes": [
-            (0 if b.param_data is None else b.param_data.untyped_storage().nbytes(), b.grad_data.untyped_storage().nbytes())
+            (0 if b.param_data is None else b.param_data.untyped_storage().nbytes(),
+             b.grad_data.untyped_storage().nbytes())
             for b in buffers
         ],
         "has_param_data": [b.param_data is not None for b in buffers],
@@ -103,7 +105,8 @@ def _expected_nbytes(state: MegatronTrainingState) -> dict[str, int]:
         else sum(p.numel() * p.element_size() for p in b.params)
         for b in buffers
     )
-    grad_storages = {b.grad_data.untyped_storage()._cdata: b.grad_data.untyped_storage().nbytes() for b in buffers}
+    grad_storages = {b.grad_data.untyped_storage()._cdata: b.grad_data.untyped_storage().nbytes()
+                     for b in buffers}
     for p in main_param_tensors(state.optimizer):
         if p.grad is not None:  # a view of grad_data (fp32 grads) or its own tensor (cast copies)
             grad_storages[p.grad.untyped_storage()._cdata] = p.grad.untyped_storage().nbytes()
@@ -161,13 +164,16 @@ def train_with_switches(
         if switch:
             if use_engine:
                 engine = _copy_engine(unwrap_model(model_chunks[0]))
-            manager = ShardingManager(state, engine, config=HybridConfig(device=device))  # attaches the state itself
-        out: dict[str, Any] = {"losses": [], "infer": [], "round_trip_diffs": [], "expected": [], "reports": [], "workspace_before": []}
+            # attaches the state itself
+            manager = ShardingManager(state, engine, config=HybridConfig(device=device))
+        out: dict[str, Any] = {"losses": [], "infer": [], "round_trip_diffs": [], "expected": [],
+                               "reports": [], "workspace_before": []}
         out["optimizer_type"] = type(optimizer).__name__
         out["leaf_optimizers"] = [type(o).__name__ for o in leaf_optimizers(optimizer)]
         param_ids = [id(p) for c in model_chunks for p in c.parameters()]
         for step in range(num_steps):
-            out["losses"].append(mm.train_step(model_chunks, optimizer, mm.make_batch(spec, step, device), spec))
+            out["losses"].append(mm.train_step(model_chunks, optimizer,
+                                               mm.make_batch(spec, step, device), spec))
             if not switch:
                 continue
             if zero_grads:
@@ -175,7 +181,8 @@ def train_with_switches(
                     chunk.zero_grad_buffer()
                 optimizer.zero_grad()
             # Make Megatron's global memory buffer hold something, as sequence parallelism would.
-            parallel_state.get_global_memory_buffer().get_tensor((WORKSPACE_PROBE_NUMEL,), torch.float32, "probe")
+            parallel_state.get_global_memory_buffer().get_tensor((WORKSPACE_PROBE_NUMEL,), torch.float32,
+                                                                 "probe")
             if device != "cpu":
                 torch.cuda.synchronize()
             out["workspace_before"].append(manager.residency().by_owner[WORKSPACE_OWNER])
@@ -186,11 +193,13 @@ def train_with_switches(
             checks = _infer_checks(state, manager)
             if engine is not None:
                 checks["engine_diffs"] = [
-                    n for n, ref in named_before.items() if not torch.equal(engine.module.get_parameter(n), ref)
+                    n for n, ref in named_before.items()
+                    if not torch.equal(engine.module.get_parameter(n), ref)
                 ]
             out["infer"].append(checks)
             report = manager.last_report
-            out["reports"].append({s.name: (s.copied_nbytes, s.zero_nbytes, dict(s.extra)) for s in report.steps})
+            out["reports"].append({s.name: (s.copied_nbytes, s.zero_nbytes, dict(s.extra))
+                                   for s in report.steps})
             manager.to_train()
             out["round_trip_diffs"].append(_bitwise_diffs(before, _snapshot(model_chunks, optimizer)))
         out["same_param_objects"] = param_ids == [id(p) for c in model_chunks for p in c.parameters()]
@@ -254,7 +263,8 @@ def _shard_diffs(want: dict[str, torch.Tensor], have: dict[str, torch.Tensor], *
     """Names whose tensors differ; vocab tensors are compared on their real (unpadded) rows only, the
     padding rows being each side's own. ``cast``: ``want`` is first cast to ``have``'s dtype (the engine
     holds every tensor in its own dtype; Megatron keeps some norms in fp32 beside bf16 weights)."""
-    diffs = [f"missing {n}" for n in want.keys() - have.keys()] + [f"unexpected {n}" for n in have.keys() - want.keys()]
+    diffs = ([f"missing {n}" for n in want.keys() - have.keys()]
+             + [f"unexpected {n}" for n in have.keys() - want.keys()])
     for n in want.keys() & have.keys():
         a, b = want[n], have[n]
         if cast:
@@ -303,7 +313,8 @@ def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int
 
     ref = _reference_module()
     world, rank = ctx.world_size, ctx.rank
-    infer_groups = [torch.distributed.new_group(list(range(s, s + infer_tp))) for s in range(0, world, infer_tp)]
+    infer_groups = [torch.distributed.new_group(list(range(s, s + infer_tp)))
+                    for s in range(0, world, infer_tp)]
     with megatron_worker(spec):
         model_chunks, optimizer = mm.build_megatron_gpt(spec)
         state = MegatronTrainingState(model_chunks, optimizer, vocab_size=vocab_size)
@@ -316,30 +327,36 @@ def reshard_into_engine(ctx, spec: mm.TinyGPTSpec, infer_tp: int, num_steps: int
         )
         convention = state.megatron_convention()
         if model_spec.is_moe:
-            shapes = {n: t.shape for n, t in vllm_layout(model_spec, config.infer_layout, world).tensors(rank).items()}
-            engine = _VLLMLayoutHolder({n: tuple(s) for n, s in shapes.items()}, spec.params_dtype, engine_model_type)
+            shapes = {n: t.shape
+                      for n, t in vllm_layout(model_spec, config.infer_layout, world).tensors(rank).items()}
+            engine = _VLLMLayoutHolder({n: tuple(s) for n, s in shapes.items()}, spec.params_dtype,
+                                       engine_model_type)
         else:
             engine = ReferenceEngine(state.model_spec_dict(), group=infer_groups[rank // infer_tp],
                                      num_kv_blocks=4, block_size=4, dtype=spec.params_dtype)
             engine.release(list(ENGINE_TAGS))
         manager = ShardingManager(state, engine, config=config)
         state.attach(manager)
-        out: dict[str, Any] = {"diffs": [], "megatron_diffs": [], "received": [], "min_received": [], "losses": [],
-                               "num_tensors": []}
+        out: dict[str, Any] = {"diffs": [], "megatron_diffs": [], "received": [], "min_received": [],
+                               "losses": [], "num_tensors": []}
         for step in range(num_steps):
             out["losses"].append(mm.train_step(model_chunks, optimizer, mm.make_batch(spec, step), spec))
             local = {n: p.detach().clone() for n, p in state.named_weights()}
             every: list[Any] = [None] * world
             torch.distributed.all_gather_object(every, local)
-            full = _renamed(unshard(every, megatron_layout(model_spec, config.train_layout, world, convention=convention)),
+            full = _renamed(unshard(every, megatron_layout(model_spec, config.train_layout, world,
+                                                           convention=convention)),
                             names)
             for r, theirs in enumerate(every):
-                mine = ref.megatron_shard(full, model_spec, tp=spec.tp, pp=spec.pp, ep=spec.ep, world=world, rank=r,
+                mine = ref.megatron_shard(full, model_spec, tp=spec.tp, pp=spec.pp, ep=spec.ep,
+                                          world=world, rank=r,
                                           divisible_by=convention.padded_vocab_size // spec.tp)
-                out["megatron_diffs"] += [f"rank {r}: {d}" for d in _shard_diffs(mine, theirs, tp_rank=r % spec.tp,
-                                                                                    vocab=model_spec.vocab_size)]
+                out["megatron_diffs"] += [f"rank {r}: {d}"
+                                          for d in _shard_diffs(mine, theirs, tp_rank=r % spec.tp,
+                                                                vocab=model_spec.vocab_size)]
             manager.to_infer()
-            expected = _renamed(ref.vllm_shard(full, model_spec, tp=infer_tp, pp=1, ep=1, world=world, rank=rank),
+            expected = _renamed(ref.vllm_shard(full, model_spec, tp=infer_tp, pp=1, ep=1, world=world,
+                                               rank=rank),
                                 names[:2], reverse=True)
             diffs = _shard_diffs(expected, dict(engine.named_parameters()), tp_rank=rank % infer_tp,
                                  vocab=model_spec.vocab_size, cast=True)

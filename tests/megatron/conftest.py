@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from hybridmem.testing.workers import WorkerPool  # noqa: E402
+from hybridmem.testing.workers import WorkerPool
 
 
 class _PoolBySize:

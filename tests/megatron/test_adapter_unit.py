@@ -24,7 +24,8 @@ def _config(**overrides):
 
 def test_model_spec_dict_from_transformer_config():
     d = megatron_model_spec_dict(_config(kv_channels=16), vocab_size=100)
-    assert (d["model_type"], d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]) == ("llama", 8, 2, 16)
+    assert (d["model_type"], d["num_attention_heads"], d["num_key_value_heads"],
+            d["head_dim"]) == ("llama", 8, 2, 16)
     assert (d["intermediate_size"], d["num_hidden_layers"], d["vocab_size"]) == (96, 3, 100)
     # kv_channels defaults to hidden_size / heads in Megatron.
     assert megatron_model_spec_dict(_config(), vocab_size=100)["head_dim"] == 8
@@ -38,10 +39,11 @@ def test_model_spec_dict_names_what_it_cannot_express():
 def _mla_config(**overrides):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    base = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, gated_linear_unit=True,
-                add_bias_linear=False, use_cpu_initialization=True, normalization="RMSNorm", qk_layernorm=True,
-                multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8,
-                v_head_dim=16, rope_type="rope", num_moe_experts=8, moe_ffn_hidden_size=12, moe_router_topk=2,
+    base = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                gated_linear_unit=True, add_bias_linear=False, use_cpu_initialization=True,
+                normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True, q_lora_rank=32,
+                kv_lora_rank=24, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope",
+                num_moe_experts=8, moe_ffn_hidden_size=12, moe_router_topk=2,
                 moe_shared_expert_intermediate_size=12, moe_layer_freq=[0, 1, 1],
                 moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
     return MLATransformerConfig(**{**base, **overrides})
@@ -49,29 +51,35 @@ def _mla_config(**overrides):
 
 @pytest.mark.parametrize("q_lora_rank", [32, None], ids=["q-lora", "no-q-lora"])
 def test_model_spec_dict_of_multi_latent_attention_is_deepseek_v3s(q_lora_rank):
-    """A DeepSeek-V3-style MLATransformerConfig gives the spec transformers' DeepseekV3Config of the same model
-    gives, with or without the engine naming the family."""
+    """A DeepSeek-V3-style MLATransformerConfig gives the spec transformers' DeepseekV3Config of the same
+    model gives, with or without the engine naming the family."""
     import transformers
 
     from hybridmem.reshard import ModelSpec
 
     want = ModelSpec.from_hf_config(transformers.DeepseekV3Config(
-        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
-        vocab_size=100, q_lora_rank=q_lora_rank, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=8, moe_intermediate_size=12, n_shared_experts=1, first_k_dense_replace=1,
-        num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc", tie_word_embeddings=False))
+        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=96, vocab_size=100, q_lora_rank=q_lora_rank, kv_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, moe_intermediate_size=12, n_shared_experts=1,
+        first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc",
+        tie_word_embeddings=False))
     config = _mla_config(q_lora_rank=q_lora_rank)
     for model_type in (None, "deepseek_v3"):
-        got = ModelSpec.from_hf_config(megatron_model_spec_dict(config, vocab_size=100, model_type=model_type))
+        got = ModelSpec.from_hf_config(megatron_model_spec_dict(config, vocab_size=100,
+                                                                model_type=model_type))
         assert got == want, model_type
 
 
 def test_multi_latent_attention_for_another_family_is_refused():
-    with pytest.raises(ValueError, match=r"not a glm4_moe model as the engine serves it: multi-latent attention "
+    with pytest.raises(ValueError,
+                       match=r"not a glm4_moe model as the engine serves it: multi-latent attention "
                                          r"\(multi_latent_attention\): Megatron True, glm4_moe False"):
         megatron_model_spec_dict(_mla_config(), vocab_size=100, model_type="glm4_moe")
-    with pytest.raises(ValueError, match=r"router bias \(moe_router_enable_expert_bias\): Megatron False, deepseek_v3 True"):
-        megatron_model_spec_dict(_mla_config(moe_router_enable_expert_bias=False, moe_router_score_function="softmax"),
+    with pytest.raises(ValueError,
+                       match=r"router bias \(moe_router_enable_expert_bias\): Megatron False, "
+                             r"deepseek_v3 True"):
+        megatron_model_spec_dict(_mla_config(moe_router_enable_expert_bias=False,
+                                             moe_router_score_function="softmax"),
                                  vocab_size=100)
 
 
@@ -141,28 +149,36 @@ def test_model_spec_dict_of_the_engines_family_is_the_hf_configs_spec(model_type
     config of that model gives."""
     from hybridmem.reshard import ModelSpec
 
-    got = ModelSpec.from_hf_config(megatron_model_spec_dict(_config(**megatron), vocab_size=100, model_type=model_type))
-    want = _hf_spec(model_type, num_hidden_layers=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                    head_dim=8, vocab_size=100, tie_word_embeddings=False,
+    got = ModelSpec.from_hf_config(megatron_model_spec_dict(_config(**megatron), vocab_size=100,
+                                                            model_type=model_type))
+    want = _hf_spec(model_type, num_hidden_layers=3, hidden_size=64, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=8, vocab_size=100, tie_word_embeddings=False,
                     **({"intermediate_size": 96} | hf))
     assert got == want
 
 
 def test_model_spec_dict_names_what_differs_from_the_engines_family():
-    with pytest.raises(ValueError, match=r"not a qwen3 model as the engine serves it: q/k norms \(qk_layernorm\): "
+    with pytest.raises(ValueError,
+                       match=r"not a qwen3 model as the engine serves it: q/k norms \(qk_layernorm\): "
                                          r"Megatron False, qwen3 True"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="qwen3")
-    with pytest.raises(ValueError, match=r"router bias \(moe_router_enable_expert_bias\): Megatron False, glm4_moe True"):
-        megatron_model_spec_dict(_config(num_moe_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=96),
+    with pytest.raises(ValueError,
+                       match=r"router bias \(moe_router_enable_expert_bias\): Megatron False, glm4_moe True"):
+        megatron_model_spec_dict(_config(num_moe_experts=4, moe_router_topk=2,
+                                         moe_shared_expert_intermediate_size=96),
                                  vocab_size=100, model_type="glm4_moe")
     with pytest.raises(ValueError, match="model_type='gemma3_text' cannot be trained in Megatron-core"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="gemma3_text")
-    with pytest.raises(ValueError, match="model_type='qwen3_5_text' cannot be trained in Megatron-core: .*gated delta-net"):
+    with pytest.raises(ValueError,
+                       match="model_type='qwen3_5_text' cannot be trained in Megatron-core: "
+                             ".*gated delta-net"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="qwen3_5_text")
-    with pytest.raises(ValueError, match="model_type='qwen3_5_moe_text' cannot be trained in Megatron-core: .*gated"):
+    with pytest.raises(ValueError,
+                       match="model_type='qwen3_5_moe_text' cannot be trained in Megatron-core: .*gated"):
         megatron_model_spec_dict(_config(num_moe_experts=4, moe_router_topk=2), vocab_size=100,
                                  model_type="qwen3_5_moe_text")
-    with pytest.raises(ValueError, match="model_type='gemma4_text' cannot be trained in Megatron-core: .*head width"):
+    with pytest.raises(ValueError,
+                       match="model_type='gemma4_text' cannot be trained in Megatron-core: .*head width"):
         megatron_model_spec_dict(_config(), vocab_size=100, model_type="gemma4_text")
     # A Llama's attention_bias biases o_proj as well; Megatron's add_qkv_bias does not.
     with pytest.raises(ValueError, match=r"not a llama model .*output-projection bias \(add_bias_linear\): "

@@ -36,7 +36,8 @@ def test_every_injection_point_loses_nothing(name, megatron_pools):
     problems = []
     for direction in DIRECTIONS:
         got = out[direction]
-        print(f"fault injection megatron {name} {direction}: {got['points']} points, {got['runs']} injected runs")
+        print(f"fault injection megatron {name} {direction}: {got['points']} points, {got['runs']} "
+              "injected runs")
         assert got["points"] > 10, (direction, got)
         for kind in ("storage resize", "copy", "host arena"):
             assert kind in got["kinds"], (direction, got["kinds"])

@@ -30,8 +30,8 @@ def _free_port() -> int:
 @NO_CUDA
 def test_the_docs_program_without_cuda_ends_in_one_line_naming_the_harness(tmp_path):
     pytest.importorskip("megatron.core")
-    (program,) = re.findall(r"```python torchrun 2 megatron\n(.*?)```", (ROOT / "docs" / "megatron.md").read_text(),
-                            re.DOTALL)
+    (program,) = re.findall(r"```python torchrun 2 megatron\n(.*?)```",
+                            (ROOT / "docs" / "megatron.md").read_text(), re.DOTALL)
     (tmp_path / "train.py").write_text(program)
     # One rank as torchrun starts it (the check comes before anything needs a second rank).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),

@@ -26,7 +26,8 @@ CASES = {
     # name: (training spec, inference tp)
     "tp2xdp2-to-tp1": (TinyGPTSpec(tp=2), 1),
     "tp2xdp2-to-tp4": (TinyGPTSpec(tp=2), 4),
-    "tp2xpp2-bf16-to-tp2": (TinyGPTSpec(tp=2, pp=2, num_layers=4, precision="bf16", use_distributed_optimizer=True), 2),
+    "tp2xpp2-bf16-to-tp2": (TinyGPTSpec(tp=2, pp=2, num_layers=4, precision="bf16",
+                                        use_distributed_optimizer=True), 2),
     "ep2-moe-to-tp2": (TinyGPTSpec(ep=2, num_moe_experts=4, moe_ffn_hidden_size=32), 2),
     # The engine serves Mixtral (its model_type): the same GPTModel is read as that family, so the engine's
     # block_sparse_moe names are written.
@@ -37,8 +38,8 @@ CASES = {
 @pytest.fixture(scope="module", params=list(CASES))
 def run(request, megatron_pools):
     spec, infer_tp, *family = CASES[request.param]
-    return request.param, megatron_pools.get(WORLD).run(tasks.reshard_into_engine, spec, infer_tp, NUM_STEPS, VOCAB,
-                                                        *family)
+    return request.param, megatron_pools.get(WORLD).run(tasks.reshard_into_engine, spec, infer_tp,
+                                                        NUM_STEPS, VOCAB, *family)
 
 
 def test_full_weights_reproduce_every_megatron_shard(run):

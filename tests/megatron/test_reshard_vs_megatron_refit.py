@@ -19,8 +19,9 @@ pytestmark = pytest.mark.megatron
 WORLD = 4
 QWEN2 = ModelSpec(family="qwen2", hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                   intermediate_size=96, num_hidden_layers=4, vocab_size=300, qkv_bias=True)
-LLAMA_TIED = ModelSpec(family="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=64, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=True)
+LLAMA_TIED = ModelSpec(family="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, num_hidden_layers=2, vocab_size=100,
+                       tie_word_embeddings=True)
 
 CASES = {
     "tp4-to-tp2": (QWEN2, ParallelLayout(tp=4), ParallelLayout(tp=2)),
@@ -40,8 +41,10 @@ def case(request, megatron_pools):
 def test_both_targets_equal_the_layout_slices(case):
     name, ranks = case
     for rank, r in enumerate(ranks):
-        assert r["megatron_equal"], f"{name}: megatron-core's refit differs from hybridmem's layout on rank {rank}"
-        assert r["hybridmem_equal"], f"{name}: hybridmem's reshard differs from the layout slices on rank {rank}"
+        assert r["megatron_equal"], (f"{name}: megatron-core's refit differs from hybridmem's layout "
+                                     f"on rank {rank}")
+        assert r["hybridmem_equal"], (f"{name}: hybridmem's reshard differs from the layout slices "
+                                      f"on rank {rank}")
 
 
 def test_hybridmem_receives_the_minimum_and_never_more_than_megatron(case):

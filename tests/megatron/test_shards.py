@@ -42,7 +42,8 @@ def _assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
             pieces.setdefault(spec.global_name, {})
             if spec.partition_dim is None:
                 if 0 in pieces[spec.global_name]:
-                    assert torch.equal(pieces[spec.global_name][0], t), f"replicated {name} differs across ranks"
+                    assert torch.equal(pieces[spec.global_name][0], t), (
+                        f"replicated {name} differs across ranks")
                 pieces[spec.global_name][0] = t
             else:
                 pieces[spec.global_name][spec.shard_index] = t
@@ -112,7 +113,8 @@ def test_ep2_experts_get_global_indices(collected):
     assert full.keys() == reference.keys()
     # Each EP rank draws only its own experts from the generator, so everything drawn after the first
     # expert differs from EP1's values; what is drawn before (embedding, layer 0 attention) must not.
-    drawn_before_experts = [n for n in reference if n.startswith(("embedding.", "decoder.layers.0.self_attention."))]
+    drawn_before_experts = [n for n in reference
+                            if n.startswith(("embedding.", "decoder.layers.0.self_attention."))]
     assert len(drawn_before_experts) == 3
     for name, t in reference.items():
         assert full[name].shape == t.shape, name
@@ -122,12 +124,12 @@ def test_ep2_experts_get_global_indices(collected):
 
 def test_source_layout(collected):
     layouts = [r["layout"] for r in collected["tp2"]]
-    assert [(l.tp, l.pp, l.ep, l.dp, l.tp_rank, l.pp_rank, l.ep_rank) for l in layouts] == [
+    assert [(x.tp, x.pp, x.ep, x.dp, x.tp_rank, x.pp_rank, x.ep_rank) for x in layouts] == [
         (2, 1, 1, 1, 0, 0, 0),
         (2, 1, 1, 1, 1, 0, 0),
     ]
     layouts = [r["layout"] for r in collected["ep2"]]
-    assert [(l.tp, l.ep, l.dp, l.ep_rank) for l in layouts] == [(1, 2, 2, 0), (1, 2, 2, 1)]
+    assert [(x.tp, x.ep, x.dp, x.ep_rank) for x in layouts] == [(1, 2, 2, 0), (1, 2, 2, 1)]
 
 
 def test_model_spec_dict(collected):
@@ -147,8 +149,8 @@ def test_model_spec_dict(collected):
         "qkv_bias": False,
     }
     moe = collected["ep2"][0]["model_spec"]
-    assert (moe["model_type"], moe["num_experts"], moe["moe_intermediate_size"], moe["num_experts_per_tok"]) == (
-        "qwen2_moe", 4, 32, 2)
+    assert (moe["model_type"], moe["num_experts"], moe["moe_intermediate_size"],
+            moe["num_experts_per_tok"]) == ("qwen2_moe", 4, 32, 2)
     try:
         from hybridmem.reshard.spec import ModelSpec
     except ImportError:

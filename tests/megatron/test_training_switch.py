@@ -60,8 +60,8 @@ def test_everything_is_zero_bytes_inside_infer(runs):
             assert checks["max_optimizer_storage_nbytes"] == 0, where
             assert checks["leftovers"] == {}, (where, checks["residency_by_owner"])
             training_owners = ("train param", "train grad", "optimizer", tasks.WORKSPACE_OWNER)
-            assert {o: checks["residency_by_owner"][o] for o in training_owners} == dict.fromkeys(training_owners, 0), (
-                where, checks["residency_by_owner"])
+            assert ({o: checks["residency_by_owner"][o] for o in training_owners}
+                    == dict.fromkeys(training_owners, 0)), (where, checks["residency_by_owner"])
 
 
 def test_offload_moves_the_bytes_the_buffers_hold(runs):
@@ -82,7 +82,8 @@ def test_offload_moves_the_bytes_the_buffers_hold(runs):
             assert copied == expected["optimizer"] > 0 and zero == 0, (where, report, expected)
             released = report["release megatron workspaces"][2]["released_nbytes"]
             # Megatron's own scratch tensors plus the probe; all of it dropped.
-            assert released == out["workspace_before"][step] >= tasks.WORKSPACE_PROBE_NUMEL * 4, (where, released)
+            assert released == out["workspace_before"][step] >= tasks.WORKSPACE_PROBE_NUMEL * 4, (
+                where, released)
 
 
 def test_round_trip_is_bitwise(runs):

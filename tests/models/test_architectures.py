@@ -33,7 +33,8 @@ def test_a_config_without_model_type_is_read_as_the_family_of_its_class():
                                       architectures=["Qwen2ForCausalLM"]).to_dict()
     del config["model_type"]
     spec = ModelSpec.from_hf_config(config)
-    assert (spec.family, spec.qkv_bias) == ("qwen2", True)  # Qwen2's q/k/v biases, which Llama's reader leaves out
+    # Qwen2's q/k/v biases, which Llama's reader leaves out
+    assert (spec.family, spec.qkv_bias) == ("qwen2", True)
     assert embedded_spec(config).family == "qwen2"
     assert model_type_of({"architectures": ["SomeOtherForCausalLM"]}.get) == "llama"
     assert model_type_of({}.get) == "llama"

@@ -27,19 +27,20 @@ CONFIGS = {
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48),
     "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, num_experts=4,
                       moe_intermediate_size=8, shared_expert_intermediate_size=12, num_experts_per_tok=2),
-    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, num_experts=4,
-                      moe_intermediate_size=8, num_experts_per_tok=2),
-    "deepseek_v3": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48, n_routed_experts=4,
-                        n_shared_experts=2, moe_intermediate_size=6, num_experts_per_tok=2, n_group=1, topk_group=1,
-                        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
-                        qk_rope_head_dim=2, v_head_dim=4),
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                      num_experts=4, moe_intermediate_size=8, num_experts_per_tok=2),
+    "deepseek_v3": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+                        n_routed_experts=4, n_shared_experts=2, moe_intermediate_size=6,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4),
     "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=24, num_local_experts=4,
                     num_experts_per_tok=2),
-    "phi3": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, pad_token_id=0, bos_token_id=1,
-                 eos_token_id=2),
+    "phi3": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2),
     "gemma3_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=48),
-    "granite": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, embedding_multiplier=12.0,
-                    residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0),
+    "granite": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                    logits_scaling=8.0),
     "ernie4_5": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48),
     "glm4_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
                      n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=8, first_k_dense_replace=1,
@@ -60,19 +61,22 @@ CONFIGS = {
     "qwen3_5_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                          linear_value_head_dim=6, linear_conv_kernel_dim=4, full_attention_interval=2),
-    "qwen3_5_moe_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
-                             linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=8, shared_expert_intermediate_size=12),
+    "qwen3_5_moe_text": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                             linear_value_head_dim=6, linear_conv_kernel_dim=4, full_attention_interval=2,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                             shared_expert_intermediate_size=12),
     # DeepSeek sparse attention: DeepSeek-V3's MLA and MoE with an indexer in every layer.
-    "deepseek_v32": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48, n_routed_experts=4,
-                         n_shared_experts=2, moe_intermediate_size=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-                         first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
-                         qk_rope_head_dim=2, v_head_dim=4, index_n_heads=2, index_head_dim=8, index_topk=4),
-    "glm_moe_dsa": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48, n_routed_experts=4,
-                        n_shared_experts=1, moe_intermediate_size=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-                        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=6,
-                        qk_rope_head_dim=2, v_head_dim=8, index_n_heads=2, index_head_dim=8, index_topk=4),
+    "deepseek_v32": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+                         n_routed_experts=4, n_shared_experts=2, moe_intermediate_size=8,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,
+                         index_n_heads=2, index_head_dim=8, index_topk=4),
+    "glm_moe_dsa": dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+                        n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=8,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=6, qk_rope_head_dim=2, v_head_dim=8,
+                        index_n_heads=2, index_head_dim=8, index_topk=4),
 }
 UNTIED_ONLY = {"minimax_m2"}
 """Families whose vLLM model never ties the head to the embedding: a tied config is refused."""
@@ -104,7 +108,8 @@ def test_every_family_has_a_vllm_names_case():
 
     covered = {get_family(model_type).name for model_type, _ in MODELS.values()}
     missing = sorted(set(FAMILIES) - covered)
-    assert not missing, f"families without a vLLM names case (add a model to MODELS in tests/reshard/families.py): {missing}"
+    assert not missing, ("families without a vLLM names case (add a model to MODELS in "
+                         f"tests/reshard/families.py): {missing}")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -130,38 +135,45 @@ def test_the_same_from_the_config_file(tmp_path):
 
 def test_alias_and_unknown_model_types():
     assert get_family("mistral") is get_family("llama")
-    assert ModelSpec(family="mistral", hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
-                     intermediate_size=8, num_hidden_layers=1, vocab_size=8).family == "llama"
-    with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported; expected one of \[.*'mistral'.*\]"):
+    assert ModelSpec(family="mistral", hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
+                     head_dim=4, intermediate_size=8, num_hidden_layers=1, vocab_size=8).family == "llama"
+    with pytest.raises(ValueError,
+                       match=r"model_type='gpt2' is not supported; expected one of \[.*'mistral'.*\]"):
         get_family("gpt2")
 
 
 def test_a_family_megatron_cannot_express_is_refused_by_name(tmp_path):
     cfg, _ = _saved("gemma3_text", tmp_path)
-    with pytest.raises(ValueError, match="family='gemma3_text' has no Megatron-core layout: .*post_feedforward_layernorm"):
+    with pytest.raises(ValueError,
+                       match="family='gemma3_text' has no Megatron-core layout: "
+                             ".*post_feedforward_layernorm"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
     cfg, _ = _saved("gpt_oss", tmp_path / "gpt_oss")
     with pytest.raises(ValueError, match="family='gpt_oss' has no Megatron-core layout: .*attention sinks"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
     cfg, _ = _saved("minimax_m2", tmp_path / "minimax_m2")
-    with pytest.raises(ValueError, match="family='minimax_m2' has no Megatron-core layout: .*all heads together"):
+    with pytest.raises(ValueError,
+                       match="family='minimax_m2' has no Megatron-core layout: .*all heads together"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
     cfg, _ = _saved("llama4_text", tmp_path / "llama4_text")
-    with pytest.raises(ValueError, match="family='llama4_text' has no Megatron-core layout: .*interleaved dense and MoE"):
+    with pytest.raises(ValueError,
+                       match="family='llama4_text' has no Megatron-core layout: .*interleaved dense and MoE"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
 
 
 def test_llama4_multimodal_checkpoints_are_read_as_their_text_model(tmp_path):
-    """The Hub's Llama 4 checkpoints are multimodal (``llama4``): a ``text_config`` nested in config.json, text
-    weights under ``language_model.`` (``language_model.model.layers.*``, ``language_model.lm_head.weight``).
-    Their config (object or config.json) gives the text model's spec; the text weights are the spec's checkpoint
-    under that prefix; and transformers' causal LM of such a checkpoint has exactly the spec's module tensors,
-    each equal to the checkpoint's values where the source layout says."""
-    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    """The Hub's Llama 4 checkpoints are multimodal (``llama4``): a ``text_config`` nested in config.json,
+    text weights under ``language_model.`` (``language_model.model.layers.*``,
+    ``language_model.lm_head.weight``). Their config (object or config.json) gives the text model's spec; the
+    text weights are the spec's checkpoint under that prefix; and transformers' causal LM of such a checkpoint
+    has exactly the spec's module tensors, each equal to the checkpoint's values where the source layout
+    says."""
+    from hybridmem.reshard.hf_source import hf_module_tensors
+    from hybridmem.reshard.transforms import build_local
 
-    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
-                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                  image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                  projector_output_dim=64)
     cfg = transformers.AutoConfig.for_model("llama4", text_config={**_COMMON, **CONFIGS["llama4_text"]},
                                             vision_config=vision)
     torch.manual_seed(0)
@@ -182,11 +194,12 @@ def test_llama4_multimodal_checkpoints_are_read_as_their_text_model(tmp_path):
 
 
 def test_llama4_layers_experts_and_rotary_rows(tmp_path):
-    """Llama 4 at vLLM TP 1: layer 1 of 3 is MoE (interleave_moe_layer_step 2), its experts are the checkpoint's
-    stacked tensors sliced and transposed (gate then up), and each q/k head's rows are reordered from interleaved
-    pairs to halves as vLLM's loader reorders them; MoE layers placed otherwise than vLLM places them are
-    refused by name. tests/reshard/test_vllm_names.py checks the same against vLLM's loaders."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    """Llama 4 at vLLM TP 1: layer 1 of 3 is MoE (interleave_moe_layer_step 2), its experts are the
+    checkpoint's stacked tensors sliced and transposed (gate then up), and each q/k head's rows are reordered
+    from interleaved pairs to halves as vLLM's loader reorders them; MoE layers placed otherwise than vLLM
+    places them are refused by name. tests/reshard/test_vllm_names.py checks the same against vLLM's
+    loaders."""
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg, _ = _saved("llama4_text", tmp_path)
     torch.manual_seed(0)
@@ -196,8 +209,10 @@ def test_llama4_layers_experts_and_rotary_rows(tmp_path):
     assert [spec.is_moe_layer(i) for i in range(3)] == [False, True, False]
     local = shard(weights, vllm_layout(spec, ParallelLayout(), 1), 0)
     x = "model.layers.1.feed_forward."
-    assert torch.equal(local[x + "experts.routed_experts.w13_weight"], weights[x + "experts.gate_up_proj"].transpose(1, 2))
-    assert torch.equal(local[x + "experts.routed_experts.w2_weight"], weights[x + "experts.down_proj"].transpose(1, 2))
+    assert torch.equal(local[x + "experts.routed_experts.w13_weight"],
+                       weights[x + "experts.gate_up_proj"].transpose(1, 2))
+    assert torch.equal(local[x + "experts.routed_experts.w2_weight"],
+                       weights[x + "experts.down_proj"].transpose(1, 2))
     q = weights["model.layers.0.self_attn.q_proj.weight"]
     heads, hd = cfg.num_attention_heads, cfg.head_dim
     halves = q.view(heads, hd // 2, 2, -1).transpose(1, 2).reshape(q.shape)
@@ -207,8 +222,9 @@ def test_llama4_layers_experts_and_rotary_rows(tmp_path):
 
 
 def test_minimax_m2_router_bias_and_configs_it_refuses(tmp_path):
-    """The checkpoint's ``block_sparse_moe.e_score_correction_bias`` travels in fp32 like DeepSeek-V3's; a config
-    without ``use_routing_bias`` (vLLM then builds no bias for the one transformers writes) is refused by name."""
+    """The checkpoint's ``block_sparse_moe.e_score_correction_bias`` travels in fp32 like DeepSeek-V3's; a
+    config without ``use_routing_bias`` (vLLM then builds no bias for the one transformers writes) is refused
+    by name."""
     cfg, saved = _saved("minimax_m2", tmp_path)
     spec = ModelSpec.from_hf_config(cfg)
     bias = "model.layers.0.block_sparse_moe.e_score_correction_bias"
@@ -221,7 +237,7 @@ def test_minimax_m2_router_bias_and_configs_it_refuses(tmp_path):
 def test_gpt_oss_experts_are_the_checkpoints_transposed_slices(tmp_path):
     """One expert's canonical tensors, as vLLM's TP 1 layout holds them, are the checkpoint's stacked tensors
     sliced at that expert and transposed (gate/up columns interleaved, kept so)."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model("gpt_oss", **{**_COMMON, **CONFIGS["gpt_oss"]})
     torch.manual_seed(0)
@@ -238,40 +254,46 @@ def test_gpt_oss_experts_are_the_checkpoints_transposed_slices(tmp_path):
 def test_shared_expert_on_a_family_without_one_is_refused():
     with pytest.raises(ValueError, match="shared_expert_intermediate_size=8 given for family='mixtral'"):
         ModelSpec(family="mixtral", hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
-                  intermediate_size=0, num_hidden_layers=1, vocab_size=8, num_experts=2, moe_intermediate_size=4,
-                  shared_expert_intermediate_size=8)
+                  intermediate_size=0, num_hidden_layers=1, vocab_size=8, num_experts=2,
+                  moe_intermediate_size=4, shared_expert_intermediate_size=8)
 
 
 def test_the_embedded_engine_runs_the_families_it_has_blocks_for(tmp_path):
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     for model_type in ("llama", "mistral", "qwen2", "phi3"):
         cfg, _ = _saved(model_type, tmp_path / model_type)
         ReferenceEngine(cfg.to_dict())
     cfg, _ = _saved("gemma3_text", tmp_path / "gemma3")
-    with pytest.raises(ValueError, match=r"model_type='gemma3_text' does not run in the embedded engine \(Gemma 3's"):
+    with pytest.raises(ValueError,
+                       match=r"model_type='gemma3_text' does not run in the embedded engine \(Gemma 3's"):
         ReferenceEngine(cfg.to_dict())
     mistral = transformers.MistralConfig(**_COMMON, **dict(CONFIGS["mistral"], sliding_window=16))
-    with pytest.raises(ValueError, match="sliding_window=16 \\(max_position_embeddings=64\\) is not supported"):
+    with pytest.raises(ValueError,
+                       match="sliding_window=16 \\(max_position_embeddings=64\\) is not supported"):
         ReferenceEngine(mistral.to_dict())
     glm = dict(_saved("glm4_moe", tmp_path / "glm")[0].to_dict())
     with pytest.raises(ValueError, match="model_type='glm4_moe' does not run in the embedded engine"):
         ReferenceEngine(glm)
     with pytest.raises(ValueError, match="model_type='gpt_oss' does not run in the embedded engine"):
         ReferenceEngine(_saved("gpt_oss", tmp_path / "gpt_oss")[0].to_dict())
-    with pytest.raises(ValueError, match=r"model_type='minimax_m2' does not run in the embedded engine \(MiniMax-M2"):
+    with pytest.raises(ValueError,
+                       match=r"model_type='minimax_m2' does not run in the embedded engine \(MiniMax-M2"):
         ReferenceEngine(_saved("minimax_m2", tmp_path / "minimax_m2")[0].to_dict())
-    with pytest.raises(ValueError, match=r"model_type='llama4_text' does not run in the embedded engine \(Llama 4"):
+    with pytest.raises(ValueError,
+                       match=r"model_type='llama4_text' does not run in the embedded engine \(Llama 4"):
         ReferenceEngine(_saved("llama4_text", tmp_path / "llama4_text")[0].to_dict())
 
 
 def test_gemma4_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved("gemma4_text", tmp_path)
-    with pytest.raises(ValueError, match=r"model_type='gemma4_text' does not run in the embedded engine \(Gemma 4's"):
+    with pytest.raises(ValueError,
+                       match=r"model_type='gemma4_text' does not run in the embedded engine \(Gemma 4's"):
         ReferenceEngine(cfg.to_dict())
-    with pytest.raises(ValueError, match="family='gemma4_text' has no Megatron-core layout: .*one head width"):
+    with pytest.raises(ValueError,
+                       match="family='gemma4_text' has no Megatron-core layout: .*one head width"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
 
 
@@ -300,18 +322,20 @@ def test_gemma4_moe_is_what_transformers_saves(tied, tmp_path):
 
 def test_gemma4_moe_experts_are_the_checkpoints_slices(tmp_path):
     """At TP 2 vLLM's w13 of an expert holds its rank's rows of the gate half, then of the up half."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
-    cfg = transformers.AutoConfig.for_model("gemma4_text", **{**_COMMON, **CONFIGS["gemma4_text"], "enable_moe_block": True,
-                                                              "num_experts": 4, "top_k_experts": 2,
-                                                              "moe_intermediate_size": 8})
+    cfg = transformers.AutoConfig.for_model("gemma4_text",
+                                            **{**_COMMON, **CONFIGS["gemma4_text"], "enable_moe_block": True,
+                                               "num_experts": 4, "top_k_experts": 2,
+                                               "moe_intermediate_size": 8})
     torch.manual_seed(0)
     weights = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()  # with the layer_scalar buffers
     local = shard(weights, vllm_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(tp=2), 2), 1)
     fused = weights["model.layers.0.experts.gate_up_proj"]
     assert torch.equal(local["model.layers.0.experts.routed_experts.w13_weight"],
                        torch.cat([fused[:, 4:8], fused[:, 12:16]], dim=1))
-    assert torch.equal(local["model.layers.0.router.per_expert_scale"], weights["model.layers.0.router.per_expert_scale"])
+    assert torch.equal(local["model.layers.0.router.per_expert_scale"],
+                       weights["model.layers.0.router.per_expert_scale"])
 
 
 def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_path):
@@ -324,7 +348,8 @@ def test_gemma4_full_attention_layers_have_their_own_heads_and_no_v_proj(tmp_pat
     spec = ModelSpec.from_hf_config(cfg)
     assert ModelSpec.from_hf_config(hub) == ModelSpec.from_hf_config(saved_json) == spec
     assert spec.full_attention_layers == (1, 2) and spec.full_attention_k_eq_v
-    assert saved["model.layers.1.self_attn.k_proj.weight"] == (1 * 32, 64) and spec.attention_dims(1) == (32, 1)
+    assert (saved["model.layers.1.self_attn.k_proj.weight"] == (1 * 32, 64)
+            and spec.attention_dims(1) == (32, 1))
     assert "model.layers.1.self_attn.v_proj.weight" not in saved
     assert saved["model.layers.0.self_attn.v_proj.weight"] == (2 * 16, 64)
 
@@ -335,17 +360,17 @@ _GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_in
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_path):
-    """The Hub's Gemma 4 checkpoints are multimodal (``gemma4``): a ``text_config`` nested in config.json, text
-    weights under ``model.language_model.*`` beside the vision tower and its projection. Their config (object or
-    config.json) gives the text model's spec marked ``gemma4``; the text weights are the spec's checkpoint with
-    that prefix; and the model transformers builds of such a checkpoint (``AutoModelForCausalLM``: its
-    multimodal class) holds exactly the source layout's module tensors (``model.language_model.*``, the
-    ``layer_scalar`` buffers too) beside its vision tower, each equal to the checkpoint's values where the
-    layout says (what a training copy of it syncs from)."""
-    import dataclasses  # noqa: PLC0415
+    """The Hub's Gemma 4 checkpoints are multimodal (``gemma4``): a ``text_config`` nested in config.json,
+    text weights under ``model.language_model.*`` beside the vision tower and its projection. Their config
+    (object or config.json) gives the text model's spec marked ``gemma4``; the text weights are the spec's
+    checkpoint with that prefix; and the model transformers builds of such a checkpoint
+    (``AutoModelForCausalLM``: its multimodal class) holds exactly the source layout's module tensors
+    (``model.language_model.*``, the ``layer_scalar`` buffers too) beside its vision tower, each equal to the
+    checkpoint's values where the layout says (what a training copy of it syncs from)."""
+    import dataclasses
 
-    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named
+    from hybridmem.reshard.transforms import build_local
 
     text = {**_COMMON, **CONFIGS["gemma4_text"], **(_GEMMA4_MOE if moe else {})}
     vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -367,7 +392,8 @@ def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_pat
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     params = {n: p.detach() for n, p in model.named_parameters()}
     params.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())  # layer_scalar
-    text_params = {n: p for n, p in params.items() if not n.startswith(("model.vision_tower.", "model.embed_vision."))}
+    text_params = {n: p for n, p in params.items()
+                   if not n.startswith(("model.vision_tower.", "model.embed_vision."))}
     assert len(text_params) < len(params)  # the multimodal model, its vision tower left out
     assert looks_hf_named(params)
     ours = hf_module_tensors(spec)
@@ -378,29 +404,32 @@ def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_pat
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
 def test_qwen3_5_is_refused_by_the_embedded_engine_and_megatron(model_type, tmp_path):
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved(model_type, tmp_path)
-    with pytest.raises(ValueError, match=rf"model_type='{model_type}' does not run in the embedded engine \(gated "
+    with pytest.raises(ValueError,
+                       match=rf"model_type='{model_type}' does not run in the embedded engine \(gated "
                                          r"delta-net"):
         ReferenceEngine(cfg.to_dict())
-    with pytest.raises(ValueError, match=f"family='{model_type}' has no Megatron-core layout: .*gated delta-net"):
+    with pytest.raises(ValueError,
+                       match=f"family='{model_type}' has no Megatron-core layout: .*gated delta-net"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
 
 
-@pytest.mark.parametrize("model_type,multimodal", [("qwen3_5_text", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5_moe")])
+@pytest.mark.parametrize("model_type,multimodal",
+                         [("qwen3_5_text", "qwen3_5"), ("qwen3_5_moe_text", "qwen3_5_moe")])
 def test_qwen3_5_multimodal_checkpoints_are_read_as_their_text_model(model_type, multimodal, tmp_path):
-    """The Hub's Qwen3.5 checkpoints are multimodal: a ``text_config`` nested in config.json, text weights under
-    ``model.language_model.*``. Their config (object or config.json) gives the text model's spec; the text
-    weights are the spec's checkpoint with that prefix; and transformers' causal LM of such a checkpoint (its
-    text model) has exactly the spec's module tensors, each equal to the checkpoint's values where the
+    """The Hub's Qwen3.5 checkpoints are multimodal: a ``text_config`` nested in config.json, text weights
+    under ``model.language_model.*``. Their config (object or config.json) gives the text model's spec; the
+    text weights are the spec's checkpoint with that prefix; and transformers' causal LM of such a checkpoint
+    (its text model) has exactly the spec's module tensors, each equal to the checkpoint's values where the
     source layout says (what a training copy of it syncs from)."""
-    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors
+    from hybridmem.reshard.transforms import build_local
 
     text = {**_COMMON, **CONFIGS[model_type]}
-    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=_COMMON["hidden_size"],
-                  num_position_embeddings=16)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                  out_hidden_size=_COMMON["hidden_size"], num_position_embeddings=16)
     cfg = transformers.AutoConfig.for_model(multimodal, text_config=text, vision_config=vision)
     torch.manual_seed(0)
     transformers.AutoModelForImageTextToText.from_config(cfg).save_pretrained(tmp_path)
@@ -425,8 +454,8 @@ def test_qwen3_5_module_tensors_are_transformers_parameters(model_type, tmp_path
     """The FSDP2 source layout's tensors (``hf_module_tensors``) are transformers' own parameters: the same
     names (in_proj_qkv and conv1d fused as the checkpoint holds them; Qwen3.5-MoE's experts fused as
     transformers fuses them) and, built from the saved checkpoint, the same values."""
-    from hybridmem.reshard.hf_source import hf_module_tensors  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors
+    from hybridmem.reshard.transforms import build_local
 
     cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
     torch.manual_seed(0)
@@ -445,11 +474,12 @@ def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
     checkpoint's in_proj_qkv and conv1d) and z, and of b and a; A_log and dt_bias by value heads; the
     full-attention q_proj ([q_h; gate_h] per head) by heads. Slices of transformers' own tensors, cut as
     vLLM's loaders (``MergedColumnParallelLinear``, ``mamba_v2_sharded_weight_loader``) cut them."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model("qwen3_5_text", **{**_COMMON, **CONFIGS["qwen3_5_text"]})
     torch.manual_seed(0)
-    weights = {n: p.detach() for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()}
+    weights = {n: p.detach()
+               for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()}
     spec = ModelSpec.from_hf_config(cfg)
     assert spec.linear_attention_layers == (0, 2)
     key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
@@ -471,7 +501,8 @@ def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
         assert torch.equal(local[la + "in_proj_ba.weight"], torch.cat([half(b), half(a)]))
         for name in ("A_log", "dt_bias"):
             assert torch.equal(local[la + name], half(weights[la + name]))
-        assert torch.equal(local[la + "out_proj.weight"], weights[la + "out_proj.weight"].chunk(2, dim=1)[rank])
+        assert torch.equal(local[la + "out_proj.weight"],
+                           weights[la + "out_proj.weight"].chunk(2, dim=1)[rank])
         qkv = local[at + "qkv_proj.weight"]
         q_rows = weights[at + "q_proj.weight"].shape[0] // 2  # this rank's heads, each [q_h; gate_h]
         assert torch.equal(qkv[:q_rows], half(weights[at + "q_proj.weight"]))
@@ -479,11 +510,13 @@ def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
 
 
 def test_ernie4_5_biases_and_the_embedded_engine_are_refused_by_name():
-    """transformers' Ernie 4.5 gives every projection a bias with ``use_bias``; vLLM's Ernie class builds none."""
-    from hybridmem.nn.config import embedded_spec  # noqa: PLC0415
+    """transformers' Ernie 4.5 gives every projection a bias with ``use_bias``; vLLM's Ernie class builds
+    none."""
+    from hybridmem.nn.config import embedded_spec
 
     cfg = transformers.AutoConfig.for_model("ernie4_5", **{**_COMMON, **CONFIGS["ernie4_5"]})
-    with pytest.raises(ValueError, match=r"model_type='ernie4_5' does not run in the embedded engine \(Ernie 4.5"):
+    with pytest.raises(ValueError,
+                       match=r"model_type='ernie4_5' does not run in the embedded engine \(Ernie 4.5"):
         embedded_spec(cfg)
     cfg = transformers.AutoConfig.for_model("ernie4_5", **{**_COMMON, **CONFIGS["ernie4_5"]}, use_bias=True)
     with pytest.raises(ValueError, match="use_bias=True is not supported for ernie4_5"):
@@ -491,7 +524,8 @@ def test_ernie4_5_biases_and_the_embedded_engine_are_refused_by_name():
 
 
 @pytest.mark.parametrize("biases", [dict(attention_bias=True), dict(mlp_bias=True),
-                                    dict(attention_bias=True, mlp_bias=True)], ids=["attention", "mlp", "both"])
+                                    dict(attention_bias=True, mlp_bias=True)],
+                         ids=["attention", "mlp", "both"])
 @pytest.mark.parametrize("model_type", ["llama", "granite"])
 def test_llama_and_granite_biases_are_what_transformers_saves(model_type, biases, tmp_path):
     """``attention_bias`` gives q/k/v and o a bias, ``mlp_bias`` gate/up/down: every one is in the spec."""
@@ -509,7 +543,7 @@ def test_llama_and_granite_biases_are_what_transformers_saves(model_type, biases
 def test_the_embedded_engine_refuses_biases_it_has_no_place_for(biases, names, tmp_path):
     """The embedded engine's blocks add q/k/v biases only: a Llama whose o projection or MLP has biases
     is refused with the config key and the tensors it would drop."""
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved("llama", tmp_path, **biases)
     key = next(iter(biases))
@@ -524,10 +558,11 @@ def test_gpt_oss_down_bias_is_where_vllms_loader_puts_it(tp, pp, ep):
     whole; otherwise TP rank 0 of every pipeline stage gets them whole and the other TP ranks zeros (a
     row-parallel bias is added once). tests/reshard/test_vllm_names.py checks the same against the loader
     itself."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import shard, vllm_layout
 
-    cfg = transformers.AutoConfig.for_model("gpt_oss", **{**_COMMON, **CONFIGS["gpt_oss"], "num_hidden_layers": 2,
-                                                          "num_key_value_heads": 4})
+    cfg = transformers.AutoConfig.for_model("gpt_oss",
+                                            **{**_COMMON, **CONFIGS["gpt_oss"], "num_hidden_layers": 2,
+                                               "num_key_value_heads": 4})
     spec = ModelSpec.from_hf_config(cfg)
     weights = {n: torch.arange(1, 1 + torch.Size(s).numel(), dtype=torch.float32).reshape(s)
                for n, s in spec.full_shapes().items()}
@@ -537,7 +572,8 @@ def test_gpt_oss_down_bias_is_where_vllms_loader_puts_it(tp, pp, ep):
         tp_rank, stage = rank % tp, (rank // tp) % pp
         biases = {n: t for n, t in shard(weights, layout, rank).items() if n.endswith(".w2_bias")}
         layers = range(stage * 2 // pp, (stage + 1) * 2 // pp)
-        assert sorted(biases) == [f"model.layers.{i}.mlp.experts.routed_experts.w2_bias" for i in layers], rank
+        assert sorted(biases) == [f"model.layers.{i}.mlp.experts.routed_experts.w2_bias"
+                                  for i in layers], rank
         for i in layers:
             full = weights[f"model.layers.{i}.mlp.experts.down_proj_bias"]
             if ep > 1:
@@ -545,7 +581,8 @@ def test_gpt_oss_down_bias_is_where_vllms_loader_puts_it(tp, pp, ep):
                 want = full[ep_rank * experts:(ep_rank + 1) * experts]
             else:
                 want = full if tp_rank == 0 else torch.zeros_like(full)
-            assert torch.equal(biases[f"model.layers.{i}.mlp.experts.routed_experts.w2_bias"], want), (rank, i)
+            assert torch.equal(biases[f"model.layers.{i}.mlp.experts.routed_experts.w2_bias"], want), (
+                rank, i)
 
 
 def _kimi_k25(tmp_path):
@@ -557,8 +594,8 @@ def _kimi_k25(tmp_path):
     ``(config object, config.json dict, {checkpoint name: tensor})``."""
     text, _ = _saved("deepseek_v3", tmp_path / "text", tie_word_embeddings=False)
     weights = {"language_model." + n: t for n, t in _checkpoint(tmp_path / "text").items()}
-    vision = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32, intermediate_size=32,
-                  pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
+    vision = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                  intermediate_size=32, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2)
     cfg = transformers.AutoConfig.for_model("kimi_k25", text_config=text.to_dict(), vision_config=vision,
                                             projection_hidden_size=32, tie_word_embeddings=False)
     data = cfg.to_dict()
@@ -574,12 +611,12 @@ def test_kimi_k25_is_deepseek_v3_under_its_multimodal_names(tmp_path):
     """Kimi-K2.5 (``kimi_k25``): its config (object or config.json) gives DeepSeek-V3's spec of its
     ``text_config``, marked multimodal; the spec's checkpoint is the Hub's (the text model's under
     ``language_model.``); transformers' Kimi_K25ForConditionalGeneration of that checkpoint holds exactly the
-    source layout's module tensors (``model.language_model.*``, ``lm_head.weight``) beside its vision tower and
-    projector, each equal to the checkpoint's values where the layout says."""
-    import dataclasses  # noqa: PLC0415
+    source layout's module tensors (``model.language_model.*``, ``lm_head.weight``) beside its vision tower
+    and projector, each equal to the checkpoint's values where the layout says."""
+    import dataclasses
 
-    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named  # noqa: PLC0415
-    from hybridmem.reshard.transforms import build_local  # noqa: PLC0415
+    from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named
+    from hybridmem.reshard.transforms import build_local
 
     cfg, data, weights = _kimi_k25(tmp_path)
     spec = ModelSpec.from_hf_config(data)
@@ -590,7 +627,8 @@ def test_kimi_k25_is_deepseek_v3_under_its_multimodal_names(tmp_path):
     model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "kimi", dtype=torch.float32)
     params = {n: p.detach() for n, p in model.named_parameters()}
     params.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())  # the router bias
-    text = {n: p for n, p in params.items() if not n.startswith(("model.vision_tower.", "model.mm_projector."))}
+    text = {n: p for n, p in params.items()
+            if not n.startswith(("model.vision_tower.", "model.mm_projector."))}
     assert len(text) < len(params)  # the multimodal model, vision tower and projector left out
     assert looks_hf_named(params)  # a sync takes the whole model's names as transformers'
     ours = hf_module_tensors(spec)
@@ -600,43 +638,50 @@ def test_kimi_k25_is_deepseek_v3_under_its_multimodal_names(tmp_path):
 
 
 def test_kimi_k25_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
-    from hybridmem.adapters.megatron import megatron_model_spec_dict  # noqa: PLC0415
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.adapters.megatron import megatron_model_spec_dict
+    from hybridmem.engines import ReferenceEngine
 
     _, data, _ = _kimi_k25(tmp_path)
     with pytest.raises(ValueError, match=r"model_type='kimi_k25' does not run in the embedded engine"):
         ReferenceEngine(data)
-    with pytest.raises(ValueError, match=r"multimodal='kimi_k25' \(family='deepseek_v3'\) has no Megatron-core layout"):
+    with pytest.raises(ValueError,
+                       match=r"multimodal='kimi_k25' \(family='deepseek_v3'\) has no Megatron-core layout"):
         megatron_layout(ModelSpec.from_hf_config(data), ParallelLayout(), 1)
     megatron = pytest.importorskip("megatron.core.transformer")
-    config = megatron.TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, add_bias_linear=False,
-                                        gated_linear_unit=True, use_cpu_initialization=True)
-    with pytest.raises(ValueError, match="model_type='kimi_k25' cannot be trained in Megatron-core: a multimodal model"):
+    config = megatron.TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                        add_bias_linear=False, gated_linear_unit=True,
+                                        use_cpu_initialization=True)
+    with pytest.raises(ValueError,
+                       match="model_type='kimi_k25' cannot be trained in Megatron-core: a multimodal model"):
         megatron_model_spec_dict(config, vocab_size=100, model_type="kimi_k25")
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_sparse_attention_families_are_refused_by_the_embedded_engine_and_megatron(model_type, tmp_path):
-    from hybridmem.adapters.megatron import megatron_model_spec_dict  # noqa: PLC0415
-    from hybridmem.engines import ReferenceEngine  # noqa: PLC0415
+    from hybridmem.adapters.megatron import megatron_model_spec_dict
+    from hybridmem.engines import ReferenceEngine
 
     cfg, _ = _saved(model_type, tmp_path)
-    with pytest.raises(ValueError, match=rf"model_type='{model_type}' does not run in the embedded engine \(DeepSeek "
+    with pytest.raises(ValueError,
+                       match=rf"model_type='{model_type}' does not run in the embedded engine \(DeepSeek "
                                          r"sparse attention"):
         ReferenceEngine(cfg.to_dict())
     with pytest.raises(ValueError, match=f"family='{model_type}' has no Megatron-core layout: .*indexer"):
         megatron_layout(ModelSpec.from_hf_config(cfg), ParallelLayout(), 1)
     megatron = pytest.importorskip("megatron.core.transformer")
-    config = megatron.TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, add_bias_linear=False,
-                                        gated_linear_unit=True, use_cpu_initialization=True)
-    with pytest.raises(ValueError, match=f"model_type='{model_type}' cannot be trained in Megatron-core: .*indexer"):
+    config = megatron.TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                        add_bias_linear=False, gated_linear_unit=True,
+                                        use_cpu_initialization=True)
+    with pytest.raises(ValueError,
+                       match=f"model_type='{model_type}' cannot be trained in Megatron-core: .*indexer"):
         megatron_model_spec_dict(config, vocab_size=100, model_type=model_type)
 
 
 @pytest.mark.parametrize("model_type,overrides,named", [
     ("glm_moe_dsa", dict(index_topk_freq=2), r"layers \[2\] \(index_topk_freq=2\) reuse another layer"),
     ("glm_moe_dsa", dict(index_topk_pattern="FSF"), r"layers \[1\] .*reuse another layer's top-k"),
-    ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]), "mlp_layer_types=.* is not supported"),
+    ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]),
+     "mlp_layer_types=.* is not supported"),
 ])
 def test_sparse_attention_configs_without_layout_rows_are_refused_by_name(model_type, overrides, named):
     cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type], **overrides})
@@ -649,19 +694,21 @@ def test_sparse_attention_configs_without_layout_rows_are_refused_by_name(model_
 
 
 # Where vLLM's loaders put each tensor of DeepSeek sparse attention's indexer, written from vLLM's source (the
-# same in 0.32 and 0.33), not from hybridmem's tables: {vLLM parameter of a layer: the checkpoint tensors whose
-# rows it holds, in order}. Every TP rank holds each one whole:
+# same in 0.32 and 0.33), not from hybridmem's tables: {vLLM parameter of a layer: the checkpoint tensors
+# whose rows it holds, in order}. Every TP rank holds each one whole:
 # - vllm/model_executor/models/deepseek_v2.py, ``Indexer.__init__``: ``wq_b`` is a ``ReplicatedLinear``;
-#   ``wk_weights_proj`` a ``MergedColumnParallelLinear(hidden, [head_dim, n_head], disable_tp=True)``; ``k_norm`` a
-#   ``LayerNorm`` (weight and bias).
+#   ``wk_weights_proj`` a ``MergedColumnParallelLinear(hidden, [head_dim, n_head], disable_tp=True)``;
+#   ``k_norm`` a ``LayerNorm`` (weight and bias).
 # - the same file, ``DeepseekV2Model.load_weights``: ``("wk_weights_proj", "wk", 0)`` and
-#   ``("wk_weights_proj", "weights_proj", 1)``, so shard 0 (the first head_dim rows) is ``wk``, shard 1 ``weights_proj``.
-# - the CUDA model vLLM builds on GPUs (vllm/models/deepseek_v32/attention.py ``DeepseekV32Indexer.__init__`` and
-#   nvidia/model.py ``DeepseekV32Model.load_weights``) has the same parameters and mapping (benchmarks/gpu_suite.py's
-#   ``dsa`` part checks that class's loaded parameters on a GPU).
+#   ``("wk_weights_proj", "weights_proj", 1)``, so shard 0 (the first head_dim rows) is ``wk``, shard 1
+#   ``weights_proj``.
+# - the CUDA model vLLM builds on GPUs (vllm/models/deepseek_v32/attention.py ``DeepseekV32Indexer.__init__``
+#   and nvidia/model.py ``DeepseekV32Model.load_weights``) has the same parameters and mapping
+#   (benchmarks/gpu_suite.py's ``dsa`` part checks that class's loaded parameters on a GPU).
 INDEXER_PLACEMENT = {
     "self_attn.indexer.wq_b.weight": ("self_attn.indexer.wq_b.weight",),
-    "self_attn.indexer.wk_weights_proj.weight": ("self_attn.indexer.wk.weight", "self_attn.indexer.weights_proj.weight"),
+    "self_attn.indexer.wk_weights_proj.weight": ("self_attn.indexer.wk.weight",
+                                                 "self_attn.indexer.weights_proj.weight"),
     "self_attn.indexer.k_norm.weight": ("self_attn.indexer.k_norm.weight",),
     "self_attn.indexer.k_norm.bias": ("self_attn.indexer.k_norm.bias",),
 }
@@ -670,10 +717,10 @@ INDEXER_PLACEMENT = {
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_sparse_attention_indexer_is_where_vllms_loader_puts_it(model_type, tp):
-    """Each TP rank's indexer tensors are :data:`INDEXER_PLACEMENT`'s rows of the checkpoint, whole on every rank;
-    the layers' MLA and MoE tensors are DeepSeek-V3's (tests/reshard/test_vllm_names.py checks all of it against
-    vLLM's loaders themselves)."""
-    from hybridmem.reshard import shard, vllm_layout  # noqa: PLC0415
+    """Each TP rank's indexer tensors are :data:`INDEXER_PLACEMENT`'s rows of the checkpoint, whole on every
+    rank; the layers' MLA and MoE tensors are DeepSeek-V3's (tests/reshard/test_vllm_names.py checks all of it
+    against vLLM's loaders themselves)."""
+    from hybridmem.reshard import shard, vllm_layout
 
     cfg = transformers.AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
     spec = ModelSpec.from_hf_config(cfg)

@@ -25,5 +25,6 @@ def _parameters(spec, padded_vocab: int, tp: int, pp: int) -> dict:
     model = gpt_from_model_spec(spec, tp=tp, pp=pp, padded_vocab=padded_vocab)
     out = {name: tuple(p.shape) for name, p in model.named_parameters()}
     # DeepSeek's router bias is a persistent buffer, not a parameter, and the weight sync carries it.
-    out.update({name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("router.expert_bias")})
+    out.update({name: tuple(b.shape) for name, b in model.named_buffers()
+                if name.endswith("router.expert_bias")})
     return out

@@ -92,7 +92,7 @@ def sync_task(ctx, spec, src, dst, *, in_place, corrupt_rank=None):
     try:
         stats = sync.sync()
         error = None
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
+    except Exception as exc:  # the test inspects it
         stats, error = None, f"{type(exc).__name__}: {exc}"
     finally:
         if corrupt_rank == ctx.rank:
@@ -114,10 +114,11 @@ def bf16_wire_with_fp32_bias_task(ctx, spec, src, dst, bucket):
     layout = vllm_layout(spec, dst, ctx.world_size)
     plan = build_plan(megatron_layout(spec, src, ctx.world_size), layout, itemsize=2, bucket_nbytes=bucket,
                       rank=ctx.rank)
-    engine = {n: torch.zeros(t.shape, dtype=torch.float32 if spec.keeps_fp32(t.pieces[0].hf_name) else torch.bfloat16)
+    engine = {n: torch.zeros(t.shape, dtype=torch.float32 if spec.keeps_fp32(t.pieces[0].hf_name)
+                             else torch.bfloat16)
               for n, t in layout.tensors(ctx.rank).items()}
     out, stats = run_plan(plan, rank=ctx.rank, src=train, group=ctx.group, dst=engine, dtype=torch.bfloat16)
-    hf = build_plan(megatron_layout(spec, src, ctx.world_size), hf_layout(spec, dst, ctx.world_size), itemsize=2,
-                    bucket_nbytes=bucket, rank=ctx.rank)
+    hf = build_plan(megatron_layout(spec, src, ctx.world_size), hf_layout(spec, dst, ctx.world_size),
+                    itemsize=2, bucket_nbytes=bucket, rank=ctx.rank)
     streamed = dict(iter_full_tensors(hf, rank=ctx.rank, src=train, group=ctx.group, dtype=torch.bfloat16))
     return full, out, stats, plan.min_recv_nbytes(ctx.rank), streamed

@@ -34,7 +34,8 @@ def _environment() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tempfile.gettempdir(), f"hybridmem-vllm-cache-{os.getuid()}"))
+    os.environ.setdefault("VLLM_CACHE_ROOT",
+                          os.path.join(tempfile.gettempdir(), f"hybridmem-vllm-cache-{os.getuid()}"))
     _torchvision_or_standin()
 
 
@@ -42,8 +43,8 @@ def _torchvision_or_standin() -> None:
     """Where torchvision does not import, its import-only stand-in (``_standins/torchvision``): vLLM's
     Qwen3.5 module imports vision code at module level that the text model never runs."""
     try:
-        import torchvision  # noqa: F401, PLC0415
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build that fails to load beside the CPU torch
+        import torchvision  # noqa: F401
+    except Exception:  # absent, or a CUDA build that fails to load beside the CPU torch
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_standins"))
@@ -81,9 +82,9 @@ def _dist_ident(ctx):
 
 def _unlink_segments(ident: str) -> None:
     """Remove the shared-memory files vLLM's CPU communicator made for the groups named ``ident``
-    (``/dev/shm/<ident>-...-cpushm_<n>``): it never removes them, and /dev/shm is memory, so a run of the suite
-    would otherwise leave hundreds of MiB there. Every rank mapped them while building its groups, inside the
-    task; a mapping outlives the file's name."""
+    (``/dev/shm/<ident>-...-cpushm_<n>``): it never removes them, and /dev/shm is memory, so a run of the
+    suite would otherwise leave hundreds of MiB there. Every rank mapped them while building its groups,
+    inside the task; a mapping outlives the file's name."""
     for path in glob.glob(os.path.join("/dev/shm", glob.escape(ident) + "-*")):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -91,13 +92,14 @@ def _unlink_segments(ident: str) -> None:
 
 @contextlib.contextmanager
 def _sparse_attention_builds_on_cpu(hf_config):
-    """Lets vLLM build a DeepSeek sparse attention model (DeepSeek-V3.2, GLM-5: a config with ``index_topk``) on CPU,
-    for its parameters and loaders only.
+    """Lets vLLM build a DeepSeek sparse attention model (DeepSeek-V3.2, GLM-5: a config with ``index_topk``)
+    on CPU, for its parameters and loaders only.
 
-    vLLM's CPU platform refuses a sparse attention backend (``CpuPlatform.get_attn_backend_cls`` raises "Sparse
-    Attention is not supported on CPU", vllm/platforms/cpu.py, 0.32 and 0.33); asked without ``use_sparse`` it
-    names its MLA backend, which builds the same parameters (the attention backend holds none). These workers never
-    run attention, only ``load_weights``. Other models are built as they are; the method comes back afterwards.
+    vLLM's CPU platform refuses a sparse attention backend (``CpuPlatform.get_attn_backend_cls`` raises
+    "Sparse Attention is not supported on CPU", vllm/platforms/cpu.py, 0.32 and 0.33); asked without
+    ``use_sparse`` it names its MLA backend, which builds the same parameters (the attention backend holds
+    none). These workers never run attention, only ``load_weights``. Other models are built as they are; the
+    method comes back afterwards.
     """
     if not hasattr(hf_config, "index_topk"):
         yield
@@ -112,7 +114,8 @@ def _sparse_attention_builds_on_cpu(hf_config):
     def without_sparse(cls, *args, **kwargs):
         selector = kwargs.get("attn_selector_config")
         if selector is not None and selector.use_sparse:
-            kwargs["attn_selector_config"] = (selector._replace(use_sparse=False) if hasattr(selector, "_replace")
+            kwargs["attn_selector_config"] = (selector._replace(use_sparse=False)
+                                              if hasattr(selector, "_replace")
                                               else dataclasses.replace(selector, use_sparse=False))
         return original.__func__(cls, *args, **kwargs)
 
@@ -175,10 +178,12 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
 
         with open(os.path.join(model_dir, "config.json")) as f:
             spec = ModelSpec.from_hf_config(json.load(f))
-        weights = shard(weights, hf_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), ctx.world_size), ctx.rank)
+        weights = shard(weights, hf_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), ctx.world_size),
+                        ctx.rank)
     with _dist_ident(ctx), set_current_vllm_config(vllm_config):
         if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
-            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank, backend="gloo")
+            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank,
+                                                        backend="gloo")
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tp, pp)
         try:
@@ -216,13 +221,13 @@ def transformers_model(model_dir: str):
     transformers' ``DeepseekV3Config`` for ``deepseek_v32`` (vLLM's ``_CONFIG_REGISTRY`` in
     vllm/transformers_utils/config.py, 0.32 and 0.33), after which the auto classes build DeepSeek-V3's model,
     without the indexer, from such a checkpoint (its indexer tensors "unexpected" and dropped)."""
-    import json  # noqa: PLC0415
+    import json
 
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-    from transformers.models.auto import modeling_auto  # noqa: PLC0415
+    import torch
+    import transformers
+    from transformers.models.auto import modeling_auto
 
-    from tests.reshard.families import MULTIMODAL  # noqa: PLC0415
+    from tests.reshard.families import MULTIMODAL
 
     with open(os.path.join(model_dir, "config.json")) as f:
         model_type = json.load(f)["model_type"]
@@ -244,8 +249,8 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
     """This rank's vLLM-layout tensors at ``tp`` after ``run_plan`` over the pool's gloo group, from
     transformers' own model of ``model_dir`` (``from_pretrained``, its module names) chunked as FSDP2 shards
     dim 0 (``torch.chunk`` over the pool). What the in-place sync writes into vLLM's parameters."""
-    from hybridmem.config import ParallelLayout  # noqa: PLC0415
-    from hybridmem.reshard import (  # noqa: PLC0415
+    from hybridmem.config import ParallelLayout
+    from hybridmem.reshard import (
         ModelSpec,
         build_plan,
         hf_source_layout,
@@ -256,7 +261,8 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
     model, tensors, bias = transformers_model(model_dir)
     spec = ModelSpec.from_hf_config(model.config)
     world = ctx.world_size
-    src = {n: t if n in bias else (list(t.chunk(world)) + [t[:0]] * world)[ctx.rank] for n, t in tensors.items()}
+    src = {n: t if n in bias else (list(t.chunk(world)) + [t[:0]] * world)[ctx.rank]
+           for n, t in tensors.items()}
     plan = build_plan(hf_source_layout(spec, world, shard_size=world, replicated=bias),
                       vllm_layout(spec, ParallelLayout(tp=tp), world), itemsize=4, rank=ctx.rank)
     out, _ = run_plan(plan, rank=ctx.rank, src={n: t.contiguous() for n, t in src.items()})
@@ -264,19 +270,19 @@ def fsdp_chunks_through_plan(ctx, model_dir: str, tp: int) -> dict:
 
 
 def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict:
-    """The server adapter's worker side on this rank's vLLM model of ``model_dir`` at ``tp`` (built, loaded and
-    processed after loading as vLLM's loader does): hybridmem's weight-transfer backend is initialised with
-    what the server adapter sends (``sync_rule`` of the model's config), reports its layout, and takes one
-    update of the tensors in ``staged_path`` (a safetensors file of this rank's vLLM-layout tensors, keyed
+    """The server adapter's worker side on this rank's vLLM model of ``model_dir`` at ``tp`` (built, loaded
+    and processed after loading as vLLM's loader does): hybridmem's weight-transfer backend is initialised
+    with what the server adapter sends (``sync_rule`` of the model's config), reports its layout, and takes
+    one update of the tensors in ``staged_path`` (a safetensors file of this rank's vLLM-layout tensors, keyed
     ``"<rank>/<name>"``) staged as the server adapter stages them. Returns ``{"layout": [[name, shape, dtype],
     ...], "after": {name: tensor}}``: the model's persistent buffers and the parameters the backend left
     unrepacked, after the update."""
     _environment()
-    import json  # noqa: PLC0415
+    import json
 
-    import safetensors.torch  # noqa: PLC0415
-    import torch  # noqa: PLC0415
-    from vllm.config import (  # noqa: PLC0415
+    import safetensors.torch
+    import torch
+    from vllm.config import (
         DeviceConfig,
         LoadConfig,
         ModelConfig,
@@ -285,22 +291,22 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
         WeightTransferConfig,
         set_current_vllm_config,
     )
-    from vllm.distributed import parallel_state  # noqa: PLC0415
-    from vllm.model_executor.model_loader.utils import (  # noqa: PLC0415
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.model_loader.utils import (
         initialize_model,
         process_weights_after_loading,
     )
-    from vllm.model_executor.models import registry  # noqa: PLC0415
+    from vllm.model_executor.models import registry
 
-    from hybridmem.adapters.vllm.names import sync_rule  # noqa: PLC0415
-    from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries  # noqa: PLC0415
-    from hybridmem.adapters.vllm.transfer import (  # noqa: PLC0415
+    from hybridmem.adapters.vllm.names import sync_rule
+    from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
+    from hybridmem.adapters.vllm.transfer import (
         HybridmemInitInfo,
         HybridmemUpdateInfo,
         HybridmemWeightTransferEngine,
         layout_file,
     )
-    from hybridmem.adapters.vllm.worker import persistent_buffers  # noqa: PLC0415
+    from hybridmem.adapters.vllm.worker import persistent_buffers
 
     if hasattr(registry, "_run_in_subprocess"):
         registry._run_in_subprocess = _call
@@ -314,7 +320,8 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
     directory = tempfile.mkdtemp(prefix=f"hybridmem-transfer-{ctx.rank}-")
     with _dist_ident(ctx), set_current_vllm_config(vllm_config):
         if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
-            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank, backend="gloo")
+            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank,
+                                                        backend="gloo")
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tp, 1)
         try:

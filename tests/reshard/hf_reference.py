@@ -54,7 +54,8 @@ def fused(full: dict[str, torch.Tensor], module_names) -> dict[str, torch.Tensor
             num = len([k for k in full if k.startswith(prefix) and k.endswith(".down_proj.weight")])
             if name.endswith("gate_up_proj"):
                 out[name] = torch.stack([torch.cat([full[f"{prefix}{e}.gate_proj.weight"],
-                                                    full[f"{prefix}{e}.up_proj.weight"]]) for e in range(num)])
+                                                    full[f"{prefix}{e}.up_proj.weight"]])
+                                         for e in range(num)])
             else:
                 out[name] = torch.stack([full[f"{prefix}{e}.down_proj.weight"] for e in range(num)])
         else:

@@ -39,10 +39,11 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
     out = {}
     tied = spec.tie_word_embeddings
     if pp_rank == 0:
-        out["embedding.word_embeddings.weight"] = _pad_chunk(full["model.embed_tokens.weight"], divisible_by * tp, tp, r)
-    for l in range(n_local):
-        i = pp_rank * n_local + l
-        h, m = f"model.layers.{i}.", f"decoder.layers.{l}."
+        out["embedding.word_embeddings.weight"] = _pad_chunk(full["model.embed_tokens.weight"],
+                                                             divisible_by * tp, tp, r)
+    for local in range(n_local):
+        i = pp_rank * n_local + local
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
         ln1 = m + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight")
         out[ln1] = full[h + "input_layernorm.weight"].clone()
         if spec.is_mla:
@@ -50,12 +51,14 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
         for kind in ("weight", "bias") if spec.qkv_bias else (() if spec.is_mla else ("weight",)):
             q, k, v = (full[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
             tail = q.shape[1:]
-            grouped = torch.cat([q.reshape(ng, per * hd, *tail), k.reshape(ng, hd, *tail), v.reshape(ng, hd, *tail)], 1)
+            grouped = torch.cat([q.reshape(ng, per * hd, *tail), k.reshape(ng, hd, *tail),
+                                 v.reshape(ng, hd, *tail)], 1)
             out[m + f"self_attention.linear_qkv.{kind}"] = grouped.chunk(tp)[r].reshape(-1, *tail).clone()
         if spec.qk_norm:
             out[m + "self_attention.q_layernorm.weight"] = full[h + "self_attn.q_norm.weight"].clone()
             out[m + "self_attention.k_layernorm.weight"] = full[h + "self_attn.k_norm.weight"].clone()
-        out[m + "self_attention.linear_proj.weight"] = full[h + "self_attn.o_proj.weight"].chunk(tp, 1)[r].clone()
+        out[m + "self_attention.linear_proj.weight"] = (
+            full[h + "self_attn.o_proj.weight"].chunk(tp, 1)[r].clone())
         moe_layer = spec.is_moe and i >= spec.first_k_dense_replace
         ln2 = m + ("mlp.linear_fc1.layer_norm_weight" if te and not moe_layer else "pre_mlp_layernorm.weight")
         out[ln2] = full[h + "post_attention_layernorm.weight"].clone()
@@ -73,12 +76,14 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
             x = h + f"mlp.experts.{e}."
             out[m + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = torch.cat(
                 [full[x + "gate_proj.weight"].chunk(tp)[r], full[x + "up_proj.weight"].chunk(tp)[r]])
-            out[m + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = full[x + "down_proj.weight"].chunk(tp, 1)[r].clone()
+            out[m + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = (
+                full[x + "down_proj.weight"].chunk(tp, 1)[r].clone())
         if spec.shared_expert_intermediate_size:
             x = h + ("mlp.shared_experts." if spec.family == "deepseek_v3" else "mlp.shared_expert.")
             out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
                 [full[x + "gate_proj.weight"].chunk(tp)[r], full[x + "up_proj.weight"].chunk(tp)[r]])
-            out[m + "mlp.shared_experts.linear_fc2.weight"] = full[x + "down_proj.weight"].chunk(tp, 1)[r].clone()
+            out[m + "mlp.shared_experts.linear_fc2.weight"] = (
+                full[x + "down_proj.weight"].chunk(tp, 1)[r].clone())
             if spec.family == "qwen2_moe":
                 out[m + "mlp.shared_experts.gate_weight"] = full[h + "mlp.shared_expert_gate.weight"].clone()
     if pp_rank == pp - 1:
@@ -86,7 +91,8 @@ def megatron_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, r
         if not tied:
             out["output_layer.weight"] = _pad_chunk(full["lm_head.weight"], divisible_by * tp, tp, r)
         elif pp > 1:
-            out["output_layer.weight"] = _pad_chunk(full["model.embed_tokens.weight"], divisible_by * tp, tp, r)
+            out["output_layer.weight"] = _pad_chunk(full["model.embed_tokens.weight"],
+                                                    divisible_by * tp, tp, r)
     return out
 
 
@@ -98,7 +104,8 @@ def split_fused(full: dict, spec) -> dict:
     for name, t in full.items():
         if name.endswith("self_attn.qkv_proj.weight"):
             p = name[: -len("qkv_proj.weight")]
-            out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = t[:q], t[q:q + kv], t[q + kv:]
+            (out[p + "q_proj.weight"], out[p + "k_proj.weight"],
+             out[p + "v_proj.weight"]) = t[:q], t[q:q + kv], t[q + kv:]
         elif name.endswith("mlp.gate_up_proj.weight"):
             p, half = name[: -len("gate_up_proj.weight")], t.shape[0] // 2
             out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t[:half], t[half:]
@@ -107,7 +114,8 @@ def split_fused(full: dict, spec) -> dict:
     return out
 
 
-def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank: int, padding: int = 64) -> dict:
+def vllm_shard(full: dict, spec, *, tp: int, pp: int, ep: int, world: int, rank: int,
+               padding: int = 64) -> dict:
     full = split_fused(full, spec)
     replica, r, pp_rank = rank // (tp * pp), rank % tp, (rank // tp) % pp
     moe_tp, moe_r = (1, 0) if ep > 1 else (tp, r)
@@ -185,10 +193,12 @@ def _megatron_mla(out: dict, full: dict, spec, h: str, m: str, tp: int, r: int) 
 
 
 def _vllm_mla(out: dict, full: dict, spec, h: str, tp: int, r: int) -> None:
-    """vLLM's DeepseekV2MLAAttention: q_a and kv_a fused and replicated; q_b/q_proj and kv_b column-parallel."""
+    """vLLM's DeepseekV2MLAAttention: q_a and kv_a fused and replicated; q_b/q_proj and kv_b
+    column-parallel."""
     a = h + "self_attn."
     if spec.q_lora_rank:
-        out[a + "fused_qkv_a_proj.weight"] = torch.cat([full[a + "q_a_proj.weight"], full[a + "kv_a_proj_with_mqa.weight"]])
+        out[a + "fused_qkv_a_proj.weight"] = torch.cat([full[a + "q_a_proj.weight"],
+                                                        full[a + "kv_a_proj_with_mqa.weight"]])
         out[a + "q_a_layernorm.weight"] = full[a + "q_a_layernorm.weight"].clone()
         q = full[a + "q_b_proj.weight"]
         out[a + "q_b_proj.weight"] = q.reshape(spec.num_attention_heads, -1, q.shape[1]).chunk(tp)[r].reshape(

@@ -60,7 +60,7 @@ def test_sync_that_exchanges_two_rows_of_a_fused_weight_fails_verification(monke
     """A resharding executor that writes two rows of a fused engine weight in each other's places (both
     inside the q rows, or the gate rows, so no value leaves its slice) is caught by the manager's
     ``verify_weight_sync``, and the switch rolls back."""
-    import hybridmem.weight_sync.resharding as reshard_sync  # noqa: PLC0415 - the module whose executor is wrapped
+    import hybridmem.weight_sync.resharding as reshard_sync  # the module whose executor is wrapped
 
     real_run_plan = reshard_sync.run_plan
 

@@ -31,14 +31,16 @@ def pool():
 
 def _offline(spec, src, dst, world):
     full = random_full(spec)
-    train = [megatron_shard(full, spec, tp=src.tp, pp=src.pp, ep=src.ep, world=world, rank=r) for r in range(world)]
+    train = [megatron_shard(full, spec, tp=src.tp, pp=src.pp, ep=src.ep, world=world, rank=r)
+             for r in range(world)]
     return full, reshard_offline(train, model=spec, src=src, dst=dst)
 
 
 def _check_run(pool, spec, src, dst, world, bucket):
     results = pool.run(_tasks.run_plan_task, spec, src, dst, bucket, world_size=world)
     full, offline = _offline(spec, src, dst, world)
-    plan = build_plan(megatron_layout(spec, src, world), vllm_layout(spec, dst, world), itemsize=4, bucket_nbytes=bucket)
+    plan = build_plan(megatron_layout(spec, src, world), vllm_layout(spec, dst, world), itemsize=4,
+                      bucket_nbytes=bucket)
     for r, (out, stats) in enumerate(results):
         assert set(out) == set(offline[r])
         for name, t in offline[r].items():
@@ -51,7 +53,8 @@ def _check_run(pool, spec, src, dst, world, bucket):
     return results
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(case=dense_case(max_world=MAX_WORLD))
 def test_distributed_equals_offline(pool, case):
     spec, src, dst, world, _ = case
@@ -69,10 +72,10 @@ def test_distributed_moe(pool, src, dst):
     _check_run(pool, MOE, src, dst, 4, bucket=256)
 
 
-DEEPSEEK = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=6,
-                     intermediate_size=8, num_hidden_layers=2, vocab_size=70, num_experts=4, moe_intermediate_size=4,
-                     shared_expert_intermediate_size=8, first_k_dense_replace=1, q_lora_rank=4, kv_lora_rank=6,
-                     qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+DEEPSEEK = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4,
+                     head_dim=6, intermediate_size=8, num_hidden_layers=2, vocab_size=70, num_experts=4,
+                     moe_intermediate_size=4, shared_expert_intermediate_size=8, first_k_dense_replace=1,
+                     q_lora_rank=4, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
 
 
 @pytest.mark.parametrize("src,dst", [(ParallelLayout(tp=2, ep=2), ParallelLayout(tp=4)),  # EP -> TP
@@ -100,7 +103,8 @@ def test_router_bias_travels_in_fp32_on_a_bf16_wire(pool):
 
 def test_stream_of_full_hf_tensors(pool):
     spec = ModelSpec(family="qwen3", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                     intermediate_size=16, num_hidden_layers=3, vocab_size=33, qk_norm=True, tie_word_embeddings=True)
+                     intermediate_size=16, num_hidden_layers=3, vocab_size=33, qk_norm=True,
+                     tie_word_embeddings=True)
     results = pool.run(_tasks.stream_task, spec, ParallelLayout(tp=2, pp=1), ParallelLayout(tp=2, pp=2), 200,
                        world_size=4)
     for r, (names, ok, stats, expected) in enumerate(results):
@@ -110,7 +114,8 @@ def test_stream_of_full_hf_tensors(pool):
     # Stage 0 (ranks 0,1) has layers 0-1 and the embedding; stage 1 (ranks 2,3) layer 2, norm and the
     # tied embedding (vLLM keeps embed_tokens on the last stage when tied).
     assert "model.layers.1.mlp.up_proj.weight" in results[0][0] and "model.norm.weight" not in results[0][0]
-    assert {"model.norm.weight", "model.embed_tokens.weight", "model.layers.2.mlp.up_proj.weight"} <= set(results[3][0])
+    assert {"model.norm.weight", "model.embed_tokens.weight",
+            "model.layers.2.mlp.up_proj.weight"} <= set(results[3][0])
 
 
 SPEC = ModelSpec(family="qwen2", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
@@ -136,8 +141,8 @@ def test_reshard_sync_writes_engine_and_verifies(pool, in_place, src):
 
 
 def test_reshard_sync_detects_corruption(pool):
-    results = pool.run(_tasks.sync_task, SPEC, ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2), in_place=True,
-                       corrupt_rank=1, world_size=4)
-    for got, stats, error, _ in results:
+    results = pool.run(_tasks.sync_task, SPEC, ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2),
+                       in_place=True, corrupt_rank=1, world_size=4)
+    for _got, _stats, error, _ in results:
         assert error is not None and error.startswith("WeightSyncError")
         assert "written on rank 1" in error

@@ -75,7 +75,8 @@ def test_fsdp_local_tensors_equal_chunks_of_the_hf_model(family, tied):
 
 
 @pytest.mark.parametrize("family,tied,tp", [("qwen2", False, 4), ("llama", True, 2), ("qwen3_moe", False, 2),
-                                            ("qwen2_moe", True, 2), ("deepseek_v3", False, 2), ("qwen3", True, 1)])
+                                            ("qwen2_moe", True, 2), ("deepseek_v3", False, 2),
+                                            ("qwen3", True, 1)])
 def test_fsdp_to_vllm_plan_moves_exactly_what_each_rank_lacks(family, tied, tp):
     cfg, model = _model(family, tied)
     spec = ModelSpec.from_hf_config(cfg)
@@ -88,13 +89,15 @@ def test_fsdp_to_vllm_plan_moves_exactly_what_each_rank_lacks(family, tied, tp):
     lacking = fsdp_to_vllm_lacking(spec, names, world=world, shards=world, tp=tp, replicated=bias)
     for rank in range(world):
         assert plan.min_recv_nbytes(rank) == plan.recv_nbytes(rank) == 8 * lacking[rank], (
-            f"{family} TP{tp} rank {rank}: plan {plan.recv_nbytes(rank)} B, independent minimum {8 * lacking[rank]} B")
+            f"{family} TP{tp} rank {rank}: plan {plan.recv_nbytes(rank)} B, independent minimum "
+            f"{8 * lacking[rank]} B")
     ids = element_ids(spec.full_shapes())
     module_ids = fused(ids, names)
     # Running the plan in one process over the ranks' local tensors gives the reference vLLM shards.
     local = [{n: (t if n in bias else (t.chunk(world)[r] if r < len(t.chunk(world)) else t[:0]))
               for n, t in module_ids.items()} for r in range(world)]
-    out = [{n: torch.zeros(lt.shape, dtype=torch.float64) for n, lt in dst.tensors(r).items()} for r in range(world)]
+    out = [{n: torch.zeros(lt.shape, dtype=torch.float64) for n, lt in dst.tensors(r).items()}
+           for r in range(world)]
     for transfers in (*plan.local, *plan.buckets):
         for t in transfers:
             piece_view(out[t.dst_rank][t.dst_name], t.dst_piece, t.box).copy_(
@@ -128,7 +131,7 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("family", ["qwen3_moe", "llama"])
 def test_fsdp_to_full_hf_tensors_for_load_weights_engines(family):
     """Engines that only take ``load_weights`` get full HF tensors: each rank lacks all but its own rows."""
-    from hybridmem.reshard import hf_layout  # noqa: PLC0415
+    from hybridmem.reshard import hf_layout
 
     cfg, model = _model(family, True)
     spec = ModelSpec.from_hf_config(cfg)

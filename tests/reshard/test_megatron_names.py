@@ -21,8 +21,8 @@ def pool():
 
 DENSE = ModelSpec(family="qwen2", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   intermediate_size=24, num_hidden_layers=2, vocab_size=200, qkv_bias=True)
-QWEN3_TIED = ModelSpec(family="qwen3", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=24, num_hidden_layers=2, vocab_size=200, qk_norm=True,
+QWEN3_TIED = ModelSpec(family="qwen3", hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=24, num_hidden_layers=2, vocab_size=200, qk_norm=True,
                        tie_word_embeddings=True)
 MOE = ModelSpec(family="qwen2_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 intermediate_size=0, num_hidden_layers=2, vocab_size=200, qkv_bias=True, num_experts=4,
@@ -39,19 +39,23 @@ DEEPSEEK_DENSE_NO_Q_LORA = ModelSpec(**_MLA, num_hidden_layers=2, first_k_dense_
 """MLA without q_lora (queries projected directly) and every layer dense, so TP > 1 can be built."""
 
 
-MIXTRAL = ModelSpec(family="mixtral", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    intermediate_size=0, num_hidden_layers=2, vocab_size=200, num_experts=4, moe_intermediate_size=6)
-GLM4_MOE = ModelSpec(family="glm4_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     intermediate_size=24, num_hidden_layers=2, vocab_size=200, qkv_bias=True, num_experts=4,
-                     moe_intermediate_size=6, shared_expert_intermediate_size=6, first_k_dense_replace=1)
+MIXTRAL = ModelSpec(family="mixtral", hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, intermediate_size=0, num_hidden_layers=2, vocab_size=200, num_experts=4,
+                    moe_intermediate_size=6)
+GLM4_MOE = ModelSpec(family="glm4_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, intermediate_size=24, num_hidden_layers=2, vocab_size=200, qkv_bias=True,
+                     num_experts=4, moe_intermediate_size=6, shared_expert_intermediate_size=6,
+                     first_k_dense_replace=1)
 """GLM-4.5-style: q/k/v biases, one dense layer, then MoE with a shared expert and a router bias."""
 PHI3 = ModelSpec(family="phi3", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                  intermediate_size=24, num_hidden_layers=2, vocab_size=200)
 
 
-@pytest.mark.parametrize("spec", [DENSE, QWEN3_TIED, MOE, DEEPSEEK, DEEPSEEK_DENSE_NO_Q_LORA, MIXTRAL, GLM4_MOE, PHI3],
-                         ids=["qwen2", "qwen3-tied", "qwen2-moe", "deepseek", "deepseek-dense-no-q-lora", "mixtral",
-                              "glm4-moe", "phi3"])
+@pytest.mark.parametrize("spec",
+                         [DENSE, QWEN3_TIED, MOE, DEEPSEEK, DEEPSEEK_DENSE_NO_Q_LORA, MIXTRAL,
+                          GLM4_MOE, PHI3],
+                         ids=["qwen2", "qwen3-tied", "qwen2-moe", "deepseek", "deepseek-dense-no-q-lora",
+                              "mixtral", "glm4-moe", "phi3"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["dp2", "tp2", "pp2"])
 def test_megatron_names_and_shapes(pool, spec, tp, pp):
     if any(spec.is_moe_layer(i) for i in range(spec.num_hidden_layers)) and tp > 1:

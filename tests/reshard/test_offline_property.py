@@ -98,7 +98,8 @@ def moe_case(draw):
         family=family, hidden_size=8, num_attention_heads=8,
         num_key_value_heads=4, head_dim=2, intermediate_size=0, num_hidden_layers=2,
         vocab_size=draw(st.integers(5, 90)), qkv_bias=family == "qwen2_moe", qk_norm=family == "qwen3_moe",
-        tie_word_embeddings=draw(st.booleans()), num_experts=8, moe_intermediate_size=4 * draw(st.integers(1, 2)),
+        tie_word_embeddings=draw(st.booleans()), num_experts=8,
+        moe_intermediate_size=4 * draw(st.integers(1, 2)),
         shared_expert_intermediate_size=8 if family == "qwen2_moe" else 0,
     )
     return spec, ParallelLayout(tp=tp_t, ep=ep_t), ParallelLayout(tp=tp_i, ep=ep_i), world
@@ -113,7 +114,8 @@ def test_moe_offline_matches_reference(case):
 
 @st.composite
 def deepseek_case(draw):
-    """DeepSeek-V3-style specs (MLA with or without q_lora, dense-first layers, shared experts, router bias)."""
+    """DeepSeek-V3-style specs (MLA with or without q_lora, dense-first layers, shared experts, router
+    bias)."""
     tp_t, pp_t, ep_t = (draw(st.sampled_from([1, 2])) for _ in range(3))
     dp_t = ep_t * draw(st.sampled_from([1, 2]))
     world = tp_t * pp_t * dp_t
@@ -123,10 +125,10 @@ def deepseek_case(draw):
     ep_i = draw(st.sampled_from([e for e in (1, 2, 4) if (world // pp_i) % e == 0]))  # ep | dp*tp
     nope, rope = draw(st.sampled_from([2, 4])), 2
     spec = ModelSpec(
-        family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=nope + rope,
-        intermediate_size=8, num_hidden_layers=layers, vocab_size=draw(st.integers(5, 90)),
-        tie_word_embeddings=draw(st.booleans()), num_experts=4, moe_intermediate_size=4,
-        shared_expert_intermediate_size=draw(st.sampled_from([0, 4, 8])),
+        family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=nope + rope, intermediate_size=8, num_hidden_layers=layers,
+        vocab_size=draw(st.integers(5, 90)), tie_word_embeddings=draw(st.booleans()), num_experts=4,
+        moe_intermediate_size=4, shared_expert_intermediate_size=draw(st.sampled_from([0, 4, 8])),
         first_k_dense_replace=draw(st.integers(0, layers)), q_lora_rank=draw(st.sampled_from([0, 4, 8])),
         kv_lora_rank=draw(st.sampled_from([2, 6])), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
         v_head_dim=draw(st.sampled_from([2, 4])),
@@ -144,10 +146,10 @@ def test_deepseek_offline_matches_reference(case):
 def test_deepseek_q_a_and_kv_a_are_gathered_into_vllms_fused_replicated_tensor():
     """Megatron TP2 splits q_a and kv_a by rows; every vLLM rank needs both whole, fused: each rank lacks
     exactly the other rank's half of both."""
-    spec = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=6,
-                     intermediate_size=8, num_hidden_layers=1, vocab_size=64, num_experts=4, moe_intermediate_size=4,
-                     first_k_dense_replace=1, q_lora_rank=4, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
-                     v_head_dim=4)
+    spec = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4,
+                     head_dim=6, intermediate_size=8, num_hidden_layers=1, vocab_size=64, num_experts=4,
+                     moe_intermediate_size=4, first_k_dense_replace=1, q_lora_rank=4, kv_lora_rank=6,
+                     qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
     _check(spec, ParallelLayout(tp=2), ParallelLayout(tp=2), 2)
     # Megatron holding the vocab padded as vLLM pads it (64 rows), so the vocab rows line up too.
     conv = MegatronConvention(padded_vocab_size=64)
@@ -171,17 +173,17 @@ def test_deepseek_q_a_and_kv_a_are_gathered_into_vllms_fused_replicated_tensor()
     ],
 )
 def test_moe_named_conversions(src, dst, world):
-    spec = ModelSpec(family="qwen2_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
-                     intermediate_size=0, num_hidden_layers=2, vocab_size=70, qkv_bias=True, num_experts=8,
-                     moe_intermediate_size=4, shared_expert_intermediate_size=8)
+    spec = ModelSpec(family="qwen2_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=2, intermediate_size=0, num_hidden_layers=2, vocab_size=70, qkv_bias=True,
+                     num_experts=8, moe_intermediate_size=4, shared_expert_intermediate_size=8)
     _check(spec, src, dst, world)
 
 
 def test_moe_uneven_vllm_experts():
     """vLLM spreads 6 experts over ep=4 as 2, 2, 1, 1 (linear placement); Megatron holds 3 + 3 (ep=2)."""
-    spec = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
-                     intermediate_size=0, num_hidden_layers=1, vocab_size=64, qk_norm=True, num_experts=6,
-                     moe_intermediate_size=4)
+    spec = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=2, intermediate_size=0, num_hidden_layers=1, vocab_size=64, qk_norm=True,
+                     num_experts=6, moe_intermediate_size=4)
     _check(spec, ParallelLayout(ep=2), ParallelLayout(tp=1, ep=4), 4)
     layout = vllm_layout(spec, ParallelLayout(tp=1, ep=4), 4)
     w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
@@ -190,9 +192,9 @@ def test_moe_uneven_vllm_experts():
 
 def test_moe_ep_to_tp_moves_only_missing_bytes():
     """EP4 -> TP4 on 4 ranks: each rank had 2 whole experts, now needs a quarter of each of 8."""
-    spec = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=2,
-                     intermediate_size=0, num_hidden_layers=1, vocab_size=64, qk_norm=True, num_experts=8,
-                     moe_intermediate_size=4)
+    spec = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=4,
+                     head_dim=2, intermediate_size=0, num_hidden_layers=1, vocab_size=64, qk_norm=True,
+                     num_experts=8, moe_intermediate_size=4)
     src, dst = megatron_layout(spec, ParallelLayout(ep=4), 4), vllm_layout(spec, ParallelLayout(tp=4), 4)
     plan = build_plan(src, dst, itemsize=2)
     h, i, e = 8, 4, 8

@@ -51,7 +51,8 @@ def _min_by_ids(spec, src, dst, world, rank):
 @given(dense_case())
 def test_plan_receives_exactly_the_missing_elements(case):
     spec, src, dst, world, _ = case
-    plan = build_plan(megatron_layout(spec, src, world), vllm_layout(spec, dst, world), itemsize=2, bucket_nbytes=64)
+    plan = build_plan(megatron_layout(spec, src, world), vllm_layout(spec, dst, world), itemsize=2,
+                      bucket_nbytes=64)
     for r in range(world):
         expected = _min_by_ids(spec, src, dst, world, r) * 2
         assert plan.min_recv_nbytes(r) == expected, (r, src, dst)
@@ -92,8 +93,8 @@ def test_plan_is_cached_and_pure():
 
 @pytest.mark.parametrize("bucket", [40, 256, 4096, 1 << 30])
 def test_buckets_bound_temp_memory(bucket):
-    plan = build_plan(megatron_layout(SPEC, ParallelLayout(tp=2, pp=2), 4), vllm_layout(SPEC, ParallelLayout(tp=1), 4),
-                      itemsize=2, bucket_nbytes=bucket)
+    plan = build_plan(megatron_layout(SPEC, ParallelLayout(tp=2, pp=2), 4),
+                      vllm_layout(SPEC, ParallelLayout(tp=1), 4), itemsize=2, bucket_nbytes=bucket)
     for r in range(4):
         assert 0 < plan.peak_temp_nbytes(r) <= bucket
         assert plan.recv_nbytes(r) == plan.min_recv_nbytes(r)
@@ -104,7 +105,8 @@ def test_buckets_bound_temp_memory(bucket):
 
 
 def test_hf_destination_needs_full_stage_tensors():
-    plan = build_plan(megatron_layout(SPEC, ParallelLayout(tp=2), 2), hf_layout(SPEC, ParallelLayout(tp=2), 2), itemsize=4)
+    plan = build_plan(megatron_layout(SPEC, ParallelLayout(tp=2), 2),
+                      hf_layout(SPEC, ParallelLayout(tp=2), 2), itemsize=4)
     full = sum(torch.Size(s).numel() for s in SPEC.full_shapes().values()) * 4
     for r in range(2):
         assert plan.dst_nbytes(r) == full
@@ -114,10 +116,14 @@ def test_hf_destination_needs_full_stage_tensors():
 @pytest.mark.parametrize(
     "build,match",
     [
-        (lambda: megatron_layout(SPEC, ParallelLayout(tp=2, pp=2), 6), r"world_size=6 is not divisible by tp\*pp=2\*2"),
-        (lambda: megatron_layout(SPEC, ParallelLayout(tp=8), 8), "training tp=8 must divide the query groups num_key_value_heads=4"),
-        (lambda: megatron_layout(SPEC, ParallelLayout(pp=3), 3), "training pp=3 does not divide num_hidden_layers=4"),
-        (lambda: vllm_layout(SPEC, ParallelLayout(tp=3), 3), "inference tp=3 does not divide num_attention_heads=8"),
+        (lambda: megatron_layout(SPEC, ParallelLayout(tp=2, pp=2), 6),
+         r"world_size=6 is not divisible by tp\*pp=2\*2"),
+        (lambda: megatron_layout(SPEC, ParallelLayout(tp=8), 8),
+         "training tp=8 must divide the query groups num_key_value_heads=4"),
+        (lambda: megatron_layout(SPEC, ParallelLayout(pp=3), 3),
+         "training pp=3 does not divide num_hidden_layers=4"),
+        (lambda: vllm_layout(SPEC, ParallelLayout(tp=3), 3),
+         "inference tp=3 does not divide num_attention_heads=8"),
         (lambda: vllm_layout(SPEC, ParallelLayout(tp=4), 6), r"world_size=6 is not divisible by tp\*pp=4\*1"),
         (lambda: vllm_layout(SPEC, ParallelLayout(pp=8), 8), "inference pp=8 exceeds num_hidden_layers=4"),
         (lambda: vllm_layout(SPEC, ParallelLayout(ep=2), 2), "ep=2 given for a dense model"),
@@ -129,19 +135,21 @@ def test_invalid_layouts_name_numbers(build, match):
 
 
 def test_invalid_moe_layouts_name_numbers():
-    moe = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=2,
-                    intermediate_size=0, num_hidden_layers=2, vocab_size=64, num_experts=6, moe_intermediate_size=4)
+    moe = ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=4,
+                    head_dim=2, intermediate_size=0, num_hidden_layers=2, vocab_size=64, num_experts=6,
+                    moe_intermediate_size=4)
     with pytest.raises(ValueError, match=r"training ep=4 does not divide dp=2"):
         megatron_layout(moe, ParallelLayout(tp=2, ep=4), 4)
     with pytest.raises(ValueError, match="training ep=4 does not divide num_experts=6"):
         megatron_layout(moe, ParallelLayout(ep=4), 4)
-    with pytest.raises(ValueError, match=r"inference ep=4 must divide dp\*tp=1\*2 and not exceed num_experts=6"):
+    with pytest.raises(ValueError,
+                       match=r"inference ep=4 must divide dp\*tp=1\*2 and not exceed num_experts=6"):
         vllm_layout(moe, ParallelLayout(tp=2, ep=4), 2)
 
 
 def test_mismatched_plans_rejected():
-    other = ModelSpec(hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=2, intermediate_size=8,
-                      num_hidden_layers=1, vocab_size=8)
+    other = ModelSpec(hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=2,
+                      intermediate_size=8, num_hidden_layers=1, vocab_size=8)
     with pytest.raises(ValueError, match="specs differ"):
         build_plan(megatron_layout(SPEC, ParallelLayout(), 1), vllm_layout(other, ParallelLayout(), 1))
     with pytest.raises(ValueError, match="source world_size=2 != destination world_size=1"):
@@ -151,10 +159,12 @@ def test_mismatched_plans_rejected():
 def test_invalid_mla_layouts_name_the_numbers():
     from hybridmem.reshard import MegatronConvention
 
-    spec = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=6,
-                     intermediate_size=8, num_hidden_layers=2, vocab_size=64, num_experts=4, moe_intermediate_size=4,
-                     q_lora_rank=6, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
-    with pytest.raises(ValueError, match=r"tp=4 must divide q_lora_rank=6 and kv_lora_rank \+ qk_rope_head_dim=8"):
+    spec = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4,
+                     head_dim=6, intermediate_size=8, num_hidden_layers=2, vocab_size=64, num_experts=4,
+                     moe_intermediate_size=4, q_lora_rank=6, kv_lora_rank=6, qk_nope_head_dim=4,
+                     qk_rope_head_dim=2, v_head_dim=4)
+    with pytest.raises(ValueError,
+                       match=r"tp=4 must divide q_lora_rank=6 and kv_lora_rank \+ qk_rope_head_dim=8"):
         megatron_layout(spec, ParallelLayout(tp=4), 4)
     with pytest.raises(ValueError, match="norm_style='te' is not supported for MLA"):
         megatron_layout(spec, ParallelLayout(tp=2), 2, convention=MegatronConvention(norm_style="te"))

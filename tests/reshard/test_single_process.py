@@ -35,7 +35,8 @@ def test_run_plan_world1_writes_in_place(device):
     src = megatron_layout(SPEC, ParallelLayout(), 1)
     dst = vllm_layout(SPEC, ParallelLayout(), 1)
     plan = build_plan(src, dst, itemsize=2)
-    target = {n: torch.full(t.shape, 7.0, dtype=torch.bfloat16, device=device) for n, t in dst.tensors(0).items()}
+    target = {n: torch.full(t.shape, 7.0, dtype=torch.bfloat16, device=device)
+              for n, t in dst.tensors(0).items()}
     out, stats = run_plan(plan, rank=0, src=shard(full, src, 0), dst=target)
     ref = vllm_shard({k: v.cpu() for k, v in full.items()}, SPEC, tp=1, pp=1, ep=1, world=1, rank=0)
     for name, t in ref.items():
@@ -51,7 +52,8 @@ def test_reshard_sync_single_process(device, in_place):
     train = shard(full, megatron_layout(SPEC, ParallelLayout(), 1), 0)
     dst = vllm_layout(SPEC, ParallelLayout(), 1)
     if in_place:
-        engine = ParamEngine({n: torch.zeros(t.shape, dtype=torch.bfloat16, device=device) for n, t in dst.tensors(0).items()})
+        engine = ParamEngine({n: torch.zeros(t.shape, dtype=torch.bfloat16, device=device)
+                              for n, t in dst.tensors(0).items()})
     else:
         engine = LoadOnlyEngine()
     sync = ReshardSync(SPEC, ParallelLayout(), ParallelLayout(), None, lambda: train, engine, verify=True)
@@ -69,11 +71,13 @@ def test_verify_offline_names_the_bad_slice():
     plan = build_plan(src, dst, itemsize=4)
     train = [shard(full, src, r) for r in range(2)]
     out = [shard(full, dst, r) for r in range(2)]
-    assert verify_offline(plan, train, out) == len(plan.local[0]) + len(plan.local[1]) + sum(map(len, plan.buckets))
+    assert (verify_offline(plan, train, out)
+            == len(plan.local[0]) + len(plan.local[1]) + sum(map(len, plan.buckets)))
     # Swap two columns of one row-parallel weight: the plain sum is unchanged, the weighted one is not.
     w = out[1]["model.layers.1.self_attn.o_proj.weight"]
     w[:, [0, 1]] = w[:, [1, 0]]
-    with pytest.raises(WeightSyncError, match=r"model.layers.1.self_attn.o_proj.weight slice .* written on rank 1"):
+    with pytest.raises(WeightSyncError,
+                       match=r"model.layers.1.self_attn.o_proj.weight slice .* written on rank 1"):
         verify_offline(plan, train, out)
 
 
@@ -98,7 +102,8 @@ def test_unshard_keeps_each_tensor_dtype():
     per_rank = [{n: (t if "norm" in n else t.to(torch.bfloat16)) for n, t in shard(full, layout, r).items()}
                 for r in range(2)]
     back = unshard(per_rank, layout)
-    assert back["model.norm.weight"].dtype == torch.float32 and torch.equal(back["model.norm.weight"], full["model.norm.weight"])
+    assert (back["model.norm.weight"].dtype == torch.float32
+            and torch.equal(back["model.norm.weight"], full["model.norm.weight"]))
     assert back["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
 
 
@@ -107,6 +112,7 @@ def test_padded_vocab_size_overrides_the_divisor_and_is_checked():
     layout = megatron_layout(SPEC, ParallelLayout(tp=2), 2, convention=conv)
     assert layout.tensors(0)["embedding.word_embeddings.weight"].shape[0] == 40  # not 256 / 2
     with pytest.raises(ValueError, match="padded_vocab_size=76 must be >= vocab_size=77"):
-        megatron_layout(SPEC, ParallelLayout(tp=2), 2, convention=MegatronConvention(padded_vocab_size=76)).tensors(0)
+        megatron_layout(SPEC, ParallelLayout(tp=2), 2,
+                        convention=MegatronConvention(padded_vocab_size=76)).tensors(0)
     with pytest.raises(ValueError, match="padded_vocab_size=0"):
         MegatronConvention(padded_vocab_size=0)

@@ -25,9 +25,9 @@ def _config(family: str, tied: bool):
     extra = {}
     if family == "deepseek_v3":
         return cls(**dict(TINY, num_key_value_heads=4, num_hidden_layers=3), tie_word_embeddings=tied,
-                   n_routed_experts=4, n_shared_experts=2, moe_intermediate_size=6, num_experts_per_tok=2, n_group=1,
-                   topk_group=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4,
-                   qk_rope_head_dim=2, v_head_dim=4)
+                   n_routed_experts=4, n_shared_experts=2, moe_intermediate_size=6, num_experts_per_tok=2,
+                   n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=6,
+                   qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
     if family in ("qwen3", "qwen3_moe"):
         extra["head_dim"] = 8  # not hidden/heads, to catch a spec that derives it
     if family.endswith("moe"):
@@ -46,7 +46,8 @@ def test_full_shapes_match_hf_model(family, tied):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     hf = {name: tuple(p.shape) for name, p in model.named_parameters()}
     # DeepSeek-V3's routing-score correction bias is a buffer in HF; it is weight-synced like a parameter.
-    hf.update({name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")})
+    hf.update({name: tuple(b.shape) for name, b in model.named_buffers()
+               if name.endswith("e_score_correction_bias")})
     ours = spec.full_shapes()
     # transformers 5 may fuse experts into 3-D parameters; compare per-expert names against their slices.
     fused = {n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
@@ -96,8 +97,8 @@ def test_bad_specs_name_values():
     with pytest.raises(ValueError, match="model_type='gpt2'"):
         ModelSpec.from_hf_config(dict(model_type="gpt2", **TINY))
     with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by num_key_value_heads=4"):
-        ModelSpec(hidden_size=8, num_attention_heads=6, num_key_value_heads=4, head_dim=2, intermediate_size=8,
-                  num_hidden_layers=1, vocab_size=8)
+        ModelSpec(hidden_size=8, num_attention_heads=6, num_key_value_heads=4, head_dim=2,
+                  intermediate_size=8, num_hidden_layers=1, vocab_size=8)
     with pytest.raises(ValueError, match="num_experts=0"):
         ModelSpec(family="qwen3_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=4, head_dim=2,
                   intermediate_size=0, num_hidden_layers=1, vocab_size=8)
@@ -108,15 +109,16 @@ def test_deepseek_v3_from_config_and_refusals():
     assert spec.is_mla and spec.is_moe and spec.has_router_bias
     assert (spec.head_dim, spec.num_key_value_heads, spec.shared_expert_intermediate_size) == (6, 4, 12)
     assert [spec.is_moe_layer(i) for i in range(3)] == [False, True, True]
-    d = dict(model_type="deepseek_v3", hidden_size=16, num_attention_heads=4, num_hidden_layers=2, vocab_size=50,
-             intermediate_size=24, moe_intermediate_size=6, n_routed_experts=4, kv_lora_rank=6, qk_nope_head_dim=4,
-             qk_rope_head_dim=2, v_head_dim=4, q_lora_rank=None)
+    d = dict(model_type="deepseek_v3", hidden_size=16, num_attention_heads=4, num_hidden_layers=2,
+             vocab_size=50, intermediate_size=24, moe_intermediate_size=6, n_routed_experts=4, kv_lora_rank=6,
+             qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4, q_lora_rank=None)
     assert ModelSpec.from_hf_config(d).q_lora_rank == 0
     with pytest.raises(ValueError, match="rope_interleave=False"):
         ModelSpec.from_hf_config(dict(d, rope_interleave=False))
     with pytest.raises(ValueError, match="moe_layer_freq=2"):
         ModelSpec.from_hf_config(dict(d, moe_layer_freq=2))
     with pytest.raises(ValueError, match="head_dim=5 must be qk_nope_head_dim"):
-        ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=5,
-                  intermediate_size=8, num_hidden_layers=1, vocab_size=8, num_experts=2, moe_intermediate_size=2,
-                  kv_lora_rank=2, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2)
+        ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=5, intermediate_size=8, num_hidden_layers=1, vocab_size=8, num_experts=2,
+                  moe_intermediate_size=2, kv_lora_rank=2, qk_nope_head_dim=2, qk_rope_head_dim=2,
+                  v_head_dim=2)

@@ -20,7 +20,8 @@ from hybridmem.reshard.transforms import (
 
 def _full():
     g = torch.Generator().manual_seed(0)
-    return {"a": torch.randn(12, 6, generator=g), "b": torch.randn(12, 6, generator=g), "n": torch.randn(6, generator=g)}
+    return {"a": torch.randn(12, 6, generator=g), "b": torch.randn(12, 6, generator=g),
+            "n": torch.randn(6, generator=g)}
 
 
 def _roundtrip(local, full, names):
@@ -44,7 +45,7 @@ def test_split(axis, num):
     for r, local in enumerate(parts):
         assert torch.equal(build_local(local, full), full["a"].chunk(num, axis)[r])
     back = {"a": torch.zeros(12, 6)}
-    for r, local in enumerate(parts):
+    for _, local in enumerate(parts):
         scatter_local(local, build_local(local, full), back)
     assert torch.equal(back["a"], full["a"])
 
@@ -77,8 +78,10 @@ def test_pad_rows(num):
 
 def test_stack_experts():
     full = _full()
-    local = stack([concat([split("a", (12, 6), axis=0, rank=0, num=2), split("b", (12, 6), axis=0, rank=0, num=2)]),
-                   concat([split("b", (12, 6), axis=0, rank=0, num=2), split("a", (12, 6), axis=0, rank=0, num=2)])])
+    local = stack([concat([split("a", (12, 6), axis=0, rank=0, num=2),
+                           split("b", (12, 6), axis=0, rank=0, num=2)]),
+                   concat([split("b", (12, 6), axis=0, rank=0, num=2),
+                           split("a", (12, 6), axis=0, rank=0, num=2)])])
     got = build_local(local, full)
     assert got.shape == (2, 12, 6)
     assert torch.equal(got[0], torch.cat([full["a"][:6], full["b"][:6]]))

@@ -1,8 +1,9 @@
-"""The Hub's multimodal checkpoints of Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) and Gemma 4 (``gemma4``, dense and
-MoE): a nested ``text_config``, text weights under ``model.language_model.*``, served as the text model: vLLM's own
-``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` / ``Gemma4ForCausalLM`` and ``load_weights`` read the prefixed
-checkpoint, and every rank's parameters (and the buffers the loader fills, Gemma 4's ``layer_scalar``) equal
-``shard`` of its text weights (the prefix dropped) under ``vllm_layout`` of the spec its config.json gives.
+"""The Hub's multimodal checkpoints of Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) and Gemma 4 (``gemma4``, dense
+and MoE): a nested ``text_config``, text weights under ``model.language_model.*``, served as the text model:
+vLLM's own ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` / ``Gemma4ForCausalLM`` and ``load_weights``
+read the prefixed checkpoint, and every rank's parameters (and the buffers the loader fills, Gemma 4's
+``layer_scalar``) equal ``shard`` of its text weights (the prefix dropped) under ``vllm_layout`` of the spec
+its config.json gives.
 
 The checkpoints are written by transformers' multimodal classes (``save_pretrained``) with every value
 replaced by a distinct number; the vision tower's weights are left out (the text model has no place for them;
@@ -29,13 +30,13 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.slow
 
 WORLD = 4
-_QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=COMMON["hidden_size"],
-                       num_position_embeddings=16)
+_QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                       out_hidden_size=COMMON["hidden_size"], num_position_embeddings=16)
 _GEMMA4_VISION = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=2, head_dim=16, position_embedding_size=16)
 MULTIMODAL = {
-    # model id: (multimodal model_type, vLLM's text class, vision config, the vision tower's checkpoint prefixes
-    # left out of the checkpoint)
+    # model id: (multimodal model_type, vLLM's text class, vision config, the vision tower's checkpoint
+    # prefixes left out of the checkpoint)
     "qwen3.5": ("qwen3_5", "Qwen3_5ForCausalLM", _QWEN3_5_VISION, ("model.visual.",)),
     "qwen3.5-moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", _QWEN3_5_VISION, ("model.visual.",)),
     "gemma4": ("gemma4", "Gemma4ForCausalLM", _GEMMA4_VISION, ()),
@@ -57,7 +58,8 @@ def checkpoints(tmp_path_factory):
     out = {}
     for model_id, (model_type, architecture, vision, left_out) in MULTIMODAL.items():
         kw = MODELS[model_id][1]
-        cfg = transformers.AutoConfig.for_model(model_type, text_config={**COMMON, **kw}, vision_config=vision,
+        cfg = transformers.AutoConfig.for_model(model_type, text_config={**COMMON, **kw},
+                                                vision_config=vision,
                                                 tie_word_embeddings=kw.get("tie_word_embeddings", True))
         torch.manual_seed(0)
         path = tmp_path_factory.mktemp(model_id)

@@ -82,8 +82,10 @@ def checkpoints(tmp_path_factory):
         mm = MULTIMODAL.get(family)
         cfg = transformers.AutoConfig.for_model(family, **{**_COMMON, **kw})
         torch.manual_seed(0)
-        # A multimodal model's checkpoint: its text model's as the Hub keeps it (see MULTIMODAL), no vision weights.
-        text_cfg = transformers.AutoConfig.for_model(mm["text_model_type"], **kw["text_config"]) if mm else cfg
+        # A multimodal model's checkpoint: its text model's as the Hub keeps it (see MULTIMODAL), no vision
+        # weights.
+        text_cfg = (transformers.AutoConfig.for_model(mm["text_model_type"], **kw["text_config"]) if mm
+                    else cfg)
         hf_model = transformers.AutoModelForCausalLM.from_config(text_cfg)
         path = tmp_path_factory.mktemp(model_id)
         hf_model.save_pretrained(path)
@@ -108,7 +110,8 @@ def test_layouts_follow_installed_release(pool):
     reported = pool.run(_vllm_tasks.vllm_version, world_size=1)[0]
     assert installed_vllm_version() == reported
     series = ".".join(reported.split(".")[:2])
-    assert vllm_layout(ModelSpec.from_hf_config(MODELS_CONFIG), ParallelLayout(), 1).convention.version == series
+    assert (vllm_layout(ModelSpec.from_hf_config(MODELS_CONFIG), ParallelLayout(), 1).convention.version
+            == series)
 
 
 _LOADED: dict = {}
@@ -132,7 +135,8 @@ def _run_vllm(pool, *args):
     if mm is None:
         return got
     for rank in got:
-        assert any(n.startswith(mm["vllm_not_synced"]) for n in rank), sorted(rank)  # the multimodal class was built
+        # the multimodal class was built
+        assert any(n.startswith(mm["vllm_not_synced"]) for n in rank), sorted(rank)
     return [{n: t for n, t in rank.items() if not n.startswith(mm["vllm_not_synced"])} for rank in got]
 
 
@@ -143,7 +147,8 @@ def _vllm_loaded(pool, checkpoints, model_id, tp, pp, ep):
     return _LOADED[key]
 
 
-@pytest.mark.parametrize("model_id,tp,pp,ep", CASES, ids=[f"{m}-tp{tp}-pp{pp}-ep{ep}" for m, tp, pp, ep in CASES])
+@pytest.mark.parametrize("model_id,tp,pp,ep", CASES,
+                         ids=[f"{m}-tp{tp}-pp{pp}-ep{ep}" for m, tp, pp, ep in CASES])
 def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
     path, config, weights = checkpoints[model_id]
     spec = ModelSpec.from_hf_config(config)
@@ -152,7 +157,8 @@ def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
     for rank in range(WORLD):
         ours = shard(weights, layout, rank)
         theirs = got[rank]
-        assert set(ours) == set(theirs), (rank, sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours)))
+        assert set(ours) == set(theirs), (rank, sorted(set(ours) - set(theirs)),
+                                          sorted(set(theirs) - set(ours)))
         for name, tensor in theirs.items():
             assert ours[name].shape == tensor.shape, (rank, name, ours[name].shape, tensor.shape)
             assert torch.equal(ours[name], tensor), (rank, name)
@@ -161,7 +167,8 @@ def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
 STREAM_CASES = [(model, tp, pp) for model in MODELS for tp, pp in ((1, 2), (2, 2))]
 
 
-@pytest.mark.parametrize("model_id,tp,pp", STREAM_CASES, ids=[f"{m}-tp{tp}-pp{pp}" for m, tp, pp in STREAM_CASES])
+@pytest.mark.parametrize("model_id,tp,pp", STREAM_CASES,
+                         ids=[f"{m}-tp{tp}-pp{pp}" for m, tp, pp in STREAM_CASES])
 def test_hf_stream_of_each_stage_is_what_vllm_loads_there(pool, checkpoints, model_id, tp, pp):
     """A streaming weight sync sends each pipeline stage ``hf_layout``'s tensors of that stage: vLLM's own
     loaders accept them, and every parameter the stage builds ends up with the checkpoint's values (a
@@ -187,11 +194,11 @@ def test_hf_stream_sends_deepseek_router_bias_only_with_noaux_tc(checkpoints):
 
 @pytest.mark.parametrize("model_id", list(MODELS))
 def test_fsdp2_plan_receives_exactly_what_vllm_lacks(pool, checkpoints, model_id):
-    """From transformers' own model of the checkpoint (``from_pretrained``, its module names), sharded as FSDP2
-    shards it (``torch.chunk`` of dim 0 over 4 ranks), into vLLM at TP 2: the source layout's tensors equal
-    those chunks, and the plan receives exactly the elements of each rank's vLLM parameters (as vLLM's own
-    loaders fill them) that the rank does not hold, counted by value (every checkpoint value is distinct); run
-    over gloo, it writes exactly the values vLLM's loaders put there."""
+    """From transformers' own model of the checkpoint (``from_pretrained``, its module names), sharded as
+    FSDP2 shards it (``torch.chunk`` of dim 0 over 4 ranks), into vLLM at TP 2: the source layout's tensors
+    equal those chunks, and the plan receives exactly the elements of each rank's vLLM parameters (as vLLM's
+    own loaders fill them) that the rank does not hold, counted by value (every checkpoint value is distinct);
+    run over gloo, it writes exactly the values vLLM's loaders put there."""
     path, config, weights = checkpoints[model_id]
     spec = ModelSpec.from_hf_config(config)
     model, module, bias = _vllm_tasks.transformers_model(path)
@@ -211,7 +218,8 @@ def test_fsdp2_plan_receives_exactly_what_vllm_lacks(pool, checkpoints, model_id
             held.update(mine.flatten().tolist())
         # Counted with multiplicity: a value vLLM holds twice on one rank (Gemma 4's keys, also its values) is
         # received twice.
-        lacking = sum(1 for t in theirs[rank].values() for v in t.flatten().tolist() if v != 0.0 and v not in held)
+        lacking = sum(1 for t in theirs[rank].values() for v in t.flatten().tolist()
+                      if v != 0.0 and v not in held)
         assert plan.recv_nbytes(rank) == plan.min_recv_nbytes(rank) == 4 * lacking, (
             model_id, rank, plan.recv_nbytes(rank), 4 * lacking)
     # The plan run over gloo writes exactly what vLLM's own loaders put in each parameter.

@@ -24,17 +24,18 @@ from hybridmem.reshard.vllm_versions import (
 MOE = ModelSpec(family="qwen3_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                 intermediate_size=0, num_hidden_layers=2, vocab_size=200, qk_norm=True, num_experts=4,
                 moe_intermediate_size=6)
-QWEN2_MOE = ModelSpec(family="qwen2_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      intermediate_size=0, num_hidden_layers=2, vocab_size=200, qkv_bias=True, num_experts=4,
-                      moe_intermediate_size=6, shared_expert_intermediate_size=10)
-LLAMA = ModelSpec(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, intermediate_size=24,
-                  num_hidden_layers=2, vocab_size=200)
+QWEN2_MOE = ModelSpec(family="qwen2_moe", hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=0, num_hidden_layers=2, vocab_size=200, qkv_bias=True,
+                      num_experts=4, moe_intermediate_size=6, shared_expert_intermediate_size=10)
+LLAMA = ModelSpec(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                  intermediate_size=24, num_hidden_layers=2, vocab_size=200)
 DEEPSEEK = dict(model_type="deepseek_v3", hidden_size=16, num_attention_heads=4, num_key_value_heads=4,
-                intermediate_size=24, num_hidden_layers=2, vocab_size=200, n_routed_experts=4, n_shared_experts=1,
-                moe_intermediate_size=6, q_lora_rank=8, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2,
-                v_head_dim=4, first_k_dense_replace=1)
+                intermediate_size=24, num_hidden_layers=2, vocab_size=200, n_routed_experts=4,
+                n_shared_experts=1, moe_intermediate_size=6, q_lora_rank=8, kv_lora_rank=6,
+                qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4, first_k_dense_replace=1)
 
-_ROUTED = ("model.layers.0.mlp.experts.routed_experts.w13_weight", "model.layers.0.mlp.experts.routed_experts.w2_weight")
+_ROUTED = ("model.layers.0.mlp.experts.routed_experts.w13_weight",
+           "model.layers.0.mlp.experts.routed_experts.w2_weight")
 EXPERT_NAMES = {"0.32": _ROUTED, "0.33": _ROUTED}
 
 
@@ -87,7 +88,8 @@ def test_dense_embedding_and_head_stay_on_their_stages():
     layout = vllm_layout(LLAMA, ParallelLayout(pp=2), 2)
     first, last = set(layout.tensors(0)), set(layout.tensors(1))
     assert "model.embed_tokens.weight" in first and "model.embed_tokens.weight" not in last
-    assert {"model.norm.weight", "lm_head.weight"} <= last and not {"model.norm.weight", "lm_head.weight"} & first
+    assert ({"model.norm.weight", "lm_head.weight"} <= last
+            and not {"model.norm.weight", "lm_head.weight"} & first)
 
 
 @pytest.mark.parametrize("topk_method,vllm_has_bias", [("noaux_tc", True), ("greedy", False), (None, False)])
