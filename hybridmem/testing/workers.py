@@ -140,7 +140,7 @@ def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, res
         ctx = WorkerContext(rank=rank, world_size=world_size, group=groups[world_size], backend=backend)
         try:
             results.put((task_id, rank, ("ok", fn(ctx, *args, **kwargs))))
-        except BaseException:  # noqa: BLE001 - report every failure to the parent, then keep serving
+        except BaseException:  # report every failure to the parent, then keep serving
             results.put((task_id, rank, ("error", traceback.format_exc())))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
