@@ -40,11 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
-        from hybridmem.examples import grpo
+        from hybridmem.examples import grpo  # noqa: PLC0415 - loads only the subcommand run
 
         grpo.main(rest)
     elif args.command == "switch-loop":
-        from hybridmem.examples import switch_loop
+        from hybridmem.examples import switch_loop  # noqa: PLC0415 - loads only the subcommand run
 
         switch_loop.main(rest)
     elif args.command == "plan":

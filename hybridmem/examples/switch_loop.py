@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridmem import Direction, HybridConfig, ShardingManager
+from hybridmem.accel import get_accelerator
 from hybridmem.engines import TorchCopyEngine
 from hybridmem.switch.memplan import format_nbytes
 from hybridmem.testing.tiny import TinyNet, make_batch, train_step
@@ -25,8 +26,6 @@ def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Conso
     console = console or Console()
     config = HybridConfig(device=device)
     torch.manual_seed(0)
-    from hybridmem.accel import get_accelerator
-
     accel = get_accelerator(config.device)
     model = TinyNet(dim=dim, vocab=512).to(accel.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -83,7 +82,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag, value in (("--iters", args.iters), ("--dim", args.dim)):
         if value < 1:
             parser.error(f"{flag} {value} is not allowed: expected an integer >= 1")
-    from hybridmem.accel import get_accelerator  # noqa: PLC0415
     from hybridmem.config import DEVICE_CHOICES  # noqa: PLC0415
 
     try:

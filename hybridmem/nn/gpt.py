@@ -48,7 +48,7 @@ def init_hf_weights(config: ModelSpec, *, seed: int, std: float = 0.02, dtype: t
     Linear and embedding weights are ``N(0, std)``, biases small, norms ones (as HF initialises them).
     """
     g = torch.Generator().manual_seed(seed)
-    H, I, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    H, ffn, hd = config.hidden_size, config.intermediate_size, config.head_dim
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
 
     def normal(*shape: int) -> torch.Tensor:
@@ -67,9 +67,9 @@ def init_hf_weights(config: ModelSpec, *, seed: int, std: float = 0.02, dtype: t
             out[p + "self_attn.v_proj.bias"] = normal(nkv * hd)
         out[p + "self_attn.o_proj.weight"] = normal(H, nq * hd)
         out[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype)
-        out[p + "mlp.gate_proj.weight"] = normal(I, H)
-        out[p + "mlp.up_proj.weight"] = normal(I, H)
-        out[p + "mlp.down_proj.weight"] = normal(H, I)
+        out[p + "mlp.gate_proj.weight"] = normal(ffn, H)
+        out[p + "mlp.up_proj.weight"] = normal(ffn, H)
+        out[p + "mlp.down_proj.weight"] = normal(H, ffn)
     out["model.norm.weight"] = torch.ones(H, dtype=dtype)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = normal(config.vocab_size, H)

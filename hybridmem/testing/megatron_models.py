@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "TinyGPTSpec",
@@ -119,8 +120,10 @@ def init_megatron_parallel(spec: TinyGPTSpec) -> None:
     ``torch.distributed`` must already be initialised (the worker pool does it); on CPU call it inside
     :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.tensor_parallel import (  # noqa: PLC0415 - Megatron is optional
+        model_parallel_cuda_manual_seed,
+    )
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=spec.tp,
@@ -133,14 +136,14 @@ def init_megatron_parallel(spec: TinyGPTSpec) -> None:
 
 def destroy_megatron_parallel() -> None:
     """Undo :func:`init_megatron_parallel` (a worker is reused by the next test)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
 
     parallel_state.destroy_model_parallel()
 
 
 def transformer_config(spec: TinyGPTSpec) -> Any:
     """The ``TransformerConfig`` for ``spec`` (CPU initialisation, no dropout, deterministic)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415 - Megatron is optional
 
     extra: dict[str, Any] = {}
     if spec.num_moe_experts:
@@ -194,9 +197,11 @@ def build_gpt_model(spec: TinyGPTSpec, *, config: Any = None, device: str = "cpu
         device: ``"cpu"`` (under :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`) or ``"cuda"``
             (moved to the current GPU).
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415 - Megatron is optional
+        get_gpt_layer_local_spec,
+    )
 
     model = GPTModel(
         config=config if config is not None else transformer_config(spec),
@@ -223,11 +228,14 @@ def build_megatron_gpt(spec: TinyGPTSpec, *, device: str = "cpu") -> tuple[list[
     Returns:
         ``([ddp_model_chunk], optimizer)``.
     """
-    from megatron.core.distributed import (
+    from megatron.core.distributed import (  # noqa: PLC0415 - Megatron is optional
         DistributedDataParallel,
         DistributedDataParallelConfig,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import (  # noqa: PLC0415 - Megatron is optional
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     config = transformer_config(spec)
     model = build_gpt_model(spec, config=config, device=device)
@@ -274,8 +282,10 @@ def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, to
 
     The loss is broadcast from the last pipeline stage so that every rank returns the same value.
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.pipeline_parallel import (  # noqa: PLC0415 - Megatron is optional
+        get_forward_backward_func,
+    )
 
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
@@ -331,15 +341,16 @@ def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype
         pg_collection: The model's process groups (``None``: Megatron's ``parallel_state``); its ``pp``
             group decides this rank's stage.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415 - Megatron is optional
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
     )
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.transformer.transformer_config import (  # noqa: PLC0415 - Megatron is optional
+        MLATransformerConfig,
+    )
 
     num_moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_hidden_layers))
     extra: dict[str, Any] = {}

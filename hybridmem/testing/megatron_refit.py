@@ -25,11 +25,15 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout
 from hybridmem.reshard.conventions import MegatronConvention
+from hybridmem.reshard.execute import run_plan
 from hybridmem.reshard.transforms import build_local
+from hybridmem.testing.megatron_cpu import megatron_on_cpu
+from hybridmem.testing.megatron_models import gpt_from_model_spec
 
 __all__ = ["SeededFull", "process_group_collection", "refit_padded_vocab", "compare_refits"]
 
@@ -61,9 +65,10 @@ def process_group_collection(tp: int, pp: int) -> Any:
 
     Every rank of the default group must call this with the same arguments (group creation is collective).
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.process_groups_config import (  # noqa: PLC0415 - Megatron is optional
+        ProcessGroupCollection,
+    )
 
     world, me = dist.get_world_size(), dist.get_rank()
     dp = world // (tp * pp)
@@ -109,14 +114,14 @@ def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: Parallel
         ``megatron_first_s`` (plan + copy on the first call), ``megatron_s``/``hybridmem_s`` (best of
         ``repeats`` later calls), ``hybridmem_plan_s``.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.resharding.refit import clear_service_cache, swap_model_weights
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from hybridmem.reshard.execute import run_plan
-    from hybridmem.testing.megatron_cpu import megatron_on_cpu
-    from hybridmem.testing.megatron_models import gpt_from_model_spec
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.resharding.refit import (  # noqa: PLC0415 - Megatron is optional
+        clear_service_cache,
+        swap_model_weights,
+    )
+    from megatron.core.tensor_parallel import (  # noqa: PLC0415 - Megatron is optional
+        model_parallel_cuda_manual_seed,
+    )
 
     if spec.is_moe:
         raise ValueError(f"compare_refits takes dense specs; got num_experts={spec.num_experts}")

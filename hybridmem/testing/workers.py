@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["WorkerContext", "WorkerError", "WorkerPool"]
@@ -112,9 +114,6 @@ def _die_with_parent(parent_pid: int, *, deathsig: bool) -> None:
 def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any, timeout_s: float,
                  parent_pid: int, deathsig: bool):
     _die_with_parent(parent_pid, deathsig=deathsig)
-    import torch
-    import torch.distributed as dist
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if backend == "nccl":

@@ -138,7 +138,7 @@ def _expert_offset(model: Any, local_layer: int) -> int:
     if indices:
         return int(indices[0])
     num_local = int(getattr(getattr(mlp, "experts", None), "num_local_experts", 0))
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
 
     return parallel_state.get_expert_model_parallel_rank() * num_local
 
@@ -148,7 +148,7 @@ def megatron_shard_specs(model_chunks: Iterable[Any]) -> dict[str, ShardSpec]:
 
     Call after ``parallel_state.initialize_model_parallel`` (the ranks come from it).
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
 
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     etp = _call(parallel_state, "get_expert_tensor_parallel_world_size", tp)
@@ -206,7 +206,7 @@ def _call(module: Any, name: str, default: int) -> int:
 
 def megatron_source_layout() -> MegatronSourceLayout:
     """This rank's sizes and ranks from ``megatron.core.parallel_state``."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - Megatron is optional
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     return MegatronSourceLayout(

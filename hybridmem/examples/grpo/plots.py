@@ -10,10 +10,10 @@ _PHASE_COLORS = {"train": "#cfe3ff", "infer": "#ffe2c4", "reference": "#d8f5d0",
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - matplotlib is optional
 
     matplotlib.use("Agg")  # no display; files only
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib is optional
 
     return plt
 
