@@ -30,12 +30,14 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridmem`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = OneLineErrorParser(prog="hybridmem", description="hybridmem: train and infer on the same devices")
+    parser = OneLineErrorParser(prog="hybridmem",
+                                description="hybridmem: train and infer on the same devices")
     parser.add_argument("--version", action="version", version=f"hybridmem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,switch-loop,plan}",
                                 parser_class=OneLineErrorParser)
     sub.add_parser("demo", help="the GRPO demo (pass --help after 'demo' for its options)", add_help=False)
-    sub.add_parser("switch-loop", help="the torch-only switch loop (pass --help for its options)", add_help=False)
+    sub.add_parser("switch-loop", help="the torch-only switch loop (pass --help for its options)",
+                   add_help=False)
     sub.add_parser("plan", help="predict a cluster's switches from a config (pass --help for its options)",
                    add_help=False)
     args, rest = parser.parse_known_args(argv)

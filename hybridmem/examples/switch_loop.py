@@ -21,7 +21,8 @@ from hybridmem.testing.tiny import TinyNet, make_batch, train_step
 __all__ = ["main", "run"]
 
 
-def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Console | None = None) -> list[dict]:
+def run(*, iters: int = 10, dim: int = 256, device: str = "auto",
+        console: Console | None = None) -> list[dict]:
     """Run the loop; returns one dict of figures per iteration."""
     console = console or Console()
     config = HybridConfig(device=device)
@@ -32,7 +33,8 @@ def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Conso
     engine = TorchCopyEngine(model, kv_cache_nbytes=8 * dim * 1024)
     manager = ShardingManager(model, engine, optimizer=opt, config=config, accel=accel)
     table = Table(title=f"hybridmem switch loop on {accel.device} (TinyNet dim={dim})")
-    for col in ("iter", "loss", "to INFER ms", "to TRAIN ms", "moved", "GB/s", "device TRAIN", "device INFER"):
+    for col in ("iter", "loss", "to INFER ms", "to TRAIN ms", "moved", "GB/s", "device TRAIN",
+                "device INFER"):
         table.add_column(col, justify="right")
     rows = []
     for it in range(iters):
@@ -40,7 +42,8 @@ def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Conso
         with manager.inference() as eng:
             tokens, _ = make_batch(it, accel.device, vocab=512)
             logits = eng(tokens)
-        to_infer, to_train = manager.last_reports[Direction.TO_INFER], manager.last_reports[Direction.TO_TRAIN]
+        to_infer, to_train = (manager.last_reports[Direction.TO_INFER],
+                              manager.last_reports[Direction.TO_TRAIN])
         row = {
             "iter": it,
             "loss": loss,
@@ -88,5 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         HybridConfig(device=args.device)
         get_accelerator(args.device)
     except (ValueError, RuntimeError) as exc:
-        parser.error(f"--device {args.device} is not usable here ({exc}); allowed: {', '.join(DEVICE_CHOICES)}, cuda:N, npu:N where the backend is present (auto picks one)")
+        parser.error(f"--device {args.device} is not usable here ({exc}); allowed: "
+                     f"{', '.join(DEVICE_CHOICES)}, cuda:N, npu:N where the backend is present "
+                     "(auto picks one)")
     run(iters=args.iters, dim=args.dim, device=args.device)

@@ -87,7 +87,8 @@ class SwitchAgreement:
         try:
             self.vote(False)
         except Exception as exc:  # this rank rolls back whatever its peers do
-            log.warning("hybridmem: rank %d could not tell its peers it rolls back (%s): %s", self.rank, reason, exc)
+            log.warning("hybridmem: rank %d could not tell its peers it rolls back (%s): %s",
+                        self.rank, reason, exc)
 
 
 class AgreeStep(SwitchStep):

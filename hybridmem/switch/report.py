@@ -90,7 +90,8 @@ class SwitchReport:
     @property
     def copy_seconds(self) -> float:
         """Time spent in host<->device steps."""
-        return sum(s.seconds for s in self.steps if s.kind is not StateKind.ENGINE_WEIGHTS and s.copied_nbytes)
+        return sum(s.seconds for s in self.steps
+                   if s.kind is not StateKind.ENGINE_WEIGHTS and s.copied_nbytes)
 
     @property
     def gbps(self) -> float:
@@ -176,7 +177,8 @@ class SwitchReport:
         from rich.console import Console  # noqa: PLC0415 - keeps `import hybridmem` light
 
         buf = io.StringIO()
-        Console(file=buf, width=120, color_system=None, force_terminal=False).print(self.to_table(ascii_only=True))
+        Console(file=buf, width=120, color_system=None, force_terminal=False).print(
+            self.to_table(ascii_only=True))
         text = buf.getvalue().rstrip()
         if self.residency is not None:
             text += "\n" + str(self.residency)

@@ -205,7 +205,8 @@ def build_gpt_model(spec: TinyGPTSpec, *, config: Any = None, device: str = "cpu
 
     model = GPTModel(
         config=config if config is not None else transformer_config(spec),
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_moe_experts,
+                                                        normalization="RMSNorm"),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -277,7 +278,8 @@ def make_batch(spec: TinyGPTSpec, step: int, device: str = "cpu") -> list[dict[s
     return out
 
 
-def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, torch.Tensor]], spec: TinyGPTSpec) -> float:
+def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, torch.Tensor]],
+               spec: TinyGPTSpec) -> float:
     """One optimizer step with Megatron's pipeline schedule; returns the mean loss (on every rank).
 
     The loss is broadcast from the last pipeline stage so that every rank returns the same value.
@@ -324,8 +326,9 @@ def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, to
 
 def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype: torch.dtype = torch.float32,
                         pg_collection: Any = None) -> Any:
-    """This rank's stage of a ``GPTModel`` (local spec) shaped as a resharding :class:`~hybridmem.reshard.ModelSpec`
-    says: any of its families, MoE on the layers ``spec.is_moe_layer`` names, DeepSeek's MLA.
+    """This rank's stage of a ``GPTModel`` (local spec) shaped as a resharding
+    :class:`~hybridmem.reshard.ModelSpec` says: any of its families, MoE on the layers ``spec.is_moe_layer``
+    names, DeepSeek's MLA.
 
     For building and holding weights only, never a forward: megatron-core 0.16.1's local MLA spec passes
     ``k_channels`` to ``DotProductAttention``, which does not take it (MLA runs there only with Transformer
@@ -375,8 +378,8 @@ def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype
         kv_channels=spec.head_dim, ffn_hidden_size=spec.intermediate_size or spec.moe_intermediate_size,
         gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=spec.qkv_bias, normalization="RMSNorm",
         qk_layernorm=qk_layernorm, use_cpu_initialization=True, perform_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **extra)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **extra)
     if 0 < num_moe_layers < spec.num_hidden_layers:
         # Dense and MoE layers mixed: Megatron's block spec picks each layer's MLP from moe_layer_freq.
         layer_spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
@@ -391,8 +394,9 @@ def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     else:
         pp_rank = dist.get_group_rank(pg_collection.pp, dist.get_rank())
-    return GPTModel(cfg, layer_spec, vocab_size=padded_vocab, max_sequence_length=32, pre_process=pp_rank == 0,
-                    post_process=pp_rank == pp - 1, share_embeddings_and_output_weights=spec.tie_word_embeddings,
+    return GPTModel(cfg, layer_spec, vocab_size=padded_vocab, max_sequence_length=32,
+                    pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                    share_embeddings_and_output_weights=spec.tie_word_embeddings,
                     position_embedding_type="rope", pg_collection=pg_collection)
 
 
@@ -404,4 +408,5 @@ class _NoParameterAttention(torch.nn.Module):
         super().__init__()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a GPTModel from gpt_from_model_spec with MLA cannot run forward (no core attention)")
+        raise RuntimeError("a GPTModel from gpt_from_model_spec with MLA cannot run forward (no core "
+                           "attention)")

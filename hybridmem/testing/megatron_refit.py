@@ -6,15 +6,15 @@ parallel layout in the same processes (Megatron layout -> Megatron layout only).
 a pair on CPU (gloo) under :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`, fills the source from
 seeded full tensors through hybridmem's Megatron layout, runs Megatron's refit, and runs hybridmem's
 plan for the same layout pair, so that the two can be compared byte for byte:
-``benchmarks/reshard.py`` reports it as case (c), and ``tests/megatron/test_reshard_vs_megatron_refit.py`` checks
-that both give the target layout's reference slices.
+``benchmarks/reshard.py`` reports it as case (c), and ``tests/megatron/test_reshard_vs_megatron_refit.py``
+checks that both give the target layout's reference slices.
 
 [Note: Megatron refit needs initialised embeddings]
 ``VocabParallelEmbedding`` marks its weight ``tensor_model_parallel`` only inside its initialiser, so a
 model built with ``perform_initialization=False`` has an embedding that Megatron's refit planner takes for
 a replicated tensor; the refit then fails copying e.g. 256 rows into 512 (TP4 -> TP2). The models here
-are therefore built with ``perform_initialization=True`` (:func:`~hybridmem.testing.megatron_models.gpt_from_model_spec`)
-and overwritten afterwards.
+are therefore built with ``perform_initialization=True``
+(:func:`~hybridmem.testing.megatron_models.gpt_from_model_spec`) and overwritten afterwards.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class SeededFull(dict):
         return t
 
 
-def refit_padded_vocab(spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout, divisible_by: int = 128) -> int:
+def refit_padded_vocab(spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout,
+                       divisible_by: int = 128) -> int:
     """One padded vocab for both models (a ``GPTModel`` takes the padded size): a multiple of
     ``divisible_by`` times the least common multiple of the two TP sizes."""
     unit = divisible_by * math.lcm(src.tp, dst.tp)
@@ -103,7 +104,8 @@ def process_group_collection(tp: int, pp: int) -> Any:
 
 def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout, *,
                    dtype: torch.dtype = torch.float32, repeats: int = 2) -> dict[str, Any]:
-    """Worker task: Megatron's ``swap_model_weights`` (gloo) and hybridmem's plan, Megatron src -> Megatron dst.
+    """Worker task: Megatron's ``swap_model_weights`` (gloo) and hybridmem's plan, Megatron src ->
+    Megatron dst.
 
     Runs on every rank of the worker pool's default group (dense specs only). Both targets are checked
     against :func:`~hybridmem.reshard.transforms.build_local` of the same seeded full tensors.
