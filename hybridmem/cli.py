@@ -30,21 +30,23 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybridmem`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = OneLineErrorParser(prog="hybridmem", description="hybridmem: train and infer on the same devices")
+    parser = OneLineErrorParser(prog="hybridmem",
+                                description="hybridmem: train and infer on the same devices")
     parser.add_argument("--version", action="version", version=f"hybridmem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,switch-loop,plan}",
                                 parser_class=OneLineErrorParser)
     sub.add_parser("demo", help="the GRPO demo (pass --help after 'demo' for its options)", add_help=False)
-    sub.add_parser("switch-loop", help="the torch-only switch loop (pass --help for its options)", add_help=False)
+    sub.add_parser("switch-loop", help="the torch-only switch loop (pass --help for its options)",
+                   add_help=False)
     sub.add_parser("plan", help="predict a cluster's switches from a config (pass --help for its options)",
                    add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
-        from hybridmem.examples import grpo
+        from hybridmem.examples import grpo  # noqa: PLC0415 - loads only the subcommand run
 
         grpo.main(rest)
     elif args.command == "switch-loop":
-        from hybridmem.examples import switch_loop
+        from hybridmem.examples import switch_loop  # noqa: PLC0415 - loads only the subcommand run
 
         switch_loop.main(rest)
     elif args.command == "plan":

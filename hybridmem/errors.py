@@ -64,7 +64,7 @@ def _rebuild(cls: type, args: tuple, kwargs: dict, state: dict) -> BaseException
 
 def _recording(init):
     @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):  # noqa: N807 - it replaces the class's __init__
         self.__dict__.setdefault(_INIT, (args, kwargs))  # the outermost call's: a subclass's comes first
         init(self, *args, **kwargs)
 
@@ -428,7 +428,7 @@ class UnsupportedLibraryError(HybridMemError, ImportError):
                          f'tested release: pip install "{library}=={read_from}"')
 
 
-class _SwitchFailedWith(SwitchError):
+class _SwitchFailedWith(SwitchError):  # noqa: N818 - a private base; the classes raised end in Error
     """A :class:`SwitchError` that is also the documented class of the step's error (second base).
 
     It carries the cause's attributes too (``requested_nbytes``, ``budget_nbytes``, ... for a budget

@@ -505,7 +505,7 @@ class ShardingManager:
         except BaseException as exc:
             try:
                 self.to_train()
-            except Exception as switch_exc:  # noqa: BLE001 - reported on the user's exception
+            except Exception as switch_exc:  # reported on the user's exception
                 add_note(exc, f"hybridmem: the switch back to TRAIN failed too: {switch_exc!r}; "
                               f"phase {self.phase.name}")
             raise

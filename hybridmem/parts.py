@@ -45,7 +45,8 @@ def training_state_of(model: Any, optimizer: Any) -> TrainingState:
     """
     if isinstance(model, TrainingState):
         if optimizer is not None:
-            raise ValueError(f"optimizer= is for plain PyTorch models; {type(model).__name__} carries its own")
+            raise ValueError(f"optimizer= is for plain PyTorch models; {type(model).__name__} carries "
+                             "its own")
         return model
     from hybridmem.adapters.fsdp import FSDPTrainingState, is_fsdp_model  # noqa: PLC0415 - torch.distributed.fsdp
 
@@ -59,7 +60,8 @@ def _reported(part: Any, reports: bool) -> dict[str, int]:
     layout = part.parallel_layout if reports else None
     if isinstance(layout, ParallelLayout):
         return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
-    return {k: int(v) for k, v in layout.items() if k in TRAIN_LAYOUT_KEYS} if isinstance(layout, Mapping) else {}
+    return ({k: int(v) for k, v in layout.items() if k in TRAIN_LAYOUT_KEYS} if isinstance(layout, Mapping)
+            else {})
 
 
 def resolve_layouts(config: HybridConfig, training: TrainingState, engine: Any) -> HybridConfig:
@@ -92,6 +94,7 @@ def resolve_layouts(config: HybridConfig, training: TrainingState, engine: Any) 
             elif actual is not None and given != actual:
                 raise ConfigError(
                     key, given,
-                    f"{actual}, what {what} {type(part).__name__} runs at (or leave {key} unset to take it from there)",
+                    f"{actual}, what {what} {type(part).__name__} runs at (or leave {key} unset to take it "
+                    "from there)",
                 )
     return config.replace(**changes) if changes else config

@@ -52,7 +52,8 @@ def get_accelerator(spec: str | torch.device | Accelerator = "auto", **kwargs: A
     device = torch.device(spec)
     cls = ACCELERATORS.get(device.type)
     if cls is None:
-        raise ValueError(f"device {str(spec)!r} has no hybridmem backend; expected one of {sorted(ACCELERATORS)}")
+        raise ValueError(f"device {str(spec)!r} has no hybridmem backend; expected one of "
+                         f"{sorted(ACCELERATORS)}")
     if not cls.is_available():
         raise ValueError(f"device {str(spec)!r} was asked for but backend {cls.name!r} is not available here")
     return cls(device, **kwargs)

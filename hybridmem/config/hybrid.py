@@ -274,7 +274,7 @@ class HybridConfig:
                 key of ``actor_config``/``rl_config``/``generate_config``/``hybridmem`` is unknown (the
                 message names it and suggests the closest), or a value is bad.
         """
-        import yaml
+        import yaml  # noqa: PLC0415 - keeps `import hybridmem` light
 
         path = Path(path)
         text = path.read_text(encoding="utf-8")

@@ -40,8 +40,8 @@ keys as the tags."""
 
 SECTIONS = frozenset(
     {
-        "defaults", "model", "megatron_training", "actor_config", "ref_config", "reward_config", "critic_config",
-        "rl_config", "generate_config", "profiler_config", "msprobe_config",
+        "defaults", "model", "megatron_training", "actor_config", "ref_config", "reward_config",
+        "critic_config", "rl_config", "generate_config", "profiler_config", "msprobe_config",
     }
 )
 """Top-level sections of a MindSpeed-RL training YAML (the files of every release in RELEASES use no

@@ -1,4 +1,4 @@
-"""Inference engines hybridmem ships, and the contract's names (defined in :mod:`hybridmem.contract.engine`)."""
+"""Inference engines hybridmem ships, and the contract's names (from :mod:`hybridmem.contract.engine`)."""
 
 from __future__ import annotations
 

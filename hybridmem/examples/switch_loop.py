@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridmem import Direction, HybridConfig, ShardingManager
+from hybridmem.accel import get_accelerator
 from hybridmem.engines import TorchCopyEngine
 from hybridmem.switch.memplan import format_nbytes
 from hybridmem.testing.tiny import TinyNet, make_batch, train_step
@@ -20,20 +21,20 @@ from hybridmem.testing.tiny import TinyNet, make_batch, train_step
 __all__ = ["main", "run"]
 
 
-def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Console | None = None) -> list[dict]:
+def run(*, iters: int = 10, dim: int = 256, device: str = "auto",
+        console: Console | None = None) -> list[dict]:
     """Run the loop; returns one dict of figures per iteration."""
     console = console or Console()
     config = HybridConfig(device=device)
     torch.manual_seed(0)
-    from hybridmem.accel import get_accelerator
-
     accel = get_accelerator(config.device)
     model = TinyNet(dim=dim, vocab=512).to(accel.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine = TorchCopyEngine(model, kv_cache_nbytes=8 * dim * 1024)
     manager = ShardingManager(model, engine, optimizer=opt, config=config, accel=accel)
     table = Table(title=f"hybridmem switch loop on {accel.device} (TinyNet dim={dim})")
-    for col in ("iter", "loss", "to INFER ms", "to TRAIN ms", "moved", "GB/s", "device TRAIN", "device INFER"):
+    for col in ("iter", "loss", "to INFER ms", "to TRAIN ms", "moved", "GB/s", "device TRAIN",
+                "device INFER"):
         table.add_column(col, justify="right")
     rows = []
     for it in range(iters):
@@ -41,7 +42,8 @@ def run(*, iters: int = 10, dim: int = 256, device: str = "auto", console: Conso
         with manager.inference() as eng:
             tokens, _ = make_batch(it, accel.device, vocab=512)
             logits = eng(tokens)
-        to_infer, to_train = manager.last_reports[Direction.TO_INFER], manager.last_reports[Direction.TO_TRAIN]
+        to_infer, to_train = (manager.last_reports[Direction.TO_INFER],
+                              manager.last_reports[Direction.TO_TRAIN])
         row = {
             "iter": it,
             "loss": loss,
@@ -83,12 +85,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag, value in (("--iters", args.iters), ("--dim", args.dim)):
         if value < 1:
             parser.error(f"{flag} {value} is not allowed: expected an integer >= 1")
-    from hybridmem.accel import get_accelerator  # noqa: PLC0415
     from hybridmem.config import DEVICE_CHOICES  # noqa: PLC0415
 
     try:
         HybridConfig(device=args.device)
         get_accelerator(args.device)
     except (ValueError, RuntimeError) as exc:
-        parser.error(f"--device {args.device} is not usable here ({exc}); allowed: {', '.join(DEVICE_CHOICES)}, cuda:N, npu:N where the backend is present (auto picks one)")
+        parser.error(f"--device {args.device} is not usable here ({exc}); allowed: "
+                     f"{', '.join(DEVICE_CHOICES)}, cuda:N, npu:N where the backend is present "
+                     "(auto picks one)")
     run(iters=args.iters, dim=args.dim, device=args.device)

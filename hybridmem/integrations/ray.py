@@ -9,18 +9,20 @@ rank fails.
 
 [Note: ray placement]
 One placement group per job with one bundle per device (:func:`placement_bundles`): ``{"GPU": 1, "CPU":
-c}`` on GPUs (``{"NPU": 1, "CPU": c}`` on Ascend NPUs), ``{"CPU": c}`` on CPU, strategy ``PACK`` by default (bundles on as few nodes as fit, as verl
-and OpenRLHF place theirs; ``STRICT_PACK`` for one node, ``SPREAD`` to test several). Rank ``r``'s actor
-is scheduled into bundle ``r`` (:func:`worker_options`), so the trainer rank, its engine (in its process,
-or an engine process it starts) and its co-resident models share the one device Ray gave the bundle.
+c}`` on GPUs (``{"NPU": 1, "CPU": c}`` on Ascend NPUs), ``{"CPU": c}`` on CPU, strategy ``PACK`` by default
+(bundles on as few nodes as fit, as verl and OpenRLHF place theirs; ``STRICT_PACK`` for one node, ``SPREAD``
+to test several). Rank ``r``'s actor is scheduled into bundle ``r`` (:func:`worker_options`), so the trainer
+rank, its engine (in its process, or an engine process it starts) and its co-resident models share the one
+device Ray gave the bundle.
 
 What Ray sets: ``CUDA_VISIBLE_DEVICES`` (``ASCEND_RT_VISIBLE_DEVICES``) of each actor to its bundle's GPU
-(NPU), so the actor's device is ``cuda:0`` (``npu:0``), and nothing of ``torch.distributed``. What hybridmem sets (:func:`init_distributed`), as
-torchrun would: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (0: the one device the actor sees),
-``LOCAL_WORLD_SIZE`` (1), ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's node address and a port free
-there, asked of rank 0's actor before any rank joins: :meth:`HybridWorker.rendezvous_address`), then the
-process group by ``init_method="env://"`` (NCCL on GPUs, HCCL on NPUs, gloo on CPU), so code written for torchrun,
-hybridmem's managers and vLLM's ``external_launcher`` included, runs unchanged in the actor.
+(NPU), so the actor's device is ``cuda:0`` (``npu:0``), and nothing of ``torch.distributed``. What hybridmem
+sets (:func:`init_distributed`), as torchrun would: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (0: the one
+device the actor sees), ``LOCAL_WORLD_SIZE`` (1), ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's node address
+and a port free there, asked of rank 0's actor before any rank joins:
+:meth:`HybridWorker.rendezvous_address`), then the process group by ``init_method="env://"`` (NCCL on GPUs,
+HCCL on NPUs, gloo on CPU), so code written for torchrun, hybridmem's managers and vLLM's
+``external_launcher`` included, runs unchanged in the actor.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ __all__ = [
 ]
 
 DEVICES = ("cpu", "cuda", "npu")
-"""The devices a worker may hold: a CPU share, one GPU (Ray's ``GPU`` resource) or one Ascend NPU (``NPU``)."""
+"""The devices a worker may hold: a CPU share, one GPU (Ray's ``GPU`` resource) or one Ascend NPU
+(``NPU``)."""
 
 ACCELERATOR_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
-"""Ray's resource for one device of each kind; Ray sets ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``
-of an actor holding one to that device alone."""
+"""Ray's resource for one device of each kind; Ray sets ``CUDA_VISIBLE_DEVICES`` /
+``ASCEND_RT_VISIBLE_DEVICES`` of an actor holding one to that device alone."""
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 """The process group's backend on each device."""
@@ -78,9 +81,9 @@ class PlacementError(HybridMemError, RuntimeError):
                  waited_s: float):
         self.bundles, self.strategy, self.available = list(bundles), strategy, dict(available)
         super().__init__(
-            f"Ray could not place {len(self.bundles)} bundles {self.bundles[:1]} (strategy {strategy}) within "
-            f"{waited_s:.0f} s; the cluster has {self.available} available: start Ray with more resources, or "
-            f"ask for fewer workers or CPUs per worker"
+            f"Ray could not place {len(self.bundles)} bundles {self.bundles[:1]} (strategy {strategy}) "
+            f"within {waited_s:.0f} s; the cluster has {self.available} available: start Ray with more "
+            f"resources, or ask for fewer workers or CPUs per worker"
         )
 
 
@@ -95,14 +98,16 @@ class WorkerGroupError(HybridMemError, RuntimeError):
     """
 
     def __init__(self, call: str, *, errors: dict[int, BaseException] | None = None,
-                 results: dict[int, Any] | None = None, missing: Sequence[int] = (), died: dict[int, str] | None = None):
+                 results: dict[int, Any] | None = None, missing: Sequence[int] = (),
+                 died: dict[int, str] | None = None):
         self.call = call
         self.errors = dict(errors or {})
         self.results = dict(results or {})
         self.missing = sorted(missing)
         self.died = dict(died or {})
         parts = [f"rank {r}'s actor died ({why})" for r, why in sorted(self.died.items())]
-        parts += [f"rank {r} raised {type(e).__name__}: {_first_line(e)}" for r, e in sorted(self.errors.items())]
+        parts += [f"rank {r} raised {type(e).__name__}: {_first_line(e)}"
+                  for r, e in sorted(self.errors.items())]
         if self.missing:
             parts.append(f"ranks {self.missing} did not answer")
         done = sorted(self.results)
@@ -122,7 +127,8 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def placement_bundles(world_size: int, *, device: str = "cuda", cpus_per_worker: float = 1) -> list[dict[str, float]]:
+def placement_bundles(world_size: int, *, device: str = "cuda",
+                      cpus_per_worker: float = 1) -> list[dict[str, float]]:
     """One bundle per worker: ``{"GPU": 1, "CPU": cpus_per_worker}`` on ``cuda``, ``{"NPU": 1, "CPU":
     cpus_per_worker}`` on ``npu``, ``{"CPU": cpus_per_worker}`` on ``cpu`` (see [Note: ray placement]).
 
@@ -141,13 +147,15 @@ def placement_bundles(world_size: int, *, device: str = "cuda", cpus_per_worker:
     return [dict(bundle) for _ in range(world_size)]
 
 
-def worker_options(group: Any, rank: int, *, device: str = "cuda", cpus_per_worker: float = 1) -> dict[str, Any]:
+def worker_options(group: Any, rank: int, *, device: str = "cuda",
+                   cpus_per_worker: float = 1) -> dict[str, Any]:
     """``ActorClass.options(...)`` that schedule rank ``rank``'s actor into bundle ``rank`` of the
     placement group ``group``, holding that bundle's resources."""
     options: dict[str, Any] = {
         "num_cpus": cpus_per_worker,
         "num_gpus": 1 if device == "cuda" else 0,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                placement_group_bundle_index=rank),
     }
     if device == "npu":
         options["resources"] = {"NPU": 1}
@@ -222,7 +230,8 @@ class HybridWorker:
 
     def join(self, master_addr: str, master_port: int, *, timeout_s: float = 600.0) -> dict[str, Any]:
         """Join the group's process group (:func:`init_distributed`); returns :meth:`placement`."""
-        init_distributed(self.rank, self.world_size, master_addr, master_port, device=self.device, timeout_s=timeout_s)
+        init_distributed(self.rank, self.world_size, master_addr, master_port, device=self.device,
+                         timeout_s=timeout_s)
         return self.placement()
 
     def placement(self) -> dict[str, Any]:
@@ -283,11 +292,14 @@ class HybridWorkerGroup:
             actor_cls = ray.remote(worker_cls)
             runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
             self.actors = [
-                actor_cls.options(**worker_options(self.placement_group, r, device=device, cpus_per_worker=cpus_per_worker),
-                                  runtime_env=runtime_env).remote(rank=r, world_size=world_size, device=device)
+                actor_cls.options(**worker_options(self.placement_group, r, device=device,
+                                                   cpus_per_worker=cpus_per_worker),
+                                  runtime_env=runtime_env).remote(rank=r, world_size=world_size,
+                                                                  device=device)
                 for r in range(world_size)
             ]
-            address, port = self._gather("rendezvous_address", [self.actors[0].rendezvous_address.remote()])[0]
+            address, port = self._gather("rendezvous_address",
+                                         [self.actors[0].rendezvous_address.remote()])[0]
             self.placements = self.call("join", address, port, timeout_s=timeout_s)
         except BaseException:
             self.close()
@@ -305,8 +317,10 @@ class HybridWorkerGroup:
     def call_each(self, method: str, args: Sequence[tuple]) -> list[Any]:
         """``method(*args[r])`` on each actor ``r`` at once (each rank its own share of the data)."""
         if len(args) != self.world_size:
-            raise ValueError(f"call_each({method!r}) got {len(args)} argument tuples; expected {self.world_size}, one per rank")
-        return self._gather(method, [getattr(a, method).remote(*a_args) for a, a_args in zip(self.actors, args)])
+            raise ValueError(f"call_each({method!r}) got {len(args)} argument tuples; expected "
+                             f"{self.world_size}, one per rank")
+        return self._gather(method, [getattr(a, method).remote(*a_args)
+                                     for a, a_args in zip(self.actors, args)])
 
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method(*args, **kwargs)`` on rank ``rank``'s actor alone."""

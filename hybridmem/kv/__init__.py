@@ -10,8 +10,8 @@
 >>> kv.resume(); cache.shape
 torch.Size([4, 512])
 
-``torch`` (:mod:`hybridmem.kv.torch_pool`) works on every backend; ``cuda-vmm`` (:mod:`hybridmem.kv.vmm`) keeps
-addresses fixed so CUDA graphs survive, and imports ``cuda.bindings`` only when it allocates.
+``torch`` (:mod:`hybridmem.kv.torch_pool`) works on every backend; ``cuda-vmm`` (:mod:`hybridmem.kv.vmm`)
+keeps addresses fixed so CUDA graphs survive, and imports ``cuda.bindings`` only when it allocates.
 ``vllm-sleep`` (:mod:`hybridmem.kv.vllm_sleep`) delegates to a ``VLLMEngine``; it never imports vLLM.
 See [Note: KV views stay valid] in :mod:`hybridmem.kv.base`.
 """

@@ -153,7 +153,8 @@ class KVCacheAllocator(ABC):
             ValueError: A bad argument, or fewer than one block fits (the message gives the figures).
         """
         if self.state is not KVState.EMPTY:
-            raise KVStateError("allocate", self.state, allocator=self.name, hint="allocate once, then release/resume")
+            raise KVStateError("allocate", self.state, allocator=self.name,
+                               hint="allocate once, then release/resume")
         if not isinstance(block_nbytes, int) or block_nbytes < 1:
             raise ValueError(f"block_nbytes={block_nbytes!r} must be a positive int")
         if (num_blocks is None) == (utilization is None):
@@ -170,8 +171,8 @@ class KVCacheAllocator(ABC):
             room = figures.free_nbytes + figures.cached_nbytes
             if num_blocks * block_nbytes > room:
                 raise ValueError(
-                    f"num_blocks={num_blocks} of block_nbytes={block_nbytes} is {num_blocks * block_nbytes} bytes, "
-                    f"more than the {room} bytes free on {self.accel.device}"
+                    f"num_blocks={num_blocks} of block_nbytes={block_nbytes} is {num_blocks * block_nbytes} "
+                    f"bytes, more than the {room} bytes free on {self.accel.device}"
                 )
         else:
             assert utilization is not None  # narrowed by the exactly-one check above
@@ -278,8 +279,8 @@ class KVCacheAllocator(ABC):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(accel={self.accel}, state={self.state.name}, num_blocks={self.num_blocks}, "
-            f"block_nbytes={self.block_nbytes})"
+            f"{type(self).__name__}(accel={self.accel}, state={self.state.name}, "
+            f"num_blocks={self.num_blocks}, block_nbytes={self.block_nbytes})"
         )
 
     # Backend steps --------------------------------------------------------------------------------

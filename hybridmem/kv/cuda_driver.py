@@ -109,7 +109,8 @@ class CudaDriver:
     def granularity(self) -> int:
         """Minimum physical allocation granularity in bytes (2 MiB on current NVIDIA GPUs)."""
         flag = self._drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        return int(self._check("cuMemGetAllocationGranularity", self._drv.cuMemGetAllocationGranularity(self._prop, flag)))
+        return int(self._check("cuMemGetAllocationGranularity",
+                               self._drv.cuMemGetAllocationGranularity(self._prop, flag)))
 
     def reserve(self, nbytes: int, alignment: int) -> int:
         """Reserve ``nbytes`` of virtual address space; returns its start address."""

@@ -15,5 +15,5 @@ from hybridmem.models.registry import (
     structural_model_type,
 )
 
-__all__ = ["Family", "RouterBias", "TextModelNames", "getter", "FAMILIES", "ALIASES", "ARCHITECTURES", "family_name",
-           "get_family", "model_type_of", "structural_model_type"]
+__all__ = ["Family", "RouterBias", "TextModelNames", "getter", "FAMILIES", "ALIASES", "ARCHITECTURES",
+           "family_name", "get_family", "model_type_of", "structural_model_type"]

@@ -43,11 +43,13 @@ def llama_bias_fields(get: ConfigGetter) -> dict[str, Any]:
     and o a bias and ``mlp_bias`` gate, up and down, as transformers builds them and vLLM's Llama and
     Granite read them."""
     attention_bias = bool(get("attention_bias", False))
-    return gqa_fields(get, qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(get("mlp_bias", False)))
+    return gqa_fields(get, qkv_bias=attention_bias, o_bias=attention_bias,
+                      mlp_bias=bool(get("mlp_bias", False)))
 
 
-def moe_fields(get: ConfigGetter, *, experts_keys: tuple[str, ...], expert_width_key: str = "moe_intermediate_size",
-               shared_width: int = 0, first_dense_key: str | None = None) -> dict[str, Any]:
+def moe_fields(get: ConfigGetter, *, experts_keys: tuple[str, ...],
+               expert_width_key: str = "moe_intermediate_size", shared_width: int = 0,
+               first_dense_key: str | None = None) -> dict[str, Any]:
     """ModelSpec fields of routed experts: the count (first of ``experts_keys`` the config sets), one
     expert's width, the shared expert's width and the leading dense layers."""
     experts = next((get(k) for k in experts_keys if get(k)), None)

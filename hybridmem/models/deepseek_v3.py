@@ -2,9 +2,9 @@
 MoE with shared experts and a routing-score correction bias (``moe_layer_freq`` 1, as DeepSeek-V3 ships;
 no multi-token-prediction layers).
 
-Kimi-K2.5 (``kimi_k25``) is this text model inside a multimodal config (``text_config``, whose ``model_type`` the
-Hub's config calls ``kimi_k2``) with a vision tower and projector. Its checkpoint keeps the text model under
-``language_model.`` (``language_model.model.layers.*``, ``language_model.lm_head.weight``); vLLM's
+Kimi-K2.5 (``kimi_k25``) is this text model inside a multimodal config (``text_config``, whose ``model_type``
+the Hub's config calls ``kimi_k2``) with a vision tower and projector. Its checkpoint keeps the text model
+under ``language_model.`` (``language_model.model.layers.*``, ``language_model.lm_head.weight``); vLLM's
 ``KimiK25ForConditionalGeneration`` builds DeepSeek-V3's text model under ``language_model.`` and loads those
 names as they are; transformers 5.19's ``Kimi_K25ForConditionalGeneration`` names its modules
 ``model.language_model.*`` and ``lm_head.weight``. Only the text model is synced: the vision tower and the
@@ -25,7 +25,8 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
     if get("rope_interleave", True) is False:
         # HF then rotates halves while Megatron's MLA and vLLM rotate pairs: the rope rows would need a
         # permutation, which the layout tables do not apply.
-        raise ValueError("rope_interleave=False is not supported for deepseek_v3 (expected True, its default)")
+        raise ValueError("rope_interleave=False is not supported for deepseek_v3 (expected True, its "
+                         "default)")
     freq = get("moe_layer_freq", 1) or 1
     if freq != 1:
         raise ValueError(f"moe_layer_freq={freq} is not supported; expected 1 (every layer after "

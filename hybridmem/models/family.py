@@ -19,8 +19,8 @@ data, where its own names differ:
 Pieces of a layout refer to checkpoint names (what ``load_weights`` of vLLM takes, what a checkpoint
 holds); a canonical tensor stored as rows ``[o, o + n)`` of a fused one is that fused tensor's box shifted
 by ``o``; one stored as slice ``[e]`` of a stacked tensor is the box with a leading ``(e, e + 1)`` the
-local tensor drops, its last two axes swapped when stored transposed (``Piece.transposed``). A family file is one :class:`Family` plus its config reader; :mod:`hybridmem.models.registry`
-lists them.
+local tensor drops, its last two axes swapped when stored transposed (``Piece.transposed``). A family file is
+one :class:`Family` plus its config reader; :mod:`hybridmem.models.registry` lists them.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def getter(cfg: Any) -> ConfigGetter:
 
 
 def _attribute(cfg: Any, key: str, default: Any) -> Any:
-    """``getattr(cfg, key, default)``; for a key a heterogeneous transformers config (>= 5.19, Gemma 4) keeps per
-    layer, which it refuses to read globally (a ``RuntimeError``), the config's own global value: the family's
-    reader takes the layers' values from ``per_layer_config``."""
+    """``getattr(cfg, key, default)``; for a key a heterogeneous transformers config (>= 5.19, Gemma 4) keeps
+    per layer, which it refuses to read globally (a ``RuntimeError``), the config's own global value: the
+    family's reader takes the layers' values from ``per_layer_config``."""
     try:
         return getattr(cfg, key, default)
     except RuntimeError:
@@ -75,13 +75,14 @@ def _renamed(pairs: tuple[tuple[str, str], ...], name: str) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TextModelNames:
-    """Where a multimodal model keeps its text model's tensors: ``(text prefix, multimodal prefix)`` pairs that
-    rename a text model's name (``model.layers.0.mlp.gate.weight``, ``lm_head.weight``), the first pair whose
-    text prefix the name starts with applying (``("", "language_model.")`` prefixes every name). Only the text
-    model's tensors are described (and synced); the vision tower and projector are not."""
+    """Where a multimodal model keeps its text model's tensors: ``(text prefix, multimodal prefix)`` pairs
+    that rename a text model's name (``model.layers.0.mlp.gate.weight``, ``lm_head.weight``), the first pair
+    whose text prefix the name starts with applying (``("", "language_model.")`` prefixes every name). Only
+    the text model's tensors are described (and synced); the vision tower and projector are not."""
 
     checkpoint: tuple[tuple[str, str], ...] = ()
-    """The checkpoint's names (Kimi-K2.5's ``language_model.model.layers.*``, ``language_model.lm_head.weight``)."""
+    """The checkpoint's names (Kimi-K2.5's ``language_model.model.layers.*``,
+    ``language_model.lm_head.weight``)."""
     vllm: tuple[tuple[str, str], ...] = ()
     """vLLM's multimodal model class's names (its text model built under ``language_model.``)."""
     modules: tuple[tuple[str, str], ...] = ()
@@ -115,12 +116,13 @@ class Family:
     aliases: tuple[str, ...] = ()
     """Other ``model_type`` values described by this family (``mistral`` by ``llama``)."""
     multimodal_types: tuple[str, ...] = ()
-    """``model_type`` values of multimodal configs that nest this family's config as ``text_config`` (Qwen3.5's
-    ``qwen3_5``): a spec of such a config is the text model's, read from its ``text_config``."""
+    """``model_type`` values of multimodal configs that nest this family's config as ``text_config``
+    (Qwen3.5's ``qwen3_5``): a spec of such a config is the text model's, read from its ``text_config``."""
     multimodal_names: tuple[tuple[str, TextModelNames], ...] = ()
-    """``(multimodal model_type, names)``: where that multimodal model keeps the text model's tensors; its spec
-    carries the type (``ModelSpec.multimodal``) and names its tensors so (Kimi-K2.5's ``language_model.``). A type
-    of :attr:`multimodal_types` not listed is read as the text model with the text model's names (Qwen3.5's)."""
+    """``(multimodal model_type, names)``: where that multimodal model keeps the text model's tensors; its
+    spec carries the type (``ModelSpec.multimodal``) and names its tensors so (Kimi-K2.5's
+    ``language_model.``). A type of :attr:`multimodal_types` not listed is read as the text model with the
+    text model's names (Qwen3.5's)."""
     architectures: tuple[str, ...] = ()
     """transformers' and vLLM's class names of the family's text model (``config.architectures``): a config
     without ``model_type`` is read as the family of its class (:func:`hybridmem.models.model_type_of`)."""
@@ -131,7 +133,8 @@ class Family:
     router_bias: RouterBias = RouterBias.NONE
     """See :class:`RouterBias`."""
     shared_expert: str | None = None
-    """Module name of the MoE layers' shared expert (``shared_expert``, ``shared_experts``); ``None``: none."""
+    """Module name of the MoE layers' shared expert (``shared_expert``, ``shared_experts``);
+    ``None``: none."""
     shared_expert_gate: bool = False
     """The shared expert has a [1, H] sigmoid gate (``mlp.shared_expert_gate.weight``, Qwen2-MoE)."""
     attention_sinks: bool = False
@@ -139,8 +142,9 @@ class Family:
     (gpt-oss), split by heads under TP."""
     qk_norm_all_heads: bool = False
     """With ``qk_norm``, one RMSNorm over all heads of q and one over all of k (MiniMax-M2):
-    ``self_attn.q_norm.weight`` [num_attention_heads * head_dim] and ``k_norm.weight`` [num_key_value_heads *
-    head_dim], split under TP by heads as q_proj's and k_proj's rows are (k's replicated with its kv heads)."""
+    ``self_attn.q_norm.weight`` [num_attention_heads * head_dim] and ``k_norm.weight``
+    [num_key_value_heads * head_dim], split under TP by heads as q_proj's and k_proj's rows are (k's
+    replicated with its kv heads)."""
     attention_output_gate: bool = False
     """``self_attn.q_proj`` gives every head its query and an output gate, ``[q_h; gate_h]`` per head:
     ``2 * num_attention_heads * head_dim`` rows (Qwen3.5); vLLM splits them by heads as it splits queries."""
@@ -165,15 +169,16 @@ class Family:
     dense_mlp_with_experts: bool = False
     """MoE layers keep a dense MLP of ``intermediate_size`` beside the experts (Gemma 4)."""
     experts_fused_gate_up: bool = False
-    """One expert's gate and up projections are one tensor, canonically ``mlp.experts.{e}.gate_up_proj.weight``
-    [2I, H] of contiguous [gate; up] rows (Gemma 4's checkpoint stacks them over experts); vLLM takes rows of
-    each half per TP rank, as for separate gate and up tensors."""
+    """One expert's gate and up projections are one tensor, canonically
+    ``mlp.experts.{e}.gate_up_proj.weight`` [2I, H] of contiguous [gate; up] rows (Gemma 4's checkpoint stacks
+    them over experts); vLLM takes rows of each half per TP rank, as for separate gate and up tensors."""
     router_scales: bool = False
-    """The router has a per-dimension input scale ``mlp.gate.scale`` [hidden_size] and a per-expert output scale
-    ``mlp.gate.per_expert_scale`` [num_experts] canonically, both whole on every rank (Gemma 4)."""
+    """The router has a per-dimension input scale ``mlp.gate.scale`` [hidden_size] and a per-expert output
+    scale ``mlp.gate.per_expert_scale`` [num_experts] canonically, both whole on every rank (Gemma 4)."""
     moe_norms: tuple[str, ...] = ()
-    """Norm weights [hidden_size] of the MoE layers only, replicated (Gemma 4's ``pre_feedforward_layernorm_2``,
-    ``post_feedforward_layernorm_1`` and ``post_feedforward_layernorm_2``)."""
+    """Norm weights [hidden_size] of the MoE layers only, replicated (Gemma 4's
+    ``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_1`` and
+    ``post_feedforward_layernorm_2``)."""
     layer_scalar: bool = False
     """Every layer has a ``layer_scalar`` [1] (Gemma 4), replicated on every rank. transformers and vLLM
     hold it as a persistent buffer, not a parameter: the checkpoint has it and vLLM's loader fills it, so
@@ -185,21 +190,22 @@ class Family:
     checkpoint_stacked: tuple[tuple[str, str, bool], ...] = ()
     """``(canonical suffix regex with the expert index as group 1, checkpoint suffix, transposed)``: one
     expert's tensor is slice ``[e]`` of a checkpoint tensor stacked over experts, its last two axes swapped
-    when ``transposed`` (gpt-oss's ``mlp.experts.gate_up_proj`` [E, H, 2I]). Entries naming the same checkpoint
-    suffix are row blocks of it in entry order, each of one expert tensor's rows (Llama 4's
+    when ``transposed`` (gpt-oss's ``mlp.experts.gate_up_proj`` [E, H, 2I]). Entries naming the same
+    checkpoint suffix are row blocks of it in entry order, each of one expert tensor's rows (Llama 4's
     ``feed_forward.experts.gate_up_proj`` [E, H, 2I] holds gate then up, transposed)."""
     module_names: str = "canonical"
     """``"canonical"``: transformers' modules hold the canonical tensors (experts fused); ``"checkpoint"``:
     they hold the checkpoint's tensors as stored."""
     module_renames: tuple[tuple[str, str], ...] = ()
-    """With canonical ``module_names``: ``(pattern, replacement)`` regex substitutions, canonical layer suffix ->
-    transformers' module suffix where its modules name a canonical tensor otherwise (MiniMax-M2's router bias is
-    ``mlp.e_score_correction_bias``, a buffer of the MoE block)."""
+    """With canonical ``module_names``: ``(pattern, replacement)`` regex substitutions, canonical layer suffix
+    -> transformers' module suffix where its modules name a canonical tensor otherwise (MiniMax-M2's router
+    bias is ``mlp.e_score_correction_bias``, a buffer of the MoE block)."""
     vllm_renames: tuple[tuple[str, str], ...] = ()
     """``(pattern, replacement)`` regex substitutions, canonical vLLM layer suffix -> the family's."""
     vllm_rotary_permute: bool = False
-    """vLLM's loader reorders each q and k head's rows from interleaved rotary pairs to halves (row ``2i + j`` of a
-    head to ``j * head_dim / 2 + i``) before splitting them (Llama 4's ``permute_qk_weight_for_rotary``)."""
+    """vLLM's loader reorders each q and k head's rows from interleaved rotary pairs to halves (row ``2i + j``
+    of a head to ``j * head_dim / 2 + i``) before splitting them (Llama 4's
+    ``permute_qk_weight_for_rotary``)."""
     vllm_embedding: str = "model.embed_tokens.weight"
     """vLLM's name of the token embedding (gpt-oss: ``model.embedding.weight``)."""
     vllm_every_stage: bool = False

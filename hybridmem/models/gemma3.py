@@ -21,8 +21,8 @@ GEMMA3 = Family(
     read_config=read_config,
     extra_norms=("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
     vllm_every_stage=True,
-    embedded_engine="Gemma 3's sandwich norms, (1 + weight) RMSNorm, scaled embeddings and sliding-window layers are no "
-                    "blocks of the embedded engine",
+    embedded_engine="Gemma 3's sandwich norms, (1 + weight) RMSNorm, scaled embeddings and sliding-window "
+                    "layers are no blocks of the embedded engine",
     megatron="megatron-core 0.16.1's TransformerLayer has no norm after attention and after the MLP "
              "(Gemma 3's post_attention_layernorm and post_feedforward_layernorm)",
 )

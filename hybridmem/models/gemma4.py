@@ -4,18 +4,19 @@ where ``attention_k_eq_v`` the full layers' values are their keys (no ``v_proj``
 layer. Tied embeddings by default.
 
 With ``enable_moe_block`` (the 26B-A4B model) every layer has routed experts beside its dense MLP: a router
-(``router.proj``, an input ``scale`` and a ``per_expert_scale``), experts stacked over experts in the checkpoint
-(``experts.gate_up_proj`` [E, 2I, H] with each expert's gate rows then up rows, ``experts.down_proj``
-[E, H, I]), and three more norms.
+(``router.proj``, an input ``scale`` and a ``per_expert_scale``), experts stacked over experts in the
+checkpoint (``experts.gate_up_proj`` [E, 2I, H] with each expert's gate rows then up rows,
+``experts.down_proj`` [E, H, I]), and three more norms.
 
-The Hub's checkpoints are multimodal (``gemma4``, transformers' ``Gemma4ForConditionalGeneration``): the text config
-nested as ``text_config``, the text weights under ``model.language_model.*`` beside the vision (and audio) towers
-and their projections (``model.vision_tower.*``, ``model.embed_vision.*``, ``model.audio_tower.*``,
-``model.embed_audio.*``), which are not synced. Such a config gives the text model's spec marked ``gemma4``
-(``ModelSpec.multimodal``): its checkpoint and vLLM names are the text model's (vLLM's ``Gemma4ForCausalLM``
-reads the multimodal checkpoint, dropping ``model.language_model.``'s ``language_model.`` and the towers), and
-its module names are the multimodal class's (``model.language_model.*``, ``lm_head.weight``), the class
-transformers builds of such a checkpoint (its ``Gemma4ForCausalLM`` does not read one).
+The Hub's checkpoints are multimodal (``gemma4``, transformers' ``Gemma4ForConditionalGeneration``): the text
+config nested as ``text_config``, the text weights under ``model.language_model.*`` beside the vision (and
+audio) towers and their projections (``model.vision_tower.*``, ``model.embed_vision.*``,
+``model.audio_tower.*``, ``model.embed_audio.*``), which are not synced. Such a config gives the text model's
+spec marked ``gemma4`` (``ModelSpec.multimodal``): its checkpoint and vLLM names are the text model's (vLLM's
+``Gemma4ForCausalLM`` reads the multimodal checkpoint, dropping ``model.language_model.``'s
+``language_model.`` and the towers), and its module names are the multimodal class's
+(``model.language_model.*``, ``lm_head.weight``), the class transformers builds of such a checkpoint (its
+``Gemma4ForCausalLM`` does not read one).
 
 Not read: per-layer input embeddings (``hidden_size_per_layer_input``, the E2B/E4B models), layers sharing
 another layer's keys and values (``num_kv_shared_layers``), attention biases; each is refused by name.
@@ -58,8 +59,8 @@ def _layer_override(get: ConfigGetter, layer: int, key: str) -> Any:
 
 def attention_fields(get: ConfigGetter, head_dim: int, kv_heads: int) -> dict[str, Any]:
     """ModelSpec fields of the full-attention layers: which they are, their head width and kv heads (from
-    ``per_layer_config``, else ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``,
-    as transformers reads them), and whether their values are their keys."""
+    ``per_layer_config``, else ``global_head_dim`` and, with ``attention_k_eq_v``,
+    ``num_global_key_value_heads``, as transformers reads them), and whether their values are their keys."""
     types = layer_types(get)
     full = tuple(i for i, t in enumerate(types) if t == _FULL)
     k_eq_v = bool(get("attention_k_eq_v", False))
@@ -77,7 +78,8 @@ def attention_fields(get: ConfigGetter, head_dim: int, kv_heads: int) -> dict[st
             raise ValueError(f"sliding layer {i} has head_dim, num_key_value_heads = {got}; expected the "
                              f"config's ({head_dim}, {kv_heads})")
     if len(dims) > 1:
-        raise ValueError(f"the full-attention layers {full} differ in (head_dim, num_key_value_heads): {sorted(dims)}")
+        raise ValueError(f"the full-attention layers {full} differ in (head_dim, num_key_value_heads): "
+                         f"{sorted(dims)}")
     full_hd, full_kv = dims.pop() if dims else (0, 0)
     return dict(full_attention_layers=full, full_attention_head_dim=full_hd, full_attention_kv_heads=full_kv,
                 full_attention_k_eq_v=k_eq_v and bool(full))
@@ -86,8 +88,8 @@ def attention_fields(get: ConfigGetter, head_dim: int, kv_heads: int) -> dict[st
 def refuse_unsupported(get: ConfigGetter, family: str) -> None:
     """Raise ``ValueError`` naming a Gemma 4 feature whose tensors the layout tables do not express."""
     if get("hidden_size_per_layer_input", 256):
-        raise ValueError(f"hidden_size_per_layer_input={get('hidden_size_per_layer_input', 256)} is not supported "
-                         f"for {family} (per-layer input embeddings); expected 0")
+        raise ValueError(f"hidden_size_per_layer_input={get('hidden_size_per_layer_input', 256)} is not "
+                         f"supported for {family} (per-layer input embeddings); expected 0")
     if get("num_kv_shared_layers", 0):
         raise ValueError(f"num_kv_shared_layers={get('num_kv_shared_layers')} is not supported for {family} "
                          f"(layers without their own keys and values); expected 0")
@@ -101,7 +103,8 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
     fields = gqa_fields(get, qkv_bias=False, qk_norm=True)
     if get("enable_moe_block", False):
         require(get, "num_experts", "moe_intermediate_size")
-        fields.update(num_experts=int(get("num_experts")), moe_intermediate_size=int(get("moe_intermediate_size")))
+        fields.update(num_experts=int(get("num_experts")),
+                      moe_intermediate_size=int(get("moe_intermediate_size")))
     fields["tie_word_embeddings"] = bool(get("tie_word_embeddings", True))
     fields.update(attention_fields(get, fields["head_dim"], fields["num_key_value_heads"]))
     return fields
@@ -141,8 +144,9 @@ GEMMA4 = Family(
         (r"^mlp\.experts\.", "experts."),
     ),
     vllm_every_stage=True,
-    embedded_engine="Gemma 4's sandwich norms, sliding and full-attention layers of different head widths and "
-                    "layer scalars are no blocks of the embedded engine",
-    megatron="megatron-core 0.16.1's TransformerLayer has no norm after attention and after the MLP (Gemma 4's "
-             "post_attention_layernorm and post_feedforward_layernorm) and one head width for every layer",
+    embedded_engine="Gemma 4's sandwich norms, sliding and full-attention layers of different head widths "
+                    "and layer scalars are no blocks of the embedded engine",
+    megatron="megatron-core 0.16.1's TransformerLayer has no norm after attention and after the MLP "
+             "(Gemma 4's post_attention_layernorm and post_feedforward_layernorm) and one head width for "
+             "every layer",
 )

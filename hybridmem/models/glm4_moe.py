@@ -13,7 +13,8 @@ from hybridmem.models.family import ConfigGetter, Family, RouterBias
 
 def read_config(get: ConfigGetter) -> dict[str, Any]:
     width = int(get("moe_intermediate_size") or 0)
-    return {**gqa_fields(get, qkv_bias=bool(get("attention_bias", False)), qk_norm=bool(get("use_qk_norm", False))),
+    return {**gqa_fields(get, qkv_bias=bool(get("attention_bias", False)),
+                         qk_norm=bool(get("use_qk_norm", False))),
             **moe_fields(get, experts_keys=("n_routed_experts",),
                          shared_width=width * int(get("n_shared_experts", 0) or 0),
                          first_dense_key="first_k_dense_replace")}

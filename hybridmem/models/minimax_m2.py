@@ -22,16 +22,16 @@ from hybridmem.models.family import ConfigGetter, Family, RouterBias
 
 def read_config(get: ConfigGetter) -> dict[str, Any]:
     if get("attention_bias", False):
-        raise ValueError("attention_bias=True is not supported for minimax_m2 (transformers' MiniMax-M2 has no "
-                         "attention biases)")
+        raise ValueError("attention_bias=True is not supported for minimax_m2 (transformers' MiniMax-M2 has "
+                         "no attention biases)")
     if not get("use_routing_bias", False):
         # transformers always holds the bias (and writes it); vLLM builds it only with use_routing_bias.
-        raise ValueError(f"use_routing_bias={get('use_routing_bias')!r} is not supported for minimax_m2; expected "
-                         f"True, as MiniMax-M2 ships (vLLM otherwise has no place for the router's correction bias "
-                         f"that transformers' checkpoints hold)")
+        raise ValueError(f"use_routing_bias={get('use_routing_bias')!r} is not supported for minimax_m2; "
+                         f"expected True, as MiniMax-M2 ships (vLLM otherwise has no place for the router's "
+                         f"correction bias that transformers' checkpoints hold)")
     if get("tie_word_embeddings", False):
-        raise ValueError("tie_word_embeddings=True is not supported for minimax_m2 (vLLM's MiniMaxM2ForCausalLM "
-                         "always has its own lm_head)")
+        raise ValueError("tie_word_embeddings=True is not supported for minimax_m2 (vLLM's "
+                         "MiniMaxM2ForCausalLM always has its own lm_head)")
     fields = gqa_fields(get, qkv_bias=False, qk_norm=True)
     fields.update(moe_fields(get, experts_keys=("num_local_experts",), expert_width_key="intermediate_size"))
     fields["intermediate_size"] = 0  # no dense MLP
@@ -57,8 +57,8 @@ MINIMAX_M2 = Family(
         (r"^mlp\.gate\.e_score_correction_bias$", "block_sparse_moe.e_score_correction_bias"),
         (r"^mlp\.(gate|experts)\.", r"block_sparse_moe.\1."),
     ),
-    megatron="megatron-core's q/k layernorm normalizes each head over head_dim; MiniMax-M2's q_norm and k_norm "
-             "normalize all heads together (weights of num_heads * head_dim)",
+    megatron="megatron-core's q/k layernorm normalizes each head over head_dim; MiniMax-M2's q_norm and "
+             "k_norm normalize all heads together (weights of num_heads * head_dim)",
     embedded_engine="MiniMax-M2's mixture of experts and its q/k norms over all heads are no blocks of the "
                     "embedded engine",
 )

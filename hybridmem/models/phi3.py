@@ -19,7 +19,8 @@ PHI3 = Family(
     architectures=("Phi3ForCausalLM",),
     read_config=read_config,
     checkpoint_fused=(
-        (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "self_attn.qkv_proj.weight"),
+        (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "self_attn.qkv_proj.weight"),
         (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.gate_up_proj.weight"),
     ),
     module_names="checkpoint",

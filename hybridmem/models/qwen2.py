@@ -18,4 +18,5 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
     return gqa_fields(get, qkv_bias=qwen2_bias(get))
 
 
-QWEN2 = Family(name="qwen2", architectures=("Qwen2ForCausalLM",), read_config=read_config, embedded_engine=None)
+QWEN2 = Family(name="qwen2", architectures=("Qwen2ForCausalLM",), read_config=read_config,
+               embedded_engine=None)

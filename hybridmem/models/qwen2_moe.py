@@ -19,5 +19,5 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
                          shared_width=get("shared_expert_intermediate_size", 0) or 0)}
 
 
-QWEN2_MOE = Family(name="qwen2_moe", architectures=("Qwen2MoeForCausalLM",), read_config=read_config, moe=True,
-                   shared_expert="shared_expert", shared_expert_gate=True, vllm_every_stage=True)
+QWEN2_MOE = Family(name="qwen2_moe", architectures=("Qwen2MoeForCausalLM",), read_config=read_config,
+                   moe=True, shared_expert="shared_expert", shared_expert_gate=True, vllm_every_stage=True)

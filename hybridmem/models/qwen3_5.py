@@ -56,10 +56,11 @@ def linear_attention_fields(get: ConfigGetter) -> dict[str, Any]:
 def read_config(get: ConfigGetter) -> dict[str, Any]:
     if get("attention_bias", False):
         # transformers would bias q/k/v and o; vLLM's Qwen3.5 builds no o_proj bias and reads no q/k/v bias.
-        raise ValueError("attention_bias=True is not supported for Qwen3.5 (its checkpoints have no attention "
-                         "biases and vLLM's Qwen3.5 builds none)")
+        raise ValueError("attention_bias=True is not supported for Qwen3.5 (its checkpoints have no "
+                         "attention biases and vLLM's Qwen3.5 builds none)")
     if get("layer_scale", False):
-        raise ValueError("layer_scale=True is not supported for Qwen3.5 (transformers' Qwen3.5 has no layer scales)")
+        raise ValueError("layer_scale=True is not supported for Qwen3.5 (transformers' Qwen3.5 has no layer "
+                         "scales)")
     return {**gqa_fields(get, qkv_bias=False, qk_norm=True), **linear_attention_fields(get)}
 
 
@@ -69,7 +70,8 @@ _CHECKPOINT_FUSED = (
 )
 _MEGATRON = ("megatron-core's GPTModel has no gated delta-net (linear attention) layers and no attention "
              "output gate")
-_EMBEDDED = "gated delta-net (linear attention) layers and gated attention are no blocks of the embedded engine"
+_EMBEDDED = ("gated delta-net (linear attention) layers and gated attention are no blocks of the embedded "
+             "engine")
 
 QWEN3_5 = Family(
     name="qwen3_5_text",

@@ -15,5 +15,5 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
             **moe_fields(get, experts_keys=("num_experts", "num_local_experts"))}
 
 
-QWEN3_MOE = Family(name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), read_config=read_config, moe=True,
-                   vllm_every_stage=True)
+QWEN3_MOE = Family(name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), read_config=read_config,
+                   moe=True, vllm_every_stage=True)

@@ -47,8 +47,8 @@ ARCHITECTURES: dict[str, str] = {arch: f.name for f in FAMILIES.values() for arc
 def structural_model_type(*, mla: bool, moe: bool, qkv_bias: bool) -> str:
     """The family a model that names none is read as, from its structure alone (a Megatron-core
     ``TransformerConfig`` names no HF family): DeepSeek-V3 with multi-latent attention (the one such family),
-    else Qwen2-MoE with routed experts (its reader takes a model without a shared expert), else Qwen2 with q/k/v
-    biases, else Llama."""
+    else Qwen2-MoE with routed experts (its reader takes a model without a shared expert), else Qwen2 with
+    q/k/v biases, else Llama."""
     if mla:
         return DEEPSEEK_V3.name
     if moe:
@@ -57,8 +57,9 @@ def structural_model_type(*, mla: bool, moe: bool, qkv_bias: bool) -> str:
 
 
 def model_type_of(get: ConfigGetter) -> str:
-    """The ``model_type`` a config is read as: its own; absent, the family of the first of its ``architectures``
-    that :data:`ARCHITECTURES` knows (a config saved without ``model_type``); neither: ``"llama"``."""
+    """The ``model_type`` a config is read as: its own; absent, the family of the first of its
+    ``architectures`` that :data:`ARCHITECTURES` knows (a config saved without ``model_type``); neither:
+    ``"llama"``."""
     model_type = get("model_type")
     if model_type:
         return str(model_type)

@@ -48,8 +48,9 @@ def check_embedded(spec: ModelSpec) -> ModelSpec:
     if spec.mlp_bias:
         extra.append("mlp_bias=True gives mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias")
     if extra:
-        raise ValueError(f"model_type={spec.family!r} with {'; '.join(extra)}: the embedded engine's blocks have "
-                         f"no place for these biases (they add q/k/v biases only); serve this model with vLLM")
+        raise ValueError(f"model_type={spec.family!r} with {'; '.join(extra)}: the embedded engine's blocks "
+                         f"have no place for these biases (they add q/k/v biases only); serve this model "
+                         f"with vLLM")
     if spec.head_dim % 2:
         raise ValueError(f"head_dim={spec.head_dim} must be even for RoPE")
     if spec.intermediate_size < 1:
@@ -58,8 +59,8 @@ def check_embedded(spec: ModelSpec) -> ModelSpec:
 
 
 def embedded_spec(cfg: Any) -> ModelSpec:
-    """The :class:`~hybridmem.reshard.ModelSpec` of a transformers config (``LlamaConfig``, ``Qwen2Config``, ...)
-    or a dict with the same keys, checked for the embedded blocks; a ``ModelSpec`` is checked as it is.
+    """The :class:`~hybridmem.reshard.ModelSpec` of a transformers config (``LlamaConfig``, ``Qwen2Config``,
+    ...) or a dict with the same keys, checked for the embedded blocks; a ``ModelSpec`` is checked as it is.
 
     ``attention_bias`` is the config's; absent, the family's default (Qwen2 always has q/k/v biases, Llama
     none).
@@ -85,12 +86,15 @@ def embedded_spec(cfg: Any) -> ModelSpec:
         raise ValueError(f"rope_type={rope_type!r} is not supported; only the default (unscaled) RoPE")
     partial = rope.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor")) or 1.0
     if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported; the embedded engine rotates whole heads")
+        raise ValueError(f"partial_rotary_factor={partial} is not supported; the embedded engine rotates "
+                         "whole heads")
     window, context = _get(cfg, "sliding_window"), _get(cfg, "max_position_embeddings")
-    if window is not None and _get(cfg, "use_sliding_window") is not False and (context is None or window < context):
+    if (window is not None and _get(cfg, "use_sliding_window") is not False
+            and (context is None or window < context)):
         raise ValueError(
-            f"sliding_window={window} (max_position_embeddings={context}) is not supported: the embedded engine "
-            f"attends to the whole context; use a model without a sliding window (sliding_window=None)")
+            f"sliding_window={window} (max_position_embeddings={context}) is not supported: the embedded "
+            f"engine attends to the whole context; use a model without a sliding window "
+            f"(sliding_window=None)")
     spec = ModelSpec.from_hf_config(cfg)
     bias = _get(cfg, "attention_bias")
     if bias is not None and bool(bias) != spec.qkv_bias and not spec.o_bias:

@@ -42,13 +42,14 @@ from hybridmem.reshard.spec import ModelSpec
 __all__ = ["MegatronLayoutGPT", "init_hf_weights", "allreduce_grads"]
 
 
-def init_hf_weights(config: ModelSpec, *, seed: int, std: float = 0.02, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def init_hf_weights(config: ModelSpec, *, seed: int, std: float = 0.02,
+                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Random full (unsharded) weights under HF names, the same on every rank for the same ``seed``.
 
     Linear and embedding weights are ``N(0, std)``, biases small, norms ones (as HF initialises them).
     """
     g = torch.Generator().manual_seed(seed)
-    H, I, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    H, ffn, hd = config.hidden_size, config.intermediate_size, config.head_dim
     nq, nkv = config.num_attention_heads, config.num_key_value_heads
 
     def normal(*shape: int) -> torch.Tensor:
@@ -67,9 +68,9 @@ def init_hf_weights(config: ModelSpec, *, seed: int, std: float = 0.02, dtype: t
             out[p + "self_attn.v_proj.bias"] = normal(nkv * hd)
         out[p + "self_attn.o_proj.weight"] = normal(H, nq * hd)
         out[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype)
-        out[p + "mlp.gate_proj.weight"] = normal(I, H)
-        out[p + "mlp.up_proj.weight"] = normal(I, H)
-        out[p + "mlp.down_proj.weight"] = normal(H, I)
+        out[p + "mlp.gate_proj.weight"] = normal(ffn, H)
+        out[p + "mlp.up_proj.weight"] = normal(ffn, H)
+        out[p + "mlp.down_proj.weight"] = normal(H, ffn)
     out["model.norm.weight"] = torch.ones(H, dtype=dtype)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = normal(config.vocab_size, H)
@@ -103,7 +104,8 @@ class _Weight(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
+            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype,
+                                                       device=weight.device))
 
 
 class MegatronLayoutGPT(torch.nn.Module):
@@ -141,21 +143,25 @@ class MegatronLayoutGPT(torch.nn.Module):
             if value % tp:
                 raise ValueError(f"{key}={value} is not divisible by the tensor-parallel size {tp}")
         if padded_vocab_size < config.vocab_size:
-            raise ValueError(f"padded_vocab_size={padded_vocab_size} is smaller than vocab_size={config.vocab_size}")
+            raise ValueError(f"padded_vocab_size={padded_vocab_size} is smaller than "
+                             f"vocab_size={config.vocab_size}")
         self.config = config
         self.group = group
         self.tp = tp
         self.padded_vocab_size = padded_vocab_size
         kw = {"dtype": dtype, "device": device}
         self.embedding = torch.nn.Module()
-        self.embedding.word_embeddings = _Weight(torch.empty(padded_vocab_size // tp, config.hidden_size, **kw))
+        self.embedding.word_embeddings = _Weight(torch.empty(padded_vocab_size // tp, config.hidden_size,
+                                                             **kw))
         self.decoder = torch.nn.Module()
-        self.decoder.layers = torch.nn.ModuleList(_Layer(config, tp, dtype, device) for _ in range(config.num_hidden_layers))
+        self.decoder.layers = torch.nn.ModuleList(_Layer(config, tp, dtype, device)
+                                                  for _ in range(config.num_hidden_layers))
         self.decoder.final_layernorm = _Weight(torch.ones(config.hidden_size, **kw))
         if not config.tie_word_embeddings:
             self.output_layer = _Weight(torch.empty(padded_vocab_size // tp, config.hidden_size, **kw))
 
-    def _attention(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _attention(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         B, S, _ = h.shape
         q_per_group = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -186,7 +192,8 @@ class MegatronLayoutGPT(torch.nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         for layer in self.decoder.layers:
-            x = x + self._attention(layer, rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps), cos, sin)
+            x = x + self._attention(layer, rms_norm(x, layer.input_layernorm.weight, cfg.rms_norm_eps),
+                                    cos, sin)
             x = x + self._mlp(layer, rms_norm(x, layer.pre_mlp_layernorm.weight, cfg.rms_norm_eps))
         x = rms_norm(x, self.decoder.final_layernorm.weight, cfg.rms_norm_eps)
         head = self.embedding.word_embeddings if cfg.tie_word_embeddings else self.output_layer

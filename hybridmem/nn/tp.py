@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from hybridmem.accel.group import rank_and_size
 
-__all__ = ["group_size", "group_rank", "copy_to_group", "reduce_from_group", "gather_last_dim", "vocab_parallel_embedding"]
+__all__ = ["group_size", "group_rank", "copy_to_group", "reduce_from_group", "gather_last_dim",
+           "vocab_parallel_embedding"]
 
 
 def group_size(group: Any) -> int:

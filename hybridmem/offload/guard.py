@@ -43,13 +43,13 @@ __all__ = ["guard", "is_guarded", "unguard"]
 
 _T = torch.Tensor
 _ALLOWED: frozenset[Any] = frozenset(
-    {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn",
-                                       "layout", "ndim", "is_cuda", "is_cpu", "is_meta", "itemsize", "nbytes",
-                                       "_base")}
+    {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad",
+                                       "grad_fn", "layout", "ndim", "is_cuda", "is_cpu", "is_meta",
+                                       "itemsize", "nbytes", "_base")}
     | {_T.grad.__set__, _T.requires_grad.__set__}
-    | {getattr(_T, n) for n in ("size", "dim", "numel", "stride", "storage_offset", "untyped_storage", "element_size",
-                                "is_contiguous", "get_device", "data_ptr", "requires_grad_", "nelement", "register_hook",
-                                "register_post_accumulate_grad_hook")}
+    | {getattr(_T, n) for n in ("size", "dim", "numel", "stride", "storage_offset", "untyped_storage",
+                                "element_size", "is_contiguous", "get_device", "data_ptr", "requires_grad_",
+                                "nelement", "register_hook", "register_post_accumulate_grad_hook")}
 )
 """What a guarded tensor still answers: its metadata, none of its bytes."""
 

@@ -199,7 +199,7 @@ class HostBufferPool:
                 arena = self.accel.alloc_host(numel, key[1], pin=self.pin)
                 if not arena.is_pinned() and not _touch_pages(arena):
                     arena = None  # the interpreter is exiting: nobody will switch
-            except BaseException:  # noqa: BLE001 - never into the caller: the switch allocates (and reports) it
+            except BaseException:  # never into the caller: the switch allocates (and reports) it
                 log.warning("hybridmem: prewarming host arena %s/%s failed", *key, exc_info=True)
                 arena = None
             finally:

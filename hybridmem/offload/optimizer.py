@@ -47,7 +47,8 @@ class OptimizerStateOffloader(Offloader):
 
     kind: ClassVar[StateKind] = StateKind.OPTIMIZER
 
-    def __init__(self, optimizers: Any, accel: Accelerator, pool: HostBufferPool, *, owner: str | None = None):
+    def __init__(self, optimizers: Any, accel: Accelerator, pool: HostBufferPool, *,
+                 owner: str | None = None):
         super().__init__(accel, pool, owner=owner)
         self.optimizers = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
 

@@ -26,7 +26,8 @@ __all__ = ["Advice", "advice_for"]
 KINDS = (StateKind.PARAM, StateKind.GRAD, StateKind.OPTIMIZER)
 SMALL_BUCKET_NBYTES = 64 * 2**20
 SLEEP_2 = "the engine's sleep level 2 (weights discarded: the vLLM adapter's default)"
-NO_ROUNDING = "PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:1 (pinned arenas at their size, not the next power of two)"
+NO_ROUNDING = ("PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:1 (pinned arenas at their size, not the "
+               "next power of two)")
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,10 @@ def _offload_option(offload: Mapping[StateKind, bool]) -> tuple[str, str]:
     return "--offload", listed or "none"
 
 
-def advice_for(result: Any, args: Mapping[str, Any], *, predict: Callable[..., Any], host_peak: Callable[..., int],
-               replan: Callable[..., Any]) -> list[Advice]:
-    """The changes that make ``result`` (a :class:`~hybridmem.planner.cluster.ClusterPlan` that does not fit) fit.
+def advice_for(result: Any, args: Mapping[str, Any], *, predict: Callable[..., Any],
+               host_peak: Callable[..., int], replan: Callable[..., Any]) -> list[Advice]:
+    """The changes that make ``result`` (a :class:`~hybridmem.planner.cluster.ClusterPlan` that does not
+    fit) fit.
 
     Args:
         result: The plan.
@@ -70,7 +72,8 @@ def _kv_fitting(predict: Callable[..., Any], budget: int, rank: int | None = Non
     last, subtracted from the budget), checked; None when not even an empty one fits."""
     empty = predict(rank=rank, **change, kv_nbytes=0)
     kv = budget - empty.to_infer[-1].after_nbytes
-    if empty.peak_nbytes <= budget and kv > 0 and predict(rank=rank, **change, kv_nbytes=kv).peak_nbytes <= budget:
+    if (empty.peak_nbytes <= budget and kv > 0
+            and predict(rank=rank, **change, kv_nbytes=kv).peak_nbytes <= budget):
         return kv
     return None
 
@@ -81,7 +84,8 @@ def _device_advice(result, args, predict, host_peak) -> list[Advice]:
     worst, budget, host_budget = result.worst, result.budget_nbytes, result.host_budget_nbytes
     if worst.start_nbytes > budget:
         return [Advice(f"none: the training state alone needs {worst.start_nbytes / GB:.1f} GB of "
-                       f"{budget / GB:.1f} GB on rank {worst.rank}; use more ranks or more training parallelism",
+                       f"{budget / GB:.1f} GB on rank {worst.rank}; use more ranks or more training "
+                       f"parallelism",
                        (), worst.start_nbytes)]
 
     def host_ok(change: dict) -> tuple[dict, int] | None:
@@ -112,7 +116,8 @@ def _device_advice(result, args, predict, host_peak) -> list[Advice]:
         if not off.get(kind):
             more = {**off, kind: True}
             if (p := predict(offload=more).peak_nbytes) <= budget:
-                out.append(checked(f"offload_train_{kind.value}: true", _offload_option(more), {"offload": more}, p))
+                out.append(checked(f"offload_train_{kind.value}: true", _offload_option(more),
+                                   {"offload": more}, p))
     if SMALL_BUCKET_NBYTES < args["bucket_nbytes"] and (
             p := predict(bucket_nbytes=SMALL_BUCKET_NBYTES).peak_nbytes) <= budget:
         out.append(checked(f"reshard_bucket_bytes: {SMALL_BUCKET_NBYTES}", ("--bucket-mib", "64"),
@@ -128,20 +133,21 @@ def _device_advice(result, args, predict, host_peak) -> list[Advice]:
     bucket = min(SMALL_BUCKET_NBYTES, args["bucket_nbytes"])
     kv = kv_fitting(offload=everything, bucket_nbytes=bucket)
     if kv is not None and kv > 0:
-        together = checked(f"together: offload_train_param, offload_train_grad and offload_train_optimizer true, "
-                           f"reshard_bucket_bytes: {bucket}, a KV cache of at most {kv / GB:.2f} GB per rank",
+        together = checked(f"together: offload_train_param, offload_train_grad and offload_train_optimizer "
+                           f"true, reshard_bucket_bytes: {bucket}, a KV cache of at most {kv / GB:.2f} GB "
+                           f"per rank",
                            ("--offload", "param,grad,optimizer", "--bucket-mib", str(bucket // 2**20),
                             "--kv-cache-bytes", str(kv)),
                            {"offload": everything, "bucket_nbytes": bucket, "kv_nbytes": kv}, budget)
         if together is not None:
             return [together]
         return [Advice(f"none: the device fits only with every kind offloaded, and then a node's host memory "
-                       f"({host_budget / GB:.0f} GB) cannot hold the arenas even with the engine's sleep level 2; "
-                       f"use more ranks (less state per rank) or nodes with more host memory", (), worst.peak_nbytes,
-                       host_peak(offload=everything, sleep_level=2))]
+                       f"({host_budget / GB:.0f} GB) cannot hold the arenas even with the engine's sleep "
+                       f"level 2; use more ranks (less state per rank) or nodes with more host memory",
+                       (), worst.peak_nbytes, host_peak(offload=everything, sleep_level=2))]
     return [Advice(f"none of offloading, a smaller bucket or a smaller KV cache: rank {worst.rank} peaks at "
-                   f"{worst.peak_nbytes / GB:.1f} GB of {budget / GB:.1f} GB even with all of them; use more ranks "
-                   f"or a larger inference tp/ep", (), worst.peak_nbytes)]
+                   f"{worst.peak_nbytes / GB:.1f} GB of {budget / GB:.1f} GB even with all of them; use more "
+                   f"ranks or a larger inference tp/ep", (), worst.peak_nbytes)]
 
 
 def _host_advice(result, args, predict, host_peak, replan) -> list[Advice]:
@@ -154,7 +160,8 @@ def _host_advice(result, args, predict, host_peak, replan) -> list[Advice]:
     # (change, knob, options) of each knob alone; a set of them is tried with the fewest first.
     single = []
     if args["accel"].pinned_rounds_up:
-        single.append(({"accel": replace(args["accel"], pinned_rounds_up=False)}, NO_ROUNDING, ("--no-pinned-rounding",)))
+        single.append(({"accel": replace(args["accel"], pinned_rounds_up=False)}, NO_ROUNDING,
+                       ("--no-pinned-rounding",)))
     if args["sleep_level"] == 1:
         single.append(({"sleep_level": 2}, SLEEP_2, ("--sleep-level", "2")))
     changes: list[tuple[int, dict, str, tuple[str, ...]]] = []
@@ -168,8 +175,10 @@ def _host_advice(result, args, predict, host_peak, replan) -> list[Advice]:
                     change = {k: v for c, _, _ in others for k, v in c.items()}
                     if kept:
                         change["offload"] = fewer
-                    knob = ", ".join([*(f"offload_train_{k.value}: false" for k in kept), *(k for _, k, _ in others)])
-                    options = (*(_offload_option(fewer) if kept else ()), *(o for _, _, opts in others for o in opts))
+                    knob = ", ".join([*(f"offload_train_{k.value}: false" for k in kept),
+                                      *(k for _, k, _ in others)])
+                    options = (*(_offload_option(fewer) if kept else ()),
+                               *(o for _, _, opts in others for o in opts))
                     changes.append((len(kept) + num, change, knob, options))
     out: list[Advice] = []
     for size in sorted({c[0] for c in changes}):
@@ -188,8 +197,8 @@ def _host_advice(result, args, predict, host_peak, replan) -> list[Advice]:
                 out.append(Advice(knob, options, plan.worst.peak_nbytes, plan.worst_node.peak_nbytes))
         if out:
             return out
-    return [Advice(f"none of unrounded pinned arenas, the engine's sleep level 2 or offloading fewer kinds (with a "
-                   f"smaller KV cache): node {node.node} needs {node.peak_nbytes / GB:.1f} GB of {budget / GB:.1f} GB "
-                   f"of host memory, and the "
-                   f"devices cannot keep enough state to bring it under; use nodes with more host memory, or more "
-                   f"ranks (less state per rank)", (), result.worst.peak_nbytes, node.peak_nbytes)]
+    return [Advice(f"none of unrounded pinned arenas, the engine's sleep level 2 or offloading fewer kinds "
+                   f"(with a smaller KV cache): node {node.node} needs {node.peak_nbytes / GB:.1f} GB of "
+                   f"{budget / GB:.1f} GB of host memory, and the devices cannot keep enough state to "
+                   f"bring it under; use nodes with more host memory, or more ranks (less state per rank)",
+                   (), result.worst.peak_nbytes, node.peak_nbytes)]

@@ -55,29 +55,37 @@ def build_parser() -> OneLineErrorParser:
     p = OneLineErrorParser(prog="hybridmem plan", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="a HF config.json (or the directory holding it)")
     p.add_argument("--family", help="instead of a config: a model_type (qwen2, deepseek_v3, ...) with --set")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config field (with --family)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config field (with --family)")
     p.add_argument("--world", type=int, required=True, help="ranks (devices) in the job")
-    p.add_argument("--train", default="1/1/1", help="training layout: Megatron tp/pp/ep, or 'fsdp2' (default 1/1/1)")
-    p.add_argument("--train-stages", help="Megatron layers per pipeline stage, first to last (e.g. 7,7,8,8,8,8,8,7)")
+    p.add_argument("--train", default="1/1/1",
+                   help="training layout: Megatron tp/pp/ep, or 'fsdp2' (default 1/1/1)")
+    p.add_argument("--train-stages",
+                   help="Megatron layers per pipeline stage, first to last (e.g. 7,7,8,8,8,8,8,7)")
     p.add_argument("--infer", default="1/1/1", help="inference (vLLM) layout tp/pp/ep (default 1/1/1)")
     p.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
     p.add_argument("--device-memory-gb", type=float, help="override the accelerator's memory (10^9 bytes)")
     p.add_argument("--host-link-gbps", type=float, help="override host<->device bandwidth (GB/s)")
-    p.add_argument("--intra-node-gbps", type=float, help="override device<->device bandwidth within a node (GB/s)")
-    p.add_argument("--inter-node-gbps", type=float, help="override device<->device bandwidth across nodes (GB/s)")
+    p.add_argument("--intra-node-gbps", type=float,
+                   help="override device<->device bandwidth within a node (GB/s)")
+    p.add_argument("--inter-node-gbps", type=float,
+                   help="override device<->device bandwidth across nodes (GB/s)")
     p.add_argument("--devices-per-node", type=int, help="override devices per node (sharing its host memory)")
     p.add_argument("--devices-per-nvlink-domain", type=int,
                    help="override devices reached over NVLink (default: the node's; 72 for gb200/gb300)")
     p.add_argument("--device-copy-gbps", type=float, help="override device-local copy bandwidth (GB/s)")
     p.add_argument("--host-memory-gb", type=float, help="override host memory per node (10^9 bytes)")
     p.add_argument("--no-pinned-rounding", action="store_true",
-                   help="pinned arenas take their size, not the next power of two (torch's pinned_max_round_threshold_mb)")
+                   help="pinned arenas take their size, not the next power of two "
+                        "(torch's pinned_max_round_threshold_mb)")
     p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--grad-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="default: fp32 for Megatron (main grads), the param dtype for fsdp2")
     p.add_argument("--infer-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--optimizer-bytes-per-param", type=int, default=12, help="Megatron (default 12: fp32 Adam)")
-    p.add_argument("--no-distributed-optimizer", action="store_true", help="Megatron optimizer state not sharded")
+    p.add_argument("--optimizer-bytes-per-param", type=int, default=12,
+                   help="Megatron (default 12: fp32 Adam)")
+    p.add_argument("--no-distributed-optimizer", action="store_true",
+                   help="Megatron optimizer state not sharded")
     p.add_argument("--offload", default="param,grad,optimizer",
                    help="kinds offloaded on TRAIN->INFER, comma-separated, or 'none' (default all three)")
     p.add_argument("--kv-cache-gb", type=float, help="KV cache per rank (default: utilization rule)")
@@ -88,13 +96,15 @@ def build_parser() -> OneLineErrorParser:
                    help="the engine's sleep: 1 keeps its weights in host memory, 2 (default) discards them")
     p.add_argument("--train-host-gb", type=float, default=0.0,
                    help="the training framework's own host buffers per rank (default 0: none known)")
-    p.add_argument("--lora-rank", type=int, help="plan a LoRA model of this rank on one device (--world 1): each "
-                   "place its base can stay (HybridConfig.lora_base) beside the merged sync")
+    p.add_argument("--lora-rank", type=int,
+                   help="plan a LoRA model of this rank on one device (--world 1): each place its base can "
+                        "stay (HybridConfig.lora_base) beside the merged sync")
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="the adapters' target modules, comma-separated (default: attention and MLP)")
     p.add_argument("--lora-dtype", default="fp32", choices=sorted(DTYPE_BYTES),
                    help="the adapters' dtype in the trainer (default fp32, as PEFT keeps them)")
-    p.add_argument("--ranks", default="4", help="how many ranks to plan (those with the most bytes), or 'all'")
+    p.add_argument("--ranks", default="4",
+                   help="how many ranks to plan (those with the most bytes), or 'all'")
     p.add_argument("--json", help="write every figure to this file ('-': standard output, no table)")
     p.add_argument("--plot", help="draw the worst rank's memory per step to this image file")
     return p
@@ -117,18 +127,20 @@ def _config(args) -> dict:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}){_looks_like(path, text)}: hybridmem "
-                         f"plan reads a model's Hugging Face config.json (or its directory); give that, or "
-                         f"--family with --set KEY=VALUE, and the layouts as options (--world, --train, --infer)") from None
+        raise ValueError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}){_looks_like(path, text)}: "
+                         "hybridmem plan reads a model's Hugging Face config.json (or its directory); give "
+                         "that, or --family with --set KEY=VALUE, and the layouts as options (--world, "
+                         "--train, --infer)") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object: hybridmem plan reads a model's "
-                         f"Hugging Face config.json (or its directory)")
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object: hybridmem plan reads "
+                         "a model's Hugging Face config.json (or its directory)")
     return config
 
 
 def _looks_like(path: str, text: str) -> str:
     """``"; it looks like YAML (a job config?)"`` for a YAML file, else ``""``."""
-    first = next((line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")), "")
+    first = next((line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")),
+                 "")
     json_like = first.lstrip().startswith(("{", "["))
     if path.endswith((".yaml", ".yml")) or not json_like and (first.rstrip().endswith(":") or ": " in first):
         return "; it looks like YAML (a job config?)"
@@ -153,7 +165,8 @@ def plan_from_args(args) -> ClusterPlan:
                  "device_copy_bps": args.device_copy_gbps and args.device_copy_gbps * GB,
                  "host_memory_nbytes": args.host_memory_gb and int(args.host_memory_gb * GB),
                  "pinned_rounds_up": False if args.no_pinned_rounding else None}
-    if args.devices_per_node is not None and args.devices_per_nvlink_domain is None and accel.devices_per_nvlink_domain:
+    if (args.devices_per_node is not None and args.devices_per_nvlink_domain is None
+            and accel.devices_per_nvlink_domain):
         overrides["devices_per_nvlink_domain"] = max(accel.devices_per_nvlink_domain, args.devices_per_node)
     accel = replace(accel, **{k: v for k, v in overrides.items() if v is not None})
     if args.train_host_gb < 0:
@@ -163,18 +176,21 @@ def plan_from_args(args) -> ClusterPlan:
     if args.train == "fsdp2":
         if args.train_stages:
             raise ValueError("--train-stages is for a Megatron training layout, not fsdp2")
-        setup = TrainingSetup(kind="fsdp2", param_bytes=param, grad_bytes=DTYPE_BYTES[args.grad_dtype or args.param_dtype],
+        setup = TrainingSetup(kind="fsdp2", param_bytes=param,
+                              grad_bytes=DTYPE_BYTES[args.grad_dtype or args.param_dtype],
                               buffer_nbytes=hf_buffer_nbytes(config, param), host_buffer_nbytes=host_buffers)
     else:
         stages = tuple(int(x) for x in args.train_stages.split(",")) if args.train_stages else None
         setup = TrainingSetup(kind="megatron", parallel=_layout(args.train, "--train"), stage_layers=stages,
                               param_bytes=param, grad_bytes=DTYPE_BYTES[args.grad_dtype or "fp32"],
                               optimizer_bytes_per_param=args.optimizer_bytes_per_param,
-                              distributed_optimizer=not args.no_distributed_optimizer, host_buffer_nbytes=host_buffers)
+                              distributed_optimizer=not args.no_distributed_optimizer,
+                              host_buffer_nbytes=host_buffers)
     names = [] if args.offload == "none" else [n.strip() for n in args.offload.split(",") if n.strip()]
     unknown = [n for n in names if n not in KINDS]
     if unknown:
-        raise ValueError(f"--offload {args.offload!r}: unknown {unknown}; expected some of {sorted(KINDS)} or 'none'")
+        raise ValueError(f"--offload {args.offload!r}: unknown {unknown}; expected some of {sorted(KINDS)} "
+                         "or 'none'")
     if args.kv_cache_gb is not None and args.kv_cache_bytes is not None:
         raise ValueError("give at most one of --kv-cache-gb and --kv-cache-bytes")
     kv = args.kv_cache_bytes if args.kv_cache_bytes is not None else (
@@ -182,7 +198,8 @@ def plan_from_args(args) -> ClusterPlan:
     ranks = args.world if args.ranks == "all" else int(args.ranks)
     return plan_cluster(spec, setup, _layout(args.infer, "--infer"), args.world, accel=accel,
                         offload={k: k.value in names for k in KINDS.values()}, kv_nbytes=kv,
-                        gpu_memory_utilization=args.gpu_memory_utilization, infer_bytes=DTYPE_BYTES[args.infer_dtype],
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        infer_bytes=DTYPE_BYTES[args.infer_dtype],
                         bucket_nbytes=int(args.bucket_mib * 2**20), sleep_level=args.sleep_level, ranks=ranks)
 
 
@@ -193,13 +210,14 @@ def lora_plan_from_args(args) -> list[LoraRoutePlan]:
         ValueError: A bad option (named), or a layout other than one device.
     """
     if args.world != 1 or args.infer != "1/1/1" or args.train not in ("1/1/1", "fsdp2"):
-        raise ValueError(f"--lora-rank plans one device: give --world 1 --infer 1/1/1 (got --world {args.world} "
-                         f"--train {args.train} --infer {args.infer})")
+        raise ValueError("--lora-rank plans one device: give --world 1 --infer 1/1/1 (got --world "
+                         f"{args.world} --train {args.train} --infer {args.infer})")
     config = _config(args)
     spec = ModelSpec.from_hf_config(config)
     accel = ACCELERATORS[args.accelerator]
     device = int(args.device_memory_gb * GB) if args.device_memory_gb else accel.memory_nbytes
-    lora = LoraSetup(rank=args.lora_rank, targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+    lora = LoraSetup(rank=args.lora_rank,
+                     targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
                      adapter_bytes=DTYPE_BYTES[args.lora_dtype])
     param, infer = DTYPE_BYTES[args.param_dtype], DTYPE_BYTES[args.infer_dtype]
     if args.kv_cache_gb is not None and args.kv_cache_bytes is not None:
@@ -207,7 +225,8 @@ def lora_plan_from_args(args) -> list[LoraRoutePlan]:
     kv = args.kv_cache_bytes if args.kv_cache_bytes is not None else (
         int(args.kv_cache_gb * GB) if args.kv_cache_gb is not None else None)
     if kv is None:  # vLLM's rule for the engine alone: its share of the device less its weights
-        merged = plan_lora(spec, lora, param_bytes=param, infer_bytes=infer, device_nbytes=device, kv_nbytes=0)[0]
+        merged = plan_lora(spec, lora, param_bytes=param, infer_bytes=infer, device_nbytes=device,
+                           kv_nbytes=0)[0]
         kv = max(0, int(args.gpu_memory_utilization * device) - merged.infer_nbytes)
     return plan_lora(spec, lora, param_bytes=param, infer_bytes=infer, device_nbytes=device, kv_nbytes=kv,
                      sleep_level=args.sleep_level, buffer_nbytes=hf_buffer_nbytes(config, param))
@@ -217,9 +236,9 @@ def _print_lora(plans: list[LoraRoutePlan], args) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    table = Table(title=f"LoRA rank {args.lora_rank} on one {args.accelerator} ({args.lora_targets}); engine sleep "
-                        f"level {args.sleep_level} for engine_sleeps; vLLM's sleep mode keeps the KV cache in TRAIN beside a resident or "
-                        f"shared base")
+    table = Table(title=f"LoRA rank {args.lora_rank} on one {args.accelerator} ({args.lora_targets}); engine "
+                        f"sleep level {args.sleep_level} for engine_sleeps; vLLM's sleep mode keeps the KV "
+                        "cache in TRAIN beside a resident or shared base")
     for col in ("route (lora_base)", "TRAIN GB", "INFER GB", "KV room GB", "host link GB/switch pair",
                 "written into engine GB/switch", "fits"):
         table.add_column(col, justify="left" if col.startswith("route") else "right")
@@ -237,10 +256,11 @@ def _print(plan: ClusterPlan, args) -> None:
     console = Console(width=150)
     worst = plan.worst
     a = plan.accelerator
-    console.print(f"{args.world} x {a.name} ({a.memory_nbytes / GB:.0f} GB, host link {a.host_link_bps / GB:.0f} GB/s, "
-                  f"NVLink {a.intra_node_bps / GB:.0f} GB/s, network {a.inter_node_bps / GB:.0f} GB/s, "
-                  f"{a.devices_per_node}/node with {a.host_memory_nbytes / GB:.0f} GB host memory); train {args.train}, "
-                  f"infer {args.infer}, engine sleep level {plan.sleep_level}; planned ranks {[p.rank for p in plan.ranks]}")
+    console.print(f"{args.world} x {a.name} ({a.memory_nbytes / GB:.0f} GB, host link "
+                  f"{a.host_link_bps / GB:.0f} GB/s, NVLink {a.intra_node_bps / GB:.0f} GB/s, network "
+                  f"{a.inter_node_bps / GB:.0f} GB/s, {a.devices_per_node}/node with "
+                  f"{a.host_memory_nbytes / GB:.0f} GB host memory); train {args.train}, infer {args.infer}, "
+                  f"engine sleep level {plan.sleep_level}; planned ranks {[p.rank for p in plan.ranks]}")
     state = ", ".join(f"{k} {v / GB:.2f}" for k, v in worst.state_nbytes.items())
     console.print(f"worst rank {worst.rank} (GB): {state}")
     for direction, steps in (("TRAIN->INFER", worst.to_infer), ("INFER->TRAIN", worst.to_train)):
@@ -250,8 +270,9 @@ def _print(plan: ClusterPlan, args) -> None:
             table.add_column(col, justify="left" if col == "step" else "right")
         for s in steps:
             over = s.peak_nbytes > plan.budget_nbytes
-            table.add_row(s.name, *(f"{x / GB:.2f}" for x in (s.alloc_nbytes, s.free_nbytes, s.transient_nbytes,
-                                                                s.host_link_nbytes, s.network_nbytes)),
+            table.add_row(s.name,
+                          *(f"{x / GB:.2f}" for x in (s.alloc_nbytes, s.free_nbytes, s.transient_nbytes,
+                                                      s.host_link_nbytes, s.network_nbytes)),
                           f"[red]{s.peak_nbytes / GB:.2f}[/red]" if over else f"{s.peak_nbytes / GB:.2f}",
                           f"{s.after_nbytes / GB:.2f}", f"{s.seconds:.3f}")
         console.print(table)
@@ -266,10 +287,12 @@ def _print(plan: ClusterPlan, args) -> None:
                   f"{'as given' if args.train_host_gb else 'none known (0)'}")
     device = "fits" if plan.device_fits else "DOES NOT FIT"
     host = "fits" if plan.host_fits else "DOES NOT FIT"
-    console.print(f"peak {worst.peak_nbytes / GB:.2f} GB of {plan.budget_nbytes / GB:.2f} GB per device: {device}; "
-                  f"host peak {node.peak_nbytes / GB:.1f} GB of {plan.host_budget_nbytes / GB:.1f} GB per node: {host}")
+    console.print(f"peak {worst.peak_nbytes / GB:.2f} GB of {plan.budget_nbytes / GB:.2f} GB per device: "
+                  f"{device}; host peak {node.peak_nbytes / GB:.1f} GB of {plan.host_budget_nbytes / GB:.1f} "
+                  f"GB per node: {host}")
     for advice in plan.advice:
-        how = f" ({' '.join(advice.options)}): peak {advice.peak_nbytes / GB:.2f} GB" if advice.options else ""
+        how = (f" ({' '.join(advice.options)}): peak {advice.peak_nbytes / GB:.2f} GB" if advice.options
+               else "")
         if advice.options and advice.host_peak_nbytes is not None:
             how += f", host {advice.host_peak_nbytes / GB:.1f} GB per node"
         console.print(f"  would fit with: {advice.knob}{how}")

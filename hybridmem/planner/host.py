@@ -6,8 +6,8 @@ Co-located RL jobs run out of host memory before device memory: every rank of a 
 host arenas of its own, and an engine's sleep may copy its weights to host as well. Per rank, a plan
 counts, at the rank's host peak (every rank reaches it at once, since they switch together):
 
-- the buffer pool's arenas (:mod:`hybridmem.offload.host_pool`): one per offloaded kind and dtype, sized by what
-  the kind's offloader copies, i.e. the kind's state on the rank, the figures of the device side
+- the buffer pool's arenas (:mod:`hybridmem.offload.host_pool`): one per offloaded kind and dtype, sized by
+  what the kind's offloader copies, i.e. the kind's state on the rank, the figures of the device side
   ([Note: cluster plan] in :mod:`hybridmem.planner.cluster`). Arenas are allocated once (prewarmed before
   the first switch by default) and never shrink, so they are held in both phases. Where arenas are
   pinned through torch's ``CachingHostAllocator`` (CUDA), each takes its size rounded up to a power of
@@ -69,7 +69,8 @@ def rank_host_nbytes(arenas: Mapping[StateKind, Sequence[int]], *, offload: Mapp
     """
     if sleep_level not in SLEEP_LEVELS:
         raise ValueError(f"sleep_level={sleep_level!r}; expected one of {SLEEP_LEVELS}")
-    out = {name: sum(pinned_nbytes(n, rounds_up=rounds_up) for n in arenas.get(kind, ())) if offload.get(kind) else 0
+    out = {name: sum(pinned_nbytes(n, rounds_up=rounds_up) for n in arenas.get(kind, ()))
+           if offload.get(kind) else 0
            for kind, name in ARENA_SOURCES.items()}
     out["engine sleep copy"] = weights_nbytes if sleep_level == 1 else 0
     out["training framework"] = framework_nbytes

@@ -7,23 +7,24 @@ trainer holds them, ``A`` the adapters' (and ``G`` their gradients, ``O`` AdamW'
 adapter tensor), ``W`` the engine's weights (vLLM's layout, padding rows included), ``L`` the engine's LoRA
 slot (the adapter in the engine's dtype) and ``K`` the KV cache:
 
-============  ======================  ===================  ===========================  ======================
-route         device in TRAIN         device in INFER      host link per switch         written into engine
-============  ======================  ===================  ===========================  ======================
-merged        B + A + G + O           W + K                2 (B + A + G + O)            W (the whole model)
-sleeps        B + A + G + O           B + W + L + K        2 (A + G + O) (+ 2 W, lvl 1)  A (+ B again, level 2)
-resident      B + A + G + O + W + L   B + W + L + K        2 (A + G + O)                A
-shared        W + A + G + O + L       W + L + K            2 (A + G + O)                A
-============  ======================  ===================  ===========================  ======================
+============  ======================  ==================  ============================  ======================
+route         device in TRAIN         device in INFER     host link per switch          written into engine
+============  ======================  ==================  ============================  ======================
+merged        B + A + G + O           W + K               2 (B + A + G + O)             W (the whole model)
+sleeps        B + A + G + O           B + W + L + K       2 (A + G + O) (+ 2 W, lvl 1)  A (+ B again, level 2)
+resident      B + A + G + O + W + L   B + W + L + K       2 (A + G + O)                 A
+shared        W + A + G + O + L       W + L + K           2 (A + G + O)                 A
+============  ======================  ==================  ============================  ======================
 
 With ``resident`` and ``shared`` an engine that cannot free its KV cache without its weights (vLLM's sleep
 mode: ``releases_kv_alone=False``, the default here) keeps ``K`` in TRAIN too ([Note: lora base] in
-:mod:`hybridmem.switch.lora_base`). ``merged`` is the sync of merged weights (every tensor offloaded, the whole model written); the others are
-:class:`~hybridmem.config.LoraBase`'s modes ([Note: lora base] in :mod:`hybridmem.switch.lora_base`). The trainer's
-module buffers (RoPE's ``inv_freq``) are offloaded with the adapters in every route. Adapter shapes come from
-the model's checkpoint tensors the targets name (``[out, in]`` gives ``lora_A`` ``[r, in]`` and ``lora_B``
-``[out, r]``), as PEFT builds them; tests/planner/test_lora_plan.py checks the counts against PEFT's model and the
-offloaded bytes against a run of the manager.
+:mod:`hybridmem.switch.lora_base`). ``merged`` is the sync of merged weights (every tensor offloaded, the
+whole model written); the others are :class:`~hybridmem.config.LoraBase`'s modes ([Note: lora base] in
+:mod:`hybridmem.switch.lora_base`). The trainer's module buffers (RoPE's ``inv_freq``) are offloaded with the
+adapters in every route. Adapter shapes come from the model's checkpoint tensors the targets name
+(``[out, in]`` gives ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``), as PEFT builds them;
+tests/planner/test_lora_plan.py checks the counts against PEFT's model and the offloaded bytes against a run
+of the manager.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class LoraSetup:
 
 
 def adapter_shapes(spec: ModelSpec, lora: LoraSetup) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
-    """``{checkpoint weight: (lora_A shape, lora_B shape)}`` for every 2-D weight whose module the targets name.
+    """``{checkpoint weight: (lora_A shape, lora_B shape)}`` for every 2-D weight whose module the
+    targets name.
 
     Raises:
         ValueError: A target names no 2-D weight of the model.
@@ -119,7 +121,8 @@ def plan_lora(spec: ModelSpec, lora: LoraSetup, *, param_bytes: int, infer_bytes
     g = a
     o = 2 * a + 4 * 2 * len(shapes)  # AdamW: two moments per element, a 4-byte step per adapter tensor
     moved = a + g + o + buffer_nbytes
-    w = sum(t.numel * spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces else t.numel * infer_bytes
+    w = sum(t.numel * spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces
+            else t.numel * infer_bytes
             for t in vllm_layout(spec, ParallelLayout(), 1).tensors(0).values())
     slot = adapter_elements * infer_bytes
     level1 = sleep_level == 1
@@ -128,7 +131,8 @@ def plan_lora(spec: ModelSpec, lora: LoraSetup, *, param_bytes: int, infer_bytes
         (MERGED, base + moved, w + kv_nbytes, 2 * (base + moved), w),
         (LoraBase.ENGINE_SLEEPS.value, base + moved, base + w + slot + kv_nbytes,
          2 * moved + (2 * w if level1 else 0), a + (0 if level1 else base)),
-        (LoraBase.ENGINE_RESIDENT.value, base + moved + w + slot + kept_kv, base + w + slot + kv_nbytes, 2 * moved, a),
+        (LoraBase.ENGINE_RESIDENT.value, base + moved + w + slot + kept_kv, base + w + slot + kv_nbytes,
+         2 * moved, a),
         (LoraBase.SHARED.value, w + moved + slot + kept_kv, w + slot + kv_nbytes, 2 * moved, a),
     ]
     return [LoraRoutePlan(route, train, infer, host, write, device_nbytes - (infer - kv_nbytes),

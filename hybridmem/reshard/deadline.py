@@ -81,7 +81,8 @@ def wait_to_deadline(work: Any, peers: tuple[int, ...], bound: Bound, what: str,
                 raise lost from exc
 
 
-def _lost(what: str, peers: Sequence[int], bound: Bound | None, start: float, exc: BaseException) -> CollectiveTimeoutError:
+def _lost(what: str, peers: Sequence[int], bound: Bound | None, start: float,
+          exc: BaseException) -> CollectiveTimeoutError:
     """The error for a collective that ``exc`` ended (a timeout, a peer's closed connection, or an error of
     this rank's while operations were posted)."""
     return CollectiveTimeoutError(what, peers=tuple(sorted(set(peers))),

@@ -78,7 +78,8 @@ def rows_of(local: LocalTensor, start: int, stop: int) -> LocalTensor:
                 pieces.append(replace(p, dst_prefix=prefix))
             continue
         if p.transposed or len(p.src) != len(p.dst_start):
-            raise ValueError(f"{p.hf_name}: rows of a transposed or stacked-checkpoint piece are not supported")
+            raise ValueError(f"{p.hf_name}: rows of a transposed or stacked-checkpoint piece are not "
+                             "supported")
         (a, b), lo = p.src[0], p.dst_start[0]
         keep_lo, keep_hi = max(lo, start), min(lo + b - a, stop)
         if keep_lo >= keep_hi:
@@ -96,15 +97,18 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
     With ``fused_experts`` (transformers >= 5), each MoE layer's routed experts are the two fused
     tensors of [Note: transformers experts]; otherwise the per-expert checkpoint names. Module names are
     the family's (``Family.module_names``): the canonical names (renamed where ``Family.module_renames``
-    says, MiniMax-M2's router bias), or the checkpoint's as stored (Phi-3's fused ``qkv_proj``); pieces always name checkpoint tensors (see [Note: canonical names] in
-    :mod:`hybridmem.models.family`). A multimodal spec (:attr:`~hybridmem.reshard.ModelSpec.multimodal`, Kimi-K2.5)
-    gives its text model's tensors under the multimodal model's module names, pieces naming its checkpoint.
+    says, MiniMax-M2's router bias), or the checkpoint's as stored (Phi-3's fused ``qkv_proj``); pieces always
+    name checkpoint tensors (see [Note: canonical names] in :mod:`hybridmem.models.family`). A multimodal spec
+    (:attr:`~hybridmem.reshard.ModelSpec.multimodal`, Kimi-K2.5) gives its text model's tensors under the
+    multimodal model's module names, pieces naming its checkpoint.
     """
     if spec.multimodal:
         names = spec.text_names
         text = hf_module_tensors(replace(spec, multimodal=""), fused_experts)
-        return {names.module_name(n): LocalTensor(t.shape, tuple(replace(p, hf_name=names.checkpoint_name(p.hf_name))
-                                                                 for p in t.pieces)) for n, t in text.items()}
+        return {names.module_name(n):
+                LocalTensor(t.shape, tuple(replace(p, hf_name=names.checkpoint_name(p.hf_name))
+                                           for p in t.pieces))
+                for n, t in text.items()}
     if spec.description.module_names == "checkpoint":
         return {name: replicate(name, shape) for name, shape in spec.full_shapes().items()}
     shapes = spec.canonical_shapes()
@@ -116,7 +120,8 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
     for name, shape in shapes.items():
         m = _EXPERT.match(name) if fused_experts else None
         if m is None:
-            if fused_suffixes and name.startswith("model.layers.") and name.split(".", 3)[3] in fused_suffixes:
+            if (fused_suffixes and name.startswith("model.layers.")
+                    and name.split(".", 3)[3] in fused_suffixes):
                 whole = spec.checkpoint_names()[name].name
                 out.setdefault(whole, None)  # placeholder keeps HF order
                 fused.setdefault(whole, []).append(name)
@@ -136,7 +141,8 @@ def hf_module_tensors(spec: ModelSpec, fused_experts: bool = True) -> dict[str, 
         if order != list(range(len(order))):
             raise RuntimeError(f"experts of {prefix} are not numbered 0..{len(order) - 1}: {order}")
         out[prefix + "gate_up_proj"] = stack([
-            concat([replicate(by_expert[e][p], shapes[by_expert[e][p]]) for p in ("gate", "up")]) for e in order
+            concat([replicate(by_expert[e][p], shapes[by_expert[e][p]]) for p in ("gate", "up")])
+            for e in order
         ])
         out[prefix + "down_proj"] = stack([replicate(by_expert[e]["down"], shapes[by_expert[e]["down"]])
                                            for e in order])
@@ -239,7 +245,8 @@ def hf_source_layout(spec: ModelSpec, world_size: int, *, shard_size: int = 1,
 
 def looks_hf_named(names: Iterable[str]) -> bool:
     """Whether training weight names are transformers' (``model.embed_tokens.weight``; a multimodal model's
-    ``model.language_model.embed_tokens.weight``) rather than Megatron-core's (``embedding.word_embeddings.weight``)."""
+    ``model.language_model.embed_tokens.weight``) rather than Megatron-core's
+    (``embedding.word_embeddings.weight``)."""
     names = set(names)
     hf = "model.embed_tokens.weight" in names or "model.language_model.embed_tokens.weight" in names
     return hf and "embedding.word_embeddings.weight" not in names

@@ -61,7 +61,8 @@ class BoxHolders:
             i = bisect.bisect_left(h.ranks, rank)
             if i < len(h.ranks) and h.ranks[i] == rank:
                 return h
-        raise KeyError(f"rank {rank} holds no {self.holdings[0].piece.hf_name} box {self.holdings[0].piece.src}")
+        raise KeyError(f"rank {rank} holds no {self.holdings[0].piece.hf_name} box "
+                       f"{self.holdings[0].piece.src}")
 
 
 

@@ -86,8 +86,10 @@ def _rows(t, max_numel: int, scale: int) -> list:
 
 
 def transfer_key(t, offsets: dict[str, tuple[int, int, int]]) -> tuple:
-    """The sort key that puts transfers in model order (``offsets``: :func:`model_offsets`), the same on every rank."""
-    return (offsets[t.hf_name][0], t.box, t.dst_name, t.dst_piece.dst_prefix, t.dst_piece.dst_start, t.src_name)
+    """The sort key that puts transfers in model order (``offsets``: :func:`model_offsets`), the same on
+    every rank."""
+    return (offsets[t.hf_name][0], t.box, t.dst_name, t.dst_piece.dst_prefix, t.dst_piece.dst_start,
+            t.src_name)
 
 
 def schedule(remote: Iterable, spec: ModelSpec, world: int, itemsize: int,

@@ -197,12 +197,14 @@ def piece_view(local: torch.Tensor, piece: Piece, box: Box | None = None) -> tor
     box = piece.src if box is None else box
     dropped = len(piece.src) - len(piece.dst_start)
     if any(b - a != 1 for a, b in piece.src[:dropped]):
-        raise ValueError(f"{piece.hf_name}: box {piece.src} drops {dropped} leading axes, which must have extent 1")
+        raise ValueError(f"{piece.hf_name}: box {piece.src} drops {dropped} leading axes, which must have "
+                         "extent 1")
     inner, origin = list(box[dropped:]), list(piece.src[dropped:])
     if piece.transposed:
         inner[-2:], origin[-2:] = inner[:-3:-1], origin[:-3:-1]
     view = local[(*piece.dst_prefix,
-                  *(slice(s + a - pa, s + b - pa) for s, (a, b), (pa, _) in zip(piece.dst_start, inner, origin)))]
+                  *(slice(s + a - pa, s + b - pa)
+                    for s, (a, b), (pa, _) in zip(piece.dst_start, inner, origin)))]
     if piece.transposed:
         view = view.transpose(-1, -2)
     return view[(None,) * dropped] if dropped else view  # a view still: writes reach ``local``
@@ -225,7 +227,8 @@ def build_local(local: LocalTensor, full: Mapping[str, torch.Tensor], *,
         first = next(iter(full.values()), None)
         if first is None and dtype is None:
             raise ValueError(f"{local.shape} is all padding and no tensor gives its dtype; pass dtype=")
-    out = torch.zeros(local.shape, dtype=dtype or first.dtype, device=first.device if first is not None else None)
+    out = torch.zeros(local.shape, dtype=dtype or first.dtype,
+                      device=first.device if first is not None else None)
     for p in local.pieces:
         piece_view(out, p).copy_(full[p.hf_name][src_index(p.src)])
     return out

@@ -30,8 +30,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-__all__ = ["VLLMNames", "VLLM_NAMES", "SUPPORTED_VLLM_VERSIONS", "DEFAULT_VLLM_VERSION", "installed_vllm_version",
-           "resolve_vllm_version"]
+__all__ = ["VLLMNames", "VLLM_NAMES", "SUPPORTED_VLLM_VERSIONS", "DEFAULT_VLLM_VERSION",
+           "installed_vllm_version", "resolve_vllm_version"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,7 +113,8 @@ def resolve_vllm_version(version: str | None = None) -> str:
     series = _series(str(version))
     if series not in VLLM_NAMES:
         raise ValueError(
-            f"{source}={version!r} is not supported; the vLLM layout tables know {list(SUPPORTED_VLLM_VERSIONS)} "
+            f"{source}={version!r} is not supported; the vLLM layout tables know "
+            f"{list(SUPPORTED_VLLM_VERSIONS)} "
             f"(pass vllm_version= one of them to plan for a supported release)"
         )
     return series

@@ -86,8 +86,9 @@ class SwitchAgreement:
         """Tell the peers this rank cannot finish (best effort: a vote that fails is logged, not raised)."""
         try:
             self.vote(False)
-        except Exception as exc:  # noqa: BLE001 - this rank rolls back whatever its peers do
-            log.warning("hybridmem: rank %d could not tell its peers it rolls back (%s): %s", self.rank, reason, exc)
+        except Exception as exc:  # this rank rolls back whatever its peers do
+            log.warning("hybridmem: rank %d could not tell its peers it rolls back (%s): %s",
+                        self.rank, reason, exc)
 
 
 class AgreeStep(SwitchStep):

@@ -37,7 +37,8 @@ def _decoder(config: Any) -> ModelSpec | None:
         return config
     try:
         return ModelSpec.from_hf_config(config)
-    except (ValueError, TypeError, KeyError, AttributeError):  # a family hybridmem.models does not know: cannot tell
+    except (ValueError, TypeError, KeyError, AttributeError):
+        # a family hybridmem.models does not know: cannot tell
         return None
 
 
@@ -51,7 +52,8 @@ def _training_side(training: Any, model_spec: Any) -> tuple[str, ModelSpec] | No
     config = training.hf_config if capabilities.has_hf_config else None
     if config is not None:
         module = training.module if capabilities.holds_module else None
-        what = type(getattr(module, "module", module)).__name__ if module is not None else "the training model"
+        what = (type(getattr(module, "module", module)).__name__ if module is not None
+                else "the training model")
         candidates.append((f"{what} ({getattr(config, 'model_type', '?')})", config))
     for label, config in candidates:
         decoder = _decoder(config)

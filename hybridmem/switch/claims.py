@@ -76,8 +76,8 @@ class Claims:
             what, holder = conflict
             where = getattr(holder, "created_at", None)
             raise ValueError(
-                f"{what} is already managed by {holder!r}{f' (built at {where})' if where else ''}: one manager "
-                f"per model. Use that manager, or let "
+                f"{what} is already managed by {holder!r}{f' (built at {where})' if where else ''}: "
+                f"one manager per model. Use that manager, or let "
                 f"it go first: bring it to TRAIN (to_train(), or recover() from FAILED) and call its close()"
             )
         manager_ref = weakref.ref(manager)

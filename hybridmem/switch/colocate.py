@@ -48,11 +48,13 @@ class CoResident:
         accel, pool: The manager's accelerator and host pool.
     """
 
-    def __init__(self, name: str, modules: torch.nn.Module | Iterable[torch.nn.Module], accel: Accelerator, pool: HostBufferPool):
+    def __init__(self, name: str, modules: torch.nn.Module | Iterable[torch.nn.Module], accel: Accelerator,
+                 pool: HostBufferPool):
         self.name = name
         self.modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         if not self.modules or not all(isinstance(m, torch.nn.Module) for m in self.modules):
-            raise TypeError(f"co-resident {name!r} must be a torch.nn.Module or a list of them, got {type(modules).__name__}")
+            raise TypeError(f"co-resident {name!r} must be a torch.nn.Module or a list of them, "
+                            f"got {type(modules).__name__}")
         for m in self.modules:
             m.requires_grad_(False)
         self.offloader = ParamOffloader(self.modules, accel, pool, owner=name)

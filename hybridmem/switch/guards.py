@@ -46,7 +46,8 @@ def _hint(phase: Any) -> str:
     name = getattr(phase, "name", str(phase))
     if name == "FAILED":
         return "the training state is not on the device; call manager.recover() first"
-    return "the training state is offloaded; leave `with manager.inference()` (or call manager.to_train()) first"
+    return ("the training state is offloaded; leave `with manager.inference()` (or call manager.to_train()) "
+            "first")
 
 
 def _reaches(roots: Iterable[Any], guarded: dict[int, TrainingGuard]) -> TrainingGuard | None:
@@ -118,8 +119,8 @@ class TrainingGuard:
             [Note: one manager per model] in :mod:`hybridmem.switch.claims`).
     """
 
-    def __init__(self, phase: Callable[[], Any], modules: Iterable[torch.nn.Module], optimizers: Iterable[Any],
-                 owner: Any = None):
+    def __init__(self, phase: Callable[[], Any], modules: Iterable[torch.nn.Module],
+                 optimizers: Iterable[Any], owner: Any = None):
         self._phase = phase
         self._owner = weakref.ref(owner) if owner is not None else None
         self._kept: Any = None

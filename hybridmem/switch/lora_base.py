@@ -39,7 +39,8 @@ from hybridmem.offload import Offloader, ParamOffloader
 from hybridmem.weight_sync.base import WeightSync
 from hybridmem.weight_sync.shared_base import SharedBase, share_base
 
-__all__ = ["lora_base_of", "engine_tags_stay", "keep_frozen_on_device", "share_with_engine", "hold_engine_weights"]
+__all__ = ["lora_base_of", "engine_tags_stay", "keep_frozen_on_device", "share_with_engine",
+           "hold_engine_weights"]
 
 
 def lora_base_of(weight_sync: WeightSync | None, config: HybridConfig) -> LoraBase | None:
@@ -51,7 +52,8 @@ def lora_base_of(weight_sync: WeightSync | None, config: HybridConfig) -> LoraBa
 
 def engine_tags_stay(lora_base: LoraBase | None, engine: Any) -> frozenset[str]:
     """The engine's tags that stay resident through TRAIN: none, unless the base stays in the engine
-    (``engine_resident``, ``shared``): then its weights, and its KV cache too where it cannot free that alone."""
+    (``engine_resident``, ``shared``): then its weights, and its KV cache too where it cannot free that
+    alone."""
     if lora_base not in (LoraBase.ENGINE_RESIDENT, LoraBase.SHARED) or engine is None:
         return frozenset()
     return frozenset({WEIGHTS} if capabilities_of(engine).releases_kv_alone else {WEIGHTS, KV_CACHE})
@@ -83,8 +85,8 @@ def share_with_engine(training: Any, engine: Any, weight_sync: WeightSync) -> Sh
     """
     module = training.module if training_capabilities_of(training).holds_module else None
     if module is None:
-        raise ValueError(f"lora_base='shared' needs one torch model (a PEFT LoRA model) as the training state, got "
-                         f"{type(training).__name__}")
+        raise ValueError(f"lora_base='shared' needs one torch model (a PEFT LoRA model) as the training "
+                         f"state, got {type(training).__name__}")
     shared = share_base(module, engine)
     weight_sync.engine_holds_base()
     return shared

@@ -72,7 +72,8 @@ class PhaseMachine:
             initial=initial,
             auto_transitions=False,
             ignore_invalid_triggers=False,
-            transitions=[{"trigger": t.value, "source": list(src), "dest": dst} for t, src, dst in TRANSITIONS],
+            transitions=[{"trigger": t.value, "source": list(src), "dest": dst}
+                         for t, src, dst in TRANSITIONS],
         )
 
     @property

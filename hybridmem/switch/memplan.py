@@ -113,7 +113,8 @@ class MemoryPlan:
 
     @property
     def host_peak_nbytes(self) -> int:
-        """Predicted host bytes of the buffer pool at the end of the switch, its host peak (arenas only grow)."""
+        """Predicted host bytes of the buffer pool at the end of the switch, its host peak (arenas only
+        grow)."""
         return max([self.host_start_nbytes, *(s.host_nbytes for s in self.steps)])
 
     @property
@@ -148,8 +149,8 @@ class MemoryPlan:
             "host_fits": self.host_fits,
             "fits": self.fits,
             "steps": [
-                {"name": s.name, **asdict(s.estimate), "peak_nbytes": s.peak_nbytes, "after_nbytes": s.after_nbytes,
-                 "host_nbytes": s.host_nbytes}
+                {"name": s.name, **asdict(s.estimate), "peak_nbytes": s.peak_nbytes,
+                 "after_nbytes": s.after_nbytes, "host_nbytes": s.host_nbytes}
                 for s in self.steps
             ],
         }
@@ -178,7 +179,8 @@ class MemoryPlan:
                 f"  {s.name:<28}{format_nbytes(e.alloc_nbytes):>14}{format_nbytes(e.free_nbytes):>14}"
                 f"{format_nbytes(e.transient_nbytes):>14}{format_nbytes(s.peak_nbytes):>14}"
                 f"{format_nbytes(s.after_nbytes):>14}"
-                + (f"{format_nbytes(e.host_alloc_nbytes):>14}{format_nbytes(s.host_nbytes):>14}" if host else "")
+                + (f"{format_nbytes(e.host_alloc_nbytes):>14}{format_nbytes(s.host_nbytes):>14}"
+                   if host else "")
                 + ("  <-- over budget" if over else "")
             )
         return "\n".join(lines)
@@ -208,7 +210,8 @@ def plan_switch(
         peak = current + est.alloc_nbytes + est.transient_nbytes
         current = max(0, current + est.alloc_nbytes - est.free_nbytes)
         host += est.host_alloc_nbytes
-        planned.append(PlannedStep(name=name, estimate=est, peak_nbytes=peak, after_nbytes=current, host_nbytes=host))
+        planned.append(PlannedStep(name=name, estimate=est, peak_nbytes=peak, after_nbytes=current,
+                                   host_nbytes=host))
     return MemoryPlan(
         direction=direction,
         start_nbytes=start_nbytes,

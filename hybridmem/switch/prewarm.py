@@ -1,7 +1,7 @@
 """When the host arenas are prewarmed: when the manager is built, and after the optimizer's first steps.
 
-The pool does the work (see [Note: prewarmed arenas] in :mod:`hybridmem.offload.host_pool`); this module decides
-when, from what the offloaders would copy now. Grads and optimizer state usually appear only with the
+The pool does the work (see [Note: prewarmed arenas] in :mod:`hybridmem.offload.host_pool`); this module
+decides when, from what the offloaders would copy now. Grads and optimizer state usually appear only with the
 first training step (AdamW creates ``exp_avg``/``exp_avg_sq`` there), so a torch optimizer gets a step
 post-hook that asks again after each step, and removes itself once a step's arenas are all in place.
 """
@@ -36,7 +36,8 @@ class ArenaPrewarmer:
                  enabled: Mapping[StateKind, bool], optimizers: Iterable[Any]):
         self.pool = pool
         # In the order TRAIN->INFER offloads them, so a host budget admits the arenas the switch would.
-        self.offloaders = [off for kind, off in sorted(offloaders.items(), key=lambda kv: ToInferOrder[kv[0].name])
+        self.offloaders = [off for kind, off in sorted(offloaders.items(),
+                                                       key=lambda kv: ToInferOrder[kv[0].name])
                            if enabled.get(kind)]
         self.scheduled_nbytes = 0
         """Bytes handed to the pool's background thread so far."""
@@ -54,7 +55,8 @@ class ArenaPrewarmer:
 
     def schedule(self) -> int:
         """Prewarm what is missing now; returns the bytes scheduled (0: every arena is in place)."""
-        needs = [(off.owner, dtype, numel) for off in self.offloaders for dtype, numel in off.arena_needs().items()]
+        needs = [(off.owner, dtype, numel) for off in self.offloaders
+                 for dtype, numel in off.arena_needs().items()]
         nbytes = self.pool.prewarm(needs)
         self.scheduled_nbytes += nbytes
         return nbytes

@@ -90,7 +90,8 @@ class SwitchReport:
     @property
     def copy_seconds(self) -> float:
         """Time spent in host<->device steps."""
-        return sum(s.seconds for s in self.steps if s.kind is not StateKind.ENGINE_WEIGHTS and s.copied_nbytes)
+        return sum(s.seconds for s in self.steps
+                   if s.kind is not StateKind.ENGINE_WEIGHTS and s.copied_nbytes)
 
     @property
     def gbps(self) -> float:
@@ -128,8 +129,8 @@ class SwitchReport:
 
     def to_table(self, *, ascii_only: bool = False):
         """A ``rich.table.Table`` of the steps with a summary caption (ASCII borders if ``ascii_only``)."""
-        from rich import box
-        from rich.table import Table
+        from rich import box  # noqa: PLC0415 - keeps `import hybridmem` light
+        from rich.table import Table  # noqa: PLC0415 - keeps `import hybridmem` light
 
         arrow = "TRAIN -> INFER" if self.direction is Direction.TO_INFER else "INFER -> TRAIN"
         table = Table(
@@ -164,8 +165,8 @@ class SwitchReport:
 
     def __rich__(self):
         """What ``rich.console.Console.print(report)`` shows: the table, then the residency."""
-        from rich.console import Group
-        from rich.text import Text
+        from rich.console import Group  # noqa: PLC0415 - keeps `import hybridmem` light
+        from rich.text import Text  # noqa: PLC0415 - keeps `import hybridmem` light
 
         parts = [self.to_table()]
         if self.residency is not None:
@@ -173,10 +174,11 @@ class SwitchReport:
         return Group(*parts)
 
     def __str__(self) -> str:
-        from rich.console import Console
+        from rich.console import Console  # noqa: PLC0415 - keeps `import hybridmem` light
 
         buf = io.StringIO()
-        Console(file=buf, width=120, color_system=None, force_terminal=False).print(self.to_table(ascii_only=True))
+        Console(file=buf, width=120, color_system=None, force_terminal=False).print(
+            self.to_table(ascii_only=True))
         text = buf.getvalue().rstrip()
         if self.residency is not None:
             text += "\n" + str(self.residency)

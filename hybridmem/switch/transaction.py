@@ -145,7 +145,7 @@ def run_steps(direction: Direction, steps: list[SwitchStep], *, before: MemoryFi
         try:
             with record_function(f"hybridmem.{direction.value}.{step.name}"):
                 result = step.run()
-        except BaseException as exc:  # noqa: BLE001 - handled by the caller (rollback or FAILED)
+        except BaseException as exc:  # handled by the caller (rollback or FAILED)
             run.failed_step, run.error = step, exc
             return run
         seconds = time.perf_counter() - start
@@ -188,7 +188,7 @@ def roll_back(run: SwitchRun, *, machine: PhaseMachine, guard: TrainingGuard) ->
     for step in reversed(run.entered):
         try:
             step.undo()
-        except BaseException as undo_exc:  # noqa: BLE001
+        except BaseException as undo_exc:
             machine.fire(Trigger.FAIL, operation="record a failed rollback")
             guard.arm()
             raise RollbackError(

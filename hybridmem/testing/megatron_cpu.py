@@ -22,6 +22,7 @@ numbers is unchanged by a fork), which keeps runs deterministic.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,13 +166,16 @@ def _cuda_patches() -> list[tuple[Any, str, Any]]:
         (cuda, "manual_seed_all", lambda seed: None),
         (cuda.random, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
     ]
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # noqa: PLC0415 - Megatron is optional
 
     patches += [
         (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
     ]
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import (  # noqa: PLC0415 - Megatron is optional
+        moe_utils,
+        token_dispatcher,
+    )
 
     # The all-to-all dispatcher moves its split sizes "to CPU as numpy" only when they are CUDA
     # tensors; on CPU they would stay tensors, which all_to_all_single rejects as split sizes.
@@ -184,7 +188,9 @@ def _cuda_patches() -> list[tuple[Any, str, Any]]:
     if not hasattr(moe_utils, "te_general_gemm"):
         # 0.16.1 imports it inside a try without a fallback: a NameError without Transformer Engine.
         patches.append((moe_utils, "te_general_gemm", None))
-    from megatron.core.transformer import multi_latent_attention as mla
+    from megatron.core.transformer import (  # noqa: PLC0415 - Megatron is optional
+        multi_latent_attention as mla,
+    )
 
     if not _transformer_engine_installed():
         # megatron.core.extensions.transformer_engine imports without Transformer Engine (it stubs it with
@@ -194,8 +200,6 @@ def _cuda_patches() -> list[tuple[Any, str, Any]]:
 
 
 def _transformer_engine_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("transformer_engine") is not None
 
 

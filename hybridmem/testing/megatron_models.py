@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "TinyGPTSpec",
@@ -119,8 +120,10 @@ def init_megatron_parallel(spec: TinyGPTSpec) -> None:
     ``torch.distributed`` must already be initialised (the worker pool does it); on CPU call it inside
     :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.tensor_parallel import (  # noqa: PLC0415 - Megatron is optional
+        model_parallel_cuda_manual_seed,
+    )
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=spec.tp,
@@ -133,14 +136,14 @@ def init_megatron_parallel(spec: TinyGPTSpec) -> None:
 
 def destroy_megatron_parallel() -> None:
     """Undo :func:`init_megatron_parallel` (a worker is reused by the next test)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
 
     parallel_state.destroy_model_parallel()
 
 
 def transformer_config(spec: TinyGPTSpec) -> Any:
     """The ``TransformerConfig`` for ``spec`` (CPU initialisation, no dropout, deterministic)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415 - Megatron is optional
 
     extra: dict[str, Any] = {}
     if spec.num_moe_experts:
@@ -194,13 +197,16 @@ def build_gpt_model(spec: TinyGPTSpec, *, config: Any = None, device: str = "cpu
         device: ``"cpu"`` (under :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`) or ``"cuda"``
             (moved to the current GPU).
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415 - Megatron is optional
+        get_gpt_layer_local_spec,
+    )
 
     model = GPTModel(
         config=config if config is not None else transformer_config(spec),
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=spec.num_moe_experts,
+                                                        normalization="RMSNorm"),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -223,11 +229,14 @@ def build_megatron_gpt(spec: TinyGPTSpec, *, device: str = "cpu") -> tuple[list[
     Returns:
         ``([ddp_model_chunk], optimizer)``.
     """
-    from megatron.core.distributed import (
+    from megatron.core.distributed import (  # noqa: PLC0415 - Megatron is optional
         DistributedDataParallel,
         DistributedDataParallelConfig,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import (  # noqa: PLC0415 - Megatron is optional
+        OptimizerConfig,
+        get_megatron_optimizer,
+    )
 
     config = transformer_config(spec)
     model = build_gpt_model(spec, config=config, device=device)
@@ -269,13 +278,16 @@ def make_batch(spec: TinyGPTSpec, step: int, device: str = "cpu") -> list[dict[s
     return out
 
 
-def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, torch.Tensor]], spec: TinyGPTSpec) -> float:
+def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, torch.Tensor]],
+               spec: TinyGPTSpec) -> float:
     """One optimizer step with Megatron's pipeline schedule; returns the mean loss (on every rank).
 
     The loss is broadcast from the last pipeline stage so that every rank returns the same value.
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.pipeline_parallel import (  # noqa: PLC0415 - Megatron is optional
+        get_forward_backward_func,
+    )
 
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
@@ -314,8 +326,9 @@ def train_step(model_chunks: list[Any], optimizer: Any, batch: list[dict[str, to
 
 def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype: torch.dtype = torch.float32,
                         pg_collection: Any = None) -> Any:
-    """This rank's stage of a ``GPTModel`` (local spec) shaped as a resharding :class:`~hybridmem.reshard.ModelSpec`
-    says: any of its families, MoE on the layers ``spec.is_moe_layer`` names, DeepSeek's MLA.
+    """This rank's stage of a ``GPTModel`` (local spec) shaped as a resharding
+    :class:`~hybridmem.reshard.ModelSpec` says: any of its families, MoE on the layers ``spec.is_moe_layer``
+    names, DeepSeek's MLA.
 
     For building and holding weights only, never a forward: megatron-core 0.16.1's local MLA spec passes
     ``k_channels`` to ``DotProductAttention``, which does not take it (MLA runs there only with Transformer
@@ -331,15 +344,16 @@ def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype
         pg_collection: The model's process groups (``None``: Megatron's ``parallel_state``); its ``pp``
             group decides this rank's stage.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415 - Megatron is optional
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
     )
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.transformer.transformer_config import (  # noqa: PLC0415 - Megatron is optional
+        MLATransformerConfig,
+    )
 
     num_moe_layers = sum(spec.is_moe_layer(i) for i in range(spec.num_hidden_layers))
     extra: dict[str, Any] = {}
@@ -364,8 +378,8 @@ def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype
         kv_channels=spec.head_dim, ffn_hidden_size=spec.intermediate_size or spec.moe_intermediate_size,
         gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=spec.qkv_bias, normalization="RMSNorm",
         qk_layernorm=qk_layernorm, use_cpu_initialization=True, perform_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **extra)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **extra)
     if 0 < num_moe_layers < spec.num_hidden_layers:
         # Dense and MoE layers mixed: Megatron's block spec picks each layer's MLP from moe_layer_freq.
         layer_spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
@@ -380,8 +394,9 @@ def gpt_from_model_spec(spec: Any, *, tp: int, pp: int, padded_vocab: int, dtype
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     else:
         pp_rank = dist.get_group_rank(pg_collection.pp, dist.get_rank())
-    return GPTModel(cfg, layer_spec, vocab_size=padded_vocab, max_sequence_length=32, pre_process=pp_rank == 0,
-                    post_process=pp_rank == pp - 1, share_embeddings_and_output_weights=spec.tie_word_embeddings,
+    return GPTModel(cfg, layer_spec, vocab_size=padded_vocab, max_sequence_length=32,
+                    pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+                    share_embeddings_and_output_weights=spec.tie_word_embeddings,
                     position_embedding_type="rope", pg_collection=pg_collection)
 
 
@@ -393,4 +408,5 @@ class _NoParameterAttention(torch.nn.Module):
         super().__init__()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a GPTModel from gpt_from_model_spec with MLA cannot run forward (no core attention)")
+        raise RuntimeError("a GPTModel from gpt_from_model_spec with MLA cannot run forward (no core "
+                           "attention)")

@@ -6,15 +6,15 @@ parallel layout in the same processes (Megatron layout -> Megatron layout only).
 a pair on CPU (gloo) under :func:`~hybridmem.testing.megatron_cpu.megatron_on_cpu`, fills the source from
 seeded full tensors through hybridmem's Megatron layout, runs Megatron's refit, and runs hybridmem's
 plan for the same layout pair, so that the two can be compared byte for byte:
-``benchmarks/reshard.py`` reports it as case (c), and ``tests/megatron/test_reshard_vs_megatron_refit.py`` checks
-that both give the target layout's reference slices.
+``benchmarks/reshard.py`` reports it as case (c), and ``tests/megatron/test_reshard_vs_megatron_refit.py``
+checks that both give the target layout's reference slices.
 
 [Note: Megatron refit needs initialised embeddings]
 ``VocabParallelEmbedding`` marks its weight ``tensor_model_parallel`` only inside its initialiser, so a
 model built with ``perform_initialization=False`` has an embedding that Megatron's refit planner takes for
 a replicated tensor; the refit then fails copying e.g. 256 rows into 512 (TP4 -> TP2). The models here
-are therefore built with ``perform_initialization=True`` (:func:`~hybridmem.testing.megatron_models.gpt_from_model_spec`)
-and overwritten afterwards.
+are therefore built with ``perform_initialization=True``
+(:func:`~hybridmem.testing.megatron_models.gpt_from_model_spec`) and overwritten afterwards.
 """
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout
 from hybridmem.reshard.conventions import MegatronConvention
+from hybridmem.reshard.execute import run_plan
 from hybridmem.reshard.transforms import build_local
+from hybridmem.testing.megatron_cpu import megatron_on_cpu
+from hybridmem.testing.megatron_models import gpt_from_model_spec
 
 __all__ = ["SeededFull", "process_group_collection", "refit_padded_vocab", "compare_refits"]
 
@@ -48,7 +52,8 @@ class SeededFull(dict):
         return t
 
 
-def refit_padded_vocab(spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout, divisible_by: int = 128) -> int:
+def refit_padded_vocab(spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout,
+                       divisible_by: int = 128) -> int:
     """One padded vocab for both models (a ``GPTModel`` takes the padded size): a multiple of
     ``divisible_by`` times the least common multiple of the two TP sizes."""
     unit = divisible_by * math.lcm(src.tp, dst.tp)
@@ -61,9 +66,10 @@ def process_group_collection(tp: int, pp: int) -> Any:
 
     Every rank of the default group must call this with the same arguments (group creation is collective).
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.process_groups_config import (  # noqa: PLC0415 - Megatron is optional
+        ProcessGroupCollection,
+    )
 
     world, me = dist.get_world_size(), dist.get_rank()
     dp = world // (tp * pp)
@@ -98,7 +104,8 @@ def process_group_collection(tp: int, pp: int) -> Any:
 
 def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: ParallelLayout, *,
                    dtype: torch.dtype = torch.float32, repeats: int = 2) -> dict[str, Any]:
-    """Worker task: Megatron's ``swap_model_weights`` (gloo) and hybridmem's plan, Megatron src -> Megatron dst.
+    """Worker task: Megatron's ``swap_model_weights`` (gloo) and hybridmem's plan, Megatron src ->
+    Megatron dst.
 
     Runs on every rank of the worker pool's default group (dense specs only). Both targets are checked
     against :func:`~hybridmem.reshard.transforms.build_local` of the same seeded full tensors.
@@ -109,14 +116,14 @@ def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: Parallel
         ``megatron_first_s`` (plan + copy on the first call), ``megatron_s``/``hybridmem_s`` (best of
         ``repeats`` later calls), ``hybridmem_plan_s``.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.resharding.refit import clear_service_cache, swap_model_weights
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from hybridmem.reshard.execute import run_plan
-    from hybridmem.testing.megatron_cpu import megatron_on_cpu
-    from hybridmem.testing.megatron_models import gpt_from_model_spec
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
+    from megatron.core.resharding.refit import (  # noqa: PLC0415 - Megatron is optional
+        clear_service_cache,
+        swap_model_weights,
+    )
+    from megatron.core.tensor_parallel import (  # noqa: PLC0415 - Megatron is optional
+        model_parallel_cuda_manual_seed,
+    )
 
     if spec.is_moe:
         raise ValueError(f"compare_refits takes dense specs; got num_experts={spec.num_experts}")

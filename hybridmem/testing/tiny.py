@@ -67,7 +67,8 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys(), f"different tensors: {sorted(a.keys() ^ b.keys())}"
     for key in a:
         x, y = a[key], b[key]
-        assert x.dtype == y.dtype and x.shape == y.shape, f"{key}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"
+        assert x.dtype == y.dtype and x.shape == y.shape, (
+            f"{key}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
         # Bytes, not values: -0.0 vs 0.0 and NaN payloads must survive too.
         xb = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         yb = y.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

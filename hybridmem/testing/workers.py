@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["WorkerContext", "WorkerError", "WorkerPool"]
@@ -112,9 +114,6 @@ def _die_with_parent(parent_pid: int, *, deathsig: bool) -> None:
 def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, results: Any, timeout_s: float,
                  parent_pid: int, deathsig: bool):
     _die_with_parent(parent_pid, deathsig=deathsig)
-    import torch
-    import torch.distributed as dist
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -140,7 +139,7 @@ def _worker_main(rank: int, world: int, port: int, backend: str, tasks: Any, res
         ctx = WorkerContext(rank=rank, world_size=world_size, group=groups[world_size], backend=backend)
         try:
             results.put((task_id, rank, ("ok", fn(ctx, *args, **kwargs))))
-        except BaseException:  # noqa: BLE001 - report every failure to the parent, then keep serving
+        except BaseException:  # report every failure to the parent, then keep serving
             results.put((task_id, rank, ("error", traceback.format_exc())))
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
@@ -189,8 +188,8 @@ class WorkerPool:
         self._procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(r, self.max_world_size, port, self.backend, self._task_queues[r], self._results, self.timeout_s,
-                      os.getpid(), deathsig),
+                args=(r, self.max_world_size, port, self.backend, self._task_queues[r], self._results,
+                      self.timeout_s, os.getpid(), deathsig),
                 daemon=True,
             )
             for r in range(self.max_world_size)
@@ -204,10 +203,12 @@ class WorkerPool:
                 tag, _, _ = self._results.get(timeout=self.timeout_s)
             except queue.Empty:
                 self.close()
-                raise WorkerError(f"worker pool of {self.max_world_size} did not start in {self.timeout_s} s") from None
+                raise WorkerError(f"worker pool of {self.max_world_size} did not start in "
+                                  f"{self.timeout_s} s") from None
             ready += tag == "ready"
 
-    def run(self, fn: Callable[..., Any], *args: Any, world_size: int | None = None, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, world_size: int | None = None,
+            **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on ranks ``0..world_size-1`` and return their results by rank.
 
         Raises:
@@ -249,7 +250,8 @@ class WorkerPool:
         if errors:
             self.close()
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise WorkerError(f"task {getattr(fn, '__name__', fn)} failed on world_size={world_size}:\n{detail}",
+            raise WorkerError(f"task {getattr(fn, '__name__', fn)} failed on world_size={world_size}:\n"
+                              f"{detail}",
                               {r: v for r, v in out.items() if r < world_size})
         return [out[r] for r in range(world_size)]
 

@@ -76,7 +76,7 @@ def adapter_config(model: Any, adapter: str | None = None) -> dict[str, Any]:
 def adapter_tensors(model: Any, adapter: str | None = None) -> dict[str, torch.Tensor]:
     """The adapter's tensors as PEFT saves them (``get_peft_model_state_dict``: ``adapter_model.safetensors``
     names), not copied."""
-    from peft import get_peft_model_state_dict
+    from peft import get_peft_model_state_dict  # noqa: PLC0415 - peft is optional
 
     state = get_peft_model_state_dict(model, adapter_name=adapter or _active_adapter(model))
     return {k: v.detach() for k, v in state.items()}
@@ -89,7 +89,7 @@ def lora_nbytes(model: Any) -> int:
 
 
 def _lora_modules(model: Any) -> dict[str, Any]:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415 - peft is optional
 
     return {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
 

@@ -2,17 +2,19 @@
 
 [Note: shared base]
 With LoRA the base weights never change, so the trainer and the engine can hold one copy of them on the
-device. :func:`share_base` replaces each of the training model's frozen base parameters by a view of the engine
-tensor that holds it (at tensor-parallel size 1, vLLM's layout keeps every HF tensor whole: a row block of the
-fused ``qkv_proj`` / ``gate_up_proj``, the first vocabulary rows of the padded embedding and head, a tensor of
-its own otherwise), after checking that the engine holds exactly the trainer's values; the trainer's own copy
-is then freed. It is refused, naming the tensor, wherever that does not hold: an engine that does not offer its
-tensors for writing in place (the vLLM CPU backend repacks linear weights after loading), tensor parallelism,
-a base tensor the layout splits, transposes or permutes, another dtype or device, a trainable base tensor.
+device. :func:`share_base` replaces each of the training model's frozen base parameters by a view of the
+engine tensor that holds it (at tensor-parallel size 1, vLLM's layout keeps every HF tensor whole: a row block
+of the fused ``qkv_proj`` / ``gate_up_proj``, the first vocabulary rows of the padded embedding and head, a
+tensor of its own otherwise), after checking that the engine holds exactly the trainer's values; the trainer's
+own copy is then freed. It is refused, naming the tensor, wherever that does not hold: an engine that does not
+offer its tensors for writing in place (the vLLM CPU backend repacks linear weights after loading), tensor
+parallelism, a base tensor the layout splits, transposes or permutes, another dtype or device, a trainable
+base tensor.
 
 From then on the engine's weights must stay where they are, and the trainer must not move them: the manager
-leaves the shared tensors out of the parameter offload (:func:`~hybridmem.offload.engine_owned.is_engine_owned`,
-read by :class:`~hybridmem.offload.params.ParamOffloader`) and never releases the engine's weights
+leaves the shared tensors out of the parameter offload
+(:func:`~hybridmem.offload.engine_owned.is_engine_owned`, read by
+:class:`~hybridmem.offload.params.ParamOffloader`) and never releases the engine's weights
 (:attr:`SharedBase.engine_weights_stay`), so a switch moves the adapters and the KV cache only; the LoRA sync
 sends no base (:class:`~hybridmem.weight_sync.lora.LoraSync` with ``send_base=False``).
 """
@@ -53,15 +55,15 @@ def _checkpoint_name(name: str) -> str:
 def _base_model(model: Any) -> torch.nn.Module:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(inner, "config", None) is None:
-        raise ValueError(f"{type(inner).__name__} has no HF config: share_base needs a transformers model (or a PEFT "
-                         f"model of one)")
+        raise ValueError(f"{type(inner).__name__} has no HF config: share_base needs a transformers model "
+                         f"(or a PEFT model of one)")
     return inner
 
 
 def _engine_tensors(engine: Any) -> dict[str, torch.Tensor]:
     if not capabilities_of(engine).writes_in_place:
-        raise ValueError(f"{type(engine).__name__} does not offer its weights in place (capabilities.writes_in_place "
-                         f"is False): the trainer cannot hold views of them")
+        raise ValueError(f"{type(engine).__name__} does not offer its weights in place "
+                         f"(capabilities.writes_in_place is False): the trainer cannot hold views of them")
     try:
         return dict(engine.named_parameters())
     except RuntimeError as exc:
@@ -76,21 +78,22 @@ def share_base(model: torch.nn.Module, engine: Any) -> SharedBase:
             that is not a LoRA adapter must have ``requires_grad=False``.
         engine: An engine at tensor-parallel size 1 that offers its vLLM-layout tensors in place
             (``capabilities.writes_in_place``: :class:`~hybridmem.adapters.vllm.VLLMEngine` on GPUs, the
-            embedded :class:`~hybridmem.engines.reference.ReferenceEngine`), holding the trainer's base values.
+            embedded :class:`~hybridmem.engines.reference.ReferenceEngine`), holding the trainer's base
+            values.
 
     Returns:
         What was shared; the trainer's copy of those tensors is freed once nothing else refers to it.
 
     Raises:
         ValueError: Naming the first reason the base cannot be shared: the engine's, a parallel engine, a
-            trainable base tensor, a tensor the layout does not keep whole in one engine tensor, a shape, dtype
-            or device that differs, or values that differ (sync the base into the engine first).
+            trainable base tensor, a tensor the layout does not keep whole in one engine tensor, a shape,
+            dtype or device that differs, or values that differ (sync the base into the engine first).
     """
     config = _base_model(model).config
     tp = int((engine.parallel_layout or {}).get("tp", 1)) if capabilities_of(engine).reports_layout else 1
     if tp != 1:
-        raise ValueError(f"the engine runs at tensor-parallel size {tp}: a shared base needs tp=1 (each rank of a "
-                         f"parallel engine holds part of a tensor the trainer holds whole)")
+        raise ValueError(f"the engine runs at tensor-parallel size {tp}: a shared base needs tp=1 (each rank "
+                         f"of a parallel engine holds part of a tensor the trainer holds whole)")
     engine_tensors = _engine_tensors(engine)
     spec = ModelSpec.from_hf_config(config)
     where = {}
@@ -111,8 +114,8 @@ def share_base(model: torch.nn.Module, engine: Any) -> SharedBase:
     views: dict[int, torch.Tensor] = {}
     for key, (name, param) in params.items():
         if param.requires_grad:
-            raise ValueError(f"{name} is trainable (requires_grad=True): only a frozen base can be shared with the "
-                             f"engine")
+            raise ValueError(f"{name} is trainable (requires_grad=True): only a frozen base can be shared "
+                             f"with the engine")
         pieces = where.get(name, [])
         if len(pieces) != 1 or pieces[0][1].src != tuple((0, s) for s in full.get(name, ())):
             raise ValueError(f"{name}: the engine's layout does not keep it whole in one tensor "
@@ -123,11 +126,13 @@ def share_base(model: torch.nn.Module, engine: Any) -> SharedBase:
                              f"({vllm_name}), so it cannot be a view")
         view = piece_view(engine_tensors[vllm_name], piece)
         if view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
-            raise ValueError(f"{name}: the engine's {vllm_name} holds it as {tuple(view.shape)} {view.dtype} on "
-                             f"{view.device}, the trainer as {tuple(param.shape)} {param.dtype} on {param.device}")
+            raise ValueError(f"{name}: the engine's {vllm_name} holds it as {tuple(view.shape)} {view.dtype} "
+                             f"on {view.device}, the trainer as {tuple(param.shape)} {param.dtype} on "
+                             f"{param.device}")
         if not torch.equal(view, param.detach()):
-            raise ValueError(f"{name}: the engine's {vllm_name} holds other values than the trainer's: sync the base "
-                             f"into the engine (or load the engine from the same checkpoint) before sharing it")
+            raise ValueError(f"{name}: the engine's {vllm_name} holds other values than the trainer's: sync "
+                             f"the base into the engine (or load the engine from the same checkpoint) before "
+                             f"sharing it")
         views[key] = view
     nbytes = 0
     names = []

@@ -51,7 +51,7 @@ class LoadWeightsSync(WeightSync):
         self.copies = copies
 
     def temp_nbytes(self) -> int:
-        """The copy of the largest weight, when the sync copies (see [Note: loaders write what they are given])."""
+        """The largest weight's copy, when the sync copies (see [Note: loaders write what they are given])."""
         if not self.copies:
             return 0
         return max((t.numel() * t.element_size() for _, t in self._weights()), default=0)

@@ -24,7 +24,7 @@ __all__ = ["local_tensor", "FSDPParamOffloader", "FSDPGradOffloader", "FSDPOptim
 
 def local_tensor(t: Any) -> Any:
     """This rank's part of ``t``: the local tensor of a DTensor, ``t`` itself otherwise (``None`` too)."""
-    return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001 - the storage owner itself
+    return t._local_tensor if isinstance(t, DTensor) else t  # the storage owner itself
 
 
 def _locals(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -37,7 +37,7 @@ def _with_wrappers(freed: list[torch.Tensor], held: Iterable[Any]) -> list[torch
     DTensor, whose ops reach the local tensor below ``__torch_function__``, so both must refuse reads (see
     [Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`)."""
     keys = {id(t) for t in freed}
-    return [*freed, *(t for t in held if isinstance(t, DTensor) and id(t._local_tensor) in keys)]  # noqa: SLF001
+    return [*freed, *(t for t in held if isinstance(t, DTensor) and id(t._local_tensor) in keys)]
 
 
 class FSDPParamOffloader(ParamOffloader):

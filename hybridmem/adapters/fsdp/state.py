@@ -85,7 +85,7 @@ class _FSDPBuffers:
         self.fsdp_modules = [m for root in modules for m in root.modules() if isinstance(m, FSDPModule)]
 
     def _states(self) -> list[Any]:
-        return [m._get_fsdp_state() for m in self.fsdp_modules]  # noqa: SLF001 - FSDP2's state object
+        return [m._get_fsdp_state() for m in self.fsdp_modules]  # FSDP2's state object
 
     def _comm_contexts(self) -> list[Any]:
         seen: dict[int, Any] = {}
@@ -110,8 +110,8 @@ class _FSDPBuffers:
             nonlocal total
             if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                 storage = t.untyped_storage()
-                if storage._cdata not in seen:  # noqa: SLF001 - storage identity, as the offloaders use
-                    seen.add(storage._cdata)  # noqa: SLF001
+                if storage._cdata not in seen:  # storage identity, as the offloaders use
+                    seen.add(storage._cdata)
                     total += storage.nbytes()
 
         for state in self._states():

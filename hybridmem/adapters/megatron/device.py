@@ -41,7 +41,7 @@ def megatron_device() -> str:
              else f"built for CUDA {torch.version.cuda}, with no CUDA device visible")
     raise RuntimeError(
         f"megatron-core needs CUDA (its model-parallel seeding, DistributedDataParallel and optimizers call "
-        f"torch.cuda), and torch {torch.__version__} here is {build} (torch.cuda.is_available() is False): run "
-        f"on a CUDA machine, or, to try it on CPU, build and train the model inside {MEGATRON_CPU_HARNESS} "
-        f"(a test harness that maps megatron-core's CUDA calls to the CPU)"
+        f"torch.cuda), and torch {torch.__version__} here is {build} (torch.cuda.is_available() is False): "
+        f"run on a CUDA machine, or, to try it on CPU, build and train the model inside "
+        f"{MEGATRON_CPU_HARNESS} (a test harness that maps megatron-core's CUDA calls to the CPU)"
     )

@@ -138,7 +138,7 @@ def _expert_offset(model: Any, local_layer: int) -> int:
     if indices:
         return int(indices[0])
     num_local = int(getattr(getattr(mlp, "experts", None), "num_local_experts", 0))
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
 
     return parallel_state.get_expert_model_parallel_rank() * num_local
 
@@ -148,9 +148,10 @@ def megatron_shard_specs(model_chunks: Iterable[Any]) -> dict[str, ShardSpec]:
 
     Call after ``parallel_state.initialize_model_parallel`` (the ranks come from it).
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
 
-    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    tp, tp_rank = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_tensor_model_parallel_rank())
     etp = _call(parallel_state, "get_expert_tensor_parallel_world_size", tp)
     etp_rank = _call(parallel_state, "get_expert_tensor_parallel_rank", tp_rank)
     chunks = list(model_chunks)
@@ -165,7 +166,8 @@ def megatron_shard_specs(model_chunks: Iterable[Any]) -> dict[str, ShardSpec]:
             size, rank = (etp, etp_rank) if is_expert else (tp, tp_rank)
             dim = int(p.partition_dim) if split and size > 1 else None
             shape = tuple(p.shape)
-            global_shape = shape if dim is None else tuple(n * size if d == dim else n for d, n in enumerate(shape))
+            global_shape = (shape if dim is None
+                            else tuple(n * size if d == dim else n for d, n in enumerate(shape)))
             global_name, layer_index, expert_index = name, None, None
             m = _LAYER.match(name)
             if m:
@@ -175,7 +177,8 @@ def megatron_shard_specs(model_chunks: Iterable[Any]) -> dict[str, ShardSpec]:
                 e = _LOCAL_EXPERT.search(name)
                 if e:
                     expert_index = _expert_offset(model, local_layer) + int(e.group(1))
-                    global_name = _LOCAL_EXPERT.sub(f".experts.local_experts.{expert_index}.", global_name, count=1)
+                    global_name = _LOCAL_EXPERT.sub(f".experts.local_experts.{expert_index}.", global_name,
+                                                    count=1)
             fused = None
             if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
                 fused = "qkv"
@@ -206,7 +209,7 @@ def _call(module: Any, name: str, default: int) -> int:
 
 def megatron_source_layout() -> MegatronSourceLayout:
     """This rank's sizes and ranks from ``megatron.core.parallel_state``."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 - Megatron is optional
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     return MegatronSourceLayout(
@@ -294,7 +297,8 @@ def megatron_model_spec_dict(config: Any, *, vocab_size: int, tie_word_embedding
         )
     if mla:
         out.update(_mla_fields(config))
-        model_type = model_type or structural_model_type(mla=True, moe=bool(config.num_moe_experts), qkv_bias=qkv_bias)
+        model_type = model_type or structural_model_type(mla=True, moe=bool(config.num_moe_experts),
+                                                         qkv_bias=qkv_bias)
     if model_type is None:
         return out
     return _family_spec_dict(config, out, model_type)
@@ -326,15 +330,16 @@ def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict
     if family.megatron is not None:
         raise ValueError(f"model_type={model_type!r} cannot be trained in Megatron-core: {family.megatron}")
     if model_type in family.multimodal_types:
-        raise ValueError(f"model_type={model_type!r} cannot be trained in Megatron-core: a multimodal model, and "
-                         f"hybridmem's Megatron names are those of a text model alone ({family.name!r})")
+        raise ValueError(f"model_type={model_type!r} cannot be trained in Megatron-core: a multimodal model, "
+                         f"and hybridmem's Megatron names are those of a text model alone ({family.name!r})")
     experts = int(config.num_moe_experts or 0)
     width = int(config.moe_ffn_hidden_size or config.ffn_hidden_size) if experts else 0
     shared = int(getattr(config, "moe_shared_expert_intermediate_size", None) or 0)
     first_dense = _first_dense_layers(config) if experts else 0
     out = dict(out, model_type=model_type, use_qk_norm=bool(getattr(config, "qk_layernorm", False)))
     if experts:
-        out.update(num_local_experts=experts, n_routed_experts=experts, shared_expert_intermediate_size=shared,
+        out.update(num_local_experts=experts, n_routed_experts=experts,
+                   shared_expert_intermediate_size=shared,
                    n_shared_experts=shared // width if width else 0, first_k_dense_replace=first_dense)
         if not first_dense:
             # No dense layer: intermediate_size is free to carry one expert's width, where a family's config
@@ -342,23 +347,28 @@ def _family_spec_dict(config: Any, out: dict[str, Any], model_type: str) -> dict
             out["intermediate_size"] = width
     spec = ModelSpec.from_hf_config(out)
     pairs = (  # (what, the Megatron config's, the family's spec's)
-        ("multi-latent attention (multi_latent_attention)", bool(getattr(config, "multi_latent_attention", False)),
-         spec.is_mla),
+        ("multi-latent attention (multi_latent_attention)",
+         bool(getattr(config, "multi_latent_attention", False)), spec.is_mla),
         ("q/k/v bias (add_qkv_bias)", bool(getattr(config, "add_qkv_bias", False)), spec.qkv_bias),
         # A Llama's attention_bias also gives its output projection a bias, which add_qkv_bias does not.
-        ("output-projection bias (add_bias_linear)", bool(getattr(config, "add_bias_linear", False)), spec.o_bias),
+        ("output-projection bias (add_bias_linear)", bool(getattr(config, "add_bias_linear", False)),
+         spec.o_bias),
         ("MLP biases (add_bias_linear)", bool(getattr(config, "add_bias_linear", False)), spec.mlp_bias),
-        ("q/k norms (qk_layernorm)", bool(getattr(config, "qk_layernorm", False)) and not spec.is_mla, spec.qk_norm),
+        ("q/k norms (qk_layernorm)", bool(getattr(config, "qk_layernorm", False)) and not spec.is_mla,
+         spec.qk_norm),
         ("routed experts (num_moe_experts)", experts, spec.num_experts),
         ("expert width (moe_ffn_hidden_size)", width, spec.moe_intermediate_size),
-        ("shared expert width (moe_shared_expert_intermediate_size)", shared, spec.shared_expert_intermediate_size),
+        ("shared expert width (moe_shared_expert_intermediate_size)", shared,
+         spec.shared_expert_intermediate_size),
         ("shared expert gate (moe_shared_expert_gate)",
          bool(getattr(config, "moe_shared_expert_gate", False)) and shared > 0, spec.has_shared_expert_gate),
         ("router bias (moe_router_enable_expert_bias)",
          bool(getattr(config, "moe_router_enable_expert_bias", False)) and experts > 0, spec.has_router_bias),
         ("leading dense layers (moe_layer_freq)", first_dense, spec.first_k_dense_replace),
     )
-    differ = [f"{what}: Megatron {mine!r}, {spec.family} {family!r}" for what, mine, family in pairs if mine != family]
+    differ = [f"{what}: Megatron {mine!r}, {spec.family} {family!r}" for what, mine, family in pairs
+              if mine != family]
     if differ:
-        raise ValueError(f"the Megatron model is not a {model_type} model as the engine serves it: {'; '.join(differ)}")
+        raise ValueError(f"the Megatron model is not a {model_type} model as the engine serves it: "
+                         f"{'; '.join(differ)}")
     return out

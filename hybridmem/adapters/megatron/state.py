@@ -12,6 +12,7 @@ before the next forward), as for plain PyTorch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -64,15 +65,13 @@ class MegatronWorkspaces:
     @staticmethod
     def _global_buffer() -> Any:
         try:
-            from megatron.core import parallel_state
+            from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
         except ImportError:
             return None
         return getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
 
     @staticmethod
     def _te_base() -> Any:
-        import sys
-
         return sys.modules.get("transformer_engine.pytorch.module.base")
 
     def tensors(self) -> Iterator[torch.Tensor]:

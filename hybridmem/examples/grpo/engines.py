@@ -29,8 +29,9 @@ VLLM_ENGINES = ("vllm", "vllm-server")
 """The engines that are vLLM (its policy, :data:`VLLM_MODEL`, and its environment, :func:`vllm_env`)."""
 
 VLLM_MODEL = ModelSpec(
-    family="qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-    num_hidden_layers=2, vocab_size=16, qkv_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0,
+    family="qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+    intermediate_size=128, num_hidden_layers=2, vocab_size=16, qkv_bias=True, rms_norm_eps=1e-6,
+    rope_theta=10000.0,
 )
 """The demo's policy for ``--engine vllm``: vLLM's CPU attention needs head_dim >= 32."""
 
@@ -46,7 +47,8 @@ VLLM_ENV = {
 """Environment the demo's worker processes run vLLM with (values already set are kept)."""
 
 
-def vllm_env(rank: int, world_size: int, infer_tp: int, port: int, *, own_process: bool = False) -> dict[str, str]:
+def vllm_env(rank: int, world_size: int, infer_tp: int, port: int, *,
+             own_process: bool = False) -> dict[str, str]:
     """:data:`VLLM_ENV` plus one core per vLLM worker (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's automatic
     binding fails on machines with fewer cores than it wants) and the torchrun variables
     ``external_launcher`` reads; ``own_process``: the engine core in a process of its own (an AsyncLLM),
@@ -81,8 +83,8 @@ def build_engine(kind: str, model: ModelSpec, topo: Any, *, device: torch.device
         return _server_engine(model, topo, dtype=dtype, max_len=max_len, max_seqs=max_seqs)
     if topo.infer.tp not in (1, topo.world_size):
         raise ValueError(
-            f"--engine vllm runs --infer-tp 1 (a replica per rank) or --infer-tp {topo.world_size} (the world "
-            f"size, external_launcher); got --infer-tp {topo.infer.tp}"
+            f"--engine vllm runs --infer-tp 1 (a replica per rank) or --infer-tp {topo.world_size} (the "
+            f"world size, external_launcher); got --infer-tp {topo.infer.tp}"
         )
     import transformers  # noqa: PLC0415
 
@@ -109,7 +111,8 @@ def _server_engine(model: ModelSpec, topo: Any, *, dtype: torch.dtype, max_len: 
         ValueError: ``--infer-tp`` other than 1 (one engine per rank).
     """
     if topo.infer.tp != 1:
-        raise ValueError(f"--engine vllm-server runs one engine per process (--infer-tp 1); got --infer-tp {topo.infer.tp}")
+        raise ValueError(f"--engine vllm-server runs one engine per process (--infer-tp 1); "
+                         f"got --infer-tp {topo.infer.tp}")
     import tempfile  # noqa: PLC0415
 
     import transformers  # noqa: PLC0415

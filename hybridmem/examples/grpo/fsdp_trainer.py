@@ -28,7 +28,8 @@ def _hf_model(model: ModelSpec, weights: dict[str, torch.Tensor], device: torch.
     hf = Qwen2ForCausalLM(Qwen2Config(**hf_config_dict(model))).to(device)
     missing, unexpected = hf.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"HF weights do not fit Qwen2ForCausalLM: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(f"HF weights do not fit Qwen2ForCausalLM: missing {missing}, "
+                           f"unexpected {unexpected}")
     return hf
 
 
@@ -44,7 +45,8 @@ class FSDPTrainer:
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
         if topo.train.tp != 1:
-            raise ValueError(f"--trainer fsdp shards over all ranks; it needs --train-tp 1, got {topo.train.tp}")
+            raise ValueError(f"--trainer fsdp shards over all ranks; it needs --train-tp 1, "
+                             f"got {topo.train.tp}")
         self.topo = topo
         self.hf_config = hf_config_dict(model)
         weights = init_hf_weights(model, seed=seed, dtype=dtype)

@@ -66,7 +66,8 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.model.vocab_size != self.task.vocab_size:
-            raise ValueError(f"model vocab_size={self.model.vocab_size} differs from task vocab_size={self.task.vocab_size}")
+            raise ValueError(f"model vocab_size={self.model.vocab_size} differs from task "
+                             f"vocab_size={self.task.vocab_size}")
         if self.iters < 1 or self.num_prompts < 1:
             raise ValueError(f"iters={self.iters} and num_prompts={self.num_prompts} must be >= 1")
         if self.trainer not in ("torch", "megatron", "fsdp"):
@@ -176,8 +177,8 @@ class GRPORank:
         torch.manual_seed(cfg.seed)
         self.device = torch.device("cpu" if cfg.hybrid.device in ("auto", "cpu") else cfg.hybrid.device)
         self.dtype = getattr(torch, cfg.dtype)
-        self.trainer = build_trainer(cfg.trainer, cfg.model, self.topo, seed=cfg.seed, lr=cfg.grpo.lr, dtype=self.dtype,
-                                     device=self.device)
+        self.trainer = build_trainer(cfg.trainer, cfg.model, self.topo, seed=cfg.seed, lr=cfg.grpo.lr,
+                                     dtype=self.dtype, device=self.device)
         self.engine: Any = None
         self.samples: list[tuple[float, str, dict[str, int]]] = []
         """``(seconds since start, phase, device bytes by owner)`` at each phase of each iteration."""
@@ -204,8 +205,8 @@ class GRPORank:
 
         cfg, trainer = self.cfg, self.trainer
         if cfg.trainer == "fsdp":  # the user's path: the manager finds the FSDP2 shards and reshards them
-            return ShardingManager(trainer.training, self.engine, optimizer=trainer.optimizer, config=cfg.hybrid,
-                                   model_spec=trainer.hf_config)
+            return ShardingManager(trainer.training, self.engine, optimizer=trainer.optimizer,
+                                   config=cfg.hybrid, model_spec=trainer.hf_config)
         sync = ReshardSync(
             cfg.model,
             src=cfg.hybrid.train_layout,
@@ -218,14 +219,17 @@ class GRPORank:
             dtype=self.dtype,
             megatron=trainer.megatron_convention(),
         )
-        optimizer = trainer.optimizer if trainer.training is trainer.actor else None  # a MegatronTrainingState carries its own
-        manager = ShardingManager(trainer.training, self.engine, optimizer=optimizer, config=cfg.hybrid, weight_sync=sync)
+        # else None: a MegatronTrainingState carries its own
+        optimizer = trainer.optimizer if trainer.training is trainer.actor else None
+        manager = ShardingManager(trainer.training, self.engine, optimizer=optimizer, config=cfg.hybrid,
+                                  weight_sync=sync)
         trainer.attach(manager)
         return manager
 
     def mark(self, phase: str) -> None:
         """Record the device bytes by owner now, labelled ``phase``."""
-        self.samples.append((time.perf_counter() - self._start, phase, dict(self.manager.residency().by_owner)))
+        self.samples.append((time.perf_counter() - self._start, phase,
+                             dict(self.manager.residency().by_owner)))
 
     def sample(self, engine: Any, it: int) -> dict[str, torch.Tensor]:
         """This inference replica's rollouts of iteration ``it`` (in INFER): ``group_size`` completions of
@@ -250,7 +254,8 @@ class GRPORank:
         t_ref = time.perf_counter()
         with self.manager.onloaded("reference") as ref, torch.no_grad():
             self.mark("reference")
-            out = self.trainer.token_logprobs(ref, batch.to(self.device), temperature=self.cfg.grpo.temperature)[:, P - 1:]
+            out = self.trainer.token_logprobs(ref, batch.to(self.device),
+                                              temperature=self.cfg.grpo.temperature)[:, P - 1:]
         self.ref_s = time.perf_counter() - t_ref
         return out
 
@@ -270,7 +275,8 @@ class GRPORank:
         with torch.no_grad():
             old_lp = self.trainer.token_logprobs(actor, batch, temperature=temperature)[:, P - 1:]
             # The engine reports log-probs of the raw (temperature 1) distribution.
-            raw_lp = old_lp if temperature == 1.0 else self.trainer.token_logprobs(actor, batch, temperature=1.0)[:, P - 1:]
+            raw_lp = (old_lp if temperature == 1.0
+                      else self.trainer.token_logprobs(actor, batch, temperature=1.0)[:, P - 1:])
         self.gap = float((raw_lp.double().cpu() - engine_lp).abs().max())
         return old_lp
 
@@ -284,7 +290,8 @@ class GRPORank:
 
         def loss_fn() -> torch.Tensor:
             lp = self.trainer.token_logprobs(actor, batch, temperature=g.temperature)[:, P - 1:]
-            loss, out = policy_loss(lp, old_lp, ref_lp.to(self.device), adv, clip_ratio=g.clip_ratio, kl_coef=g.kl_coef)
+            loss, out = policy_loss(lp, old_lp, ref_lp.to(self.device), adv, clip_ratio=g.clip_ratio,
+                                    kl_coef=g.kl_coef)
             figures.update(out)
             return loss
 
@@ -298,7 +305,8 @@ class GRPORank:
         """Iteration ``it``'s row: its mean reward, the last update's figures, this rank's last switches,
         the iteration's seconds ``iter_s``."""
         figures = self.figures
-        r_inf, r_tr = self.manager.last_reports[Direction.TO_INFER], self.manager.last_reports[Direction.TO_TRAIN]
+        r_inf, r_tr = (self.manager.last_reports[Direction.TO_INFER],
+                       self.manager.last_reports[Direction.TO_TRAIN])
         return IterationStats(
             iteration=it,
             reward=reward,

@@ -10,10 +10,10 @@ _PHASE_COLORS = {"train": "#cfe3ff", "infer": "#ffe2c4", "reference": "#d8f5d0",
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - matplotlib is optional
 
     matplotlib.use("Agg")  # no display; files only
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib is optional
 
     return plt
 
@@ -43,7 +43,8 @@ def plot_memory(samples: list[tuple[float, str, dict[str, int]]], path: Path, *,
     plt = _pyplot()
     fig, (ax, band) = plt.subplots(2, 1, figsize=(8, 4.2), sharex=True, height_ratios=(8, 1))
     t = [s[0] for s in samples]
-    owners = [o for o in dict.fromkeys(o for s in samples for o in s[2]) if any(s[2].get(o, 0) for s in samples)]
+    owners = [o for o in dict.fromkeys(o for s in samples for o in s[2])
+              if any(s[2].get(o, 0) for s in samples)]
     ys = [[s[2].get(o, 0) / unit for s in samples] for o in owners]
     ax.stackplot(t, ys, labels=owners, step="post", alpha=0.85)
     ax.legend(loc="upper left", fontsize=7, ncol=3)
@@ -53,7 +54,8 @@ def plot_memory(samples: list[tuple[float, str, dict[str, int]]], path: Path, *,
         band.axvspan(t0, t1, color=_PHASE_COLORS.get(phase, "white"), lw=0)
     band.set_yticks([])
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASE_COLORS.values()]
-    band.legend(handles, list(_PHASE_COLORS), loc="upper right", bbox_to_anchor=(1.0, -0.9), ncol=4, fontsize=7)
+    band.legend(handles, list(_PHASE_COLORS), loc="upper right", bbox_to_anchor=(1.0, -0.9), ncol=4,
+                fontsize=7)
     band.set_xlabel("seconds", loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

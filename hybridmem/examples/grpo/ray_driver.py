@@ -27,7 +27,8 @@ from hybridmem.examples.grpo.topology import train_rows
 __all__ = ["ray_cluster", "run_driver"]
 
 OBJECT_STORE_BYTES = 128 * 2**20
-"""Object store of each raylet the demo starts (its rollouts are kilobytes; Ray's default takes 30% of RAM)."""
+"""Object store of each raylet the demo starts (its rollouts are kilobytes; Ray's default takes 30% of
+RAM)."""
 
 
 @contextlib.contextmanager
@@ -43,7 +44,8 @@ def ray_cluster(*, nodes: int, cpus: int, address: str | None = None) -> Iterato
             ray.init(address=address)
             stack.callback(ray.shutdown)
         elif nodes == 1:  # address="local": a Ray of its own, never one already running here
-            ray.init(address="local", num_cpus=per_node, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
+            ray.init(address="local", num_cpus=per_node, object_store_memory=OBJECT_STORE_BYTES,
+                     include_dashboard=False)
             stack.callback(ray.shutdown)
         else:
             from ray.cluster_utils import Cluster  # noqa: PLC0415
@@ -59,7 +61,8 @@ def ray_cluster(*, nodes: int, cpus: int, address: str | None = None) -> Iterato
         yield
 
 
-def run_driver(cfg: DemoConfig, world_size: int, *, on_iteration: Any = None) -> tuple[list[IterationStats], list[dict]]:
+def run_driver(cfg: DemoConfig, world_size: int, *,
+               on_iteration: Any = None) -> tuple[list[IterationStats], list[dict]]:
     """The demo's iterations over ``world_size`` worker actors on the connected Ray; returns rank 0's rows and
     where each worker ran.
 
@@ -90,7 +93,8 @@ def _iteration(cfg: DemoConfig, group: Any, it: int, on_iteration: Any) -> Itera
     engine_lp = torch.cat([r["engine_lp"] for r in replicas])
     if cfg.reward == "model":
         rewards = torch.empty(len(seqs))
-        for r, scores in enumerate(group.call_each("compute_rm_score", [(seqs[r::world],) for r in range(world)])):
+        for r, scores in enumerate(group.call_each("compute_rm_score",
+                                                   [(seqs[r::world],) for r in range(world)])):
             rewards[r::world] = scores
     else:
         rewards = rule_rewards(cfg, seqs)
@@ -99,7 +103,8 @@ def _iteration(cfg: DemoConfig, group: Any, it: int, on_iteration: Any) -> Itera
     ref_lp = group.call_each("compute_ref_log_prob", [(seqs[s],) for s in shares])
     old_lp = group.call_each("compute_log_prob", [(seqs[s], engine_lp[s]) for s in shares])
     group.call_each("update", [(seqs[s], old_lp[r], ref_lp[r], adv[s]) for r, s in enumerate(shares)])
-    row, samples = group.call_rank(0, "iteration_stats", it, float(rewards.mean()), time.perf_counter() - start)
+    row, samples = group.call_rank(0, "iteration_stats", it, float(rewards.mean()),
+                                   time.perf_counter() - start)
     if on_iteration is not None:
         on_iteration(row, samples)
     return row

@@ -37,8 +37,8 @@ class HybridActorWorker(HybridWorker):
         if cfg.engine in ("vllm", "vllm-server"):
             from hybridmem.examples.grpo.engines import vllm_env  # noqa: PLC0415
 
-            env = vllm_env(self.rank, self.world_size, cfg.hybrid.infer_layout.tp, int(os.environ["MASTER_PORT"]),
-                           own_process=cfg.engine == "vllm-server")
+            env = vllm_env(self.rank, self.world_size, cfg.hybrid.infer_layout.tp,
+                           int(os.environ["MASTER_PORT"]), own_process=cfg.engine == "vllm-server")
             for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # the group's, set when joining
                 env.pop(key)
             os.environ.update(env)
@@ -46,7 +46,8 @@ class HybridActorWorker(HybridWorker):
         return self.placement()
 
     def generate_sequences(self, it: int) -> dict[str, torch.Tensor]:
-        """Iteration ``it``'s rollouts of this rank's inference replica (TRAIN -> INFER, sample, INFER -> TRAIN)."""
+        """Iteration ``it``'s rollouts of this rank's inference replica (TRAIN -> INFER, sample,
+        INFER -> TRAIN)."""
         rank = self.rank_state
         rank.mark("train")
         rank.mark("switch")
@@ -76,7 +77,8 @@ class HybridActorWorker(HybridWorker):
 
     def iteration_stats(self, it: int, reward: float, iter_s: float) -> tuple[IterationStats, list[Any]]:
         """This rank's row of iteration ``it`` and its memory samples so far."""
-        return self.rank_state.iteration_stats(it, reward=reward, iter_s=iter_s), list(self.rank_state.samples)
+        return (self.rank_state.iteration_stats(it, reward=reward, iter_s=iter_s),
+                list(self.rank_state.samples))
 
     def teardown(self) -> None:
         """Close the manager, the trainer and the engine, then leave the process group."""

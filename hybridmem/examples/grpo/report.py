@@ -16,7 +16,8 @@ from hybridmem.switch.memplan import format_nbytes
 
 __all__ = ["RankZeroReporter"]
 
-_COLUMNS = ("iter", "reward", "KL", "lp gap", "to INFER ms", "to TRAIN ms", "ref ms", "moved", "dev TRAIN", "dev INFER", "iter s")
+_COLUMNS = ("iter", "reward", "KL", "lp gap", "to INFER ms", "to TRAIN ms", "ref ms", "moved", "dev TRAIN",
+            "dev INFER", "iter s")
 
 
 class RankZeroReporter:
@@ -29,7 +30,8 @@ class RankZeroReporter:
         self.plots = plots
         self.console = Console(width=max(Console().width, 132))  # the table is 124 columns wide
         layout = f"train {cfg.hybrid.train_layout}, infer {cfg.hybrid.infer_layout}"
-        self.console.print(f"[bold]hybridmem GRPO demo[/]: {cfg.trainer} trainer, {layout}, {cfg.hybrid.device}")
+        self.console.print(f"[bold]hybridmem GRPO demo[/]: {cfg.trainer} trainer, {layout}, "
+                           f"{cfg.hybrid.device}")
         self.bar = tqdm(total=cfg.iters, desc="GRPO", unit="iter")
         self.samples: list[tuple[float, str, dict[str, int]]] = []
         self.ends: list[int] = []
@@ -47,13 +49,15 @@ class RankZeroReporter:
             table.add_column(c, justify="right")
         for r in stats:
             table.add_row(
-                str(r.iteration), f"{r.reward:.3f}", f"{r.kl:.4f}", f"{r.logprob_gap:.1e}", f"{r.to_infer_s * 1e3:.1f}",
-                f"{r.to_train_s * 1e3:.1f}", f"{r.ref_onload_s * 1e3:.1f}", format_nbytes(r.moved_nbytes),
-                format_nbytes(r.device_train_nbytes), format_nbytes(r.device_infer_nbytes), f"{r.iter_s:.2f}",
+                str(r.iteration), f"{r.reward:.3f}", f"{r.kl:.4f}", f"{r.logprob_gap:.1e}",
+                f"{r.to_infer_s * 1e3:.1f}", f"{r.to_train_s * 1e3:.1f}", f"{r.ref_onload_s * 1e3:.1f}",
+                format_nbytes(r.moved_nbytes), format_nbytes(r.device_train_nbytes),
+                format_nbytes(r.device_infer_nbytes), f"{r.iter_s:.2f}",
             )
         return table
 
-    def finish(self, stats: list[IterationStats], *, workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def finish(self, stats: list[IterationStats], *,
+               workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """Print the table and summary, write the plots and ``grpo.json`` (with ``workers``, where each
         worker ran, when given); returns the summary."""
         self.bar.close()
@@ -80,8 +84,10 @@ class RankZeroReporter:
             **({"workers": workers} if workers is not None else {}),
         }
         (self.out / "grpo.json").write_text(json.dumps(summary, indent=1))
-        self.console.print(f"mean reward, first {k} iterations: [bold]{first:.3f}[/]; last {k}: [bold]{last:.3f}[/]")
-        self.console.print(f"max |engine - actor| log-prob over sampled tokens: {summary['max_logprob_gap']:.2e}")
+        self.console.print(f"mean reward, first {k} iterations: [bold]{first:.3f}[/]; "
+                           f"last {k}: [bold]{last:.3f}[/]")
+        self.console.print(f"max |engine - actor| log-prob over sampled tokens: "
+                           f"{summary['max_logprob_gap']:.2e}")
         if workers:
             nodes = {w["node_id"] for w in workers}
             self.console.print(f"Ray: {len(workers)} worker actors on {len(nodes)} node(s): " + ", ".join(

@@ -31,7 +31,8 @@ class CountTask:
 
     def prompts(self, num_prompts: int, *, seed: int) -> list[list[int]]:
         """``num_prompts`` prompts, reproducible from ``seed``."""
-        starts = torch.randint(0, self.vocab_size, (num_prompts,), generator=torch.Generator().manual_seed(seed))
+        starts = torch.randint(0, self.vocab_size, (num_prompts,),
+                               generator=torch.Generator().manual_seed(seed))
         return [[(int(s) + j) % self.vocab_size for j in range(self.prompt_len)] for s in starts]
 
     def rewards(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:

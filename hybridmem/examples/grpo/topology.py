@@ -59,7 +59,8 @@ class Topology:
 
 def train_rows(rank: int, world_size: int, train_tp: int) -> slice:
     """The rows of a batch (all replicas' rollouts, in replica order) that training rank ``rank`` trains
-    on: every ``dp_size``-th from its data-parallel rank, the same for the ``train_tp`` ranks of a TP group."""
+    on: every ``dp_size``-th from its data-parallel rank, the same for the ``train_tp`` ranks of a TP
+    group."""
     return slice(rank // train_tp, None, world_size // train_tp)
 
 

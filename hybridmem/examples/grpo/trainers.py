@@ -33,11 +33,13 @@ MAX_SEQ_LEN = 512
 """The Megatron GPTModel's ``max_sequence_length`` (prompt + completion must fit)."""
 
 
-def _local_weights(model: ModelSpec, topo: Topology, *, seed: int, dtype: torch.dtype, padded_vocab: int | None) -> dict[str, torch.Tensor]:
+def _local_weights(model: ModelSpec, topo: Topology, *, seed: int, dtype: torch.dtype,
+                   padded_vocab: int | None) -> dict[str, torch.Tensor]:
     """This rank's Megatron-layout shard of the full weights drawn from ``seed``."""
     from hybridmem.reshard import MegatronConvention, megatron_layout, shard  # noqa: PLC0415
 
-    layout = megatron_layout(model, topo.train, topo.world_size, convention=MegatronConvention(padded_vocab_size=padded_vocab))
+    layout = megatron_layout(model, topo.train, topo.world_size,
+                             convention=MegatronConvention(padded_vocab_size=padded_vocab))
     return shard(init_hf_weights(model, seed=seed, dtype=dtype), layout, topo.rank)
 
 
@@ -51,14 +53,15 @@ class TorchTrainer:
         reference: The frozen reference policy (a module to register as a co-resident).
     """
 
-    def __init__(self, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype,
+                 device: torch.device):
         self.topo = topo
         local = _local_weights(model, topo, seed=seed, dtype=dtype, padded_vocab=None)
         self.padded_vocab = local["embedding.word_embeddings.weight"].shape[0] * topo.train.tp
         pair = []
         for _ in range(2):
-            m = MegatronLayoutGPT(model, padded_vocab_size=self.padded_vocab, group=topo.train_tp_group, dtype=dtype,
-                                  device=device)
+            m = MegatronLayoutGPT(model, padded_vocab_size=self.padded_vocab, group=topo.train_tp_group,
+                                  dtype=dtype, device=device)
             m.load_state_dict({k: v.to(device) for k, v in local.items()})
             pair.append(m)
         self.actor, self.reference = pair
@@ -107,15 +110,19 @@ class MegatronTrainer:
             logits would change the actor's log-probs against the engine's).
     """
 
-    def __init__(self, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: ModelSpec, topo: Topology, *, seed: int, lr: float, dtype: torch.dtype,
+                 device: torch.device):
         try:
             from megatron.core import parallel_state  # noqa: PLC0415
         except ImportError as exc:
-            raise ImportError("--trainer megatron needs megatron-core: pip install 'hybridmem[megatron]'") from exc
+            raise ImportError("--trainer megatron needs megatron-core: pip install "
+                              "'hybridmem[megatron]'") from exc
         if model.vocab_size % topo.train.tp:
-            raise ValueError(f"--trainer megatron needs vocab_size={model.vocab_size} divisible by the training tp={topo.train.tp}")
+            raise ValueError(f"--trainer megatron needs vocab_size={model.vocab_size} divisible by the "
+                             f"training tp={topo.train.tp}")
         if model.tie_word_embeddings:
-            raise ValueError("--trainer megatron builds an untied GPTModel; the model has tie_word_embeddings=True")
+            raise ValueError("--trainer megatron builds an untied GPTModel; the model has "
+                             "tie_word_embeddings=True")
         self.topo = topo
         self._stack = contextlib.ExitStack()
         if device.type == "cpu":
@@ -141,7 +148,8 @@ class MegatronTrainer:
             kv_channels=model.head_dim, ffn_hidden_size=model.intermediate_size, vocab_size=model.vocab_size,
             add_qkv_bias=model.qkv_bias, activation="silu", layernorm_epsilon=model.rms_norm_eps,
             rotary_base=int(model.rope_theta), seq_length=MAX_SEQ_LEN, clip_grad=0.0, lr=lr, seed=seed,
-            tp=self.topo.train.tp, precision={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+            tp=self.topo.train.tp,
+            precision={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
         )
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=spec.tp)
         self._initialised = True
@@ -150,7 +158,8 @@ class MegatronTrainer:
         [self.ddp], self.optimizer = mm.build_megatron_gpt(spec, device=device.type)
         self.actor = self.ddp
         self.state = MegatronTrainingState([self.ddp], self.optimizer, vocab_size=model.vocab_size)
-        local = _local_weights(model, self.topo, seed=seed, dtype=dtype, padded_vocab=self.state.padded_vocab_size)
+        local = _local_weights(model, self.topo, seed=seed, dtype=dtype,
+                               padded_vocab=self.state.padded_vocab_size)
         self.reference = mm.build_gpt_model(spec, device=device.type)
         self.reference.requires_grad_(False)
         with torch.no_grad():
