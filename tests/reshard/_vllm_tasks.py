@@ -293,8 +293,8 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
     from vllm.model_executor.models import registry  # noqa: PLC0415
 
     from hybridmem.adapters.vllm.names import sync_rule  # noqa: PLC0415
-    from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries  # noqa: PLC0415
-    from hybridmem.adapters.vllm.transfer import (  # noqa: PLC0415
+    from hybridmem.adapters.vllm.server.staging import StagingFile, dtype_of, layout_entries  # noqa: PLC0415
+    from hybridmem.adapters.vllm.server.transfer import (  # noqa: PLC0415
         HybridmemInitInfo,
         HybridmemUpdateInfo,
         HybridmemWeightTransferEngine,

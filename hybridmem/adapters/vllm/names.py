@@ -22,7 +22,7 @@ Both are one rule, :func:`synced_tensors`: which of a worker's tensors a sync wr
 adapter applies it to the worker's report (this check, and the buffers it writes in place); the server
 adapter's workers apply it to their own model, given the layout's names and the prefixes
 (:func:`sync_rule`), and stage and write exactly those tensors
-(:mod:`hybridmem.adapters.vllm.transfer`).
+(:mod:`hybridmem.adapters.vllm.server.transfer`).
 
 Shapes are compared where the backend keeps them: the vLLM CPU backend repacks linear weights into
 its kernels' format after loading and leaves those parameters with shape ``[0]``; for them only the
@@ -141,7 +141,7 @@ def engine_layout_shapes(hf_config: Any, parallel: Any, rank: int) -> tuple[dict
 
 def sync_rule(hf_config: Any, world_size: int) -> tuple[list[str] | None, list[str]]:
     """``(layout names, not-synced prefixes)`` for a worker that applies :func:`synced_tensors` to its own
-    model (the server adapter's, :mod:`hybridmem.adapters.vllm.transfer`): the names of the vLLM layout of
+    model (the server adapter's, :mod:`hybridmem.adapters.vllm.server.transfer`): the names of the vLLM layout of
     every rank of a ``tensor_parallel_size=world_size`` engine of ``hf_config``, and
     :func:`not_synced_prefixes`. ``(None, [])`` where the resharding engine does not know the model (no
     buffer is then a weight, every parameter is)."""

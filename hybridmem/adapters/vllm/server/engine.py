@@ -2,7 +2,7 @@
 
 [Note: vllm server switch]
 How a switch maps onto vLLM's RL API for an engine in another process (see [Note: vllm engine process]
-in :mod:`hybridmem.adapters.vllm.remote`):
+in :mod:`hybridmem.adapters.vllm.server.client`):
 
 - TRAIN->INFER: ``resume(["weights"])`` wakes the weights (a no-op on vLLM's CPU build, which has no
   sleep mode); the weight sync writes this rank's vLLM-layout shards in place into its staging file
@@ -76,8 +76,8 @@ callers finish (:attr:`InFlight.WAIT` with some in flight) adds their own deadli
 outcome that plus the sum of rank 0's call deadlines in between.
 
 When the error comes: a refusal at once; a stall at the call's deadline (over HTTP plus the ``/health``
-probe's :data:`~hybridmem.adapters.vllm.remote.PROBE_S` that tells it from a death); an AsyncLLM's engine
-core that dies while a call waits within :data:`~hybridmem.adapters.vllm.remote.POLL_S`; a ``vllm serve``
+probe's :data:`~hybridmem.adapters.vllm.server.client.PROBE_S` that tells it from a death); an AsyncLLM's engine
+core that dies while a call waits within :data:`~hybridmem.adapters.vllm.server.client.POLL_S`; a ``vllm serve``
 engine core that dies under a waiting call at that call's deadline (the server keeps the call open,
 ``/health`` then names the death). A switch whose rollback calls a stalled engine again waits once more
 (``tests/adapters/test_vllm_server_faults.py`` measures each case).
@@ -88,26 +88,26 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.names import sync_rule
 from hybridmem.adapters.vllm.outputs import GREEDY
-from hybridmem.adapters.vllm.remote import VLLMClient
-from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
+from hybridmem.adapters.vllm.plugin import BACKEND_NAME
+from hybridmem.adapters.vllm.server.client import VLLMClient
+from hybridmem.adapters.vllm.server.ranks import EngineRanks, engine_ranks
+from hybridmem.adapters.vllm.server.staging import StagingFile, dtype_of, layout_entries
 from hybridmem.contract.engine import EngineCapabilities, check_tags
 from hybridmem.contract.generation import GenerationOutput
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError
-from hybridmem.reshard.deadline import deadline_bound, wait_all
 
 __all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
 
@@ -140,8 +140,8 @@ class VLLMServerEngine:
     backend (``--weight-transfer-config '{"backend": "hybridmem"}'``).
 
     Args:
-        client: The control plane (:class:`~hybridmem.adapters.vllm.remote.HTTPClient` or
-            :class:`~hybridmem.adapters.vllm.remote.AsyncLLMClient`).
+        client: The control plane (:class:`~hybridmem.adapters.vllm.server.client.HTTPClient` or
+            :class:`~hybridmem.adapters.vllm.server.client.AsyncLLMClient`).
         hf_config: The served model's transformers config (its family, vocab, dtype).
         group: The trainer ranks serving this engine, one per worker rank in order (``None``: this process
             alone, for an engine with one worker).
@@ -176,7 +176,8 @@ class VLLMServerEngine:
         self.verify = bool(verify)
         self.timeout_s = float(timeout_s)
         self.accel = get_accelerator("auto" if accel is None else accel)
-        self.rank, self.world_size = _rank_and_size(group)
+        self.ranks = EngineRanks(group, accel=self.accel, timeout_s=self.timeout_s)
+        self.rank, self.world_size = self.ranks.rank, self.ranks.size
         workers = client.world_size()
         if workers != self.world_size:
             raise ValueError(f"the engine at {client.where} runs {workers} workers but group has {self.world_size} "
@@ -188,7 +189,7 @@ class VLLMServerEngine:
             reports_model_type=True, reports_layout=True,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
-        self.directory = self._shared_directory(staging_dir)
+        self.directory = self.ranks.shared_directory(staging_dir)
         self.layout = self._worker_layout()
         entries, nbytes = layout_entries((n, shape, dtype) for n, (shape, dtype) in self.layout.items())
         self.staging = StagingFile(os.path.join(self.directory, f"staging-rank{self.rank}.bin"), entries, nbytes)
@@ -213,7 +214,7 @@ class VLLMServerEngine:
         """The engine of a running ``vllm serve`` at ``base_url`` (started with ``VLLM_SERVER_DEV_MODE=1`` and
         ``--weight-transfer-config '{"backend": "hybridmem"}'``); ``hf_config``: the served model's config
         (default: read from the model directory the server names)."""
-        from hybridmem.adapters.vllm.remote import HTTPClient  # noqa: PLC0415
+        from hybridmem.adapters.vllm.server.client import HTTPClient  # noqa: PLC0415
 
         client = HTTPClient(base_url, timeout_s=timeout_s)
         client.health(timeout_s=timeout_s)
@@ -228,9 +229,9 @@ class VLLMServerEngine:
         with hybridmem's weight-transfer backend; ``async_engine_args``: more ``AsyncEngineArgs``."""
         from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
 
-        from hybridmem.adapters.vllm.remote import AsyncLLMClient  # noqa: PLC0415
+        from hybridmem.adapters.vllm.server.client import AsyncLLMClient  # noqa: PLC0415
 
-        args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": "hybridmem"}, **async_engine_args)
+        args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": BACKEND_NAME}, **async_engine_args)
         client = AsyncLLMClient(args, timeout_s=timeout_s)
         return cls(client, hf_config=_config_of(str(model)), **dict(engine_kwargs or {}))
 
@@ -242,7 +243,7 @@ class VLLMServerEngine:
                server_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                startup_timeout_s: float | None = None, **engine_kwargs: Any) -> VLLMServerEngine:
         """Start ``vllm serve`` for ``model_dir`` and connect to it (see [Note: vllm server process] in
-        :mod:`hybridmem.adapters.vllm.serve`); :meth:`close` stops it, and it never outlives this process.
+        :mod:`hybridmem.adapters.vllm.server.process`); :meth:`close` stops it, and it never outlives this process.
 
         Call it on every rank of ``group`` (the trainer ranks serving the engine, one per tensor-parallel
         worker; ``None``: this process alone): rank 0 starts the server and the others get its URL.
@@ -263,12 +264,12 @@ class VLLMServerEngine:
                 ``launch`` sets itself.
             EngineProcessError: The server exited or did not answer in time (its log's last lines shown).
         """
-        from hybridmem.adapters.vllm.serve import (  # noqa: PLC0415
+        from hybridmem.adapters.vllm.server.process import (  # noqa: PLC0415
             DEFAULT_STARTUP_TIMEOUT_S,
             launch_server,
         )
 
-        _, size = _rank_and_size(group)
+        _, size = engine_ranks(group)
         if size != tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with a group of {size} ranks: one trainer "
                              f"rank per vLLM worker (pass the group of the {tensor_parallel_size} ranks it serves)")
@@ -284,16 +285,6 @@ class VLLMServerEngine:
         engine.server = server
         return engine
 
-    def _shared_directory(self, staging_dir: str) -> str:
-        """One directory for the engine's ranks (rank 0 names it; the others learn it over ``group``)."""
-        name = [os.path.join(staging_dir, f"hybridmem-{uuid.uuid4().hex[:12]}")] if self.rank == 0 else [None]
-        if self.world_size > 1:
-            dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                       group=self.group)
-        if self.rank == 0:
-            os.makedirs(name[0], exist_ok=True)
-        return str(name[0])
-
     def _worker_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """This rank's worker's weights at their load-time shapes, as the worker reports them: its parameters
         but those no sync writes (a multimodal model's vision tower) and the persistent buffers the layout
@@ -302,7 +293,7 @@ class VLLMServerEngine:
             weight_names, not_synced = sync_rule(self.hf_config, self.world_size)
             self.client.init_weight_transfer({"layout_dir": self.directory, "weight_names": weight_names,
                                               "not_synced": not_synced})
-        self._barrier("the engine's layout")
+        self.ranks.barrier("the engine's layout")
         path = os.path.join(self.directory, f"layout-rank{self.rank}.json")
         with open(path) as f:
             report = json.load(f)
@@ -328,7 +319,7 @@ class VLLMServerEngine:
     @property
     def dtype(self) -> torch.dtype | None:
         dtypes = {dtype for _, dtype in self.layout.values()}
-        return max(dtypes, key=lambda d: sum(_numel(s) for s, t in self.layout.values() if t == d)) if dtypes else None
+        return max(dtypes, key=lambda d: sum(math.prod(s) for s, t in self.layout.values() if t == d)) if dtypes else None
 
     @property
     def parallel_layout(self) -> dict[str, int]:
@@ -385,7 +376,7 @@ class VLLMServerEngine:
         with open(os.path.join(self.directory, f"update-rank{self.rank}.json"), "w") as f:
             json.dump(info, f)
         self._current = False
-        self._barrier("staging every rank's weights")
+        self.ranks.barrier("staging every rank's weights")
         error: BaseException | None = None
         if self.rank == 0:
             try:
@@ -405,7 +396,7 @@ class VLLMServerEngine:
             except BaseException as exc:  # noqa: BLE001 - the other ranks hear of it first, then it is raised
                 error = exc
         code = 1.0 if error is None else _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
-        code = self._broadcast_flag(code, deadline_s=self.timeout_s + sum(
+        code = self.ranks.broadcast_flag(code, deadline_s=self.timeout_s + sum(
             self._deadline_s(c) for c in ("finish_weight_update", "start_weight_update", "update_weights",
                                           "finish_weight_update", "reset_prefix_cache")))
         if error is not None:
@@ -435,7 +426,7 @@ class VLLMServerEngine:
         if KV_CACHE in wanted:
             self._paused = True
             if self.world_size > 1:  # every rank may send requests: pause once all of them have left INFER
-                self._broadcast_flag(1.0, what="every rank's generation before the pause", reduce=True,
+                self.ranks.broadcast_flag(1.0, what="every rank's generation before the pause", reduce=True,
                                      deadline_s=self.client.generate_timeout_s + self.timeout_s)
         if self.rank == 0:
             news = not self._trouble and self.client.dead is None
@@ -559,25 +550,6 @@ class VLLMServerEngine:
             log.debug("hybridmem: no update transaction was open in the vLLM engine (%s)", exc)
         self._update_open = False
 
-    def _barrier(self, what: str) -> None:
-        if self.world_size > 1:
-            self._broadcast_flag(1.0, what=what, reduce=True)
-
-    def _broadcast_flag(self, value: float, *, what: str = "the update's outcome", reduce: bool = False,
-                        deadline_s: float | None = None) -> float:
-        """Rank 0's ``value`` on every rank of the engine (``reduce``: the minimum over the ranks), within
-        ``deadline_s`` (default: the engine's ``timeout_s``)."""
-        if self.world_size == 1:
-            return value
-        device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.accel.device
-        flag = torch.tensor([value], dtype=torch.float32, device=device)
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        work = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True) if reduce
-                else dist.broadcast(flag, src=src, group=self.group, async_op=True))
-        deadline = deadline_bound(self.timeout_s if deadline_s is None else deadline_s)
-        wait_all([(work, tuple(range(self.world_size)))], deadline, f"rank {self.rank}: {what}")
-        return float(flag.item())
-
     def close(self) -> None:
         """Remove this rank's staging file and its other files in the shared directory (the directory too,
         by the last rank to close) and drop the connection (the engine process keeps running;
@@ -595,21 +567,6 @@ class VLLMServerEngine:
     def __repr__(self) -> str:
         states = ", ".join(f"{t}={'resident' if s else 'released'}" for t, s in self._state.items())
         return f"VLLMServerEngine({self.client.where}, rank {self.rank} of {self.world_size}, {states}, v{self.version})"
-
-
-def _rank_and_size(group: Any) -> tuple[int, int]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _config_of(model: str) -> Any:

