@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridmem.adapters.vllm.launch import cpu_kv_cache_nbytes
+from hybridmem.adapters.vllm.cpu_kv import cpu_kv_cache_nbytes
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from hybridmem.adapters.vllm.logs import (
+from hybridmem.adapters.vllm.inprocess.logs import (
     FAILED_TO_LOAD,
     LAYERWISE_LOGGER,
     quiet_buffer_only_reload,

@@ -1,7 +1,7 @@
 """Functions that run inside a vLLM worker (through ``LLM.collective_rpc`` / ``LLM.apply_model``).
 
 They are module-level so that they pickle; the adapter only calls them on workers in its own process
-(see [Note: vllm co-location] in :mod:`hybridmem.adapters.vllm.engine`), where nothing is pickled.
+(see [Note: vllm co-location] in :mod:`hybridmem.adapters.vllm.inprocess.engine`), where nothing is pickled.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class WorkerInfo:
     buffer_only_modules: tuple[str, ...] = ()
     """Classes every module of which holds buffers only, all non-persistent (a rotary embedding's
     ``cos_sin_cache``): nothing a checkpoint or a weight sync holds (see [Note: vllm buffer-only reload
-    warning] in :mod:`hybridmem.adapters.vllm.logs`)."""
+    warning] in :mod:`hybridmem.adapters.vllm.inprocess.logs`)."""
 
     @property
     def fused_experts(self) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ rank 0 of the engine's trainer ranks (:func:`launch_server`):
   they describe the trainer's group, not the server's), and on vLLM's CPU build with
   ``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's cores between the tensor-parallel workers
   (vLLM's automatic binding reserves cores and fails on a 2-core machine at TP 2) and the KV cache sized
-  to the model ([Note: vllm cpu kv default] in :mod:`hybridmem.adapters.vllm.launch`) unless the caller
+  to the model ([Note: vllm cpu kv default] in :mod:`hybridmem.adapters.vllm.cpu_kv`) unless the caller
   chose (:func:`server_env`);
 - the server writes its output to a log file; rank 0 waits for ``GET /health`` within the deadline and,
   when the server exits first or the deadline passes, kills it and raises
@@ -166,12 +166,12 @@ def server_env(*, tensor_parallel_size: int, env: Mapping[str, str] | None = Non
 
 def cpu_kv_args(model_dir: str, server_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """``--kv-cache-memory-bytes`` sized to the model on vLLM's CPU build ([Note: vllm cpu kv default] in
-    :mod:`hybridmem.adapters.vllm.launch`), or nothing where the caller chose (that flag, or
+    :mod:`hybridmem.adapters.vllm.cpu_kv`), or nothing where the caller chose (that flag, or
     ``VLLM_CPU_KVCACHE_SPACE`` in ``env``), the model's config cannot be read, or a flag's value is not a
     plain number (vLLM's parser reads it, and refuses a bad one in the server's log)."""
     if "VLLM_CPU_KVCACHE_SPACE" in env or _flag(server_args, "--kv-cache-memory-bytes") is not None:
         return []
-    from hybridmem.adapters.vllm.launch import cpu_kv_default  # noqa: PLC0415
+    from hybridmem.adapters.vllm.cpu_kv import cpu_kv_default  # noqa: PLC0415
 
     keys = ("max_model_len", "max_num_seqs", "block_size", "dtype", "kv_cache_dtype")
     kwargs = {k: v for k in keys if (v := _flag(server_args, "--" + k.replace("_", "-")))}
