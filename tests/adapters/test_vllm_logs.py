@@ -1,5 +1,6 @@
-"""The filter for vLLM's reload warning ([Note: vllm buffer-only reload warning]): which module classes it
-covers, and that it drops exactly that message for them, only while the adapter's reload runs."""
+"""The filter for vLLM's reload warning ([Note: vllm buffer-only reload warning] in
+:mod:`hybridmem.adapters.vllm.inprocess.logs`): which module classes it covers, and that it drops exactly
+that message for them, only while the adapter's reload runs."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ vLLM calls ``vllm.general_plugins`` entry points in each of its processes (API s
 worker; on its CPU build the workers are spawned, so a registration made in the trainer's process does
 not reach them). ``pyproject.toml`` declares ``hybridmem = "hybridmem.adapters.vllm.plugin:register"``.
 Importing this module imports neither vLLM nor torch; the backend module is imported by vLLM when a
-worker creates the engine (see [Note: vllm transfer backend] in :mod:`hybridmem.adapters.vllm.server.transfer`).
+worker creates the engine (see [Note: vllm transfer backend] in
+:mod:`hybridmem.adapters.vllm.server.transfer`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ BACKEND_CLASS = "HybridmemWeightTransferEngine"
 
 
 def register() -> None:
-    """Register :data:`BACKEND_NAME` with vLLM's ``WeightTransferEngineFactory`` (a second call is a no-op)."""
+    """Register :data:`BACKEND_NAME` with vLLM's ``WeightTransferEngineFactory`` (twice is a no-op)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # noqa: PLC0415
 
     if BACKEND_NAME in getattr(WeightTransferEngineFactory, "_registry", {}):

@@ -143,7 +143,8 @@ class VLLMEngine:
             keeps_addresses=True,  # CuMemAllocator re-maps a woken pool at the same addresses
             checks_weights=True, describes_weights=True, reports_model_type=True, reports_layout=True,
             sizes_kv_by_share=True,
-            # A sleep unmaps the weights too ([Note: vllm sleep granularity] in :mod:`.sleep`).
+            # A sleep unmaps the weights too: see [Note: vllm sleep granularity] in
+            # :mod:`hybridmem.adapters.vllm.inprocess.sleep`.
             releases_kv_alone=not self.frees_memory,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`; ``writes_in_place`` is off
@@ -188,7 +189,8 @@ class VLLMEngine:
                 vLLM's CPU backend it is the share of the NUMA node's memory vLLM reserves.
             distributed_executor_backend: ``"auto"`` (default): ``"external_launcher"`` under torchrun (or
                 an initialised process group) with TP across all ranks, else one in-process worker
-                (``None``); see [Note: vllm launch]. ``"mp"`` and ``"ray"`` are refused.
+                (``None``); see [Note: vllm launch] in :mod:`hybridmem.adapters.vllm.inprocess.launch`.
+                ``"mp"`` and ``"ray"`` are refused.
             accel: See :class:`VLLMEngine`; on Ascend NPUs (``"npu"``) the same call builds a
                 vllm-ascend LLM (vllm-ascend registers itself as vLLM's platform plugin).
             engine_kwargs: Keyword arguments for :class:`VLLMEngine` (``bucket_nbytes``...).

@@ -6,10 +6,11 @@ in :mod:`hybridmem.adapters.vllm.server.client`):
 
 - TRAIN->INFER: ``resume(["weights"])`` wakes the weights (a no-op on vLLM's CPU build, which has no
   sleep mode); the weight sync writes this rank's vLLM-layout shards in place into its staging file
-  (:meth:`VLLMServerEngine.named_parameters`, [Note: vllm staging]); ``commit_weights()`` hands them to
-  the workers in one update transaction, ``start_weight_update`` / ``update_weights`` (every worker rank's
-  file and figures) / ``finish_weight_update`` with the next version, then resets the prefix cache;
-  ``resume(["kv_cache"])`` wakes the KV cache and resumes generation.
+  (:meth:`VLLMServerEngine.named_parameters`, [Note: vllm staging] in
+  :mod:`hybridmem.adapters.vllm.server.staging`); ``commit_weights()`` hands them to the workers in one
+  update transaction, ``start_weight_update`` / ``update_weights`` (every worker rank's file and figures)
+  / ``finish_weight_update`` with the next version, then resets the prefix cache; ``resume(["kv_cache"])``
+  wakes the KV cache and resumes generation.
 - INFER->TRAIN: ``release(["kv_cache"])`` pauses generation first, by the engine's policy for requests
   still running (:class:`InFlight`: let them finish, or abort them and count them), then sleeps;
   ``release(["weights"])`` sleeps the weights. Generation stays paused in TRAIN, so weights never change
@@ -23,12 +24,13 @@ so it never serves half-written weights.
 
 [Note: vllm engine failures]
 A call into the engine's process fails in one of three ways (:class:`~hybridmem.errors.EngineFault`, told
-apart by the client, see [Note: vllm engine process]): REFUSED, it answered with an error (alive, holding
-its memory); STALLED, no answer within the call's deadline while its process is still there (holding its
-memory, and it may still act on the call later: vLLM does not cancel a call its caller gave up on); DEAD,
-its process is gone and its memory with it. Each is an :class:`~hybridmem.errors.EngineProcessError`
-naming the call, the engine and the fault, raised inside a switch as ``SwitchEngineProcessError`` naming
-the step. No engine call touches the trainer's params, grads or optimizer state. Then:
+apart by the client, see [Note: vllm engine process] in :mod:`hybridmem.adapters.vllm.server.client`):
+REFUSED, it answered with an error (alive, holding its memory); STALLED, no answer within the call's
+deadline while its process is still there (holding its memory, and it may still act on the call later:
+vLLM does not cancel a call its caller gave up on); DEAD, its process is gone and its memory with it.
+Each is an :class:`~hybridmem.errors.EngineProcessError` naming the call, the engine and the fault,
+raised inside a switch as ``SwitchEngineProcessError`` naming the step. No engine call touches the
+trainer's params, grads or optimizer state. Then:
 
 - TRAIN->INFER failing at any call (``wake_up``, ``start_weight_update``, ``update_weights``,
   ``finish_weight_update``, ``reset_prefix_cache``, ``resume``): the rollback undoes what the switch
@@ -43,8 +45,9 @@ the step. No engine call touches the trainer's params, grads or optimizer state.
   while one is open and a finish without one, and a stalled start or update may open or complete one
   after the trainer gave up. It sends ``finish_weight_update`` without a version and takes vLLM's refusal
   (nothing open) as done; the worker allows finishing a transaction that wrote nothing ([Note: vllm
-  transfer backend]). Then a complete start / update / finish with the next version, and the prefix
-  cache reset, rewrite every weight, whatever a late or partial update left.
+  transfer backend] in :mod:`hybridmem.adapters.vllm.server.transfer`). Then a complete start / update /
+  finish with the next version, and the prefix cache reset, rewrite every weight, whatever a late or
+  partial update left.
 - INFER->TRAIN: ``release`` pauses generation. A stalled engine fails it (phase FAILED): it still holds
   its memory and may still be generating; ``recover()`` pauses again and succeeds once the engine answers,
   or once it is killed. A dead engine's memory went with its process, so ``release`` counts its tags as
@@ -76,10 +79,11 @@ callers finish (:attr:`InFlight.WAIT` with some in flight) adds their own deadli
 outcome that plus the sum of rank 0's call deadlines in between.
 
 When the error comes: a refusal at once; a stall at the call's deadline (over HTTP plus the ``/health``
-probe's :data:`~hybridmem.adapters.vllm.server.client.PROBE_S` that tells it from a death); an AsyncLLM's engine
-core that dies while a call waits within :data:`~hybridmem.adapters.vllm.server.client.POLL_S`; a ``vllm serve``
-engine core that dies under a waiting call at that call's deadline (the server keeps the call open,
-``/health`` then names the death). A switch whose rollback calls a stalled engine again waits once more
+probe's :data:`~hybridmem.adapters.vllm.server.client.PROBE_S` that tells it from a death); an
+AsyncLLM's engine core that dies while a call waits within
+:data:`~hybridmem.adapters.vllm.server.client.POLL_S`; a ``vllm serve`` engine core that dies under a
+waiting call at that call's deadline (the server keeps the call open, ``/health`` then names the death).
+A switch whose rollback calls a stalled engine again waits once more
 (``tests/adapters/test_vllm_server_faults.py`` measures each case).
 """
 
@@ -149,7 +153,7 @@ class VLLMServerEngine:
         sleep_level: vLLM's sleep level on release (2: weights discarded, rewritten by every sync; 1: kept
             in host memory). Ignored where vLLM has no sleep mode (its CPU build).
         verify: Send the staged tensors' figures with each update; the workers refuse a tensor that reads
-            otherwise (see [Note: vllm staging]).
+            otherwise (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.server.staging`).
         staging_dir: Where the staging files go (``/dev/shm``: RAM, shared with the engine's processes).
         timeout_s: Deadline of the ranks' agreement around an update.
         frees_memory: Whether sleeping frees device memory; ``None``: unless vLLM runs on its CPU build
@@ -180,8 +184,9 @@ class VLLMServerEngine:
         self.rank, self.world_size = self.ranks.rank, self.ranks.size
         workers = client.world_size()
         if workers != self.world_size:
-            raise ValueError(f"the engine at {client.where} runs {workers} workers but group has {self.world_size} "
-                             f"ranks: one trainer rank per worker (pass the group of the ranks it serves)")
+            raise ValueError(f"the engine at {client.where} runs {workers} workers but group has "
+                             f"{self.world_size} ranks: one trainer rank per worker (pass the group of the "
+                             f"ranks it serves)")
         self.frees_memory = (self.accel.name != "cpu") if frees_memory is None else bool(frees_memory)
         self.capabilities = EngineCapabilities(
             frees_memory=self.frees_memory, memory_note=self.memory_note, writes_in_place=True,
@@ -192,7 +197,8 @@ class VLLMServerEngine:
         self.directory = self.ranks.shared_directory(staging_dir)
         self.layout = self._worker_layout()
         entries, nbytes = layout_entries((n, shape, dtype) for n, (shape, dtype) in self.layout.items())
-        self.staging = StagingFile(os.path.join(self.directory, f"staging-rank{self.rank}.bin"), entries, nbytes)
+        staging_path = os.path.join(self.directory, f"staging-rank{self.rank}.bin")
+        self.staging = StagingFile(staging_path, entries, nbytes)
         self.version = 0
         """Updates committed so far; the engine's weight version is ``f"hybridmem-{version}"``."""
         self.last_aborted = 0
@@ -210,10 +216,11 @@ class VLLMServerEngine:
 
     # Construction -----------------------------------------------------------------------------------
     @classmethod
-    def connect(cls, base_url: str, *, hf_config: Any = None, timeout_s: float = 60.0, **kwargs: Any) -> VLLMServerEngine:
-        """The engine of a running ``vllm serve`` at ``base_url`` (started with ``VLLM_SERVER_DEV_MODE=1`` and
-        ``--weight-transfer-config '{"backend": "hybridmem"}'``); ``hf_config``: the served model's config
-        (default: read from the model directory the server names)."""
+    def connect(cls, base_url: str, *, hf_config: Any = None, timeout_s: float = 60.0,
+                **kwargs: Any) -> VLLMServerEngine:
+        """The engine of a running ``vllm serve`` at ``base_url`` (started with ``VLLM_SERVER_DEV_MODE=1``
+        and ``--weight-transfer-config '{"backend": "hybridmem"}'``); ``hf_config``: the served model's
+        config (default: read from the model directory the server names)."""
         from hybridmem.adapters.vllm.server.client import HTTPClient  # noqa: PLC0415
 
         client = HTTPClient(base_url, timeout_s=timeout_s)
@@ -223,7 +230,8 @@ class VLLMServerEngine:
         return cls(client, hf_config=hf_config, timeout_s=max(timeout_s, 120.0), **kwargs)
 
     @classmethod
-    def start_async(cls, model: str, *, timeout_s: float = 60.0, engine_kwargs: Mapping[str, Any] | None = None,
+    def start_async(cls, model: str, *, timeout_s: float = 60.0,
+                    engine_kwargs: Mapping[str, Any] | None = None,
                     **async_engine_args: Any) -> VLLMServerEngine:
         """Start an ``AsyncLLM`` for ``model`` (a directory) here, its engine core in a process of its own,
         with hybridmem's weight-transfer backend; ``async_engine_args``: more ``AsyncEngineArgs``."""
@@ -231,19 +239,21 @@ class VLLMServerEngine:
 
         from hybridmem.adapters.vllm.server.client import AsyncLLMClient  # noqa: PLC0415
 
-        args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": BACKEND_NAME}, **async_engine_args)
+        args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": BACKEND_NAME},
+                               **async_engine_args)
         client = AsyncLLMClient(args, timeout_s=timeout_s)
         return cls(client, hf_config=_config_of(str(model)), **dict(engine_kwargs or {}))
 
     server: Any = None
-    """The ``vllm serve`` process :meth:`launch` started (rank 0 of the engine's ranks; ``None`` elsewhere)."""
+    """The ``vllm serve`` process :meth:`launch` started (on rank 0 of the engine's ranks; else ``None``)."""
 
     @classmethod
-    def launch(cls, model_dir: str, *, tensor_parallel_size: int = 1, group: Any = None, port: int | None = None,
-               server_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+    def launch(cls, model_dir: str, *, tensor_parallel_size: int = 1, group: Any = None,
+               port: int | None = None, server_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                startup_timeout_s: float | None = None, **engine_kwargs: Any) -> VLLMServerEngine:
         """Start ``vllm serve`` for ``model_dir`` and connect to it (see [Note: vllm server process] in
-        :mod:`hybridmem.adapters.vllm.server.process`); :meth:`close` stops it, and it never outlives this process.
+        :mod:`hybridmem.adapters.vllm.server.process`); :meth:`close` stops it, and it never outlives this
+        process.
 
         Call it on every rank of ``group`` (the trainer ranks serving the engine, one per tensor-parallel
         worker; ``None``: this process alone): rank 0 starts the server and the others get its URL.
@@ -271,10 +281,11 @@ class VLLMServerEngine:
 
         _, size = engine_ranks(group)
         if size != tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with a group of {size} ranks: one trainer "
-                             f"rank per vLLM worker (pass the group of the {tensor_parallel_size} ranks it serves)")
-        url, server = launch_server(str(model_dir), tensor_parallel_size=tensor_parallel_size, group=group, port=port,
-                                    server_args=server_args, env=env,
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with a group of {size} ranks: one "
+                             f"trainer rank per vLLM worker (pass the group of the {tensor_parallel_size} "
+                             f"ranks it serves)")
+        url, server = launch_server(str(model_dir), tensor_parallel_size=tensor_parallel_size, group=group,
+                                    port=port, server_args=server_args, env=env,
                                     startup_timeout_s=startup_timeout_s or DEFAULT_STARTUP_TIMEOUT_S)
         try:
             engine = cls.connect(url, group=group, **engine_kwargs)
@@ -288,7 +299,8 @@ class VLLMServerEngine:
     def _worker_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """This rank's worker's weights at their load-time shapes, as the worker reports them: its parameters
         but those no sync writes (a multimodal model's vision tower) and the persistent buffers the layout
-        names (Gemma 4's ``layer_scalar``), the rule of [Note: vllm name check] applied by the worker."""
+        names (Gemma 4's ``layer_scalar``), the rule of [Note: vllm name check] in
+        :mod:`hybridmem.adapters.vllm.names` applied by the worker."""
         if self.rank == 0:
             weight_names, not_synced = sync_rule(self.hf_config, self.world_size)
             self.client.init_weight_transfer({"layout_dir": self.directory, "weight_names": weight_names,
@@ -319,7 +331,9 @@ class VLLMServerEngine:
     @property
     def dtype(self) -> torch.dtype | None:
         dtypes = {dtype for _, dtype in self.layout.values()}
-        return max(dtypes, key=lambda d: sum(math.prod(s) for s, t in self.layout.values() if t == d)) if dtypes else None
+        if not dtypes:
+            return None
+        return max(dtypes, key=lambda d: sum(math.prod(s) for s, t in self.layout.values() if t == d))
 
     @property
     def parallel_layout(self) -> dict[str, int]:
@@ -336,9 +350,10 @@ class VLLMServerEngine:
         if want != have:
             extra = sorted(set(want) - set(have))[:4]
             missing = sorted(set(have) - set(want))[:4]
-            shapes = [f"{n}: worker {have[n]} vs {want[n]}" for n in want if n in have and have[n] != want[n]][:4]
-            raise ValueError(f"the vLLM worker of rank {self.rank} at {self.client.where} does not match {what}: "
-                             f"not in the worker {extra}, never written {missing}, shapes {shapes}")
+            shapes = [f"{n}: worker {have[n]} vs {want[n]}" for n in want
+                      if n in have and have[n] != want[n]][:4]
+            raise ValueError(f"the vLLM worker of rank {self.rank} at {self.client.where} does not match "
+                             f"{what}: not in the worker {extra}, never written {missing}, shapes {shapes}")
 
     # InferenceEngine --------------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -354,9 +369,9 @@ class VLLMServerEngine:
             TypeError: Always.
         """
         del weights
-        raise TypeError("VLLMServerEngine takes weights in the vLLM layout through the resharding weight sync "
-                        "(ShardingManager builds one when the model's config is known); pass model_spec= if it "
-                        "is not")
+        raise TypeError("VLLMServerEngine takes weights in the vLLM layout through the resharding weight "
+                        "sync (ShardingManager builds one when the model's config is known); pass "
+                        "model_spec= if it is not")
 
     def commit_weights(self) -> dict[str, Any]:
         """Hand the staged weights to every worker in one versioned update (see [Note: vllm server switch]).
@@ -395,7 +410,10 @@ class VLLMServerEngine:
                 self._control("reset_prefix_cache")
             except BaseException as exc:  # noqa: BLE001 - the other ranks hear of it first, then it is raised
                 error = exc
-        code = 1.0 if error is None else _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
+        if error is None:
+            code = 1.0
+        else:
+            code = _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
         code = self.ranks.broadcast_flag(code, deadline_s=self.timeout_s + sum(
             self._deadline_s(c) for c in ("finish_weight_update", "start_weight_update", "update_weights",
                                           "finish_weight_update", "reset_prefix_cache")))
@@ -405,8 +423,8 @@ class VLLMServerEngine:
             fault = next((f for f, c in _OUTCOME.items() if c == code and f is not None), EngineFault.REFUSED)
             raise EngineProcessError("update_weights", where=self.client.where, deadline_s=self.timeout_s,
                                      elapsed_s=time.perf_counter() - start, fault=fault,
-                                     cause="rank 0 of the engine's ranks reported the update failed (its error "
-                                     "names the call)")
+                                     cause="rank 0 of the engine's ranks reported the update failed (its "
+                                     "error names the call)")
         self.version += 1
         self._current = True
         self._staged = False
@@ -442,8 +460,8 @@ class VLLMServerEngine:
                 for tag in wanted:  # the memory went with the process
                     self._state[tag] = False
                 self._current = False
-                log.warning("hybridmem: the vLLM engine at %s is gone; its %s count as released", self.client.where,
-                            wanted)
+                log.warning("hybridmem: the vLLM engine at %s is gone; its %s count as released",
+                            self.client.where, wanted)
                 if news:
                     raise
                 return
@@ -477,18 +495,18 @@ class VLLMServerEngine:
     # Inference --------------------------------------------------------------------------------------
     def _check_serving(self, what: str) -> None:
         if self.client.dead is not None:
-            raise PhaseError(what, "dead", f"the engine's process is gone ({self.client.dead}); start another "
-                             f"engine and build a manager on it")
+            raise PhaseError(what, "dead", f"the engine's process is gone ({self.client.dead}); start "
+                             f"another engine and build a manager on it")
         for tag in ENGINE_TAGS:
             if not self._state[tag]:
                 raise PhaseError(what, "released", f"{tag!r} is not resident; use the engine inside "
                                  f"`with manager.inference()`")
         if self._paused:
-            raise PhaseError(what, "paused", "generation was paused by a switch that did not finish; it resumes "
-                             "with the next switch to INFER")
+            raise PhaseError(what, "paused", "generation was paused by a switch that did not finish; it "
+                             "resumes with the next switch to INFER")
         if not self._current:
-            raise PhaseError(what, "stale", "the engine's weights were not updated since a failed or interrupted "
-                             "update; it refuses to serve until a complete update")
+            raise PhaseError(what, "stale", "the engine's weights were not updated since a failed or "
+                             "interrupted update; it refuses to serve until a complete update")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any = None) -> list[GenerationOutput]:
         """Generate from token-id prompts, all at once in the engine.
@@ -504,7 +522,8 @@ class VLLMServerEngine:
         finally:
             self._in_flight -= len(prompt_ids)
 
-    async def agenerate(self, prompt_ids: Sequence[int], params: Any = None, *, index: int = 0) -> GenerationOutput:
+    async def agenerate(self, prompt_ids: Sequence[int], params: Any = None, *,
+                        index: int = 0) -> GenerationOutput:
         """One request, awaitable: for agent loops running many trajectories at once inside
         ``manager.inference()``."""
         self._check_serving("generate with the vLLM engine")
@@ -566,7 +585,8 @@ class VLLMServerEngine:
 
     def __repr__(self) -> str:
         states = ", ".join(f"{t}={'resident' if s else 'released'}" for t, s in self._state.items())
-        return f"VLLMServerEngine({self.client.where}, rank {self.rank} of {self.world_size}, {states}, v{self.version})"
+        return (f"VLLMServerEngine({self.client.where}, rank {self.rank} of {self.world_size}, {states}, "
+                f"v{self.version})")
 
 
 def _config_of(model: str) -> Any:
