@@ -304,7 +304,7 @@ class CollectiveTimeoutError(HybridMemError, TimeoutError):
 
 class EngineFault(Enum):
     """How a call into an inference engine in its own process failed, and so where its memory is now (see
-    [Note: vllm engine failures] in :mod:`hybridmem.adapters.vllm.server`)."""
+    [Note: vllm engine failures] in :mod:`hybridmem.adapters.vllm.server.engine`)."""
 
     REFUSED = "refused"
     """The engine answered with an error: its process is alive and holds its memory."""
@@ -317,7 +317,7 @@ class EngineFault(Enum):
 
 class EngineProcessError(HybridMemError, RuntimeError):
     """An inference engine in its own process did not answer a call in time, answered with an error, or is
-    gone (see [Note: vllm engine process] in :mod:`hybridmem.adapters.vllm.remote`).
+    gone (see [Note: vllm engine process] in :mod:`hybridmem.adapters.vllm.server.client`).
 
     Attributes:
         call: The call (``"update_weights"``, ``"wake_up"``, ...).

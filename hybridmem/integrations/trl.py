@@ -17,7 +17,7 @@ model's ``load_weights``. :class:`HybridGRPOTrainer` keeps TRL's loop, data, rew
   model in bf16: the importance ratio would then see that rounding, see [Note: no silent dtype change] in
   :mod:`hybridmem.weight_sync.base`; ``vllm_dtype=`` chooses another), and on vLLM's CPU build the KV cache
   sized as ``VLLMEngine.create`` sizes it ([Note: vllm cpu kv default] in
-  :mod:`hybridmem.adapters.vllm.launch`);
+  :mod:`hybridmem.adapters.vllm.cpu_kv`);
 - the ``LLM`` is wrapped in :class:`~hybridmem.adapters.vllm.VLLMEngine`, and TRL's own sleep/wake and
   weight sync are switched off;
 - once the optimizer exists (``create_optimizer``), a :class:`~hybridmem.ShardingManager` over the
@@ -33,8 +33,8 @@ model's ``load_weights``. :class:`HybridGRPOTrainer` keeps TRL's loop, data, rew
   with ``enable_lora=True``, ``max_lora_rank`` the adapter's rank (rounded up to one vLLM offers) and
   ``max_loras=1``; the base goes to vLLM once, then only the adapters move, and TRL's ``llm.generate``
   calls run with the adapter's latest version (the engine gives it to every call naming no adapter, see
-  [Note: vllm lora from memory] in :mod:`hybridmem.adapters.vllm.lora`). ``lora_sync="merged"`` streams
-  the base weights plus each LoRA layer's delta, computed out of place (:func:`merged_lora_weights`),
+  [Note: vllm lora from memory] in :mod:`hybridmem.adapters.vllm.inprocess.lora`). ``lora_sync="merged"``
+  streams the base weights plus each LoRA layer's delta, computed out of place (:func:`merged_lora_weights`),
   every switch, as a model without LoRA; so does the adapter sync where vLLM cannot serve the adapter,
   saying why in the reports.
 
@@ -294,7 +294,7 @@ def _building_llm(dtype: Any, lora_rank: int | None = None) -> Iterator[None]:
     from trl.generation import vllm_generation  # noqa: PLC0415
 
     from hybridmem.adapters.vllm.compat import import_vllm, platform_is_cpu  # noqa: PLC0415
-    from hybridmem.adapters.vllm.launch import cpu_kv_default  # noqa: PLC0415
+    from hybridmem.adapters.vllm.cpu_kv import cpu_kv_default  # noqa: PLC0415
 
     build = getattr(vllm_generation, "LLM", None)
     if build is None:  # TRL without vLLM: its own check raises the error

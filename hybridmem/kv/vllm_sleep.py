@@ -5,7 +5,7 @@ when the ``LLM`` is built, in ``CuMemAllocator``'s ``"kv_cache"`` pool, or ``CaM
 Ascend NPUs), so this allocator does not allocate anything: :meth:`allocate` records the pool's size,
 :meth:`release` and :meth:`resume` go through a :class:`~hybridmem.adapters.vllm.VLLMEngine`, which
 maps them onto ``LLM.sleep(level=...)`` and ``LLM.wake_up(tags=["kv_cache"])`` (see
-[Note: vllm sleep granularity] in :mod:`hybridmem.adapters.vllm.engine`: vLLM cannot release the KV
+[Note: vllm sleep granularity] in :mod:`hybridmem.adapters.vllm.inprocess.sleep`: vLLM cannot release the KV
 pool alone, so releasing it also releases the weights, discarded or parked on host per the engine's
 ``kv_only_release``). Bytes released are measured with the accelerator's free-memory figure, not with
 ``memory_allocated`` (vLLM's pools are outside PyTorch's caching allocator).

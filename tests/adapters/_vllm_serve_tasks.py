@@ -78,7 +78,7 @@ def http_tp1(out: str, steps: str = "3") -> dict:
 
     from hybridmem import Direction, Phase, ShardingManager
     from hybridmem.adapters.vllm.server import VLLMServerEngine
-    from hybridmem.adapters.vllm.staging import StagingFile
+    from hybridmem.adapters.vllm.server.staging import StagingFile
     from hybridmem.engines import SamplingParams
     from hybridmem.errors import EngineProcessError, PhaseError
 
@@ -255,7 +255,7 @@ def launched(out: str, mode: str) -> dict | None:
 
 def bad_flag(out: str) -> dict:
     """A server that cannot start: the error shows the end of its log; nothing is left running."""
-    from hybridmem.adapters.vllm.serve import ServerProcess
+    from hybridmem.adapters.vllm.server.process import ServerProcess
     from hybridmem.adapters.vllm.server import VLLMServerEngine
     from hybridmem.errors import EngineProcessError
 

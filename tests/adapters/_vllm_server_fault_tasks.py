@@ -120,7 +120,7 @@ class ClientFaults(FaultInjector):
     """Counts the client's control calls (:data:`CALLS`) and does a fault at the target calls."""
 
     def __init__(self) -> None:
-        from hybridmem.adapters.vllm.remote import VLLMClient
+        from hybridmem.adapters.vllm.server.client import VLLMClient
 
         super().__init__([(VLLMClient, name, name) for name in CALLS])
         self.fault: Callable[..., Any] = _refused

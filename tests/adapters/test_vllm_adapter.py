@@ -668,7 +668,7 @@ def test_gpu_memory_utilization_must_be_the_share_vllm_was_built_with(fake_vllm)
 def test_weights_content_is_one_state(reprocess_calls):
     """An in-place update owes a prefix reset and a reprocess; a KV resume pays the first, the next
     generation the second; a level-2 sleep makes the weights stale until a load."""
-    from hybridmem.adapters.vllm.engine import WeightsContent
+    from hybridmem.adapters.vllm.inprocess.state import WeightsContent
 
     llm, engine = _mla_engine(use_mla=True)
     engine.resume(["weights"])

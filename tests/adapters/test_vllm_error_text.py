@@ -10,7 +10,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 protocol = pytest.importorskip("vllm.entrypoints.serve.engine.protocol")
 
-from hybridmem.adapters.vllm.remote import ERROR_TEXT_CHARS, error_text  # noqa: E402
+from hybridmem.adapters.vllm.server.client import ERROR_TEXT_CHARS, error_text  # noqa: E402
 
 
 def test_vllms_error_message_is_quoted_whole():

@@ -1,11 +1,12 @@
 """The KV cache VLLMEngine.create asks vLLM's CPU backend for when the caller chose none ([Note: vllm cpu kv
-default]), against the count written out here; vLLM's own count of it is in test_vllm_real_defaults.py."""
+default] in :mod:`hybridmem.adapters.vllm.cpu_kv`), against the count written out here; vLLM's own count of
+it is in test_vllm_real_defaults.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from hybridmem.adapters.vllm.launch import cpu_kv_cache_nbytes
+from hybridmem.adapters.vllm.cpu_kv import cpu_kv_cache_nbytes
 
 transformers = pytest.importorskip("transformers")
 

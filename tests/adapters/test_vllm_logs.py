@@ -1,5 +1,6 @@
-"""The filter for vLLM's reload warning ([Note: vllm buffer-only reload warning]): which module classes it
-covers, and that it drops exactly that message for them, only while the adapter's reload runs."""
+"""The filter for vLLM's reload warning ([Note: vllm buffer-only reload warning] in
+:mod:`hybridmem.adapters.vllm.inprocess.logs`): which module classes it covers, and that it drops exactly
+that message for them, only while the adapter's reload runs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 
 import torch
 
-from hybridmem.adapters.vllm.logs import (
+from hybridmem.adapters.vllm.inprocess.logs import (
     FAILED_TO_LOAD,
     LAYERWISE_LOGGER,
     quiet_buffer_only_reload,

@@ -2,7 +2,7 @@
 
 Each scenario runs in a process of its own (``_vllm_server_fault_tasks.py``, which says what each fault
 is) and writes one record per injected switch; the tests here assert on every record what [Note: vllm
-engine failures] and [Note: vllm engine deadlines] in hybridmem.adapters.vllm.server promise:
+engine failures] and [Note: vllm engine deadlines] in hybridmem.adapters.vllm.server.engine promise:
 
 - the switch raises a named error: ``SwitchEngineProcessError`` naming the failed step, the call and the
   fault that was done (REFUSED for a refusal, STALLED for an answer that came too late or a stopped

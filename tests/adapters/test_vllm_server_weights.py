@@ -32,7 +32,7 @@ def test_the_server_workers_layout_is_the_name_checks_rule():
     """The worker's layout (``weight_layout``) and the in-process check take the same tensors: the parameters
     but a not-synced prefix's, and the persistent buffers the layout names."""
     pytest.importorskip("vllm")
-    from hybridmem.adapters.vllm.transfer import weight_layout  # noqa: PLC0415 - imports vLLM
+    from hybridmem.adapters.vllm.server.transfer import weight_layout  # noqa: PLC0415 - imports vLLM
 
     model = torch.nn.ModuleDict({"vision_tower": _Layer(), "text": _Layer()})
     params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}

@@ -1,6 +1,6 @@
-"""VLLMEngine.create's model checks ([Note: vllm model source]): a mistyped directory and a checkpoint without
-tokenizer files end in one line before vLLM starts, instead of a minute of hub retries or a failure inside
-vLLM's tokenizer."""
+"""VLLMEngine.create's model checks ([Note: vllm model source] in :mod:`hybridmem.adapters.vllm.source`): a
+mistyped directory and a checkpoint without tokenizer files end in one line before vLLM starts, instead of a
+minute of hub retries or a failure inside vLLM's tokenizer."""
 
 from __future__ import annotations
 

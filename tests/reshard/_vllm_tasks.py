@@ -299,8 +299,8 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
     from vllm.model_executor.models import registry
 
     from hybridmem.adapters.vllm.names import sync_rule
-    from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
-    from hybridmem.adapters.vllm.transfer import (
+    from hybridmem.adapters.vllm.server.staging import StagingFile, dtype_of, layout_entries
+    from hybridmem.adapters.vllm.server.transfer import (
         HybridmemInitInfo,
         HybridmemUpdateInfo,
         HybridmemWeightTransferEngine,

@@ -43,6 +43,7 @@ __all__ = [
     "IN_PROCESS_BACKENDS",
     "engine_core_in_process",
     "platform_is_cpu",
+    "attr_path",
 ]
 
 VLLM_API_COMMIT = "10fdb8f0d75a3ad1122b87020f1359d3fc51f2ca"
@@ -57,6 +58,16 @@ that do not expose their engine-core client (stand-ins in tests)."""
 IN_PROCESS_CLIENTS = ("InprocClient",)
 """vLLM's engine-core client classes that run the engine core in the calling process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``external_launcher`` requires it)."""
+
+
+def attr_path(obj: Any, path: str) -> Any:
+    """``obj.a.b.c`` for ``path="a.b.c"``, or ``None`` where a link is missing (vLLM's config objects,
+    and the stand-ins tests build, lack some)."""
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def engine_core_in_process(llm: Any) -> bool:

@@ -22,7 +22,7 @@ Both are one rule, :func:`synced_tensors`: which of a worker's tensors a sync wr
 adapter applies it to the worker's report (this check, and the buffers it writes in place); the server
 adapter's workers apply it to their own model, given the layout's names and the prefixes
 (:func:`sync_rule`), and stage and write exactly those tensors
-(:mod:`hybridmem.adapters.vllm.transfer`).
+(:mod:`hybridmem.adapters.vllm.server.transfer`).
 
 Shapes are compared where the backend keeps them: the vLLM CPU backend repacks linear weights into
 its kernels' format after loading and leaves those parameters with shape ``[0]``; for them only the
@@ -45,8 +45,8 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in getattr(value, "shape", value))
 
 
-def synced_tensors(params: Iterable[tuple[str, T]], buffers: Iterable[tuple[str, T]], layout_names: Collection[str],
-                   not_synced: tuple[str, ...] = ()) -> dict[str, T]:
+def synced_tensors(params: Iterable[tuple[str, T]], buffers: Iterable[tuple[str, T]],
+                   layout_names: Collection[str], not_synced: tuple[str, ...] = ()) -> dict[str, T]:
     """The tensors of a vLLM worker's model that a weight sync writes (see [Note: vllm name check]): its
     parameters but those under a ``not_synced`` prefix (a multimodal model's vision tower), and its
     persistent buffers that the layout names (``layout_names``: Gemma 4's ``layer_scalar``, which vLLM's
@@ -93,22 +93,23 @@ def check_weight_names(info: WorkerInfo, expected: Mapping[str, Any], *, what: s
     if only_engine or only_layout or shapes:
         problems = []
         if only_layout:
-            problems.append(f"{len(only_layout)} tensors the sync writes are not vLLM parameters: {only_layout[:6]}")
+            problems.append(f"{len(only_layout)} tensors the sync writes are not vLLM parameters: "
+                            f"{only_layout[:6]}")
         if only_engine:
             problems.append(f"{len(only_engine)} vLLM parameters the sync never writes: {only_engine[:6]}")
         if shapes:
             problems.append(f"{len(shapes)} shapes differ: {shapes[:6]}")
         raise ValueError(
             f"vLLM worker rank {info.rank} does not match {what}: " + "; ".join(problems)
-            + f" (the worker has {len(engine)} parameters, {len(repacked)} of them kept by the backend in its kernels' format and "
-            f"checked by name only; the sync writes {len(want)})"
+            + f" (the worker has {len(engine)} parameters, {len(repacked)} of them kept by the backend in "
+            f"its kernels' format and checked by name only; the sync writes {len(want)})"
         )
 
 
 def not_synced_prefixes(hf_config: Any) -> tuple[str, ...]:
     """Prefixes of the parameters of the engine's model (its HF config) that no sync writes: a multimodal
-    model's outside its text model (Kimi-K2.5's vision tower and projector); ``()`` for a text model or one the
-    resharding engine does not know."""
+    model's outside its text model (Kimi-K2.5's vision tower and projector); ``()`` for a text model or one
+    the resharding engine does not know."""
     from hybridmem.reshard import ModelSpec  # noqa: PLC0415 - keeps the adapter import light
 
     if hf_config is None:
@@ -141,8 +142,8 @@ def engine_layout_shapes(hf_config: Any, parallel: Any, rank: int) -> tuple[dict
 
 def sync_rule(hf_config: Any, world_size: int) -> tuple[list[str] | None, list[str]]:
     """``(layout names, not-synced prefixes)`` for a worker that applies :func:`synced_tensors` to its own
-    model (the server adapter's, :mod:`hybridmem.adapters.vllm.transfer`): the names of the vLLM layout of
-    every rank of a ``tensor_parallel_size=world_size`` engine of ``hf_config``, and
+    model (the server adapter's, :mod:`hybridmem.adapters.vllm.server.transfer`): the names of the vLLM
+    layout of every rank of a ``tensor_parallel_size=world_size`` engine of ``hf_config``, and
     :func:`not_synced_prefixes`. ``(None, [])`` where the resharding engine does not know the model (no
     buffer is then a weight, every parameter is)."""
     from hybridmem.config import ParallelLayout  # noqa: PLC0415 - keeps the adapter import light

@@ -70,7 +70,7 @@ def from_request_output(prompt_ids: Sequence[int], output: Any, *, want_logprobs
             got = None if per_token is None else len(per_token)
             raise ValueError(f"request {request}: {len(token_ids)} tokens but {got} log-prob entries")
         values = []
-        for position, (token, entry) in enumerate(zip(token_ids, per_token)):
+        for position, (token, entry) in enumerate(zip(token_ids, per_token, strict=True)):
             if token not in entry:
                 raise ValueError(f"request {request}: no log-prob for sampled token {token} at {position=}")
             values.append(float(entry[token].logprob))

@@ -71,9 +71,9 @@ def _nearest(path: Path) -> str:
 def _check_tokenizer(directory: Path, shown: str) -> None:
     if not tokenizer_files(directory):
         raise ValueError(
-            f"no tokenizer files in {shown!r} (none of {', '.join(TOKENIZER_FILES)}): pass skip_tokenizer_init=True "
-            f"(VLLMEngine.generate takes token-id prompts) or save a tokenizer there "
-            f"(tokenizer.save_pretrained({shown!r}))"
+            f"no tokenizer files in {shown!r} (none of {', '.join(TOKENIZER_FILES)}): pass "
+            f"skip_tokenizer_init=True (VLLMEngine.generate takes token-id prompts) or save a tokenizer "
+            f"there (tokenizer.save_pretrained({shown!r}))"
         )
 
 
@@ -113,11 +113,12 @@ def check_model_source(model: str, llm_kwargs: dict[str, Any]) -> None:
     where = f"{model!r}" + (f" ({'; '.join(notes)})" if notes else "")
     if offline:
         raise ValueError(
-            f"no such directory {where}, and HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']} rules out the Hugging "
-            f"Face hub" + (" (it is not in the hub cache)" if hub_shaped else "") + ": pass the directory the model "
-            "was saved to, or unset HF_HUB_OFFLINE to download a hub model 'owner/name'"
+            f"no such directory {where}, and HF_HUB_OFFLINE={os.environ['HF_HUB_OFFLINE']} rules out the "
+            f"Hugging Face hub" + (" (it is not in the hub cache)" if hub_shaped else "")
+            + ": pass the directory the model was saved to, or unset HF_HUB_OFFLINE to download a hub model "
+            "'owner/name'"
         )
     raise ValueError(
-        f"no such directory {where}: pass the directory the model was saved to (save_pretrained), or a Hugging "
-        f"Face hub model as 'owner/name'"
+        f"no such directory {where}: pass the directory the model was saved to (save_pretrained), or a "
+        f"Hugging Face hub model as 'owner/name'"
     )

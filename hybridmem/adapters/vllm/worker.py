@@ -1,7 +1,7 @@
 """Functions that run inside a vLLM worker (through ``LLM.collective_rpc`` / ``LLM.apply_model``).
 
 They are module-level so that they pickle; the adapter only calls them on workers in its own process
-(see [Note: vllm co-location] in :mod:`hybridmem.adapters.vllm.engine`), where nothing is pickled.
+(see [Note: vllm co-location] in :mod:`hybridmem.adapters.vllm.inprocess.engine`), where nothing is pickled.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["WorkerInfo", "persistent_buffers", "buffer_only_classes", "probe_worker", "load_bucket", "identity", "reprocess_weights", "worker_model", "unwrapped_name"]
+__all__ = ["WorkerInfo", "persistent_buffers", "buffer_only_classes", "probe_worker", "load_bucket",
+           "identity", "reprocess_weights", "worker_model", "unwrapped_name"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +35,13 @@ class WorkerInfo:
     buffer_only_modules: tuple[str, ...] = ()
     """Classes every module of which holds buffers only, all non-persistent (a rotary embedding's
     ``cos_sin_cache``): nothing a checkpoint or a weight sync holds (see [Note: vllm buffer-only reload
-    warning] in :mod:`hybridmem.adapters.vllm.logs`)."""
+    warning] in :mod:`hybridmem.adapters.vllm.inprocess.logs`)."""
 
     @property
     def fused_experts(self) -> tuple[str, ...]:
         """The fused-MoE expert weights (``...experts...w13_weight`` / ``w2_weight``)."""
-        return tuple(n for n, _ in self.params if ".experts." in n and n.rsplit(".", 1)[-1] in ("w13_weight", "w2_weight"))
+        return tuple(n for n, _ in self.params
+                     if ".experts." in n and n.rsplit(".", 1)[-1] in ("w13_weight", "w2_weight"))
 
     @property
     def repacked(self) -> tuple[str, ...]:
@@ -83,9 +85,10 @@ def buffer_only_classes(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def unwrapped_name(name: str) -> str:
-    """A parameter's name without vLLM's LoRA wrappers (``qkv_proj.base_layer.weight`` -> ``qkv_proj.weight``):
-    with ``enable_lora`` vLLM wraps each LoRA-served linear layer and keeps the layer as ``base_layer``, and
-    its loaders take the unwrapped names (its ``reload_weights`` maps them the same way)."""
+    """A parameter's name without vLLM's LoRA wrappers (``qkv_proj.base_layer.weight`` ->
+    ``qkv_proj.weight``): with ``enable_lora`` vLLM wraps each LoRA-served linear layer and keeps the layer
+    as ``base_layer``, and its loaders take the unwrapped names (its ``reload_weights`` maps them the same
+    way)."""
     return name.replace(".base_layer.", ".")
 
 

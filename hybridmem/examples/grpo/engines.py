@@ -2,7 +2,7 @@
 ``--engine vllm-server`` for an engine in its own process).
 
 With ``vllm`` every rank runs its own co-located engine core (see [Note: vllm co-location] in
-:mod:`hybridmem.adapters.vllm.engine`): one in-process worker per rank when each rank is its own
+:mod:`hybridmem.adapters.vllm.inprocess.engine`): one in-process worker per rank when each rank is its own
 inference replica (``--infer-tp 1``), or ``distributed_executor_backend="external_launcher"`` with
 tensor parallelism across all ranks (``--infer-tp`` equal to the world size).
 

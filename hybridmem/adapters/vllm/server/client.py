@@ -12,13 +12,13 @@ answers with an error is a :class:`~hybridmem.errors.EngineProcessError` naming 
 engine is and how long it was waited for, never a hang. The error says which :class:`~hybridmem.errors.
 EngineFault` it was: the engine answered with an error (``REFUSED``), did not answer in time while its
 process is still there (``STALLED``), or its process is gone (``DEAD``); [Note: vllm engine failures] in
-:mod:`hybridmem.adapters.vllm.server` says what the switch does with each. A client tells them apart
+:mod:`hybridmem.adapters.vllm.server.engine` says what the switch does with each. A client tells them apart
 without being told the engine's process id: over HTTP by asking ``/health`` once a call failed (refused
 connection or 503: gone; no answer: stalled); an AsyncLLM by its own record of its engine core's death and
 the engine core's exit code, looked at every :data:`POLL_S` while a call waits, so a death is reported
 at once rather than at the deadline (vLLM never answers a call that was pending when its engine core
 died). The tensors themselves never cross these calls (see [Note: vllm staging] in
-:mod:`hybridmem.adapters.vllm.staging`).
+:mod:`hybridmem.adapters.vllm.server.staging`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class VLLMClient(ABC):
     Attributes:
         where: Where the engine is, for messages (a URL, or ``AsyncLLM pid=...``).
         timeout_s: The deadline of each control call (longer ones are passed per call, see [Note: vllm
-            engine deadlines] in :mod:`hybridmem.adapters.vllm.server`).
+            engine deadlines] in :mod:`hybridmem.adapters.vllm.server.engine`).
         generate_timeout_s: The deadline of one generation request.
         dead: The error that found the engine's process gone (``None`` while it is not known to be).
     """
@@ -66,8 +66,8 @@ class VLLMClient(ABC):
     def _failure(self, name: str, *, start: float, deadline_s: float, cause: str,
                  fault: EngineFault) -> EngineProcessError:
         """The error for call ``name``; remembers a dead engine (:attr:`dead`)."""
-        error = EngineProcessError(name, where=self.where, deadline_s=deadline_s, elapsed_s=time.monotonic() - start,
-                                   cause=cause, fault=fault)
+        error = EngineProcessError(name, where=self.where, deadline_s=deadline_s,
+                                   elapsed_s=time.monotonic() - start, cause=cause, fault=fault)
         if error.dead and self.dead is None:
             self.dead = error
         return error
@@ -123,7 +123,7 @@ class VLLMClient(ABC):
     async def agenerate(self, prompt_ids: Sequence[int], params: Any, *, index: int = 0) -> GenerationOutput:
         """One request, awaitable from any event loop; ``index`` offsets the seed as in a batch."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a client holding no connection keeps it
         """Drop the connection (the engine process is not stopped)."""
 
 
@@ -186,7 +186,8 @@ class HTTPClient(VLLMClient):
         "resume": ("POST", "/resume", lambda: (None, None)),
         "sleep": ("POST", "/sleep", lambda level: ({"level": level}, None)),
         "wake_up": ("POST", "/wake_up", lambda tags: ([("tags", t) for t in tags], None)),
-        "init_weight_transfer_engine": ("POST", "/init_weight_transfer_engine", lambda info: (None, {"init_info": info})),
+        "init_weight_transfer_engine": ("POST", "/init_weight_transfer_engine",
+                                        lambda info: (None, {"init_info": info})),
         "start_weight_update": ("POST", "/start_weight_update", lambda: (None, {})),
         "update_weights": ("POST", "/update_weights", lambda info: (None, {"update_info": info})),
         "finish_weight_update": ("POST", "/finish_weight_update", lambda v: (None, {"weight_version": v})),
@@ -229,7 +230,8 @@ class HTTPClient(VLLMClient):
     def _reconnect(self) -> None:
         """New connections from here on: where a route raises after vLLM sent its error answer, uvicorn
         closes the connection (``httptools_impl.run_asgi``, uvicorn 0.54), and the next request on it (the
-        ``/health`` probe, the next call) would fail with ``RemoteProtocolError`` and read as a dead server."""
+        ``/health`` probe, the next call) would fail with ``RemoteProtocolError`` and read as a dead
+        server."""
         self._http.close()
         self._http = self._httpx.Client(base_url=self.where, timeout=self.timeout_s)
 
@@ -259,11 +261,11 @@ class HTTPClient(VLLMClient):
             sampling = {k: v for k, v in kwargs.items() if v is not None}
             if logprobs is not None:
                 sampling["logprobs"] = 1
-            return "/inference/v1/generate", {"token_ids": [int(t) for t in prompt], "sampling_params": sampling,
-                                              "stream": False}
+            return "/inference/v1/generate", {"token_ids": [int(t) for t in prompt],
+                                              "sampling_params": sampling, "stream": False}
         if logprobs is not None:
-            raise ValueError(f"log-probs without a tokenizer need the server's token endpoint: start {self.where} "
-                             f"with --enable-scale-out (or serve a model with a tokenizer)")
+            raise ValueError(f"log-probs without a tokenizer need the server's token endpoint: start "
+                             f"{self.where} with --enable-scale-out (or serve a model with a tokenizer)")
         body = {"model": self._model_name(), "prompt": [int(t) for t in prompt], "return_token_ids": True,
                 **{k: v for k, v in kwargs.items() if v is not None}}
         return "/v1/completions", body
@@ -276,7 +278,8 @@ class HTTPClient(VLLMClient):
                                      cause=f"{type(exc).__name__}: {exc}") from exc
         return response.status_code not in (403, 404)
 
-    def _parse(self, path: str, prompt: Sequence[int], data: dict[str, Any], want_logprobs: bool) -> GenerationOutput:
+    def _parse(self, path: str, prompt: Sequence[int], data: dict[str, Any],
+               want_logprobs: bool) -> GenerationOutput:
         choice = data["choices"][0]
         tokens = choice.get("token_ids") or []
         logprobs = None
@@ -287,7 +290,8 @@ class HTTPClient(VLLMClient):
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any) -> list[GenerationOutput]:
         async def everything() -> list[GenerationOutput]:
-            return list(await asyncio.gather(*(self.agenerate(p, params, index=i) for i, p in enumerate(prompt_ids))))
+            requests = (self.agenerate(p, params, index=i) for i, p in enumerate(prompt_ids))
+            return list(await asyncio.gather(*requests))
 
         return asyncio.run(everything())
 
@@ -299,7 +303,8 @@ class HTTPClient(VLLMClient):
                 response = await http.post(path, json=body)
         except self._httpx.HTTPError as exc:
             raise EngineProcessError("generate", where=self.where, deadline_s=self.generate_timeout_s,
-                                     elapsed_s=time.monotonic() - start, cause=f"{type(exc).__name__}: {exc}") from exc
+                                     elapsed_s=time.monotonic() - start,
+                                     cause=f"{type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
             raise EngineProcessError("generate", where=self.where, deadline_s=self.generate_timeout_s,
                                      elapsed_s=time.monotonic() - start,
@@ -397,7 +402,8 @@ class AsyncLLMClient(VLLMClient):
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: Any) -> list[GenerationOutput]:
         async def everything() -> list[GenerationOutput]:
-            return list(await asyncio.gather(*(self._generate(p, params, i) for i, p in enumerate(prompt_ids))))
+            requests = (self._generate(p, params, i) for i, p in enumerate(prompt_ids))
+            return list(await asyncio.gather(*requests))
 
         return self._run(everything(), "generate", self.generate_timeout_s)
 
@@ -419,8 +425,9 @@ class AsyncLLMClient(VLLMClient):
         self._next_id += 1
         request_id = f"hybridmem-{self._next_id}"
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": [int(t) for t in prompt_ids]},
-                                           SamplingParams(**to_vllm_sampling_kwargs(params, index)), request_id):
+        prompt = {"prompt_token_ids": [int(t) for t in prompt_ids]}
+        sampling = SamplingParams(**to_vllm_sampling_kwargs(params, index))
+        async for out in self.llm.generate(prompt, sampling, request_id):
             final = out
         if final is None:
             raise RuntimeError(f"AsyncLLM returned nothing for request {request_id}")

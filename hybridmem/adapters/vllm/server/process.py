@@ -16,7 +16,7 @@ rank 0 of the engine's trainer ranks (:func:`launch_server`):
   they describe the trainer's group, not the server's), and on vLLM's CPU build with
   ``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's cores between the tensor-parallel workers
   (vLLM's automatic binding reserves cores and fails on a 2-core machine at TP 2) and the KV cache sized
-  to the model ([Note: vllm cpu kv default] in :mod:`hybridmem.adapters.vllm.launch`) unless the caller
+  to the model ([Note: vllm cpu kv default] in :mod:`hybridmem.adapters.vllm.cpu_kv`) unless the caller
   chose (:func:`server_env`);
 - the server writes its output to a log file; rank 0 waits for ``GET /health`` within the deadline and,
   when the server exits first or the deadline passes, kills it and raises
@@ -58,6 +58,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from hybridmem.adapters.vllm.plugin import BACKEND_NAME
 from hybridmem.errors import EngineProcessError
 
 __all__ = ["ServerProcess", "ServerState", "launch_server", "server_command", "server_argv", "server_env",
@@ -82,8 +83,10 @@ RESERVED_FLAGS = ("--model", "--host", "--port", "--tensor-parallel-size", "-tp"
 """Server flags :func:`server_argv` sets itself (``server_args`` may not)."""
 
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-"""What torchrun sets for the trainer (``OMP_NUM_THREADS=1`` included); none of it describes the server."""
+                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "OMP_NUM_THREADS")
+"""What torchrun sets for the trainer (``OMP_NUM_THREADS=1`` included); none of it describes the
+server."""
 
 _PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal the kernel sends this process when its parent dies (linux/prctl.h)."""
@@ -129,9 +132,9 @@ def server_argv(model_dir: str, *, tensor_parallel_size: int, port: int, server_
                          f"tensor_parallel_size= and port= to launch); other vLLM server flags are fine")
     from hybridmem.adapters.vllm.source import tokenizer_files  # noqa: PLC0415
 
-    argv = [python, "-m", SERVER_MODULE, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--tensor-parallel-size", str(tensor_parallel_size),
-            "--weight-transfer-config", json.dumps({"backend": "hybridmem"})]
+    argv = [python, "-m", SERVER_MODULE, "--model", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
+            "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME})]
     if _flag(server_args, "--enable-scale-out") is None:
         argv.append("--enable-scale-out")
     if _flag(server_args, "--skip-tokenizer-init") is None and not tokenizer_files(Path(model_dir)):
@@ -147,7 +150,8 @@ def cpu_threads_bind(tensor_parallel_size: int, cores: Sequence[int]) -> str:
     if len(cores) < tensor_parallel_size:
         return "|".join(str(cores[r % len(cores)]) for r in range(tensor_parallel_size))
     per = len(cores) // tensor_parallel_size
-    return "|".join(",".join(str(c) for c in cores[r * per:(r + 1) * per]) for r in range(tensor_parallel_size))
+    shares = (cores[r * per:(r + 1) * per] for r in range(tensor_parallel_size))
+    return "|".join(",".join(str(c) for c in share) for share in shares)
 
 
 def server_env(*, tensor_parallel_size: int, env: Mapping[str, str] | None = None,
@@ -165,12 +169,12 @@ def server_env(*, tensor_parallel_size: int, env: Mapping[str, str] | None = Non
 
 def cpu_kv_args(model_dir: str, server_args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """``--kv-cache-memory-bytes`` sized to the model on vLLM's CPU build ([Note: vllm cpu kv default] in
-    :mod:`hybridmem.adapters.vllm.launch`), or nothing where the caller chose (that flag, or
+    :mod:`hybridmem.adapters.vllm.cpu_kv`), or nothing where the caller chose (that flag, or
     ``VLLM_CPU_KVCACHE_SPACE`` in ``env``), the model's config cannot be read, or a flag's value is not a
     plain number (vLLM's parser reads it, and refuses a bad one in the server's log)."""
     if "VLLM_CPU_KVCACHE_SPACE" in env or _flag(server_args, "--kv-cache-memory-bytes") is not None:
         return []
-    from hybridmem.adapters.vllm.launch import cpu_kv_default  # noqa: PLC0415
+    from hybridmem.adapters.vllm.cpu_kv import cpu_kv_default  # noqa: PLC0415
 
     keys = ("max_model_len", "max_num_seqs", "block_size", "dtype", "kv_cache_dtype")
     kwargs = {k: v for k in keys if (v := _flag(server_args, "--" + k.replace("_", "-")))}
@@ -184,13 +188,15 @@ def cpu_kv_args(model_dir: str, server_args: Sequence[str], env: Mapping[str, st
 
 
 def server_command(model_dir: str, *, tensor_parallel_size: int, port: int, server_args: Sequence[str] = (),
-                   env: Mapping[str, str] | None = None, on_cpu: bool | None = None) -> tuple[list[str], dict[str, str]]:
+                   env: Mapping[str, str] | None = None,
+                   on_cpu: bool | None = None) -> tuple[list[str], dict[str, str]]:
     """The server's command line and environment (see [Note: vllm server process])."""
     if on_cpu is None:
         from hybridmem.accel import get_accelerator  # noqa: PLC0415
 
         on_cpu = get_accelerator("auto").name == "cpu"
-    argv = server_argv(model_dir, tensor_parallel_size=tensor_parallel_size, port=port, server_args=server_args)
+    argv = server_argv(model_dir, tensor_parallel_size=tensor_parallel_size, port=port,
+                       server_args=server_args)
     full_env = server_env(tensor_parallel_size=tensor_parallel_size, env=env, on_cpu=on_cpu)
     if on_cpu:
         argv += cpu_kv_args(model_dir, server_args, full_env)
@@ -266,7 +272,8 @@ class ServerProcess:
         log_path: The server's log.
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, port: int, log_path: str | None = None):
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, port: int,
+                 log_path: str | None = None):
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="hybridmem-vllm-serve-", suffix=".log")
             os.close(fd)
@@ -294,10 +301,12 @@ class ServerProcess:
             code = self._popen.poll()
             if code is not None:
                 self.stop()
-                raise self._error(start, timeout_s, f"the server exited with status {code} before it was ready")
+                raise self._error(start, timeout_s,
+                                  f"the server exited with status {code} before it was ready")
             if self._healthy():
                 self.state = ServerState.READY
-                log.info("hybridmem: vLLM server at %s ready after %.1f s", self.url, time.monotonic() - start)
+                log.info("hybridmem: vLLM server at %s ready after %.1f s", self.url,
+                         time.monotonic() - start)
                 return
             if time.monotonic() - start > timeout_s:
                 self.stop()
@@ -342,8 +351,9 @@ class ServerProcess:
         return f"ServerProcess(pid {self.pid}, {self.url}, {self.state.value})"
 
 
-def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any = None, port: int | None = None,
-                  server_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any = None,
+                  port: int | None = None, server_args: Sequence[str] = (),
+                  env: Mapping[str, str] | None = None,
                   startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> tuple[str, ServerProcess | None]:
     """Rank 0 of ``group`` starts the server and waits for it; every rank gets its URL.
 
@@ -358,10 +368,13 @@ def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any =
     """
     import torch.distributed as dist  # noqa: PLC0415
 
-    many = group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    rank = dist.get_rank(group) if many else 0
+    from hybridmem.adapters.vllm.server.ranks import engine_ranks  # noqa: PLC0415
+
+    rank, size = engine_ranks(group)
+    many = size > 1
     port = free_port() if port is None else int(port)
-    server_argv(model_dir, tensor_parallel_size=tensor_parallel_size, port=port, server_args=server_args)  # checks
+    # Checks the arguments on every rank, before anything starts.
+    server_argv(model_dir, tensor_parallel_size=tensor_parallel_size, port=port, server_args=server_args)
     server: ServerProcess | None = None
     failure: BaseException | None = None
     message: dict[str, Any] = {}
@@ -383,6 +396,6 @@ def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any =
     if failure is not None:
         raise failure
     if "error" in message:
-        raise EngineProcessError("start vllm serve", where="rank 0 of the engine's ranks", deadline_s=startup_timeout_s,
-                                 elapsed_s=0.0, cause=message["error"])
+        raise EngineProcessError("start vllm serve", where="rank 0 of the engine's ranks",
+                                 deadline_s=startup_timeout_s, elapsed_s=0.0, cause=message["error"])
     return str(message["url"]), server
