@@ -174,7 +174,7 @@ class ShardingManager:
                 self._claims.release()  # a manager that was never built holds nothing
             raise
 
-    def _claimed(self, engine: Any) -> list[tuple[str, Any]]:
+    def _claimed(self, engine: InferenceEngine | None) -> list[tuple[str, Any]]:
         """The objects this manager moves or drives, each named for an error ([Note: one manager per model] in
         :mod:`hybridmem.switch.claims`)."""
         named: list[tuple[str, Any]] = [(f"training state {type(self.training).__name__}", self.training)]
@@ -189,8 +189,8 @@ class ShardingManager:
             named.append((f"engine {type(engine).__name__}", engine))
         return named
 
-    def _build(self, config: HybridConfig, engine: Any, *, weight_sync: WeightSync | None, model_spec: Any,
-               group: Any) -> None:
+    def _build(self, config: HybridConfig, engine: InferenceEngine | None, *, weight_sync: WeightSync | None,
+               model_spec: Any, group: Any) -> None:
         self.config = resolve_layouts(config, self.training, engine)
         """The config, its layout keys resolved from the parts (see [Note: layouts from the parts] in
         :mod:`hybridmem.parts`)."""

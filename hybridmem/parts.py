@@ -21,7 +21,7 @@ from typing import Any
 
 from hybridmem.adapters.torch import TorchTrainingState
 from hybridmem.config import HybridConfig, ParallelLayout
-from hybridmem.contract.engine import capabilities_of
+from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.contract.training import TrainingState, training_capabilities_of
 from hybridmem.errors import ConfigError
 
@@ -64,7 +64,8 @@ def _reported(part: Any, reports: bool) -> dict[str, int]:
             else {})
 
 
-def resolve_layouts(config: HybridConfig, training: TrainingState, engine: Any) -> HybridConfig:
+def resolve_layouts(config: HybridConfig, training: TrainingState,
+                    engine: InferenceEngine | None) -> HybridConfig:
     """``config`` with every unset layout key taken from the part that knows it (see [Note: layouts from
     the parts]).
 

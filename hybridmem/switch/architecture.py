@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridmem.contract.engine import capabilities_of
-from hybridmem.contract.training import training_capabilities_of
+from hybridmem.contract.engine import InferenceEngine, capabilities_of
+from hybridmem.contract.training import TrainingState, training_capabilities_of
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["ARCHITECTURE_FIELDS", "check_architecture"]
@@ -66,7 +66,7 @@ def _describe(decoder: ModelSpec, fields: list[str]) -> str:
     return ", ".join(f"{f}={getattr(decoder, f)!r}" for f in fields)
 
 
-def check_architecture(training: Any, engine: Any, *, model_spec: Any = None) -> None:
+def check_architecture(training: TrainingState, engine: InferenceEngine, *, model_spec: Any = None) -> None:
     """Raise when the engine's architecture and the training model's are both known and differ.
 
     Raises:

@@ -17,9 +17,10 @@ adapter route), the base weights are the same at every switch, on both sides. So
 - the engine's KV cache is still released in TRAIN where the engine can free it alone
   (:attr:`EngineCapabilities.releases_kv_alone <hybridmem.contract.engine.EngineCapabilities>`: the embedded
   engine, vLLM without a sleep mode). vLLM's sleep mode cannot: a sleep unmaps its weights with its KV cache
-  ([Note: vllm sleep granularity] in :mod:`hybridmem.adapters.vllm.inprocess.sleep`), which would discard the base kept
-  there (and, shared, pull the memory from under the trainer's parameters), so with ``engine_resident`` and
-  ``shared`` such an engine keeps its KV cache through TRAIN too, and the switch report says so;
+  ([Note: vllm sleep granularity] in :mod:`hybridmem.adapters.vllm.inprocess.sleep`), which would discard
+  the base kept there (and, shared, pull the memory from under the trainer's parameters), so with
+  ``engine_resident`` and ``shared`` such an engine keeps its KV cache through TRAIN too, and the switch
+  report says so;
 - residency reports do not count what stays resident in TRAIN as a leftover.
 
 With a sync that writes the whole model, ``lora_base`` is not read: the engine's weights are rewritten at
@@ -29,12 +30,11 @@ every switch and released on leaving INFER.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from hybridmem.config import HybridConfig, LoraBase
-from hybridmem.contract.engine import capabilities_of
+from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.contract.kinds import KV_CACHE, WEIGHTS, StateKind
-from hybridmem.contract.training import training_capabilities_of
+from hybridmem.contract.training import TrainingState, training_capabilities_of
 from hybridmem.offload import Offloader, ParamOffloader
 from hybridmem.weight_sync.base import WeightSync
 from hybridmem.weight_sync.shared_base import SharedBase, share_base
@@ -50,7 +50,7 @@ def lora_base_of(weight_sync: WeightSync | None, config: HybridConfig) -> LoraBa
     return LoraBase(config.lora_base)
 
 
-def engine_tags_stay(lora_base: LoraBase | None, engine: Any) -> frozenset[str]:
+def engine_tags_stay(lora_base: LoraBase | None, engine: InferenceEngine | None) -> frozenset[str]:
     """The engine's tags that stay resident through TRAIN: none, unless the base stays in the engine
     (``engine_resident``, ``shared``): then its weights, and its KV cache too where it cannot free that
     alone."""
@@ -66,7 +66,7 @@ def keep_frozen_on_device(offloaders: Mapping[StateKind, Offloader]) -> None:
             offloader.include_frozen = False
 
 
-def hold_engine_weights(engine: Any, tags: frozenset[str]) -> None:
+def hold_engine_weights(engine: InferenceEngine, tags: frozenset[str]) -> None:
     """Resume the engine's ``tags`` that stay (:func:`engine_tags_stay`) if it was handed over with them
     released."""
     if not tags or not capabilities_of(engine).reports_residency:
@@ -76,7 +76,8 @@ def hold_engine_weights(engine: Any, tags: frozenset[str]) -> None:
         engine.resume(asleep)
 
 
-def share_with_engine(training: Any, engine: Any, weight_sync: WeightSync) -> SharedBase:
+def share_with_engine(training: TrainingState, engine: InferenceEngine,
+                      weight_sync: WeightSync) -> SharedBase:
     """``lora_base="shared"``: the trainer's frozen base as views of the engine's weights, then the sync told
     that the engine holds the base.
 

@@ -9,10 +9,9 @@ residency check (what should be empty in a phase) and the memory plan.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from hybridmem.accel import Accelerator, CpuAccelerator, MemoryFigures
-from hybridmem.contract.engine import capabilities_of
+from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS, StateKind
 from hybridmem.offload import Offloader
 from hybridmem.offload.host_pool import HostBufferPool
@@ -50,7 +49,8 @@ class DeviceOwners:
 
     def __init__(self, accel: Accelerator, offloaders: Mapping[StateKind, Offloader],
                  enabled: Mapping[StateKind, bool],
-                 engine: Any, coresidents: Mapping[str, CoResident], device_budget_nbytes: int | None,
+                 engine: InferenceEngine | None, coresidents: Mapping[str, CoResident],
+                 device_budget_nbytes: int | None,
                  engine_tags_stay: frozenset[str] = frozenset()):
         self.accel = accel
         self.offloaders = offloaders

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.contract.engine import capabilities_of
+from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.reshard import TransferStats
 
 __all__ = ["SyncStats", "WeightSync", "engine_unwritten", "dominant_dtype", "dtype_note", "engine_dtypes"]
@@ -94,14 +94,14 @@ class WeightSync(ABC):
         return None
 
 
-def engine_dtypes(engine: Any) -> set[torch.dtype]:
+def engine_dtypes(engine: InferenceEngine) -> set[torch.dtype]:
     """The element types the engine holds its weights in, where it says (``describes_weights``); else
     empty."""
     dtype = engine.dtype if capabilities_of(engine).describes_weights else None
     return {dtype} if isinstance(dtype, torch.dtype) else set()
 
 
-def engine_unwritten(engine: Any) -> tuple[tuple[str, ...], bool]:
+def engine_unwritten(engine: InferenceEngine) -> tuple[tuple[str, ...], bool]:
     """``(engine tensors not entirely written by load_weights, whether the engine could tell)``."""
     if not capabilities_of(engine).reports_weight_coverage:
         return (), False

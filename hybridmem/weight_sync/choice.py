@@ -10,7 +10,7 @@ from typing import Any
 
 from hybridmem.accel.group import rank_and_size
 from hybridmem.contract.engine import InferenceEngine, capabilities_of
-from hybridmem.contract.training import training_capabilities_of
+from hybridmem.contract.training import TrainingState, training_capabilities_of
 from hybridmem.reshard import ModelSpec
 from hybridmem.weight_sync.base import WeightSync
 from hybridmem.weight_sync.resharding import ReshardSync
@@ -29,7 +29,7 @@ def _source_layout(training: Any, spec: Any, group: Any) -> Any:
     return training.hf_source_layout(spec, rank_and_size(group)[1], group=group)
 
 
-def model_spec_of(training: Any, engine: Any = None) -> ModelSpec | None:
+def model_spec_of(training: TrainingState, engine: InferenceEngine | None = None) -> ModelSpec | None:
     """The resharding engine's spec of the training model, derived from the model itself, as the training
     state's capabilities say ([Note: training capabilities] in :mod:`hybridmem.contract.training`): its
     ``model_spec_dict()`` (``describes_model``: the Megatron and FSDP2 adapters), or the transformers config
@@ -134,7 +134,7 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
     )
 
 
-def _route(training: Any, engine: Any, model_spec: Any) -> tuple[SyncRoute, Any]:
+def _route(training: TrainingState, engine: InferenceEngine, model_spec: Any) -> tuple[SyncRoute, Any]:
     """The route, and the model spec it uses (derived from the model when not given)."""
     # A sharded HF-named source (FSDP2) cannot be streamed as is, even into an equal layout.
     if (model_spec is None and capabilities_of(engine).loads_training_names

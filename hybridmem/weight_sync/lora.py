@@ -7,9 +7,9 @@ With LoRA only the adapters train; the base weights the engine loaded stay valid
 keeps them. :class:`LoraSync` therefore sends the base once (the first sync, and again only when the
 engine reports that it discarded its weights, as a level-2 sleep does) and at every sync only the
 adapters, which the engine installs as a new adapter version (``load_lora``, see [Note: vllm lora from
-memory] in :mod:`hybridmem.adapters.vllm.inprocess.lora`); generation then runs with that version. The bytes the
-sync reports (``SyncStats.received_nbytes``, the switch report's ``weight sync`` step, the memory plan's
-transient copy) are the adapters' (plus the base's on a sync that sends it). Verification: after the
+memory] in :mod:`hybridmem.adapters.vllm.inprocess.lora`); generation then runs with that version. The
+bytes the sync reports (``SyncStats.received_nbytes``, the switch report's ``weight sync`` step, the memory
+plan's transient copy) are the adapters' (plus the base's on a sync that sends it). Verification: after the
 install the engine sums what each of its LoRA modules holds in the adapter's slot (``lora_a`` and the
 scaled ``lora_b``, per packed part), and the sync compares them with the same sums of the trainer's
 tensors; a PEFT adapter module that vLLM did not take, or whose sums differ, is reported as unwritten
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hybridmem.contract.engine import InferenceEngine
 from hybridmem.weight_sync.base import SyncStats, WeightSync, dtype_note
 from hybridmem.weight_sync.streamed import LoadWeightsSync
 
@@ -150,7 +151,7 @@ class LoraSync(WeightSync):
         merged_because: Why the sync streams merged weights (empty on the adapter route).
     """
 
-    def __init__(self, model: Any, engine: Any, *, send_base: bool = True):
+    def __init__(self, model: Any, engine: InferenceEngine, *, send_base: bool = True):
         if not getattr(engine, "lora_enabled", False):
             raise ValueError(
                 f"{type(engine).__name__} serves no LoRA adapters: build vLLM with enable_lora=True and "

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hybridmem.config import ParallelLayout
-from hybridmem.contract.engine import capabilities_of
+from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.offload.engine_owned import is_engine_owned, mark_engine_owned
 from hybridmem.reshard import ModelSpec, vllm_layout
 from hybridmem.reshard.transforms import piece_view
@@ -60,7 +60,7 @@ def _base_model(model: Any) -> torch.nn.Module:
     return inner
 
 
-def _engine_tensors(engine: Any) -> dict[str, torch.Tensor]:
+def _engine_tensors(engine: InferenceEngine) -> dict[str, torch.Tensor]:
     if not capabilities_of(engine).writes_in_place:
         raise ValueError(f"{type(engine).__name__} does not offer its weights in place "
                          f"(capabilities.writes_in_place is False): the trainer cannot hold views of them")
@@ -70,7 +70,7 @@ def _engine_tensors(engine: Any) -> dict[str, torch.Tensor]:
         raise ValueError(f"{type(engine).__name__} cannot share its weights with the trainer: {exc}") from exc
 
 
-def share_base(model: torch.nn.Module, engine: Any) -> SharedBase:
+def share_base(model: torch.nn.Module, engine: InferenceEngine) -> SharedBase:
     """Make every frozen base parameter of ``model`` a view of the engine's copy (see [Note: shared base]).
 
     Args:
