@@ -59,7 +59,7 @@ ONE_WORKER_MODULES = frozenset({
     "tests/distributed/test_collective_faults.py",
     "tests/engines/test_reference_tp.py",
     "tests/engines/test_reshard_into_engine.py",
-    "tests/nn/test_gpt.py",
+    "tests/engines/nn/test_gpt.py",
 })
 """Modules whose tests share what their module-scoped fixtures start; see
 :func:`pytest_xdist_make_scheduler`."""

@@ -212,7 +212,7 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
     from hybridmem.config import ParallelLayout
     from hybridmem.examples.grpo.topology import build_topology
     from hybridmem.examples.grpo.trainers import build_trainer
-    from hybridmem.nn.config import hf_config_dict
+    from hybridmem.engines.nn.config import hf_config_dict
     from hybridmem.reshard import ModelSpec
     from hybridmem.weight_sync import ReshardSync
 

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridmem.engines.nn.config import embedded_spec
 from hybridmem.engines.reference import (
     BlockManager,
     KVBlocksExhaustedError,
@@ -17,7 +18,6 @@ from hybridmem.engines.reference import (
 )
 from hybridmem.engines.reference.layout import param_shapes, place_hf_weight
 from hybridmem.engines.reference.sampling import make_generator, sample_next
-from hybridmem.nn.config import embedded_spec
 from hybridmem.reshard import ModelSpec
 from hybridmem.reshard.transforms import piece_view
 

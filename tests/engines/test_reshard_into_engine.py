@@ -12,7 +12,7 @@ from engine_cases import MAX_TOKENS, PROMPTS, build_hf, greedy
 
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
-from hybridmem.nn.gpt import MegatronLayoutGPT
+from hybridmem.engines.nn.gpt import MegatronLayoutGPT
 from hybridmem.reshard import ModelSpec, megatron_layout, shard, unshard
 from hybridmem.testing.workers import WorkerPool
 

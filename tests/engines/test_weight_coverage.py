@@ -20,7 +20,7 @@ from hybridmem import (
     WeightCoverageError,
 )
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, SamplingParams
-from hybridmem.nn.gpt import MegatronLayoutGPT
+from hybridmem.engines.nn.gpt import MegatronLayoutGPT
 from hybridmem.offload import OffloadState
 from hybridmem.reshard import ModelSpec, megatron_layout, shard
 from hybridmem.testing.tiny import assert_bitwise_equal, snapshot

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmem.models import FAMILIES, model_type_of
-from hybridmem.nn.config import embedded_spec
+from hybridmem.engines.nn.config import embedded_spec
 from hybridmem.reshard import ModelSpec
 
 transformers = pytest.importorskip("transformers")

@@ -512,7 +512,7 @@ def test_qwen3_5_layers_are_the_checkpoints_rows_as_vllm_splits_them(tmp_path):
 def test_ernie4_5_biases_and_the_embedded_engine_are_refused_by_name():
     """transformers' Ernie 4.5 gives every projection a bias with ``use_bias``; vLLM's Ernie class builds
     none."""
-    from hybridmem.nn.config import embedded_spec
+    from hybridmem.engines.nn.config import embedded_spec
 
     cfg = transformers.AutoConfig.for_model("ernie4_5", **{**_COMMON, **CONFIGS["ernie4_5"]})
     with pytest.raises(ValueError,

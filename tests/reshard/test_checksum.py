@@ -14,8 +14,8 @@ import torch
 
 from hybridmem import HybridConfig, Phase, ShardingManager, WeightSyncError
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
-from hybridmem.nn.config import hf_config_dict
-from hybridmem.nn.gpt import MegatronLayoutGPT, init_hf_weights
+from hybridmem.engines.nn.config import hf_config_dict
+from hybridmem.engines.nn.gpt import MegatronLayoutGPT, init_hf_weights
 from hybridmem.reshard import megatron_layout, shard
 from hybridmem.reshard.checksum import box_checksum
 from hybridmem.reshard.spec import ModelSpec

@@ -11,8 +11,8 @@ import torch
 from hybridmem import ConfigError, HybridConfig, ShardingManager
 from hybridmem.contract.training import TrainingCapabilities
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, TorchCopyEngine
-from hybridmem.nn.config import hf_config_dict
-from hybridmem.nn.gpt import MegatronLayoutGPT, init_hf_weights
+from hybridmem.engines.nn.config import hf_config_dict
+from hybridmem.engines.nn.gpt import MegatronLayoutGPT, init_hf_weights
 from hybridmem.reshard import megatron_layout, shard
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.weight_sync import LoadWeightsSync, ReshardSync, default_weight_sync

@@ -24,6 +24,8 @@ from hybridmem.accel import get_accelerator
 from hybridmem.contract.engine import EngineCapabilities, check_tags
 from hybridmem.contract.generation import GenerationOutput, SamplingParams
 from hybridmem.contract.kinds import KV_CACHE, WEIGHTS
+from hybridmem.engines.nn.config import embedded_spec
+from hybridmem.engines.nn.tp import group_rank, group_size
 from hybridmem.engines.reference.blocks import (
     BlockManager,
     KVBlocksExhaustedError,
@@ -40,8 +42,6 @@ from hybridmem.engines.reference.spec import tp_shard
 from hybridmem.engines.torch_copy import EngineMemoryState
 from hybridmem.errors import PhaseError
 from hybridmem.kv import blocks_for_utilization, get_kv_allocator
-from hybridmem.nn.config import embedded_spec
-from hybridmem.nn.tp import group_rank, group_size
 from hybridmem.reshard.transforms import Piece, piece_view, src_index
 
 __all__ = ["ReferenceEngine", "DEFAULT_NUM_KV_BLOCKS"]

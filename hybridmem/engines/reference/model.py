@@ -1,8 +1,8 @@
 """ReferenceModel: the per-rank weights of a Llama/Qwen2 decoder and its forward over a paged KV cache.
 
-The math is :mod:`hybridmem.nn.functional` (the same definitions as HF transformers) and the TP
-collectives are :mod:`hybridmem.nn.tp`; the weights are in vLLM's per-rank layout ([Note: vLLM per-rank
-layout] in :mod:`hybridmem.engines.reference.layout`).
+The math is :mod:`hybridmem.engines.nn.functional` (the same definitions as HF transformers) and the TP
+collectives are :mod:`hybridmem.engines.nn.tp`; the weights are in vLLM's per-rank layout ([Note: vLLM
+per-rank layout] in :mod:`hybridmem.engines.reference.layout`).
 
 [Note: paged attention, the readable way]
 The KV cache is one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads_per_rank, head_dim]``. A
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridmem.engines.nn.functional import apply_rope, rms_norm, rope_cos_sin, swiglu
+from hybridmem.engines.nn.tp import gather_last_dim, reduce_from_group, vocab_parallel_embedding
 from hybridmem.engines.reference.layout import param_shapes
 from hybridmem.engines.reference.spec import TPShard
-from hybridmem.nn.functional import apply_rope, rms_norm, rope_cos_sin, swiglu
-from hybridmem.nn.tp import gather_last_dim, reduce_from_group, vocab_parallel_embedding
 
 __all__ = ["ReferenceModel", "Chunk"]
 

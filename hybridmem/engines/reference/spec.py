@@ -1,5 +1,5 @@
 """TPShard: how tensor parallelism splits a Llama/Qwen2 decoder (a :class:`~hybridmem.reshard.ModelSpec` the
-embedded blocks run, see :func:`hybridmem.nn.config.embedded_spec`).
+embedded blocks run, see :func:`hybridmem.engines.nn.config.embedded_spec`).
 
 :class:`TPShard` holds the per-rank sizes vLLM uses for the model at a tensor-parallel size (see
 [Note: vLLM per-rank layout] in :mod:`hybridmem.engines.reference.layout`).

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.nn.config import hf_config_dict
+from hybridmem.engines.nn.config import hf_config_dict
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["ENGINES", "VLLM_ENGINES", "VLLM_ENV", "VLLM_MODEL", "build_engine", "vllm_env"]

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from hybridmem.examples.grpo.topology import Topology
-from hybridmem.nn.config import hf_config_dict
-from hybridmem.nn.gpt import init_hf_weights
+from hybridmem.engines.nn.config import hf_config_dict
+from hybridmem.engines.nn.gpt import init_hf_weights
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["FSDPTrainer"]

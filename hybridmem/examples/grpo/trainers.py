@@ -5,7 +5,7 @@ fc1, row/column splits over the training TP group) so the same resharding plan s
 the actor and a frozen reference with the same initial weights, cut from full HF-named weights drawn
 from the seed by :func:`hybridmem.reshard.shard`.
 
-- :class:`TorchTrainer`: :class:`~hybridmem.nn.gpt.MegatronLayoutGPT` with ``torch.optim.AdamW`` and a
+- :class:`TorchTrainer`: :class:`~hybridmem.engines.nn.gpt.MegatronLayoutGPT` with ``torch.optim.AdamW`` and a
   flat gradient all-reduce over the data-parallel group.
 - :class:`MegatronTrainer`: megatron-core's ``GPTModel`` (local layer spec) wrapped in its
   ``DistributedDataParallel`` (contiguous grad buffer) with the optimizer from
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from hybridmem.examples.grpo.topology import Topology
-from hybridmem.nn.gpt import MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.engines.nn.gpt import MegatronLayoutGPT, allreduce_grads, init_hf_weights
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["TorchTrainer", "MegatronTrainer", "build_trainer"]

@@ -1,7 +1,7 @@
 """A trainable, tensor-parallel Llama/Qwen2 decoder in plain PyTorch, holding Megatron-core's layout.
 
 Its architecture is a :class:`~hybridmem.reshard.ModelSpec` the embedded blocks run
-(:func:`hybridmem.nn.config.embedded_spec` reads and checks one).
+(:func:`hybridmem.engines.nn.config.embedded_spec` reads and checks one).
 
 The example GRPO trainer (:mod:`hybridmem.examples.grpo`) trains this model when it runs without
 Megatron. Its parameters carry Megatron-core's GPT names and per-rank shapes (local layer spec), so the
@@ -17,7 +17,7 @@ resharding engine converts it to the inference layout exactly as it converts a r
 - ``decoder.layers.{i}.mlp.linear_fc2.weight`` ``[H, I / tp]`` (row-parallel);
 - ``decoder.final_layernorm.weight`` ``[H]``; ``output_layer.weight`` ``[Vp / tp, H]`` unless tied.
 
-The math is :mod:`hybridmem.nn.functional` (the same functions as HF transformers), so for the same
+The math is :mod:`hybridmem.engines.nn.functional` (the same functions as HF transformers), so for the same
 weights the full-vocab logits equal ``Qwen2ForCausalLM``'s / ``LlamaForCausalLM``'s.
 """
 
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridmem.nn.functional import apply_rope, rms_norm, rope_cos_sin, swiglu
-from hybridmem.nn.tp import (
+from hybridmem.engines.nn.functional import apply_rope, rms_norm, rope_cos_sin, swiglu
+from hybridmem.engines.nn.tp import (
     copy_to_group,
     gather_last_dim,
     group_size,

@@ -1,5 +1,5 @@
-"""The decoders :mod:`hybridmem.nn` and the embedded engine run: which :class:`~hybridmem.reshard.ModelSpec`
-their blocks can compute, read from an HF config and checked once.
+"""The decoders :mod:`hybridmem.engines.nn` and the embedded engine run: which
+:class:`~hybridmem.reshard.ModelSpec` their blocks can compute, read from an HF config and checked once.
 
 There is one model configuration, the registry's :class:`~hybridmem.reshard.ModelSpec`; this module says which
 of them the embedded blocks (q/k/v biases, RMSNorm, unscaled whole-head RoPE, a SwiGLU MLP) run, and gives

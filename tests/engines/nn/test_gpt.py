@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmem.nn.config import embedded_spec, hf_config_dict
-from hybridmem.nn.gpt import MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.engines.nn.config import embedded_spec, hf_config_dict
+from hybridmem.engines.nn.gpt import MegatronLayoutGPT, allreduce_grads, init_hf_weights
 from hybridmem.reshard import ModelSpec
 from hybridmem.testing.workers import WorkerPool
 
