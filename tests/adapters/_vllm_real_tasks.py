@@ -253,7 +253,7 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
     for step in range(num_steps):
         g = torch.Generator().manual_seed(1000 + step)
         batch = torch.randint(0, dec.vocab_size, (4, 12), generator=g)
-        trainer.step(lambda: -trainer.token_logprobs(trainer.actor, batch, temperature=1.0).mean())
+        trainer.step(lambda: -trainer.token_logprobs(trainer.actor, batch, temperature=1.0).mean())  # noqa: B023 - called in this iteration
         mine = {n: t.detach().double().clone() for n, t in trainer.named_weights()}
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)

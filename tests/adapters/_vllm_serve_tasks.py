@@ -255,8 +255,8 @@ def launched(out: str, mode: str) -> dict | None:
 
 def bad_flag(out: str) -> dict:
     """A server that cannot start: the error shows the end of its log; nothing is left running."""
-    from hybridmem.adapters.vllm.server.process import ServerProcess
     from hybridmem.adapters.vllm.server import VLLMServerEngine
+    from hybridmem.adapters.vllm.server.process import ServerProcess
     from hybridmem.errors import EngineProcessError
 
     started = []

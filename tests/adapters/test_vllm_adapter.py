@@ -21,10 +21,8 @@ from hypothesis import strategies as st
 
 from hybridmem import Direction, ShardingManager
 from hybridmem.adapters.vllm import KVOnlyRelease, TagState, VLLMEngine, bucket_weights
-from hybridmem.engines import SamplingParams
-
-GREEDY_N = lambda n: SamplingParams(max_tokens=n, temperature=0.0, logprobs=True)  # noqa: E731
 from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
+from hybridmem.engines import SamplingParams
 from hybridmem.errors import PhaseError, SwitchError
 from hybridmem.testing.fake_vllm import (
     FakeDeviceAccelerator,
@@ -34,6 +32,7 @@ from hybridmem.testing.fake_vllm import (
 from hybridmem.testing.tiny import TinyNet, train_step
 from hybridmem.weight_sync import SyncStats, WeightSync
 
+GREEDY_N = lambda n: SamplingParams(max_tokens=n, temperature=0.0, logprobs=True)  # noqa: E731
 KV_NBYTES = 1 << 16
 
 

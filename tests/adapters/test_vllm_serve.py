@@ -36,7 +36,7 @@ VERSIONS = ["hybridmem-1", "hybridmem-2", "hybridmem-3"]
 # The policy of _vllm_server_tasks.save_policy: Qwen2, hidden 128, intermediate 256, 2 layers, 4 heads of 32,
 # 2 kv heads, vocab 256, fp32 (4 bytes), embeddings not tied. Everything below is written out from these
 # shapes, not from hybridmem's layout or plan code.
-H, I, L, V, Q, KV, F32 = 128, 256, 2, 256, 128, 64, 4
+H, I, L, V, Q, KV, F32 = 128, 256, 2, 256, 128, 64, 4  # noqa: E741 - I is the intermediate size, its math name
 
 
 def _tp1_vllm_layout_nbytes() -> int:

@@ -32,7 +32,7 @@ def test_the_server_workers_layout_is_the_name_checks_rule():
     """The worker's layout (``weight_layout``) and the in-process check take the same tensors: the parameters
     but a not-synced prefix's, and the persistent buffers the layout names."""
     pytest.importorskip("vllm")
-    from hybridmem.adapters.vllm.server.transfer import weight_layout  # noqa: PLC0415 - imports vLLM
+    from hybridmem.adapters.vllm.server.transfer import weight_layout  # imports vLLM
 
     model = torch.nn.ModuleDict({"vision_tower": _Layer(), "text": _Layer()})
     params = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
@@ -63,11 +63,11 @@ def test_a_server_worker_stages_and_writes_gemma4s_layer_scalar(tmp_path):
     pytest.importorskip("vllm")
     transformers = pytest.importorskip("transformers")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from hybridmem.config import ParallelLayout  # noqa: PLC0415
-    from hybridmem.reshard import ModelSpec, shard, vllm_layout  # noqa: PLC0415
-    from hybridmem.testing.workers import WorkerPool  # noqa: PLC0415
-    from tests.reshard import _vllm_tasks  # noqa: PLC0415
-    from tests.reshard.families import COMMON, MODELS  # noqa: PLC0415
+    from hybridmem.config import ParallelLayout
+    from hybridmem.reshard import ModelSpec, shard, vllm_layout
+    from hybridmem.testing.workers import WorkerPool
+    from tests.reshard import _vllm_tasks
+    from tests.reshard.families import COMMON, MODELS
 
     tp = 2
     kw = MODELS["gemma4"][1]
