@@ -17,9 +17,10 @@ adapter route), the base weights are the same at every switch, on both sides. So
 - the engine's KV cache is still released in TRAIN where the engine can free it alone
   (:attr:`EngineCapabilities.releases_kv_alone <hybridmem.contract.engine.EngineCapabilities>`: the embedded
   engine, vLLM without a sleep mode). vLLM's sleep mode cannot: a sleep unmaps its weights with its KV cache
-  ([Note: vllm sleep granularity] in :mod:`hybridmem.adapters.vllm.inprocess.sleep`), which would discard the base kept
-  there (and, shared, pull the memory from under the trainer's parameters), so with ``engine_resident`` and
-  ``shared`` such an engine keeps its KV cache through TRAIN too, and the switch report says so;
+  ([Note: vllm sleep granularity] in :mod:`hybridmem.adapters.vllm.inprocess.sleep`), which would discard
+  the base kept there (and, shared, pull the memory from under the trainer's parameters), so with
+  ``engine_resident`` and ``shared`` such an engine keeps its KV cache through TRAIN too, and the switch
+  report says so;
 - residency reports do not count what stays resident in TRAIN as a leftover.
 
 With a sync that writes the whole model, ``lora_base`` is not read: the engine's weights are rewritten at

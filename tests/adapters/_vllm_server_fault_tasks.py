@@ -138,7 +138,8 @@ class ClientFaults(FaultInjector):
         return wrapper
 
 
-def signal_fault(pid_of: Callable[[], int], signum: int, *, kill_after_s: float | None = None) -> Callable[..., Any]:
+def signal_fault(pid_of: Callable[[], int], signum: int, *,
+                 kill_after_s: float | None = None) -> Callable[..., Any]:
     """A fault that sends ``signum`` to the engine's process right before the call (and, with
     ``kill_after_s``, SIGKILL that long after, while the call waits)."""
 
@@ -238,7 +239,8 @@ class Actor:
 
 
 def error_record(exc: BaseException | None) -> dict:
-    """What a switch raised: classes, the call, step and fault it names, and the engine calls in its causes."""
+    """What a switch raised: classes, the call, step and fault it names, and the engine calls in its
+    causes."""
     if exc is None:
         return {"type": None}
     chain, seen, cur = [], set(), exc
@@ -506,8 +508,9 @@ def kills(out: str) -> dict:
             pid = engine.client.engine_pids()[0]
             labels = actor.dry_run(direction)
             point = labels.index(label) + 1
-            rec = run_point(actor, direction, signal_fault(lambda pid=pid: pid, signal.SIGSTOP, kill_after_s=2.0),
-                            point, kind="kill")
+            rec = run_point(actor, direction,
+                            signal_fault(lambda pid=pid: pid, signal.SIGSTOP, kill_after_s=2.0), point,
+                            kind="kill")
             rec.update(point=point, label=label, engine_exit=_wait_gone(engine), dry_run=labels)
             next_round(actor, rec)
             rec["generate_dead"] = actor.answer()
@@ -520,7 +523,8 @@ def kills(out: str) -> dict:
 
 def _wait_gone(engine: Any, timeout_s: float = 30.0) -> Any:
     """The engine core's exit code once it is gone (None: still there after ``timeout_s``)."""
-    manager = engine.client.llm.engine_core.resources.engine_manager if hasattr(engine.client, "llm") else None
+    manager = (engine.client.llm.engine_core.resources.engine_manager if hasattr(engine.client, "llm")
+               else None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         codes = [p.exitcode for p in manager.processes] if manager is not None else []
@@ -580,7 +584,8 @@ class Server:
         raise RuntimeError(f"no VLLM::EngineCore under the server {self.proc.pid}")
 
     def stop(self) -> None:
-        """SIGTERM the server's process group (vLLM stops its engine core and workers), SIGKILL what is left."""
+        """SIGTERM the server's process group (vLLM stops its engine core and workers), SIGKILL what is
+        left."""
         for signum, wait_s in ((signal.SIGCONT, 0.0), (signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signum)
@@ -629,7 +634,8 @@ def http(out: str) -> dict:
         rec = run_point(actor, "to_train", signal_fault(lambda: core, signal.SIGKILL), point, kind="kill")
         rec.update(point=point, label="pause", dry_run=labels["to_train"])
         with contextlib.suppress(subprocess.TimeoutExpired):
-            server.proc.wait(timeout=15)  # vLLM 0.32's server stays up, waiting on the call its engine core took
+            # vLLM 0.32's server stays up, waiting on the call its engine core took
+            server.proc.wait(timeout=15)
         rec["server_exit"] = server.proc.poll()
         next_round(actor, rec)
         rec["generate_dead"] = actor.answer()
