@@ -7,11 +7,11 @@ With LoRA only the adapters train; the base weights the engine loaded stay valid
 keeps them. :class:`LoraSync` therefore sends the base once (the first sync, and again only when the
 engine reports that it discarded its weights, as a level-2 sleep does) and at every sync only the
 adapters, which the engine installs as a new adapter version (``load_lora``, see [Note: vllm lora from
-memory] in :mod:`hybridmem.adapters.vllm.inprocess.lora`); generation then runs with that version. The
-bytes the sync reports (``SyncStats.received_nbytes``, the switch report's ``weight sync`` step, the memory
-plan's transient copy) are the adapters' (plus the base's on a sync that sends it). Verification: after the
-install the engine sums what each of its LoRA modules holds in the adapter's slot (``lora_a`` and the
-scaled ``lora_b``, per packed part), and the sync compares them with the same sums of the trainer's
+memory] in :mod:`hybridmem.adapters.vllm.inprocess.lora`); generation then runs with that version.
+The bytes the sync reports (``SyncStats.received_nbytes``, the switch report's ``weight sync`` step, the
+memory plan's transient copy) are the adapters' (plus the base's on a sync that sends it). Verification:
+after the install the engine sums what each of its LoRA modules holds in the adapter's slot (``lora_a`` and
+the scaled ``lora_b``, per packed part), and the sync compares them with the same sums of the trainer's
 tensors; a PEFT adapter module that vLLM did not take, or whose sums differ, is reported as unwritten
 ([Note: weight coverage] in :mod:`hybridmem.weight_sync`), which fails the switch. What vLLM cannot serve
 as LoRA (target modules it has no LoRA layer for, DoRA, ``modules_to_save``, LoRA bias, a rank above

@@ -43,13 +43,15 @@ def main(out_path: str) -> None:
 
     path = os.path.join(tempfile.mkdtemp(), "my-policy")
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=512)).save_pretrained(path)
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 vocab_size=512)).save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = VLLMEngine.create(path, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, seed=0)
     config = engine.llm.llm_engine.vllm_config
-    res = {"max_model_len": config.model_config.max_model_len, "max_num_seqs": config.scheduler_config.max_num_seqs,
+    res = {"max_model_len": config.model_config.max_model_len,
+           "max_num_seqs": config.scheduler_config.max_num_seqs,
            "num_blocks": config.cache_config.num_gpu_blocks, "block_size": config.cache_config.block_size,
            "kv_cache_memory_bytes": config.cache_config.kv_cache_memory_bytes,
            "kv_allocated_nbytes": engine.llm.collective_rpc(kv_cache_nbytes)[0],

@@ -29,9 +29,9 @@ def write_checkpoint(path: str) -> None:
     import torch
     import transformers
 
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=2, head_dim=32, vocab_size=64, max_position_embeddings=128,
-                                      tie_word_embeddings=False)
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                                      vocab_size=64, max_position_embeddings=128, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(path)
 
@@ -40,19 +40,22 @@ def base_sums(worker) -> dict:
     """In the worker: float64 sums of the parameters the CPU backend keeps as loaded (not repacked)."""
     from hybridmem.adapters.vllm.worker import worker_model
 
-    return {n: float(p.double().sum()) for n, p in worker_model(worker).named_parameters() if p.numel() and "lora" not in n}
+    return {n: float(p.double().sum()) for n, p in worker_model(worker).named_parameters()
+            if p.numel() and "lora" not in n}
 
 
 def peft_model(path: str, targets: list[str]):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    return get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                          LoraConfig(r=8, lora_alpha=16, target_modules=targets))
 
 
 def nbytes(model, lora: bool) -> int:
     """The PEFT model's adapter bytes (lora_A/lora_B weights), or its other parameters' bytes."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if (".lora_A." in n or ".lora_B." in n) == lora)
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if (".lora_A." in n or ".lora_B." in n) == lora)
 
 
 def main(out_path: str) -> None:
@@ -66,8 +69,8 @@ def main(out_path: str) -> None:
     write_checkpoint(path)
     torch.manual_seed(1)
     model = peft_model(path, TARGETS)
-    engine = VLLMEngine.create(path, distributed_executor_backend=None, skip_tokenizer_init=True, enable_lora=True,
-                               max_lora_rank=8, max_loras=1, **LLM_KWARGS)
+    engine = VLLMEngine.create(path, distributed_executor_backend=None, skip_tokenizer_init=True,
+                               enable_lora=True, max_lora_rank=8, max_loras=1, **LLM_KWARGS)
     reloads = []
     rpc = engine.llm.collective_rpc
 
@@ -81,8 +84,8 @@ def main(out_path: str) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sync = LoraSync(model, engine)
     manager = ShardingManager(model, engine, optimizer=opt, weight_sync=sync)
-    res = {"route": sync.route.value, "adapter_nbytes": nbytes(model, True), "base_nbytes": nbytes(model, False),
-           "steps": []}
+    res = {"route": sync.route.value, "adapter_nbytes": nbytes(model, True),
+           "base_nbytes": nbytes(model, False), "steps": []}
     for step in range(3):
         lm_step(model, opt, step, 64)
         model.eval()
@@ -95,12 +98,16 @@ def main(out_path: str) -> None:
         got = vllm_greedy(engine, PROMPTS)
         report = manager.last_reports[Direction.TO_INFER]
         (sync_step,) = [s for s in report.steps if s.name == "weight sync"]
-        planned = [p.estimate.transient_nbytes for p in (report.plan.steps if report.plan else ()) if p.name == "weight sync"]
+        planned = [p.estimate.transient_nbytes for p in (report.plan.steps if report.plan else ())
+                   if p.name == "weight sync"]
         (sums,) = engine.llm.collective_rpc(base_sums)
-        res["steps"].append({"expected": expected, "got": got, "base_greedy": base, "synced_nbytes": sync_step.copied_nbytes, "planned_nbytes": planned,
+        res["steps"].append({"expected": expected, "got": got, "base_greedy": base,
+                             "synced_nbytes": sync_step.copied_nbytes, "planned_nbytes": planned,
                              "sync_s": sync_step.seconds, "route": sync_step.extra.get("route"),
-                             "report_names_route": sync_step.extra["route"] in str(report), "reloads": len(reloads) - reloads_before,
-                             "base_sums_unchanged": sums == loaded_sums, "lora_id": engine.lora_request.lora_int_id,
+                             "report_names_route": sync_step.extra["route"] in str(report),
+                             "reloads": len(reloads) - reloads_before,
+                             "base_sums_unchanged": sums == loaded_sums,
+                             "lora_id": engine.lora_request.lora_int_id,
                              "coverage_checked": sync_step.extra["coverage_checked"]})
         manager.to_train()
         if step == 0:
@@ -110,7 +117,8 @@ def main(out_path: str) -> None:
     import vllm
 
     try:
-        engine.llm.generate([{"prompt_token_ids": PROMPTS[0]}], vllm.SamplingParams(max_tokens=2), lora_request=first_request)
+        engine.llm.generate([{"prompt_token_ids": PROMPTS[0]}], vllm.SamplingParams(max_tokens=2),
+                            lora_request=first_request)
         res["stale_request"] = "served"
     except ValueError as exc:
         res["stale_request"] = str(exc)
@@ -120,7 +128,8 @@ def main(out_path: str) -> None:
     from hybridmem import HybridConfig
 
     manager.close()
-    resident = ShardingManager(model, engine, optimizer=opt, weight_sync=LoraSync(model, engine, send_base=False),
+    resident = ShardingManager(model, engine, optimizer=opt,
+                               weight_sync=LoraSync(model, engine, send_base=False),
                                config=HybridConfig(lora_base="engine_resident"))
     res["resident"] = {"step_names": [s.name for d in Direction for s in resident.steps(d)], "steps": []}
     for step in range(3, 5):
@@ -137,7 +146,8 @@ def main(out_path: str) -> None:
         got = vllm_greedy(engine, PROMPTS)
         (sync_step,) = [s for s in resident.last_reports[Direction.TO_INFER].steps if s.name == "weight sync"]
         resident.to_train()
-        res["resident"]["steps"].append({"expected": expected, "got": got, "synced_nbytes": sync_step.copied_nbytes,
+        res["resident"]["steps"].append({"expected": expected, "got": got,
+                                         "synced_nbytes": sync_step.copied_nbytes,
                                          "reloads": len(reloads) - reloads_before, **placed})
     resident.close()
 
@@ -151,8 +161,9 @@ def main(out_path: str) -> None:
     fallback = LoraSync(other, engine)
     engine.resume(["weights", "kv_cache"])
     stats = fallback.sync()
-    res["fallback"] = {"route": fallback.route.value, "because": fallback.merged_because, "stats_route": stats.route,
-                       "synced_nbytes": stats.received_nbytes, "lora_request": engine.lora_request is not None,
+    res["fallback"] = {"route": fallback.route.value, "because": fallback.merged_because,
+                       "stats_route": stats.route, "synced_nbytes": stats.received_nbytes,
+                       "lora_request": engine.lora_request is not None,
                        "got": vllm_greedy(engine, PROMPTS), "expected": hf_greedy(other, PROMPTS),
                        "base_nbytes": nbytes(other, False)}
     assert fallback.route is LoraRoute.MERGED

@@ -77,7 +77,8 @@ def _report_summary(manager) -> dict:
         if r is None:
             continue
         out[d.name] = {"seconds": r.seconds, "text": str(r),
-                       "steps": {s.name: {"seconds": s.seconds, "zero_nbytes": s.zero_nbytes, "extra": s.extra}
+                       "steps": {s.name: {"seconds": s.seconds, "zero_nbytes": s.zero_nbytes,
+                                          "extra": s.extra}
                                  for s in r.steps}}
     return out
 
@@ -93,9 +94,9 @@ def torch_tp1(num_switches: int) -> dict:
     from hybridmem.adapters.vllm import VLLMEngine
     from hybridmem.weight_sync import LoadWeightsSync
 
-    cfg = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,
-                                   tie_word_embeddings=False, rms_norm_eps=1e-6)
+    cfg = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                   max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-6)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(cfg).float()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -103,9 +104,11 @@ def torch_tp1(num_switches: int) -> dict:
     engine = VLLMEngine.create(cfg, distributed_executor_backend=None, **LLM_KWARGS)
     create_s = time.perf_counter() - t0
     # The HF checkpoint's tensors are the parameters (named_weights would add the RoPE buffers).
-    manager = ShardingManager(model, engine, optimizer=opt, weight_sync=LoadWeightsSync(model.named_parameters, engine))
+    manager = ShardingManager(model, engine, optimizer=opt,
+                              weight_sync=LoadWeightsSync(model.named_parameters, engine))
     weights_nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    res = {"create_s": create_s, "weights_nbytes": weights_nbytes, "num_engine_params": len(engine.worker_info.params),
+    res = {"create_s": create_s, "weights_nbytes": weights_nbytes,
+           "num_engine_params": len(engine.worker_info.params),
            "repacked": list(engine.worker_info.repacked), "in_place": engine.capabilities.writes_in_place,
            "frees_memory": engine.frees_memory, "steps": [], "rss": [], "to_infer_s": [], "to_train_s": [],
            "sync_s": [], "load": []}
@@ -114,14 +117,16 @@ def torch_tp1(num_switches: int) -> dict:
 
     config = engine.llm.llm_engine.vllm_config
     expected, _ = engine_layout_shapes(config.model_config.hf_config, config.parallel_config, 0)
-    wrong = {("model.layers.0.mlp.gate_proj.weight" if n == "model.layers.0.mlp.gate_up_proj.weight" else n): t
+    wrong = {("model.layers.0.mlp.gate_proj.weight" if n == "model.layers.0.mlp.gate_up_proj.weight"
+              else n): t
              for n, t in expected.items()}
     try:
         engine.check_weights(wrong, what="a renamed layout")
         res["renamed_check"] = "accepted"
     except ValueError as exc:
         res["renamed_check"] = str(exc)
-    shapes = {n: (t.shape[0] + 1, *t.shape[1:]) if n == "model.embed_tokens.weight" else t.shape for n, t in expected.items()}
+    shapes = {n: (t.shape[0] + 1, *t.shape[1:]) if n == "model.embed_tokens.weight" else t.shape
+              for n, t in expected.items()}
     try:
         engine.check_weights(shapes, what="a layout with a wrong embedding shape")
         res["shape_check"] = "accepted"
@@ -160,8 +165,9 @@ def qwen2_moe() -> dict:
 
     cfg = transformers.Qwen2MoeConfig(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False, decoder_sparse_step=1,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+        decoder_sparse_step=1,
         norm_topk_prob=False, mlp_only_layers=[], rms_norm_eps=1e-6, initializer_range=0.2)
     torch.manual_seed(0)
     model = transformers.Qwen2MoeForCausalLM(cfg).float().eval()
@@ -178,7 +184,8 @@ def qwen2_moe() -> dict:
         name_check = str(exc)
     engine.resume(["weights", "kv_cache"])
     res = {"expected": hf_greedy(model), "got": vllm_greedy(engine), "name_check": name_check,
-           "engine_params": [n for n, _ in engine.worker_info.params], "device_type": engine.worker_info.device_type,
+           "engine_params": [n for n, _ in engine.worker_info.params],
+           "device_type": engine.worker_info.device_type,
            "fused_experts": list(engine.worker_info.fused_experts)}
     try:
         engine.load_weights(iter(tensors.items()))
@@ -219,15 +226,17 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reshard"))
     from reference import megatron_shard
 
-    dec = ModelSpec(family="qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=128,
-                        num_hidden_layers=2, vocab_size=256, qkv_bias=True, rms_norm_eps=1e-6, rope_theta=10000.0)
+    dec = ModelSpec(family="qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                    intermediate_size=128, num_hidden_layers=2, vocab_size=256, qkv_bias=True,
+                    rms_norm_eps=1e-6, rope_theta=10000.0)
     hf = hf_config_dict(dec)
     hf_cfg = transformers.Qwen2Config(**{**hf, "max_position_embeddings": 128, "tie_word_embeddings": False})
     train = infer = ParallelLayout(tp=2)
     topo = build_topology(train, infer)
-    trainer = build_trainer("megatron", dec, topo, seed=0, lr=3e-3, dtype=torch.float32, device=torch.device("cpu"))
-    engine = VLLMEngine.create(hf_cfg, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
-                               **LLM_KWARGS)
+    trainer = build_trainer("megatron", dec, topo, seed=0, lr=3e-3, dtype=torch.float32,
+                            device=torch.device("cpu"))
+    engine = VLLMEngine.create(hf_cfg, tensor_parallel_size=2,
+                               distributed_executor_backend="external_launcher", **LLM_KWARGS)
     spec = ModelSpec.from_hf_config(hf)
     config = HybridConfig(device="cpu", tensor_model_parallel_size=2, infer_tensor_parallel_size=2)
     sync = ReshardSync(spec, config.train_layout, config.infer_layout, None, trainer.named_weights, engine,
@@ -253,7 +262,8 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
     for step in range(num_steps):
         g = torch.Generator().manual_seed(1000 + step)
         batch = torch.randint(0, dec.vocab_size, (4, 12), generator=g)
-        trainer.step(lambda: -trainer.token_logprobs(trainer.actor, batch, temperature=1.0).mean())
+        trainer.step(lambda: -trainer.token_logprobs(
+            trainer.actor, batch, temperature=1.0).mean())  # noqa: B023 - step calls it in this iteration
         mine = {n: t.detach().double().clone() for n, t in trainer.named_weights()}
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
@@ -273,8 +283,8 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
         steps.append({"expected": expected, "got": got})
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"steps": steps, "in_place": sync.in_place, "wrong_layout": wrong_layout, "num_tensors": engine.last_load.num_tensors,
-                       "rank": engine.worker_info.rank}, f)
+            json.dump({"steps": steps, "in_place": sync.in_place, "wrong_layout": wrong_layout,
+                       "num_tensors": engine.last_load.num_tensors, "rank": engine.worker_info.rank}, f)
     trainer.close()
     engine.close()  # destroys the default process group too
     if dist.is_initialized():

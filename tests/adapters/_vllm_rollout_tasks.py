@@ -71,7 +71,8 @@ def hf_rollout(model: Any, prompt: list[int]) -> list[list[int]]:
     return turns
 
 
-def teacher_forced(model: Any, prompts: list[list[int]], trajectories: list[list[list[int]]]) -> tuple[list, list]:
+def teacher_forced(model: Any, prompts: list[list[int]],
+                   trajectories: list[list[list[int]]]) -> tuple[list, list]:
     """Transformers' greedy choice at every generated position of every trajectory, from one forward over
     all of them (right-padded; each turn's prompt is the previous tokens and the tool's answer, recomputed
     here), and per trajectory the largest log-prob gap between transformers' best token and the engine's.
@@ -141,7 +142,8 @@ def watch_running(engine: Any) -> list[tuple[float, int]]:
 
 def max_overlap(intervals: list[tuple[float, float]]) -> int:
     """The largest number of intervals open at one instant."""
-    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals],
+                    key=lambda x: (x[0], x[1]))
     best = now = 0
     for _, step in events:
         now += step
@@ -201,7 +203,8 @@ class LongRequests:
 
     def join(self) -> list[dict[str, Any]]:
         self.thread.join(timeout=600)
-        return [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}", "tokens": []} for r in self.results]
+        return [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}", "tokens": []}
+                for r in self.results]
 
 
 def leave_running(manager: Any, engine: Any, running: list[tuple[float, int]]) -> tuple[LongRequests, dict]:
@@ -216,7 +219,8 @@ def leave_running(manager: Any, engine: Any, running: list[tuple[float, int]]) -
         left = time.monotonic()
     switched = time.monotonic()
     return requests, {"policy": engine.in_flight.value, "last_aborted": engine.last_aborted, "left": left,
-                      "switched": switched, "max_vllm_running": max((n for _, n in running[seen:]), default=0)}
+                      "switched": switched,
+                      "max_vllm_running": max((n for _, n in running[seen:]), default=0)}
 
 
 def snapshot(model: Any, model_dir: str) -> Any:
@@ -271,7 +275,8 @@ def agent(out: str) -> dict:
         before_wait = snapshot(model, model_dir)
         lm_step(model, opt, 1, model.config.vocab_size)
         engine.in_flight = InFlight.ABORT
-        aborted, abort_figures = leave_running(manager, engine, running)  # its entry commits the step's weights
+        # its entry commits the step's weights
+        aborted, abort_figures = leave_running(manager, engine, running)
         before_abort = snapshot(model, model_dir)
         lm_step(model, opt, 2, model.config.vocab_size)
         greedy = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0)

@@ -23,7 +23,8 @@ from _vllm_server_tasks import (
     save_policy,
 )
 
-SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0"]
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager",
+               "--seed", "0"]
 CORRUPTED = "model.layers.1.mlp.down_proj.weight"
 """The staged tensor the corruption scenario damages after its figures were taken."""
 
@@ -85,8 +86,9 @@ def http_tp1(out: str, steps: str = "3") -> dict:
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     start = time.monotonic()
     engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS)
-    res: dict = {"launch_s": time.monotonic() - start, "url": engine.client.where, "server_pid": engine.server.pid,
-                 "argv": engine.server.argv, "verify": engine.verify, "steps": []}
+    res: dict = {"launch_s": time.monotonic() - start, "url": engine.client.where,
+                 "server_pid": engine.server.pid, "argv": engine.server.argv, "verify": engine.verify,
+                 "steps": []}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -97,7 +99,8 @@ def http_tp1(out: str, steps: str = "3") -> dict:
                 outs = e.generate(PROMPTS, params)
             sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
             got = [o.token_ids for o in outs]
-            res["steps"].append({"got": got, "expected": hf_greedy(model), "logprobs": [o.logprobs for o in outs],
+            res["steps"].append({"got": got, "expected": hf_greedy(model),
+                                 "logprobs": [o.logprobs for o in outs],
                                  "hf_logprobs": hf_logprobs(model, PROMPTS, got),
                                  "version": http_get(engine.client.where, "/weight_info")["weight_version"],
                                  "sync": dict(sync.extra)})
@@ -117,14 +120,16 @@ def http_tp1(out: str, steps: str = "3") -> dict:
         after = snapshot(model, opt)
         corrupt = res["corrupt"]
         corrupt["phase"] = manager.phase.name
-        corrupt["state_intact"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+        corrupt["state_intact"] = len(before) == len(after) and all(torch.equal(a, b)
+                                                                    for a, b in zip(before, after))
         corrupt["version"] = http_get(engine.client.where, "/weight_info")["weight_version"]
         try:
             engine.generate(PROMPTS[:1], params)
             corrupt["released_refused"] = None
         except PhaseError as exc:
             corrupt["released_refused"] = str(exc)
-        engine.resume(["weights", "kv_cache"])  # the engine itself, resident again, still refuses stale weights
+        # the engine itself, resident again, still refuses stale weights
+        engine.resume(["weights", "kv_cache"])
         try:
             engine.generate(PROMPTS[:1], params)
             corrupt["stale_refused"] = None
@@ -164,7 +169,8 @@ def by_hand(out: str, url: str) -> dict:
     for step in range(2):
         lm_step(model, opt, step, model.config.vocab_size)
         with manager.inference() as e:
-            got = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+            got = [o.token_ids
+                   for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
         res["steps"].append({"got": got, "expected": hf_greedy(model),
                              "version": http_get(url, "/weight_info")["weight_version"]})
     manager.close()
@@ -199,13 +205,15 @@ def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = time.monotonic()
-    engine = VLLMServerEngine.launch(model_dir, tensor_parallel_size=2, group=dist.group.WORLD, server_args=SERVER_ARGS)
+    engine = VLLMServerEngine.launch(model_dir, tensor_parallel_size=2, group=dist.group.WORLD,
+                                     server_args=SERVER_ARGS)
     launch_s = time.monotonic() - start
     manager = ShardingManager(model, engine, optimizer=opt)
     steps_out = []
     for step in range(int(steps)):
         with manager.inference() as e:
-            got = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+            got = [o.token_ids
+                   for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
         sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
         full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # a collective
         expected = None
@@ -215,7 +223,8 @@ def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
             expected = hf_greedy(ref)
         steps_out.append({"got": got, "expected": expected, "sync": dict(sync.extra),
                           "version": engine.weight_version()})
-        x = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1000 + step))
+        x = torch.randint(0, model.config.vocab_size, (4, 12),
+                          generator=torch.Generator().manual_seed(1000 + step))
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
@@ -238,8 +247,8 @@ def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
 
 def launched(out: str, mode: str) -> dict | None:
     """Launch a server, print its pid and URL, then end as ``mode`` says: ``exit`` (after a line on stdin,
-    return without ``close()``: the interpreter exits), ``kill`` (wait to be SIGKILLed), ``term`` (wait for SIGTERM, the
-    default action: no Python cleanup)."""
+    return without ``close()``: the interpreter exits), ``kill`` (wait to be SIGKILLed), ``term`` (wait for
+    SIGTERM, the default action: no Python cleanup)."""
     from hybridmem.adapters.vllm.server import VLLMServerEngine
 
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
@@ -255,8 +264,8 @@ def launched(out: str, mode: str) -> dict | None:
 
 def bad_flag(out: str) -> dict:
     """A server that cannot start: the error shows the end of its log; nothing is left running."""
-    from hybridmem.adapters.vllm.server.process import ServerProcess
     from hybridmem.adapters.vllm.server import VLLMServerEngine
+    from hybridmem.adapters.vllm.server.process import ServerProcess
     from hybridmem.errors import EngineProcessError
 
     started = []
@@ -269,7 +278,8 @@ def bad_flag(out: str) -> dict:
     ServerProcess.__init__ = recording_init
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     try:
-        VLLMServerEngine.launch(model_dir, server_args=["--max-model-len", "not-a-number"], startup_timeout_s=600)
+        VLLMServerEngine.launch(model_dir, server_args=["--max-model-len", "not-a-number"],
+                                startup_timeout_s=600)
     except EngineProcessError as exc:
         return {"raised": type(exc).__name__, "message": str(exc), "server_pid": started[0]}
     return {"raised": None, "server_pid": started[0]}
@@ -280,7 +290,8 @@ SCENARIOS = {"http_tp1": http_tp1, "by_hand": by_hand, "fsdp_tp2": fsdp_tp2, "la
 
 if __name__ == "__main__":
     os.environ.update(VLLM_ENV)
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE")  # launch sizes the KV cache to the model (the default under test)
+    # launch sizes the KV cache to the model (the default under test)
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
     name, out_path, *rest = sys.argv[1:]
     result = SCENARIOS[name](out_path, *rest)
     if result is not None:

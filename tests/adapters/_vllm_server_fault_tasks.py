@@ -40,8 +40,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1])]
 
-from _faults import FULL, FaultInjector, Injected
-from _vllm_server_tasks import (
+from _faults import FULL, FaultInjector, Injected  # noqa: E402 - found through the sys.path set above
+from _vllm_server_tasks import (  # noqa: E402 - found through the sys.path set above
     ENGINE_ARGS,
     PROMPTS,
     VLLM_ENV,
@@ -138,7 +138,8 @@ class ClientFaults(FaultInjector):
         return wrapper
 
 
-def signal_fault(pid_of: Callable[[], int], signum: int, *, kill_after_s: float | None = None) -> Callable[..., Any]:
+def signal_fault(pid_of: Callable[[], int], signum: int, *,
+                 kill_after_s: float | None = None) -> Callable[..., Any]:
     """A fault that sends ``signum`` to the engine's process right before the call (and, with
     ``kill_after_s``, SIGKILL that long after, while the call waits)."""
 
@@ -188,7 +189,7 @@ class Actor:
         """What ``generate`` answers now: tokens, or the refusal's class and message."""
         try:
             return self.generate()
-        except Exception as exc:  # noqa: BLE001 - recorded, the test checks the class
+        except Exception as exc:  # recorded, the test checks the class
             return {"refused": type(exc).__name__, "message": str(exc)[:300]}
 
     def train(self) -> None:
@@ -212,7 +213,7 @@ class Actor:
             if hasattr(client, "llm"):
                 return bool(client._run(client.llm.is_paused(), "is_paused", 10.0))
             return bool(client._http.get("/is_paused", timeout=10.0).json()["is_paused"])
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
 
     def dry_run(self, direction: str) -> list[str]:
@@ -238,7 +239,8 @@ class Actor:
 
 
 def error_record(exc: BaseException | None) -> dict:
-    """What a switch raised: classes, the call, step and fault it names, and the engine calls in its causes."""
+    """What a switch raised: classes, the call, step and fault it names, and the engine calls in its
+    causes."""
     if exc is None:
         return {"type": None}
     chain, seen, cur = [], set(), exc
@@ -287,7 +289,7 @@ def run_point(actor: Actor, direction: str, fault: Callable[..., Any], targets: 
     with actor.injector.active(target=targets) as inj:
         try:
             switch()
-        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every kind is checked by the test
+        except (Exception, KeyboardInterrupt) as exc:  # every kind is checked by the test
             raised = exc
     rec["elapsed_s"] = time.monotonic() - start
     rec["fired"] = [inj.labels[i - 1] for i in inj.fired_at]
@@ -307,7 +309,7 @@ def run_point(actor: Actor, direction: str, fault: Callable[..., Any], targets: 
         try:
             mgr.recover()
             rec["recover"] = {"ok": True}
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             rec["recover"] = {"ok": False, "error": error_record(exc)}
         rec["recover"]["elapsed_s"] = time.monotonic() - start
     rec["phase_final"] = mgr.phase.name
@@ -325,7 +327,7 @@ def run_point(actor: Actor, direction: str, fault: Callable[..., Any], targets: 
 def _version(actor: Actor) -> str | None:
     try:
         return actor.engine.weight_version()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -340,7 +342,7 @@ def next_round(actor: Actor, rec: dict) -> None:
     expected = hf_greedy(actor.model)
     try:
         actor.manager.to_infer()
-    except Exception as exc:  # noqa: BLE001 - a dead engine: the test checks the error
+    except Exception as exc:  # a dead engine: the test checks the error
         rec["next"] = {"error": error_record(exc), "phase": actor.manager.phase.name}
     else:
         actor.served = expected
@@ -462,7 +464,7 @@ def stalls(out: str) -> dict:
             try:
                 actor.manager.recover()
                 rec["recover_while_stalled"] = {"ok": True}
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 rec["recover_while_stalled"] = {"ok": False, "error": error_record(exc),
                                                 "phase": actor.manager.phase.name}
             rec["recover_while_stalled"]["elapsed_s"] = time.monotonic() - start
@@ -506,8 +508,9 @@ def kills(out: str) -> dict:
             pid = engine.client.engine_pids()[0]
             labels = actor.dry_run(direction)
             point = labels.index(label) + 1
-            rec = run_point(actor, direction, signal_fault(lambda pid=pid: pid, signal.SIGSTOP, kill_after_s=2.0),
-                            point, kind="kill")
+            rec = run_point(actor, direction,
+                            signal_fault(lambda pid=pid: pid, signal.SIGSTOP, kill_after_s=2.0), point,
+                            kind="kill")
             rec.update(point=point, label=label, engine_exit=_wait_gone(engine), dry_run=labels)
             next_round(actor, rec)
             rec["generate_dead"] = actor.answer()
@@ -520,7 +523,8 @@ def kills(out: str) -> dict:
 
 def _wait_gone(engine: Any, timeout_s: float = 30.0) -> Any:
     """The engine core's exit code once it is gone (None: still there after ``timeout_s``)."""
-    manager = engine.client.llm.engine_core.resources.engine_manager if hasattr(engine.client, "llm") else None
+    manager = (engine.client.llm.engine_core.resources.engine_manager if hasattr(engine.client, "llm")
+               else None)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         codes = [p.exitcode for p in manager.processes] if manager is not None else []
@@ -580,7 +584,8 @@ class Server:
         raise RuntimeError(f"no VLLM::EngineCore under the server {self.proc.pid}")
 
     def stop(self) -> None:
-        """SIGTERM the server's process group (vLLM stops its engine core and workers), SIGKILL what is left."""
+        """SIGTERM the server's process group (vLLM stops its engine core and workers), SIGKILL what is
+        left."""
         for signum, wait_s in ((signal.SIGCONT, 0.0), (signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signum)
@@ -629,7 +634,8 @@ def http(out: str) -> dict:
         rec = run_point(actor, "to_train", signal_fault(lambda: core, signal.SIGKILL), point, kind="kill")
         rec.update(point=point, label="pause", dry_run=labels["to_train"])
         with contextlib.suppress(subprocess.TimeoutExpired):
-            server.proc.wait(timeout=15)  # vLLM 0.32's server stays up, waiting on the call its engine core took
+            # vLLM 0.32's server stays up, waiting on the call its engine core took
+            server.proc.wait(timeout=15)
         rec["server_exit"] = server.proc.poll()
         next_round(actor, rec)
         rec["generate_dead"] = actor.answer()

@@ -31,9 +31,9 @@ def save_policy(directory: str) -> str:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(directory)
     return directory
 
@@ -77,10 +77,12 @@ def train_and_switch(engine, model_dir: str, steps: int) -> dict:
     res = {"steps": [], "vllm_layout_nbytes": sum(e.nbytes for e in engine.staging.entries)}
     for step in range(steps):
         with manager.inference() as e:
-            got = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+            got = [o.token_ids
+                   for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
             version = e.weight_version()
         sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
-        res["steps"].append({"got": got, "expected": hf_greedy(model), "version": version, "sync": dict(sync.extra)})
+        res["steps"].append({"got": got, "expected": hf_greedy(model), "version": version,
+                             "sync": dict(sync.extra)})
         lm_step(model, opt, step, model.config.vocab_size)
     manager.close()
     return res
@@ -96,7 +98,8 @@ def async_tp1(out: str, steps: str = "3") -> dict:
         res = train_and_switch(engine, model_dir, int(steps))
     finally:
         engine.close()
-    res["left_in_staging_directory"] = sorted(os.listdir(engine.directory)) if os.path.exists(engine.directory) else None
+    res["left_in_staging_directory"] = (sorted(os.listdir(engine.directory))
+                                        if os.path.exists(engine.directory) else None)
     return res
 
 

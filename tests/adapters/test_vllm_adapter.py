@@ -21,10 +21,8 @@ from hypothesis import strategies as st
 
 from hybridmem import Direction, ShardingManager
 from hybridmem.adapters.vllm import KVOnlyRelease, TagState, VLLMEngine, bucket_weights
-from hybridmem.engines import SamplingParams
-
-GREEDY_N = lambda n: SamplingParams(max_tokens=n, temperature=0.0, logprobs=True)  # noqa: E731
 from hybridmem.adapters.vllm.outputs import to_vllm_sampling_kwargs
+from hybridmem.engines import SamplingParams
 from hybridmem.errors import PhaseError, SwitchError
 from hybridmem.testing.fake_vllm import (
     FakeDeviceAccelerator,
@@ -34,12 +32,14 @@ from hybridmem.testing.fake_vllm import (
 from hybridmem.testing.tiny import TinyNet, train_step
 from hybridmem.weight_sync import SyncStats, WeightSync
 
+GREEDY_N = lambda n: SamplingParams(max_tokens=n, temperature=0.0, logprobs=True)  # noqa: E731
 KV_NBYTES = 1 << 16
 
 
 def weights_nbytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct storage of params and buffers (the fake's "weights" pool)."""
-    seen = {t.untyped_storage()._cdata: t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    seen = {t.untyped_storage()._cdata: t.numel() * t.element_size()
+            for t in [*model.parameters(), *model.buffers()]}
     return sum(seen.values())
 
 
@@ -47,7 +47,8 @@ def weights_nbytes(model: torch.nn.Module) -> int:
 def fake_vllm(monkeypatch):
     """A stand-in ``vllm`` module in sys.modules (for SamplingParams and LLM)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # "some/model" is a hub id: online, create lets it through
+    # "some/model" is a hub id: online, create lets it through
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     accel = FakeDeviceAccelerator()
     module = make_fake_vllm_module(lambda **kw: FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES))
     monkeypatch.setitem(sys.modules, "vllm", module)
@@ -96,7 +97,8 @@ def test_importing_hybridmem_never_imports_vllm():
                 return None
 
         sys.meta_path.insert(0, Refuse())
-        import hybridmem, hybridmem.adapters, hybridmem.adapters.vllm, hybridmem.kv, hybridmem.testing.fake_vllm
+        import hybridmem, hybridmem.adapters, hybridmem.adapters.vllm
+        import hybridmem.kv, hybridmem.testing.fake_vllm
         assert 'vllm-sleep' in hybridmem.kv.KV_ALLOCATORS
         assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
         print("ok")
@@ -114,7 +116,8 @@ def test_create_without_vllm_names_the_extra(monkeypatch):
         VLLMEngine.create("Qwen/Qwen2.5-0.5B", tensor_parallel_size=1)
 
 
-TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}
 
 
 @pytest.fixture
@@ -129,7 +132,8 @@ def test_create_under_torchrun_builds_with_sleep_mode_and_external_launcher(fake
     for key, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(key, value)
     env_before = dict(os.environ)
-    engine = VLLMEngine.create("some/model", tensor_parallel_size=2, gpu_memory_utilization=0.4, dtype="bfloat16")
+    engine = VLLMEngine.create("some/model", tensor_parallel_size=2, gpu_memory_utilization=0.4,
+                               dtype="bfloat16")
     (kwargs,) = fake_vllm.llm_kwargs
     assert kwargs == {
         "model": "some/model",
@@ -146,8 +150,8 @@ def test_create_under_torchrun_builds_with_sleep_mode_and_external_launcher(fake
 
 
 @pytest.mark.parametrize("value", [None, "1"])
-def test_create_in_a_plain_process_needs_nothing_set_and_restores_what_it_sets(fake_vllm, plain_process, monkeypatch,
-                                                                                value):
+def test_create_in_a_plain_process_needs_nothing_set_and_restores_what_it_sets(fake_vllm, plain_process,
+                                                                                monkeypatch, value):
     if value is not None:
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
     env_before = dict(os.environ)
@@ -174,13 +178,15 @@ def test_create_refuses_executors_in_other_processes_before_building(fake_vllm):
     assert fake_vllm.llm_kwargs == []
 
 
-def test_create_with_a_group_initialised_without_rank_variables_sets_them_for_the_build(fake_vllm, plain_process):
+def test_create_with_a_group_initialised_without_rank_variables_sets_them_for_the_build(fake_vllm,
+                                                                                         plain_process):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", world_size=1, rank=0)
     try:
         VLLMEngine.create("some/model", tensor_parallel_size=1)
-        VLLMEngine.create("some/model", tensor_parallel_size=1, distributed_executor_backend="external_launcher")
+        VLLMEngine.create("some/model", tensor_parallel_size=1,
+                          distributed_executor_backend="external_launcher")
     finally:
         dist.destroy_process_group()
     replica, launcher = fake_vllm.llm_kwargs
@@ -205,7 +211,8 @@ def test_create_on_npu_needs_nz_layout_off(fake_vllm, monkeypatch):
 
 def test_create_from_a_config_writes_it_and_loads_dummy_weights(fake_vllm):
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     engine = VLLMEngine.create(config, distributed_executor_backend=None)  # the written config lives with it
     (kwargs,) = fake_vllm.llm_kwargs
     assert kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"] is True
@@ -220,8 +227,8 @@ def test_the_config_written_for_vllm_goes_with_the_engine(fake_vllm):
     import os
 
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, vocab_size=64)
+    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     engine = VLLMEngine.create(config, distributed_executor_backend=None)
     path = fake_vllm.llm_kwargs[-1]["model"]
     assert os.path.isdir(path)
@@ -433,7 +440,8 @@ def test_offloaded_weights_survive_a_second_kv_only_release(fake_vllm):
     engine.release(["kv_cache"])
     engine.resume(["kv_cache"])  # weights stay on host
     engine.release(["kv_cache"])  # must wake the weights so vLLM accepts the sleep, and keep them
-    assert without_resets(llm.calls) == [("sleep", 1), ("wake_up", ["kv_cache"]), ("wake_up", ["weights"]), ("sleep", 1)]
+    assert without_resets(llm.calls) == [("sleep", 1), ("wake_up", ["kv_cache"]), ("wake_up", ["weights"]),
+                                         ("sleep", 1)]
     assert engine.state("weights") is TagState.ON_HOST
     engine.resume(["weights", "kv_cache"])
     for name, p in llm.worker.model.named_parameters():
@@ -590,9 +598,11 @@ def test_generate_seeds_each_request_and_stops_on_stop_tokens(fake_vllm):
     pair = engine.generate([[5, 6], [5, 6]], params)
     # The same prompt twice in one batch: seeds 5 and 6, as ReferenceEngine seeds sequences 0 and 1.
     assert pair[0].token_ids == engine.generate([[5, 6]], params)[0].token_ids
-    assert pair[1].token_ids == engine.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=1.0, seed=6))[0].token_ids
+    assert pair[1].token_ids == engine.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=1.0,
+                                                                         seed=6))[0].token_ids
     first = pair[0].token_ids[0]
-    stopped = engine.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop_token_ids=(first,)))
+    stopped = engine.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=1.0, seed=5,
+                                                       stop_token_ids=(first,)))
     assert stopped[0].token_ids == [first]
 
 
@@ -608,7 +618,8 @@ def reprocess_calls(fake_vllm, monkeypatch):
     """vLLM's process_weights_after_loading replaced by a recorder; returns the calls."""
     calls = []
     utils = types.ModuleType("vllm.model_executor.model_loader.utils")
-    utils.process_weights_after_loading = lambda model, model_config, device: calls.append((model, model_config, device))
+    utils.process_weights_after_loading = lambda model, model_config, device: calls.append(
+        (model, model_config, device))
     for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.utils", utils)
@@ -660,7 +671,8 @@ def test_gpu_memory_utilization_must_be_the_share_vllm_was_built_with(fake_vllm)
     model = TinyNet()
     _, engine, _ = build()  # the fake LLM reports cache_config.gpu_memory_utilization=0.5
     assert engine.gpu_memory_utilization == 0.5
-    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0\.4 .*expected 0\.5, the share the VLLMEngine"):
+    with pytest.raises(ConfigError,
+                       match=r"gpu_memory_utilization=0\.4 .*expected 0\.5, the share the VLLMEngine"):
         ShardingManager(model, engine, config=HybridConfig(gpu_memory_utilization=0.4))
     ShardingManager(model, engine, config=HybridConfig(gpu_memory_utilization=0.5))
 

@@ -16,7 +16,8 @@ from hybridmem.adapters.vllm.server.client import ERROR_TEXT_CHARS, error_text  
 def test_vllms_error_message_is_quoted_whole():
     message = "1 validation error for UpdateWeightsRequest: " + "x" * 400 + " -- field 'names' must be a list"
     body = protocol.ErrorResponse(error=protocol.ErrorInfo(message=message, type="BadRequestError", code=400))
-    response = httpx.Response(400, content=body.model_dump_json(), headers={"content-type": "application/json"})
+    response = httpx.Response(400, content=body.model_dump_json(),
+                              headers={"content-type": "application/json"})
     assert error_text(response) == f"HTTP 400: {message}"
 
 

@@ -14,8 +14,8 @@ GIB = 1 << 30
 
 
 def docs_config(**kw):
-    return transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=512, **kw)
+    return transformers.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, **kw)
 
 
 def per_token(layers, kv_heads, head_dim, itemsize):
@@ -30,7 +30,8 @@ def per_token(layers, kv_heads, head_dim, itemsize):
     ({"max_model_len": 100, "max_num_seqs": 3, "block_size": 32}, 320),
 ])
 def test_the_cache_holds_what_was_asked_up_to_the_cap(llm_kwargs, tokens):
-    nbytes = cpu_kv_cache_nbytes(docs_config(), {"dtype": "float32", **llm_kwargs}, utilization=0.5, free_nbytes=64 * GIB)
+    nbytes = cpu_kv_cache_nbytes(docs_config(), {"dtype": "float32", **llm_kwargs}, utilization=0.5,
+                                 free_nbytes=64 * GIB)
     assert nbytes == tokens * per_token(2, 2, 32, 4)
 
 

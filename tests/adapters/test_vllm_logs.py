@@ -53,6 +53,7 @@ def test_the_filter_drops_that_message_for_those_classes_only_inside_the_block(c
         logger.warning("%s: Excessive loading", "RotaryEmbedding")  # another message: still reported
     logger.warning(FAILED_TO_LOAD, "RotaryEmbedding")  # outside the adapter's reload: untouched
     assert [r.getMessage() for r in caplog.records] == [
-        "RMSNorm: Failed to load weights", "RotaryEmbedding: Excessive loading", "RotaryEmbedding: Failed to load weights"]
+        "RMSNorm: Failed to load weights", "RotaryEmbedding: Excessive loading",
+        "RotaryEmbedding: Failed to load weights"]
     assert quiet.dropped == ["RotaryEmbedding"]
     assert quiet not in logger.filters

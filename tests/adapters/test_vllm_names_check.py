@@ -2,7 +2,8 @@
 
 One ``vllm.LLM`` (vLLM's CPU build) for a tiny Qwen2 checkpoint, in a process of its own
 (``_vllm_names_tasks.py``): attached as vLLM loaded it, then after layer 0's ``o_proj`` was renamed
-``out_proj`` inside the worker's model (see [Note: vllm name check] in hybridmem.adapters.vllm.names).
+``out_proj`` inside the worker's model (see [Note: vllm name check] in
+:mod:`hybridmem.adapters.vllm.names`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def test_attach_checks_names_and_shapes_against_the_engine(torch_tp1):
     # Qwen2 in vLLM: embed, 7 tensors per layer (qkv weight+bias, o, gate_up, down, 2 norms), norm, lm_head.
     assert torch_tp1["num_engine_params"] == 1 + 7 * 2 + 2
     renamed = torch_tp1["renamed_check"]
-    assert "model.layers.0.mlp.gate_proj.weight" in renamed and "model.layers.0.mlp.gate_up_proj.weight" in renamed
+    assert ("model.layers.0.mlp.gate_proj.weight" in renamed
+            and "model.layers.0.mlp.gate_up_proj.weight" in renamed)
     shape = torch_tp1["shape_check"]
     assert "model.embed_tokens.weight: vLLM (512, 128) vs (513, 128)" in shape
 

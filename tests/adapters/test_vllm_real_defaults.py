@@ -31,10 +31,12 @@ ROPE_WARNING = "RotaryEmbedding: Failed to load weights"
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("vllm-defaults") / "out.json"
     cache = out.parent / "cache"
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", XDG_CACHE_HOME=str(cache),
-               VLLM_CACHE_ROOT=str(cache / "vllm"), HF_HOME=str(cache / "hf"), PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1",
+               XDG_CACHE_HOME=str(cache), VLLM_CACHE_ROOT=str(cache / "vllm"), HF_HOME=str(cache / "hf"),
+               PYTHONUNBUFFERED="1")
     # vLLM logs to stdout; one pipe for both, unbuffered, keeps its lines in order with the markers.
     proc = subprocess.run([sys.executable, str(HERE / "_vllm_defaults_tasks.py"), str(out)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)

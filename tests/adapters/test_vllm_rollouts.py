@@ -43,11 +43,13 @@ def test_64_multi_turn_trajectories_run_at_once_and_follow_transformers(agent):
     assert len(r["got"]) == NUM_TRAJECTORIES
     for i, (got, expected) in enumerate(zip(r["got"], r["expected"])):
         assert [len(t) for t in got] == [TURN_TOKENS] * NUM_TURNS, (i, got)
-        assert got == expected, f"trajectory {i}: engine {got} != transformers {expected} (gap {r['gaps'][i]})"
+        assert got == expected, (f"trajectory {i}: engine {got} != transformers {expected} "
+                                 f"(gap {r['gaps'][i]})")
     # The first trajectories rerun whole, turn by turn, with transformers' own greedy generate.
     assert r["got"][:len(r["generate_expected"])] == r["generate_expected"]
     assert r["finish_reasons"] == ["length"] and r["version"] == "hybridmem-1"
-    # Trained a step: the weights before it choose otherwise on some trajectory, so the engine served the step.
+    # Trained a step: the weights before it choose otherwise on some trajectory, so the engine served the
+    # step.
     assert any(u != e for u, e in zip(r["untrained"], r["expected"]))
     # All 64 were in flight at once (the client's clock), and vLLM's scheduler ran 64 requests in one step.
     assert r["max_in_flight_first_turn"] == NUM_TRAJECTORIES

@@ -36,7 +36,7 @@ VERSIONS = ["hybridmem-1", "hybridmem-2", "hybridmem-3"]
 # The policy of _vllm_server_tasks.save_policy: Qwen2, hidden 128, intermediate 256, 2 layers, 4 heads of 32,
 # 2 kv heads, vocab 256, fp32 (4 bytes), embeddings not tied. Everything below is written out from these
 # shapes, not from hybridmem's layout or plan code.
-H, I, L, V, Q, KV, F32 = 128, 256, 2, 256, 128, 64, 4
+H, I, L, V, Q, KV, F32 = 128, 256, 2, 256, 128, 64, 4  # noqa: E741 - I is the intermediate size, its math name
 
 
 def _tp1_vllm_layout_nbytes() -> int:
@@ -49,7 +49,8 @@ def _tp1_vllm_layout_nbytes() -> int:
 def _tp2_vllm_layout_nbytes_per_rank() -> int:
     """One worker's shard at TP 2: vocab rows halved (embed, lm_head), qkv rows halved (heads), o columns
     halved, gate_up rows halved, down columns halved; norms whole on each rank."""
-    per_layer = (Q + 2 * KV) // 2 * H + (Q + 2 * KV) // 2 + Q * (H // 2) + 2 * I // 2 * H + H * (I // 2) + 2 * H
+    per_layer = ((Q + 2 * KV) // 2 * H + (Q + 2 * KV) // 2 + Q * (H // 2) + 2 * I // 2 * H + H * (I // 2)
+                 + 2 * H)
     return F32 * (2 * (V // 2) * H + L * per_layer + H)
 
 
@@ -83,7 +84,8 @@ def _nccl_m2n_nbytes_per_rank() -> int:
 def _env(tmp: pathlib.Path) -> dict[str, str]:
     cache = tmp / "cache"
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "XDG_CACHE_HOME": str(cache), "VLLM_CACHE_ROOT": str(cache / "vllm"), "HF_HOME": str(cache / "hf")}
+            "XDG_CACHE_HOME": str(cache), "VLLM_CACHE_ROOT": str(cache / "vllm"),
+            "HF_HOME": str(cache / "hf")}
 
 
 def _free_port() -> int:
@@ -169,7 +171,8 @@ def test_the_server_serves_the_trained_weights_after_every_step(http_tp1):
     for i, s in enumerate(steps):
         assert s["got"] == s["expected"], f"step {i}: server {s['got']} != transformers {s['expected']}"
         for got, want in zip(s["logprobs"], s["hf_logprobs"]):
-            assert got == pytest.approx(want, abs=2e-3), f"step {i}: server log-probs {got} != transformers {want}"
+            assert got == pytest.approx(want, abs=2e-3), (f"step {i}: server log-probs {got} "
+                                                          f"!= transformers {want}")
     assert steps[0]["expected"] != steps[-1]["expected"]  # training changed what greedy decoding gives
     assert [s["version"] for s in steps] == VERSIONS  # the server's own /weight_info
 
@@ -243,12 +246,14 @@ def test_fsdp2_to_tp2_moves_the_fewest_bytes_per_rank(fsdp_tp2, record_property)
 
 # launched: no server outlives its trainer -----------------------------------------------------------------
 FULL = TESTS_FULL
-"""Every case, each a vLLM start of a minute or more on a 2-core machine; CI runs one trainer ending (SIGKILL,
-the one no Python cleanup sees) and leaves the others and the by-hand server to ``HYBRIDMEM_TESTS_FULL=1``."""
+"""Every case, each a vLLM start of a minute or more on a 2-core machine; CI runs one trainer ending
+(SIGKILL, the one no Python cleanup sees) and leaves the others and the by-hand server to
+``HYBRIDMEM_TESTS_FULL=1``."""
 
 
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.skipif(
-    not FULL and m != "kill", reason="one ending in CI; HYBRIDMEM_TESTS_FULL=1 runs all")) for m in ("exit", "kill", "term")])
+    not FULL and m != "kill", reason="one ending in CI; HYBRIDMEM_TESTS_FULL=1 runs all"))
+    for m in ("exit", "kill", "term")])
 def test_no_vllm_process_outlives_the_trainer(tmp_path, mode):
     with open(tmp_path / "err", "w") as err:
         proc = subprocess.Popen([sys.executable, str(TASKS), "launched", str(tmp_path / "out.json"), mode],
@@ -260,10 +265,12 @@ def test_no_vllm_process_outlives_the_trainer(tmp_path, mode):
     family: list[int] = []
     try:
         deadline = time.monotonic() + 1200
-        while not any(line.startswith("{") for line in lines) and proc.poll() is None and time.monotonic() < deadline:
+        while (not any(line.startswith("{") for line in lines) and proc.poll() is None
+               and time.monotonic() < deadline):
             time.sleep(0.2)
         started = [json.loads(line) for line in lines if line.startswith("{")]
-        assert started, f"no server line; trainer status {proc.poll()}:\n{(tmp_path / 'err').read_text()[-4000:]}"
+        assert started, (f"no server line; trainer status {proc.poll()}:\n"
+                         f"{(tmp_path / 'err').read_text()[-4000:]}")
         server = psutil.Process(started[0]["server_pid"])
         # vLLM names its processes (setproctitle): the engine core and its worker are the server's children
         # (read until both show: on a loaded machine a title can read empty for a moment).
@@ -305,7 +312,8 @@ def test_a_server_that_cannot_start_is_one_clear_error_and_leaves_nothing(tmp_pa
 
 
 # by_hand: connect to a server started with the documented command line -------------------------------------
-@pytest.mark.skipif(not FULL, reason="launch's tests go through connect; HYBRIDMEM_TESTS_FULL=1 runs this one")
+@pytest.mark.skipif(not FULL,
+                    reason="launch's tests go through connect; HYBRIDMEM_TESTS_FULL=1 runs this one")
 def test_connect_to_a_server_started_by_hand(tmp_path):
     import _vllm_server_tasks  # the scenarios' policy
 
@@ -314,7 +322,8 @@ def test_connect_to_a_server_started_by_hand(tmp_path):
     env = {**_env(tmp_path), **_vllm_server_tasks.VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}
     # As docs/vllm.md prints it.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            "--host", "127.0.0.1", "--port", str(port), "--weight-transfer-config", '{"backend": "hybridmem"}',
+            "--host", "127.0.0.1", "--port", str(port),
+            "--weight-transfer-config", '{"backend": "hybridmem"}',
             "--enable-scale-out", "--skip-tokenizer-init",
             "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--seed", "0"]
     with open(tmp_path / "server.log", "w") as log:

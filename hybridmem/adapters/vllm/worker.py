@@ -64,7 +64,7 @@ def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
     """``(name, buffer)`` of the persistent buffers of ``model`` (those its state dict holds), each once."""
     for name, buffer in model.named_buffers():
         owner, _, leaf = name.rpartition(".")
-        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:  # noqa: SLF001
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
             yield name, buffer
 
 

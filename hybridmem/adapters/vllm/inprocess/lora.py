@@ -110,8 +110,8 @@ def install_lora(worker: Any, *, lora_id: int, tensors: Mapping[str, torch.Tenso
         ValueError: vLLM refuses the configuration (``PEFTHelper.validate_legal``: a rank above
             ``max_lora_rank``, DoRA, ...).
     """
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.lora_model import LoRAModel  # noqa: PLC0415 - vLLM, imported in the worker only
+    from vllm.lora.peft_helper import PEFTHelper  # noqa: PLC0415 - vLLM, imported in the worker only
 
     manager = lora_worker_manager(worker)
     adapters = manager._adapter_manager

@@ -116,7 +116,7 @@ class SleepMode:
                 level = 1 if prior[WEIGHTS] is TagState.ON_HOST else 2
                 try:
                     self._sleep(level, rewake=[t for t in ENGINE_TAGS if prior[t] is TagState.RESIDENT])
-                except Exception as undo_exc:  # noqa: BLE001 - reported on the original error
+                except Exception as undo_exc:  # reported on the original error
                     add_note(
                         exc,
                         f"hybridmem vLLM adapter: could not release {done} again ({undo_exc!r}): vLLM "

@@ -226,7 +226,7 @@ class VLLMServerEngine:
         client = HTTPClient(base_url, timeout_s=timeout_s)
         client.health(timeout_s=timeout_s)
         if hf_config is None:
-            hf_config = _config_of(client._model_name())  # noqa: SLF001 - the served model's id
+            hf_config = _config_of(client._model_name())  # the served model's id
         return cls(client, hf_config=hf_config, timeout_s=max(timeout_s, 120.0), **kwargs)
 
     @classmethod
@@ -408,7 +408,7 @@ class VLLMServerEngine:
                 self._control("finish_weight_update", f"hybridmem-{self.version + 1}")
                 self._update_open = False
                 self._control("reset_prefix_cache")
-            except BaseException as exc:  # noqa: BLE001 - the other ranks hear of it first, then it is raised
+            except BaseException as exc:  # the other ranks hear of it first, then it is raised
                 error = exc
         if error is None:
             code = 1.0

@@ -283,7 +283,7 @@ class ServerProcess:
         with open(self.log_path, "ab") as out:
             self._popen = subprocess.Popen(self.argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True,
-                                           preexec_fn=_deathsig_preexec())  # noqa: PLW1509 - see the note
+                                           preexec_fn=_deathsig_preexec())  # see the note
         self.pid = self._popen.pid
         self.state = ServerState.STARTING
         self._finalizer = weakref.finalize(self, _stop_group, self._popen, self.pid, STOP_WAIT_S)
@@ -385,7 +385,7 @@ def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any =
             server = ServerProcess(argv, full_env, port=port)
             server.wait_ready(startup_timeout_s)
             message = {"url": server.url}
-        except Exception as exc:  # noqa: BLE001 - told to the other ranks, then re-raised here
+        except Exception as exc:  # told to the other ranks, then re-raised here
             if server is not None:
                 server.stop()
             failure, message = exc, {"error": f"{type(exc).__name__}: {exc}"}

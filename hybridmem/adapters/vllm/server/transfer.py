@@ -293,7 +293,7 @@ def _write_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
         return
     info = get_layerwise_info(module)
     info.kernel_tensors = get_layer_params_buffers(module)
-    info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)  # noqa: SLF001
+    info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
     restore_layer_on_meta(module, info)
     materialize_layer(module, info)
     for name, tensor in tensors.items():
