@@ -101,8 +101,8 @@ class ModelSpec:
     """The output layer shares the embedding matrix."""
     rms_norm_eps: float = field(default=1e-6, compare=False)
     """The RMSNorms' epsilon (the HF config's ``rms_norm_eps``): the embedded engine and the trainable decoder
-    of :mod:`hybridmem.engines.nn` compute with it. No tensor depends on it, so it takes no part in equality or the
-    hash: specs describing the same tensors are equal (and share cached plans)."""
+    of :mod:`hybridmem.engines.nn` compute with it. No tensor depends on it, so it takes no part in equality
+    or the hash: specs describing the same tensors are equal (and share cached plans)."""
     rope_theta: float = field(default=10000.0, compare=False)
     """The rotary base (``rope_theta``, or ``rope_parameters["rope_theta"]`` in transformers 5); like
     :attr:`rms_norm_eps`, computed with and not compared."""

@@ -217,9 +217,9 @@ def _megatron_rank(rank: int, world: int, port: int, num_steps: int, out_path: s
     from hybridmem import HybridConfig, ShardingManager
     from hybridmem.adapters.vllm import VLLMEngine
     from hybridmem.config import ParallelLayout
+    from hybridmem.engines.nn.config import hf_config_dict
     from hybridmem.examples.grpo.topology import build_topology
     from hybridmem.examples.grpo.trainers import build_trainer
-    from hybridmem.engines.nn.config import hf_config_dict
     from hybridmem.reshard import ModelSpec
     from hybridmem.weight_sync import ReshardSync
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hybridmem.models import FAMILIES, model_type_of
 from hybridmem.engines.nn.config import embedded_spec
+from hybridmem.models import FAMILIES, model_type_of
 from hybridmem.reshard import ModelSpec
 
 transformers = pytest.importorskip("transformers")

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from hybridmem.examples.grpo.topology import Topology
 from hybridmem.engines.nn.config import hf_config_dict
 from hybridmem.engines.nn.gpt import init_hf_weights
+from hybridmem.examples.grpo.topology import Topology
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["FSDPTrainer"]

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from hybridmem.examples.grpo.topology import Topology
 from hybridmem.engines.nn.gpt import MegatronLayoutGPT, allreduce_grads, init_hf_weights
+from hybridmem.examples.grpo.topology import Topology
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["TorchTrainer", "MegatronTrainer", "build_trainer"]
