@@ -125,6 +125,7 @@ def init_megatron_parallel(spec: TinyGPTSpec) -> None:
         model_parallel_cuda_manual_seed,
     )
 
+    _GROUPS_BEFORE[:] = list(dist.distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
@@ -134,11 +135,25 @@ def init_megatron_parallel(spec: TinyGPTSpec) -> None:
     model_parallel_cuda_manual_seed(spec.seed)
 
 
+_GROUPS_BEFORE: list[Any] = []
+"""The process groups that existed before :func:`init_megatron_parallel` (the worker pool's own)."""
+
+
 def destroy_megatron_parallel() -> None:
-    """Undo :func:`init_megatron_parallel` (a worker is reused by the next test)."""
+    """Undo :func:`init_megatron_parallel` (a worker is reused by the next test), and destroy the groups it
+    and the task made: Megatron's ``destroy_model_parallel`` forgets its groups without destroying them
+    (0.16.1 destroys only the gloo data-parallel ones), and each gloo group keeps its threads, so a worker
+    serving many tasks held hundreds of groups whose threads took a fifth of a core while idle."""
     from megatron.core import parallel_state  # noqa: PLC0415 - Megatron is optional
 
     parallel_state.destroy_model_parallel()
+    if not _GROUPS_BEFORE:  # nothing recorded: not after init_megatron_parallel, or undone already
+        return
+    keep = {id(g) for g in _GROUPS_BEFORE}
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if id(group) not in keep and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    _GROUPS_BEFORE.clear()
 
 
 def transformer_config(spec: TinyGPTSpec) -> Any:

@@ -31,9 +31,19 @@ class _PoolBySize:
             self.pools.popitem()[1].close()
 
 
+_POOLS = _PoolBySize()
+
+
 @pytest.fixture(scope="session")
 def megatron_pools():
     """``megatron_pools.get(world_size)``: a pool whose default group has exactly ``world_size`` ranks."""
-    pools = _PoolBySize()
-    yield pools
-    pools.close()
+    yield _POOLS
+    _POOLS.close()
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Close the pools once the next test is not one of this folder's: seven idle processes holding
+    Megatron's groups would otherwise stay to the end of the run beside the tests that follow."""
+    here = item.path.parent
+    if nextitem is None or nextitem.path.parent != here:
+        _POOLS.close()
