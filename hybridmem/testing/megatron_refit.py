@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridmem.accel.group import rank_and_size
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout
 from hybridmem.reshard.conventions import MegatronConvention
@@ -71,7 +72,7 @@ def process_group_collection(tp: int, pp: int) -> Any:
         ProcessGroupCollection,
     )
 
-    world, me = dist.get_world_size(), dist.get_rank()
+    me, world = rank_and_size()
     dp = world // (tp * pp)
     if tp * pp * dp != world:
         raise ValueError(f"tp={tp} x pp={pp} does not divide world size {world}")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hybridmem.accel.group import rank_and_size
 from hybridmem.config import ParallelLayout
 
 __all__ = ["Topology", "build_topology", "train_rows"]
@@ -71,7 +72,7 @@ def build_topology(train: ParallelLayout, infer: ParallelLayout) -> Topology:
         ValueError: A layout does not fit the world size, or uses PP/EP (the example trains dense
             models with TP and DP only).
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank, world = rank_and_size()
     for side, layout in (("training", train), ("inference", infer)):
         if layout.pp != 1 or layout.ep != 1:
             raise ValueError(f"the GRPO example supports TP and DP only; {side} layout is {layout}")
