@@ -144,3 +144,17 @@ def test_a_fused_tensor_missing_one_part_is_unwritten():
     engine.release(["weights"])
     engine.resume(["weights"])  # a resume starts a new proof
     assert len(engine.unwritten_weights()) == len(dict(engine.named_parameters()))
+
+
+def test_a_family_the_embedded_engine_does_not_run_is_still_checked_against_it():
+    # Mixtral's config as transformers writes it (MoE: no embedded blocks for it) against the engine's Qwen2
+    # of the same shape: the architecture check reads the training side through hybridmem.models (every
+    # family), so the missing q/k/v biases are named at construction.
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(**{k: v for k, v in DIMS.items()}, num_local_experts=2, num_experts_per_tok=1)
+    model = MixtralForCausalLM(config).eval()
+    named = "ReferenceEngine.*MixtralForCausalLM \\(mixtral\\).*qkv_bias=True.*qkv_bias=False"
+    with pytest.raises(ValueError, match=named):
+        ShardingManager(model, _qwen2_engine(), optimizer=torch.optim.AdamW(model.parameters()))
