@@ -8,8 +8,9 @@ and environment):
 - ``in-process``: ``VLLMEngine.create`` (vLLM's worker in the trainer's process; weights through
   ``reload_weights`` on vLLM's CPU build);
 - ``AsyncLLM``: ``VLLMServerEngine.start_async`` (engine core and worker in processes of their own; the
-  trainer stages the vLLM layout in ``/dev/shm`` and the worker reads it in one update transaction);
-- ``HTTP``: ``VLLMServerEngine.launch`` (``vllm serve``; the same staging, the transaction over HTTP).
+  trainer streams the vLLM layout through two reused buckets in ``/dev/shm`` and the worker copies it out
+  in one update transaction);
+- ``HTTP``: ``VLLMServerEngine.launch`` (``vllm serve``; the same buckets, the transaction over HTTP).
 
     python benchmarks/engine_process.py --hidden 512 --layers 4 --vocab 8192 --switches 10
 

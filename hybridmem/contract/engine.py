@@ -63,6 +63,7 @@ class InferenceEngine(Protocol):
 
 _METHODS = {
     "writes_in_place": ("named_parameters",),
+    "streams_layout": ("load_layout_weights",),
     "reports_weight_coverage": ("unwritten_weights",),
     "reports_residency": ("resident_nbytes", "planned_nbytes"),
     "binds_phase": ("bind_phase",),
@@ -73,6 +74,7 @@ _METHODS = {
     "reports_model_type": ("model_type",),
     "reports_layout": ("parallel_layout",),
     "sizes_kv_by_share": ("gpu_memory_utilization",),
+    "holds_buffers": ("buffer_nbytes",),
 }
 """The members each capability promises (methods, or the attributes in :data:`_ATTRIBUTES`)."""
 _ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "parallel_layout",
@@ -89,6 +91,9 @@ class EngineCapabilities:
     """What ``release`` does to device memory, in words, when it frees none (for switch reports)."""
     writes_in_place: bool = False
     """``named_parameters()`` gives the engine's own weight tensors, which a resharding sync may write."""
+    streams_layout: bool = False
+    """``load_layout_weights(weights)`` takes this rank's tensors of the engine's own (vLLM) layout, as an
+    iterable of complete ``(name, tensor)`` pairs consumed one at a time (an engine in its own process)."""
     reports_weight_coverage: bool = False
     """``unwritten_weights()`` lists weights ``load_weights`` has not written since they were resumed."""
     reports_residency: bool = False
@@ -122,6 +127,10 @@ class EngineCapabilities:
     sizes_kv_by_share: bool = False
     """``gpu_memory_utilization``: the share of device memory its KV pool was sized for (``None``: sized by a
     block count), checked against the config's (:func:`check_kv_utilization`)."""
+    holds_buffers: bool = False
+    """``buffer_nbytes()``: bytes of the trainer's device (host RAM on CPU) the engine holds in the trainer's
+    process in both phases (an engine in its own process: its transfer buckets); the residency report and
+    the memory plan count them as the owner ``"engine buckets"``."""
 
 
 def capabilities_of(engine: Any) -> EngineCapabilities:

@@ -26,7 +26,7 @@ from hybridmem.reshard.deadline import Bound, exchange, global_rank, wait_all
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import Box, piece_view
 
-__all__ = ["box_checksum", "CellChecksums", "verify_offline"]
+__all__ = ["box_checksum", "CellChecksums", "tensor_checksum", "verify_offline"]
 
 _CHUNK_NUMEL = 1 << 22
 
@@ -213,3 +213,14 @@ def verify_offline(plan: ReshardPlan, src: Sequence[Mapping[str, torch.Tensor]],
         figures[0, i] = torch.tensor(box_checksum(sent, t.box))
         figures[1, i] = torch.tensor(box_checksum(received, t.box))
     return _raise_on_mismatch(cells, figures)
+
+
+def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
+    """``(sum, weighted sum)`` in float64 of the whole of ``t``, on its own device: :func:`box_checksum` of
+    ``t`` viewed as ``(numel // last dim, last dim)``, a 0-D or 1-D ``t`` as the 1-D box ``((0, numel),)``."""
+    t = t.detach()
+    if t.dim() <= 1:
+        return box_checksum(t.reshape(-1), ((0, t.numel()),))
+    cols = t.shape[-1]
+    rows = t.numel() // cols if cols else 0
+    return box_checksum(t.reshape(rows, cols), ((0, rows), (0, cols)))

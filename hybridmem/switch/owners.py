@@ -1,8 +1,9 @@
 """Who holds device memory: bytes by owner, the residency report, and the budget a memory plan is held to.
 
 Owners are the training state's offloaders (params, grads, optimizer state), the engine's tags (weights,
-KV cache), co-resident models and owners registered by adapters (FSDP2's unsharded buffers). The manager
-asks :class:`DeviceOwners` before and after every switch step; the figures feed the reports, the
+KV cache) and what it holds in the trainer's process in both phases (an engine in its own process: its
+transfer buckets), co-resident models and owners registered by adapters (FSDP2's unsharded buffers). The
+manager asks :class:`DeviceOwners` before and after every switch step; the figures feed the reports, the
 residency check (what should be empty in a phase) and the memory plan.
 """
 
@@ -20,7 +21,7 @@ from hybridmem.switch.memplan import MemoryPlan, StepEstimate, plan_switch
 from hybridmem.switch.phase import Direction, Phase
 from hybridmem.switch.residency import ResidencyReport
 
-__all__ = ["DeviceOwners", "OFFLOADER_OWNERS", "ENGINE_OWNERS"]
+__all__ = ["DeviceOwners", "OFFLOADER_OWNERS", "ENGINE_OWNERS", "ENGINE_BUFFERS_OWNER"]
 
 OFFLOADER_OWNERS = {
     StateKind.PARAM: "train param",
@@ -30,6 +31,8 @@ OFFLOADER_OWNERS = {
 """Owner names of the training state's offloaders."""
 ENGINE_OWNERS = {WEIGHTS: "engine weights", KV_CACHE: "kv cache"}
 """Owner names of the engine's memory tags."""
+ENGINE_BUFFERS_OWNER = "engine buckets"
+"""Owner name of what an engine holds in the trainer's process in both phases (``holds_buffers``)."""
 assert set(ENGINE_OWNERS) == set(ENGINE_TAGS), "every engine tag needs an owner name"
 
 
@@ -80,6 +83,8 @@ class DeviceOwners:
             reports = capabilities_of(self.engine).reports_residency
             for tag, name in ENGINE_OWNERS.items():
                 owners[name] = int(self.engine.resident_nbytes(tag)) if reports else 0
+            if capabilities_of(self.engine).holds_buffers:  # held in both phases: never a leftover
+                owners[ENGINE_BUFFERS_OWNER] = int(self.engine.buffer_nbytes())
         for name, (fn, _) in self._extra.items():
             owners[name] = int(fn())
         for name, co in self.coresidents.items():

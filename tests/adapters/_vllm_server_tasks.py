@@ -9,6 +9,8 @@ import json
 import os
 import sys
 import tempfile
+import threading
+import time
 
 VLLM_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
@@ -24,6 +26,53 @@ ENGINE_ARGS = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len":
 # prefix-cache reset would reuse KV computed with the old weights.
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [5, 17, 33, 2, 11], [(7 * i + 3) % 200 + 1 for i in range(40)]]
 MAX_TOKENS = 8
+BUCKET_NBYTES = 96 << 10
+"""Smaller than the policy's largest tensor (``gate_up_proj``, 512 x 128 fp32: 256 KiB), so a tensor is split
+across buckets, and a fifteenth of its vLLM layout (1.4 MB), so a sync reuses each bucket several times."""
+
+
+class ShmSampler:
+    """Samples, every ``every_s`` on a thread of its own, the bytes the files in ``directory`` hold in memory
+    (``st_blocks``: the pages allocated, which is what a file in ``/dev/shm`` takes of RAM), and keeps the
+    largest figure since :meth:`reset` (the whole directory, and per file name prefix)."""
+
+    def __init__(self, directory: str, every_s: float = 0.002):
+        self.directory = directory
+        self.every_s = every_s
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def held(self) -> int:
+        total = 0
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            try:
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+            except FileNotFoundError:
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.held())
+            self.samples += 1
+            time.sleep(self.every_s)
+
+    def reset(self) -> tuple[int, int]:
+        """The peak and the number of samples since the last reset."""
+        out = (max(self.peak, self.held()), self.samples)
+        self.peak, self.samples = 0, 0
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def save_policy(directory: str) -> str:
@@ -62,9 +111,17 @@ def lm_step(model, optimizer, step: int, vocab: int) -> float:
     return float(loss)
 
 
+def layout_nbytes(engine) -> int:
+    """Bytes of this rank's vLLM layout, from the worker's report (the shapes the tests write out)."""
+    import math
+
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in engine.layout.values())
+
+
 def train_and_switch(engine, model_dir: str, steps: int) -> dict:
     """The user's loop: ``from_pretrained``, AdamW, a manager with defaults; per step a switch, greedy tokens,
-    the engine's weight version, a training step."""
+    the engine's weight version, a training step. A thread samples what the engine's shared directory holds
+    in ``/dev/shm`` during every switch."""
     import torch
     import transformers
 
@@ -74,18 +131,59 @@ def train_and_switch(engine, model_dir: str, steps: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     manager = ShardingManager(model, engine, optimizer=opt)
-    res = {"steps": [], "vllm_layout_nbytes": sum(e.nbytes for e in engine.staging.entries)}
-    for step in range(steps):
-        with manager.inference() as e:
+    res = {"steps": [], "vllm_layout_nbytes": layout_nbytes(engine), "bucket_nbytes": engine.bucket_nbytes,
+           "largest_tensor_nbytes": max(p.numel() * p.element_size() for p in model.parameters())}
+    sampler = ShmSampler(engine.directory)
+    try:
+        for step in range(steps):
+            sampler.reset()
+            manager.to_infer()
+            shm_peak, samples = sampler.reset()
             got = [o.token_ids
-                   for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
-            version = e.weight_version()
-        sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
-        res["steps"].append({"got": got, "expected": hf_greedy(model), "version": version,
-                             "sync": dict(sync.extra)})
-        lm_step(model, opt, step, model.config.vocab_size)
+                   for o in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+            version = engine.weight_version()
+            manager.to_train()
+            sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
+            res["steps"].append({"got": got, "expected": hf_greedy(model), "version": version,
+                                 "sync": dict(sync.extra), "shm_peak_nbytes": shm_peak, "shm_samples": samples})
+            lm_step(model, opt, step, model.config.vocab_size)
+    finally:
+        sampler.stop()
+    res["bad_buckets"] = bad_bucket_sizes(engine, manager, model, opt)
     manager.close()
     return res
+
+
+def bad_bucket_sizes(engine, manager, model, opt) -> dict:
+    """A second engine built on the same client with a bucket size of 0, and of more than ``/dev/shm`` holds:
+    each one named error before the engine is asked anything; the training state bitwise as before, and the
+    first engine still serves the trained weights (a second engine's construction re-initialises the
+    workers: it must not have got that far)."""
+    import shutil
+
+    from hybridmem.adapters.vllm.server import VLLMServerEngine
+    from hybridmem.engines import SamplingParams
+    from hybridmem.testing.tiny import assert_bitwise_equal, snapshot
+
+    before = snapshot(model, opt)
+    out = {}
+    too_large = shutil.disk_usage("/dev/shm").free // 2 + 4096
+    for label, value in (("zero", 0), ("negative", -4096), ("too_large", too_large)):
+        try:
+            VLLMServerEngine(engine.client, hf_config=engine.hf_config, bucket_nbytes=value)
+            out[label] = {"raised": None}
+        except Exception as exc:  # the test checks the class and the message
+            out[label] = {"raised": type(exc).__name__, "message": str(exc), "value": value}
+    try:
+        assert_bitwise_equal(before, snapshot(model, opt))
+        out["state_intact"] = True
+    except AssertionError as exc:
+        out["state_intact"] = str(exc)
+    expected = hf_greedy(model)
+    with manager.inference() as e:
+        got = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+    out["after"] = {"got": got, "expected": expected, "version": engine.weight_version()}
+    return out
 
 
 def async_tp1(out: str, steps: str = "3") -> dict:
@@ -93,7 +191,8 @@ def async_tp1(out: str, steps: str = "3") -> dict:
     from hybridmem.adapters.vllm.server import VLLMServerEngine
 
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
-    engine = VLLMServerEngine.start_async(model_dir, **ENGINE_ARGS)
+    engine = VLLMServerEngine.start_async(model_dir, engine_kwargs={"bucket_nbytes": BUCKET_NBYTES},
+                                          **ENGINE_ARGS)
     try:
         res = train_and_switch(engine, model_dir, int(steps))
     finally:

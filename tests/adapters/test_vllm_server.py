@@ -47,15 +47,45 @@ def test_an_engine_in_its_own_process_serves_the_trained_weights_after_every_ste
 
 
 def test_closing_the_engine_leaves_nothing_in_its_staging_directory(async_tp1):
-    """The staging directory lives in /dev/shm (memory) by default: a run must not leave it behind."""
+    """The shared directory lives in /dev/shm (memory) by default: a run must not leave it behind."""
     assert async_tp1["left_in_staging_directory"] is None, async_tp1["left_in_staging_directory"]
 
 
+# Qwen2, hidden 128, 2 layers, vocab 256, fp32, not tied: embed + lm_head 2 * 256 * 128, per layer
+# qkv (128 + 2 * 64) * 128 + bias 256, o 128 * 128, gate_up 512 * 128, down 128 * 256, 2 norms of 128;
+# the final norm 128; written out from the model's shapes, not from the layout code.
+PER_LAYER = 256 * 128 + 256 + 128 * 128 + 512 * 128 + 128 * 256 + 2 * 128
+LAYOUT_NBYTES = 4 * (2 * 256 * 128 + 2 * PER_LAYER + 128)
+LARGEST_NBYTES = 4 * 512 * 128  # gate_up_proj
+
+
 def test_the_worker_reads_exactly_its_vllm_layout_shards(async_tp1):
-    # Qwen2, hidden 128, 2 layers, vocab 256, fp32, not tied: embed + lm_head 2 * 256 * 128, per layer
-    # qkv (128 + 2 * 64) * 128 + bias 256, o 128 * 128, gate_up 512 * 128, down 128 * 256, 2 norms of 128;
-    # the final norm 128; written out from the model's shapes, not from the layout code.
-    per_layer = 256 * 128 + 256 + 128 * 128 + 512 * 128 + 128 * 256 + 2 * 128
-    expected = 4 * (2 * 256 * 128 + 2 * per_layer + 128)
     for s in async_tp1["steps"]:
-        assert s["sync"]["engine_update_nbytes"] == expected
+        assert s["sync"]["engine_update_nbytes"] == LAYOUT_NBYTES
+
+
+def test_the_weights_travel_through_two_buckets_smaller_than_a_tensor(async_tp1):
+    """The scenario's buckets split the largest tensor and are each reused several times per sync; what the
+    engine's shared directory held in /dev/shm, sampled every 2 ms while each switch ran, never exceeded
+    two buckets (the whole-shard staging this replaced held the layout, 1.4 MB, there)."""
+    bucket = async_tp1["bucket_nbytes"]
+    assert bucket < LARGEST_NBYTES and LAYOUT_NBYTES >= 4 * bucket, bucket
+    for i, s in enumerate(async_tp1["steps"]):
+        assert s["shm_samples"] >= 3, f"step {i}: the sampler ran {s['shm_samples']} times during the switch"
+        assert 0 < s["shm_peak_nbytes"] <= 2 * bucket, (i, s["shm_peak_nbytes"], bucket)
+        assert s["sync"]["engine_buckets_handed"] >= LAYOUT_NBYTES // bucket, s["sync"]
+
+
+def test_a_bucket_size_the_engine_cannot_take_is_one_named_error_before_it_asks_the_engine(async_tp1):
+    bad = async_tp1["bad_buckets"]
+    for label in ("zero", "negative"):
+        assert bad[label]["raised"] == "ValueError", bad[label]
+        assert f"bucket_nbytes={bad[label]['value']}" in bad[label]["message"], bad[label]
+    too_large = bad["too_large"]
+    assert too_large["raised"] == "MemoryError", too_large
+    assert f"bucket_nbytes={too_large['value']}" in too_large["message"], too_large
+    assert "/dev/shm has" in too_large["message"] and "free" in too_large["message"], too_large
+    assert "\n" not in too_large["message"]
+    assert bad["state_intact"] is True, bad["state_intact"]
+    # the engine in use still serves: the refused constructions did not re-initialise its workers
+    assert bad["after"]["got"] == bad["after"]["expected"] and bad["after"]["version"] == "hybridmem-4"

@@ -8,8 +8,8 @@ tensor parallelism across all ranks (``--infer-tp`` equal to the world size).
 
 With ``vllm-server`` every rank starts an ``AsyncLLM`` whose engine core and worker run in a process of
 their own on the rank's device, as verl's and OpenRLHF's rollout workers do, and drives it through
-vLLM's RL API (:class:`~hybridmem.adapters.vllm.server.VLLMServerEngine`): the weight sync writes the
-vLLM layout into the rank's staging file and hands it over in one versioned update (``--infer-tp 1``).
+vLLM's RL API (:class:`~hybridmem.adapters.vllm.server.VLLMServerEngine`): the weight sync streams the
+vLLM layout through the rank's two buckets in one versioned update (``--infer-tp 1``).
 """
 
 from __future__ import annotations

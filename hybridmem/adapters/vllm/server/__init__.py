@@ -2,8 +2,10 @@
 
 The trainer side: :mod:`.engine` (the InferenceEngine), :mod:`.client` (HTTP and AsyncLLM control planes),
 :mod:`.process` (starting and stopping ``vllm serve``), :mod:`.ranks` (the trainer ranks serving one
-engine) and :mod:`.staging` (the shared-memory files the weights travel through). The worker side,
-imported by vLLM in its own processes: :mod:`.transfer`. Importing this package does not import vLLM.
+engine), :mod:`.update` (the update call beside the stream). The transport, both sides: :mod:`.buckets`
+(the two reused buffers a rank's weights travel through), :mod:`.channel` (the socket saying what they
+hold), :mod:`.packing` (a stream of tensors into buckets). The worker side, imported by vLLM in its own
+processes: :mod:`.transfer`. Importing this package does not import vLLM.
 """
 
 from __future__ import annotations

@@ -17,14 +17,15 @@ without being told the engine's process id: over HTTP by asking ``/health`` once
 connection or 503: gone; no answer: stalled); an AsyncLLM by its own record of its engine core's death and
 the engine core's exit code, looked at every :data:`POLL_S` while a call waits, so a death is reported
 at once rather than at the deadline (vLLM never answers a call that was pending when its engine core
-died). The tensors themselves never cross these calls (see [Note: vllm staging] in
-:mod:`hybridmem.adapters.vllm.server.staging`).
+died). The tensors themselves never cross these calls (see [Note: vllm buckets] in
+:mod:`hybridmem.adapters.vllm.server.buckets`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -91,20 +92,39 @@ class VLLMClient(ABC):
     def wake_up(self, tags: Sequence[str]) -> None:
         self._call("wake_up", list(tags))
 
-    def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+    # vLLM's VLLMWeightSyncClient (vllm/distributed/weight_transfer/base.py) ---------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Initialise the workers' weight-transfer backend with ``init_info`` (once per trainer engine)."""
         self._call("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self) -> None:
+        """Open vLLM's update transaction (refused while one is open)."""
         self._call("start_weight_update")
 
-    def update_weights(self, update_info: list[dict[str, Any]] | dict[str, Any], *,
-                       timeout_s: float | None = None) -> None:
-        self._call("update_weights", update_info, timeout_s=timeout_s)
+    def update_weights(self, update_info: list[dict[str, Any]] | dict[str, Any]) -> None:
+        """One update of the open transaction: one info per worker rank, or one for all. It has no deadline
+        of its own: the workers take a stream the trainer sends meanwhile, which bounds it (see [Note: vllm
+        engine deadlines] in :mod:`hybridmem.adapters.vllm.server.engine`); a dead engine still ends it."""
+        self._call("update_weights", update_info, timeout_s=float("inf"))
 
-    def finish_weight_update(self, version: str | None) -> None:
-        """Close the update transaction; ``version``: the weight version the engine reports from now on
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update transaction; ``weight_version``: the version the engine reports from now on
         (``None``: keep the one it has)."""
-        self._call("finish_weight_update", None if version is None else str(version))
+        self._call("finish_weight_update", None if weight_version is None else str(weight_version))
+
+    # Faults -----------------------------------------------------------------------------------------
+    def gone(self) -> bool:
+        """Whether the engine's process is gone now (asked once a call or a stream failed)."""
+        return self._gone()
+
+    def failure(self, call: str, *, deadline_s: float, elapsed_s: float, cause: str) -> EngineProcessError:
+        """The error for ``call`` past its deadline: DEAD where the engine's process is gone, else STALLED."""
+        return self._failure(call, start=time.monotonic() - elapsed_s, deadline_s=deadline_s, cause=cause,
+                             fault=EngineFault.DEAD if self._gone() else EngineFault.STALLED)
+
+    @abstractmethod
+    def _gone(self) -> bool:
+        """Whether the engine's process is gone (see [Note: vllm engine process])."""
 
     def weight_version(self) -> str:
         return str(self._call("weight_version"))
@@ -157,6 +177,10 @@ def error_text(response: Any) -> str:
     return f"HTTP {response.status_code}: {said}"
 
 
+_OWN_CONNECTION = frozenset({"update_weights"})
+"""Calls an HTTP client makes on a connection of their own (they run on a thread beside other calls)."""
+
+
 class HTTPClient(VLLMClient):
     """A ``vllm serve`` (OpenAI server) with its RL endpoints (``VLLM_SERVER_DEV_MODE=1``).
 
@@ -202,15 +226,23 @@ class HTTPClient(VLLMClient):
         method, path, make = self._ROUTES[name]
         params, body = make(*args)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        # update_weights waits on a thread of its own while other calls may go on: its own connection
+        own = name in _OWN_CONNECTION
+        http = self._httpx.Client(base_url=self.where) if own else self._http
         start = time.monotonic()
         try:
-            response = self._http.request(method, path, params=params, json=body, timeout=timeout)
+            response = http.request(method, path, params=params, json=body,
+                                    timeout=None if math.isinf(timeout) else timeout)
         except self._httpx.HTTPError as exc:
             fault = EngineFault.DEAD if self._gone() else EngineFault.STALLED
             raise self._failure(name, start=start, deadline_s=timeout, cause=f"{type(exc).__name__}: {exc}",
                                 fault=fault) from exc
+        finally:
+            if own:
+                http.close()
         if response.status_code != 200:
-            self._reconnect()  # the server may have closed this connection after the error (see _reconnect)
+            if not own:
+                self._reconnect()  # the server may have closed it after the error (see _reconnect)
             gone = response.status_code == 503 or "EngineDeadError" in response.text or self._gone()
             raise self._failure(name, start=start, deadline_s=timeout, cause=error_text(response),
                                 fault=EngineFault.DEAD if gone else EngineFault.REFUSED)
@@ -239,8 +271,8 @@ class HTTPClient(VLLMClient):
         """Whether the server is gone, asked after a call failed: its port refuses or drops connections, or
         ``/health`` says its engine is dead (503); a server that does not answer within :data:`PROBE_S`
         is there but stalled (see [Note: vllm engine process])."""
-        try:
-            response = self._http.get("/health", timeout=PROBE_S)
+        try:  # a connection of its own: it may run beside a call on another thread
+            response = self._httpx.get(self.where + "/health", timeout=PROBE_S)
         except self._httpx.TimeoutException:
             return False
         except self._httpx.HTTPError:
@@ -354,6 +386,9 @@ class AsyncLLMClient(VLLMClient):
                 try:
                     return future.result(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
                 except concurrent.futures.TimeoutError:
+                    if getattr(self, "llm", False) is None:  # closed meanwhile: its loop is stopped
+                        raise self._failure(name, start=start, deadline_s=timeout_s or float("inf"),
+                                            cause="the client was closed", fault=EngineFault.DEAD) from None
                     if self._gone():
                         raise self._failure(name, start=start, deadline_s=timeout_s or float("inf"),
                                             cause="the engine core exited", fault=EngineFault.DEAD) from None

@@ -5,22 +5,26 @@ How a switch maps onto vLLM's RL API for an engine in another process (see [Note
 in :mod:`hybridmem.adapters.vllm.server.client`):
 
 - TRAIN->INFER: ``resume(["weights"])`` wakes the weights (a no-op on vLLM's CPU build, which has no
-  sleep mode); the weight sync writes this rank's vLLM-layout shards in place into its staging file
-  (:meth:`VLLMServerEngine.named_parameters`, [Note: vllm staging] in
-  :mod:`hybridmem.adapters.vllm.server.staging`); ``commit_weights()`` hands them to the workers in one
-  update transaction, ``start_weight_update`` / ``update_weights`` (every worker rank's file and figures)
-  / ``finish_weight_update`` with the next version, then resets the prefix cache; ``resume(["kv_cache"])``
-  wakes the KV cache and resumes generation.
+  sleep mode); the weight sync hands this rank's tensors of the vLLM layout, one complete tensor at a
+  time, to :meth:`VLLMServerEngine.load_layout_weights`, which runs the update: rank 0 opens vLLM's update
+  transaction (``start_weight_update``) and calls ``update_weights`` with every worker rank's info on a
+  thread of its own, since it returns only once every worker has consumed its stream; meanwhile every
+  rank packs its tensors into its two buckets for its own worker ([Note: vllm packing] in
+  :mod:`hybridmem.adapters.vllm.server.packing`); the ranks then agree on the outcome. Then
+  ``commit_weights()`` closes the transaction with the next version (``finish_weight_update``), resets the
+  prefix cache, and the ranks agree again; ``resume(["kv_cache"])`` wakes the KV cache and resumes
+  generation.
 - INFER->TRAIN: ``release(["kv_cache"])`` pauses generation first, by the engine's policy for requests
   still running (:class:`InFlight`: let them finish, or abort them and count them), then sleeps;
   ``release(["weights"])`` sleeps the weights. Generation stays paused in TRAIN, so weights never change
   under a running request.
 
 When several trainer ranks serve one engine (its tensor-parallel workers, one per device), each rank
-stages its own worker's shards; the engine's ranks agree over ``group`` that every file is written, and
-rank 0 alone makes the control calls, then tells the others how the update went. A failed update leaves
-the engine paused and its weights marked stale: it refuses to generate until a complete update succeeds,
-so it never serves half-written weights.
+streams its own worker's shards; rank 0 alone makes the control calls, and the ranks agree over
+``group`` after the stream and after the commit, so all raise alike. A failed update leaves the engine
+paused and its weights marked stale: it refuses to generate until a complete update succeeds, so it
+never serves half-written weights. The buckets stay allocated in both phases ([Note: vllm buckets] in
+:mod:`hybridmem.adapters.vllm.server.buckets`); the memory plan counts them (``buffer_nbytes()``).
 
 [Note: vllm engine failures]
 A call into the engine's process fails in one of three ways (:class:`~hybridmem.errors.EngineFault`, told
@@ -30,24 +34,32 @@ deadline while its process is still there (holding its memory, and it may still 
 vLLM does not cancel a call its caller gave up on); DEAD, its process is gone and its memory with it.
 Each is an :class:`~hybridmem.errors.EngineProcessError` naming the call, the engine and the fault,
 raised inside a switch as ``SwitchEngineProcessError`` naming the step. No engine call touches the
-trainer's params, grads or optimizer state. Then:
+trainer's params, grads or optimizer state. A stream that breaks is the ``update_weights`` call's
+failure: a worker that closes its channel while it holds a bucket is DEAD when the engine's process is
+gone ("vLLM worker rank r died while holding bucket i"), REFUSED otherwise; its own error message (figures
+that read otherwise, a previous run's message) REFUSED; a worker that does not connect or acknowledge
+within the deadline STALLED. Then:
 
-- TRAIN->INFER failing at any call (``wake_up``, ``start_weight_update``, ``update_weights``,
-  ``finish_weight_update``, ``reset_prefix_cache``, ``resume``): the rollback undoes what the switch
+- TRAIN->INFER failing at any call (``wake_up``, ``start_weight_update``, ``update_weights`` and its
+  stream, ``finish_weight_update``, ``reset_prefix_cache``, ``resume``): the rollback undoes what the switch
   resumed (``release``: ``pause``, and ``sleep`` where vLLM can), each call under its deadline, and phase
   is TRAIN. The weights are marked stale from the moment the first update call may be sent, so the engine
   refuses to generate (:class:`~hybridmem.errors.PhaseError`) until a complete update succeeds; generation
   was paused when the engine last left INFER and is resumed only after one does. Where the undo's call
   fails too (a stalled engine does not answer the ``pause`` either), the rollback fails: FAILED, with a
   ``RollbackError`` whose cause is the step's error; ``recover()`` succeeds once the engine answers
-  again or is killed. A dead engine's death found by the step is not raised again by the undo.
+  again or is killed. A dead engine's death found by the step is not raised again by the undo. A stream
+  given up closes its channel, so the worker's ``update_weights`` fails at once; a worker that reaches a
+  late ``update_weights`` of an update given up on finds its channel refusing it ([Note: vllm channel] in
+  :mod:`hybridmem.adapters.vllm.server.channel`), so that call cannot hold the engine either.
 - The next update first closes a transaction the failed one may have left open: vLLM refuses a start
   while one is open and a finish without one, and a stalled start or update may open or complete one
   after the trainer gave up. It sends ``finish_weight_update`` without a version and takes vLLM's refusal
-  (nothing open) as done; the worker allows finishing a transaction that wrote nothing ([Note: vllm
-  transfer backend] in :mod:`hybridmem.adapters.vllm.server.transfer`). Then a complete start / update /
-  finish with the next version, and the prefix cache reset, rewrite every weight, whatever a late or
-  partial update left.
+  (nothing open) as done; the worker's finish never raises ([Note: vllm transfer backend] in
+  :mod:`hybridmem.adapters.vllm.server.transfer`: vLLM keeps its session open when a backend's finish
+  raises, and would refuse every later start), so this always closes an open session. Then a complete
+  start / update / finish with the next version, and the prefix cache reset, rewrite every weight,
+  whatever a late or partial update left. A ``finish_weight_update`` the engine refused is such a case.
 - INFER->TRAIN: ``release`` pauses generation. A stalled engine fails it (phase FAILED): it still holds
   its memory and may still be generating; ``recover()`` pauses again and succeeds once the engine answers,
   or once it is killed. A dead engine's memory went with its process, so ``release`` counts its tags as
@@ -61,30 +73,35 @@ switch tries again with a complete update. STALLED, resume the engine's process 
 (the engine core, or the server's process group), then ``recover()`` where the phase is FAILED, or switch
 again from TRAIN. DEAD, ``recover()`` where the phase is FAILED; training goes on, and to generate again
 close the manager, start an engine (:meth:`VLLMServerEngine.start_async`, ``launch``, ``connect``) and
-build a manager on it. With several ranks, rank 0 makes every call: in ``commit_weights`` it sends the
-others its outcome and fault, so all raise alike and the switch's vote rolls them back together; a failed
-``release`` or ``resume`` call fails rank 0 alone (in INFER->TRAIN the others reach TRAIN: ``recover()``
-on rank 0).
+build a manager on it. With several ranks, rank 0 makes every call; after the stream the ranks agree on
+the lowest outcome (rank 0's calls and every rank's stream) and after the commit on rank 0's, so all
+raise alike and the switch's vote rolls them back together; a failed ``release`` or ``resume`` call fails
+rank 0 alone (in INFER->TRAIN the others reach TRAIN: ``recover()`` on rank 0).
 
 [Note: vllm engine deadlines]
 Every call has a deadline, sized by what the call waits for. A control call that moves no bulk data
 (pause without running requests, sleep, wake-up, start, finish, reset, resume) gets the client's
 ``timeout_s`` (default 60 s; these take milliseconds on an idle 2-core machine with a small model, and the
-default leaves room for a loaded one). ``update_weights`` also reads every staged byte and repacks it:
-``timeout_s`` plus this rank's staged bytes at :data:`UPDATE_MIN_BPS` (the tensor-parallel workers read
-their shards at once, and shards are equal in size). ``pause`` that lets requests of this engine's
-callers finish (:attr:`InFlight.WAIT` with some in flight) adds their own deadline, the client's
-``generate_timeout_s``. The ranks' agreement in ``commit_weights``: the barrier before the calls waits
-``timeout_s`` of the engine (how far apart the ranks may finish staging), and the broadcast of rank 0's
-outcome that plus the sum of rank 0's call deadlines in between.
+default leaves room for a loaded one). ``update_weights`` runs while the trainer streams, so its waits are
+the stream's: the worker's connection within ``timeout_s`` (another rank than 0 adds rank 0's calls before
+the update, a close and a start); each acknowledgement within ``timeout_s`` plus a bucket and the largest
+module's bytes at :data:`UPDATE_MIN_BPS` (the worker copies the bucket, and may process a module the
+previous one completed); then the call's answer within ``timeout_s`` plus this rank's layout bytes at
+:data:`UPDATE_MIN_BPS` (the tensor-parallel workers end their streams together). Producing the stream
+(the weight sync's own collectives) has the sync's deadline. The call itself, on its thread, has none
+of its own: the switch that gives up closes the channel, and the worker's update then fails at once.
+``pause`` that lets requests of this engine's callers finish (:attr:`InFlight.WAIT` with some in flight)
+adds their own deadline, the client's ``generate_timeout_s``. The ranks' agreements wait ``timeout_s`` of
+the engine (how far apart the ranks may get) plus the sum of rank 0's call deadlines in between.
 
 When the error comes: a refusal at once; a stall at the call's deadline (over HTTP plus the ``/health``
 probe's :data:`~hybridmem.adapters.vllm.server.client.PROBE_S` that tells it from a death); an
 AsyncLLM's engine core that dies while a call waits within
-:data:`~hybridmem.adapters.vllm.server.client.POLL_S`; a ``vllm serve`` engine core that dies under a
-waiting call at that call's deadline (the server keeps the call open, ``/health`` then names the death).
-A switch whose rollback calls a stalled engine again waits once more
-(``tests/adapters/test_vllm_server_faults.py`` measures each case).
+:data:`~hybridmem.adapters.vllm.server.client.POLL_S`, and a worker that dies while it holds a bucket at
+once (its channel closes); a ``vllm serve`` engine core that dies under a waiting call at that call's
+deadline (the server keeps the call open, ``/health`` then names the death). A switch whose rollback
+calls a stalled engine again waits once more (``tests/adapters/test_vllm_server_faults.py`` measures each
+case).
 """
 
 from __future__ import annotations
@@ -95,7 +112,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -105,25 +122,39 @@ from hybridmem.accel import Accelerator, get_accelerator
 from hybridmem.adapters.vllm.names import sync_rule
 from hybridmem.adapters.vllm.outputs import GREEDY
 from hybridmem.adapters.vllm.plugin import BACKEND_NAME
+from hybridmem.adapters.vllm.server.buckets import (
+    Buckets,
+    bucket_limit,
+    check_bucket_nbytes,
+    default_bucket_nbytes,
+    dtype_of,
+)
+from hybridmem.adapters.vllm.server.channel import ChannelError, Listener, channel_path, send_abort
 from hybridmem.adapters.vllm.server.client import VLLMClient
+from hybridmem.adapters.vllm.server.packing import BucketWriter, StreamStats
 from hybridmem.adapters.vllm.server.ranks import EngineRanks, engine_ranks
-from hybridmem.adapters.vllm.server.staging import StagingFile, dtype_of, layout_entries
+from hybridmem.adapters.vllm.server.update import BackgroundCall, stream_error
 from hybridmem.contract.engine import EngineCapabilities, check_tags
 from hybridmem.contract.generation import GenerationOutput
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError
+from hybridmem.reshard.checksum import tensor_checksum
 
 __all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
 
 log = logging.getLogger(__name__)
 
 UPDATE_MIN_BPS = 50e6
-"""The slowest rate at which ``update_weights`` is expected to take staged bytes (see [Note: vllm engine
-deadlines]): a worker reads its shard from shared memory and its backend repacks it, several GB/s on a
-quiet machine; measured 0.2 GB/s for a 1.4 MB model on a 2-core one, where per-call costs dominate."""
+"""The slowest rate at which a worker is expected to take streamed bytes (see [Note: vllm engine
+deadlines]): it copies them out of a bucket and its backend repacks them, several GB/s on a quiet
+machine; measured 0.2 GB/s for a 1.4 MB model on a 2-core one, where per-call costs dominate."""
+
+WORKER_WAIT_S = 1800.0
+"""The longest a worker waits for its trainer rank's next message (a trainer that dies closes the
+channel at once; this bounds one that hangs)."""
 
 _OUTCOME = {None: 1.0, EngineFault.REFUSED: 0.0, EngineFault.STALLED: -1.0, EngineFault.DEAD: -2.0}
-"""Rank 0's outcome of an update as the number it broadcasts (any other error: -3)."""
+"""A rank's outcome of an update as the number the ranks agree on (any other error: -3)."""
 
 
 class InFlight(Enum):
@@ -152,24 +183,32 @@ class VLLMServerEngine:
         in_flight: What leaving INFER does to running requests (:class:`InFlight`).
         sleep_level: vLLM's sleep level on release (2: weights discarded, rewritten by every sync; 1: kept
             in host memory). Ignored where vLLM has no sleep mode (its CPU build).
-        verify: Send the staged tensors' figures with each update; the workers refuse a tensor that reads
-            otherwise (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.server.staging`).
-        staging_dir: Where the staging files go (``/dev/shm``: RAM, shared with the engine's processes).
+        verify: Send each tensor's figures with the bucket that completes it; the workers refuse a tensor
+            that reads otherwise (see [Note: vllm packing] in :mod:`hybridmem.adapters.vllm.server.packing`).
+        staging_dir: Where the engine's shared directory goes (``/dev/shm``: RAM, shared with the engine's
+            processes): the CPU buckets, the channels' sockets.
+        bucket_nbytes: Bytes per bucket (two per rank, [Note: vllm buckets] in
+            :mod:`hybridmem.adapters.vllm.server.buckets`); ``None``: 64 MiB on CPU, on CUDA a sixteenth of
+            the device's free memory, at most 1 GiB.
         timeout_s: Deadline of the ranks' agreement around an update.
         frees_memory: Whether sleeping frees device memory; ``None``: unless vLLM runs on its CPU build
             (its sleep frees nothing).
-        accel: Measures what wake-ups take (co-located: the same device).
+        accel: Where the trainer's buckets live (the trainer rank's device); measures what wake-ups take
+            (co-located: the same device).
         release_now: Release both tags at construction, as :class:`~hybridmem.ShardingManager` expects.
 
     Raises:
+        ValueError: ``bucket_nbytes`` below one page, a device without a bucket path (NPU), or ``group`` of
+            another size than the engine's workers; checked before the engine is asked anything.
+        MemoryError: Two buckets per rank do not fit the shared directory (CPU) or the device (CUDA).
         EngineProcessError: The engine does not answer, or was not started with the hybridmem backend.
-        ValueError: ``group`` has another size than the engine's workers.
     """
 
     def __init__(self, client: VLLMClient, *, hf_config: Any, group: Any = None,
                  in_flight: InFlight | str = InFlight.WAIT, sleep_level: int = 2, verify: bool = True,
-                 staging_dir: str = "/dev/shm", timeout_s: float = 120.0, frees_memory: bool | None = None,
-                 accel: Accelerator | str | None = None, release_now: bool = True):
+                 staging_dir: str = "/dev/shm", bucket_nbytes: int | None = None, timeout_s: float = 120.0,
+                 frees_memory: bool | None = None, accel: Accelerator | str | None = None,
+                 release_now: bool = True):
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level}; expected 1 or 2")
         self.client = client
@@ -182,6 +221,9 @@ class VLLMServerEngine:
         self.accel = get_accelerator("auto" if accel is None else accel)
         self.ranks = EngineRanks(group, accel=self.accel, timeout_s=self.timeout_s)
         self.rank, self.world_size = self.ranks.rank, self.ranks.size
+        # Checked before the engine is asked anything: building an engine re-initialises the workers'
+        # transfer backend, which a running engine on the same client would then find gone.
+        self.bucket_nbytes = _bucket_nbytes(bucket_nbytes, self.accel.device, staging_dir, self.world_size)
         workers = client.world_size()
         if workers != self.world_size:
             raise ValueError(f"the engine at {client.where} runs {workers} workers but group has "
@@ -189,24 +231,37 @@ class VLLMServerEngine:
                              f"ranks it serves)")
         self.frees_memory = (self.accel.name != "cpu") if frees_memory is None else bool(frees_memory)
         self.capabilities = EngineCapabilities(
-            frees_memory=self.frees_memory, memory_note=self.memory_note, writes_in_place=True,
-            reports_residency=True, stages_weights=True, checks_weights=True, describes_weights=True,
-            reports_model_type=True, reports_layout=True,
+            frees_memory=self.frees_memory, memory_note=self.memory_note, streams_layout=True,
+            reports_weight_coverage=True, reports_residency=True, stages_weights=True, checks_weights=True,
+            describes_weights=True, reports_model_type=True, reports_layout=True, holds_buffers=True,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
         self.directory = self.ranks.shared_directory(staging_dir)
-        self.layout = self._worker_layout()
-        entries, nbytes = layout_entries((n, shape, dtype) for n, (shape, dtype) in self.layout.items())
-        staging_path = os.path.join(self.directory, f"staging-rank{self.rank}.bin")
-        self.staging = StagingFile(staging_path, entries, nbytes)
+        self.run = os.path.basename(self.directory)
+        """This engine's run id: the workers refuse an update or bucket message of another."""
+        self.buckets: Buckets | None = None
+        self.listener: Listener | None = None
+        try:
+            self.buckets = Buckets(self.directory, self.rank, bucket_nbytes=self.bucket_nbytes,
+                                   device=self.accel.device)
+            self.listener = Listener(channel_path(self.directory, self.rank), self.rank)
+            self.layout = self._init_workers()
+        except BaseException:
+            self._close_transport()
+            raise
+        self._max_module_nbytes = _max_module_nbytes(self.layout)
         self.version = 0
         """Updates committed so far; the engine's weight version is ``f"hybridmem-{version}"``."""
         self.last_aborted = 0
         """Requests the last release aborted (policy :attr:`InFlight.ABORT`)."""
+        self.last_stream: StreamStats | None = None
+        """What this rank's last complete stream moved."""
         self._in_flight = 0
         self._state = {t: True for t in ENGINE_TAGS}  # resident
         self._current = True  # the served weights are the last committed ones
-        self._staged = False
+        self._loaded = False  # a complete stream since the weights were resumed, not committed yet
+        self._written: set[str] = set()
+        self._load_s = 0.0
         self._trouble = False  # the last control call failed ([Note: vllm engine failures])
         self._update_open = False  # a failed update may have left vLLM's update transaction open
         self._paused = False  # a pause was sent and no resume since: requests would wait for the next resume
@@ -296,19 +351,26 @@ class VLLMServerEngine:
         engine.server = server
         return engine
 
-    def _worker_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """This rank's worker's weights at their load-time shapes, as the worker reports them: its parameters
+    def _init_workers(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Initialise the workers' transfer backend (rank 0, with every rank's buckets and channel) and read
+        this rank's worker's weights at their load-time shapes, as the worker reports them: its parameters
         but those no sync writes (a multimodal model's vision tower) and the persistent buffers the layout
         names (Gemma 4's ``layer_scalar``), the rule of [Note: vllm name check] in
         :mod:`hybridmem.adapters.vllm.names` applied by the worker."""
+        assert self.buckets is not None and self.listener is not None, "the transport comes first"
+        mine = {"channel": self.listener.path, "buckets": self.buckets.descriptor()}
+        everyone = self.ranks.gather(mine, what="every rank's buckets")
         if self.rank == 0:
             weight_names, not_synced = sync_rule(self.hf_config, self.world_size)
-            self.client.init_weight_transfer({"layout_dir": self.directory, "weight_names": weight_names,
-                                              "not_synced": not_synced})
+            self.client.init_weight_transfer_engine({
+                "run": self.run, "layout_dir": self.directory, "bucket_nbytes": self.bucket_nbytes,
+                "ranks": everyone, "wait_s": WORKER_WAIT_S, "weight_names": weight_names,
+                "not_synced": not_synced})
         self.ranks.barrier("the engine's layout")
         path = os.path.join(self.directory, f"layout-rank{self.rank}.json")
         with open(path) as f:
             report = json.load(f)
+        os.unlink(path)  # the shared directory holds the buckets alone
         return {name: (tuple(shape), dtype_of(dtype)) for name, shape, dtype in report["params"]}
 
     # Capabilities -----------------------------------------------------------------------------------
@@ -356,14 +418,8 @@ class VLLMServerEngine:
                              f"{what}: not in the worker {extra}, never written {missing}, shapes {shapes}")
 
     # InferenceEngine --------------------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's worker's weights in the vLLM layout, as writable views of its staging file; what is
-        written there reaches the worker at :meth:`commit_weights`."""
-        self._staged = True
-        return iter(self.staging.tensors().items())
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Not offered: the weights reach this engine through the resharding sync (:meth:`named_parameters`).
+        """Not offered: the weights reach this engine in the vLLM layout (:meth:`load_layout_weights`).
 
         Raises:
             TypeError: Always.
@@ -373,63 +429,114 @@ class VLLMServerEngine:
                         "sync (ShardingManager builds one when the model's config is known); pass "
                         "model_spec= if it is not")
 
-    def commit_weights(self) -> dict[str, Any]:
-        """Hand the staged weights to every worker in one versioned update (see [Note: vllm server switch]).
-
-        Returns:
-            What the switch report shows: ``engine_update_nbytes`` (this rank's staged bytes, what its
-            worker reads), ``engine_update_s`` and ``weight_version``.
+    def load_layout_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream this rank's tensors of the vLLM layout, complete ones, to its worker in one update (see
+        [Note: vllm server switch]); call it on every rank of ``group``, then :meth:`commit_weights`.
 
         Raises:
-            EngineProcessError: The update failed in the engine (the engine then refuses to generate until a
-                complete update succeeds), or a rank of the engine did not stage its part in time.
+            PhaseError: The weights are released.
+            ValueError: A tensor the worker's layout does not have, or of another shape.
+            EngineProcessError: The update failed in the engine, on this rank's stream or another's (the
+                engine then refuses to generate until a complete update succeeds).
         """
         if self._state[WEIGHTS] is not True:
-            raise PhaseError("commit weights to vLLM", "released", "resume(['weights']) first")
+            raise PhaseError("load weights into vLLM", "released", "resume(['weights']) first")
+        assert self.buckets is not None and self.listener is not None, "the engine is closed"
         start = time.perf_counter()
-        info = self.staging.update_info(figures=self.verify, generation=self.version + 1)
-        with open(os.path.join(self.directory, f"update-rank{self.rank}.json"), "w") as f:
-            json.dump(info, f)
+        generation = self.version + 1
         self._current = False
-        self.ranks.barrier("staging every rank's weights")
+        self._loaded = False
+        self._written = set()
+        self.listener.expect(self.run, generation)
+        stream = iter(weights)
+        call: BackgroundCall | None = None
         error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                infos = []
-                for r in range(self.world_size):
-                    with open(os.path.join(self.directory, f"update-rank{r}.json")) as f:
-                        infos.append(json.load(f))
+        writer: BucketWriter | None = None
+        stats: StreamStats | None = None
+        try:
+            if self.rank == 0:
                 if self._update_open:  # [Note: vllm engine failures]
                     self._close_update()
                 self._update_open = True
                 self._control("start_weight_update")
-                self._control("update_weights", infos if self.world_size > 1 else infos[0],
-                              timeout_s=self._deadline_s("update_weights"))
+                info = {"run": self.run, "generation": generation, "verify": self.verify}
+                call = BackgroundCall(self.client.update_weights,
+                                      [info] * self.world_size if self.world_size > 1 else info,
+                                      name="update_weights")
+            watch = call.watch if call is not None else None
+            conn = self.listener.accept(timeout_s=self._deadline_s("connect"), watch=watch)
+            writer = BucketWriter(self.buckets, conn, self.layout, run=self.run,
+                                  checksum=tensor_checksum if self.verify else None,
+                                  ack_timeout_s=self._deadline_s("acknowledge"), watch=watch)
+            for name, tensor in stream:
+                writer.put(name, tensor)
+            stats = writer.finish()
+            conn.close()
+            if call is not None:
+                self._await(call, self._deadline_s("update_weights"), start)
+        except BaseException as exc:  # the other ranks hear of it first, then it is raised
+            holding = [] if writer is None else writer.holding()
+            if writer is not None:
+                writer.abandon()
+            if isinstance(exc, Exception):  # the other ranks' streams need this one's part of the plan
+                _drain(stream)
+            error = self._update_error(exc, call, holding, connected=writer is not None, start=start)
+            if self.rank == 0 and writer is None:  # the others may still wait for their workers
+                for r in range(1, self.world_size):
+                    send_abort(channel_path(self.directory, r), generation, str(error)[:500])
+        finally:
+            self.listener.expect(None)
+        self._agree(error, start, what="every rank's stream", deadline_s=self.timeout_s + sum(
+            self._deadline_s(c) for c in ("finish_weight_update", "start_weight_update", "connect",
+                                          "update_weights")))
+        self._written = set(writer.written) if writer is not None else set()
+        self.last_stream = stats
+        self._loaded = True
+        self._load_s = time.perf_counter() - start
+
+    def commit_weights(self) -> dict[str, Any]:
+        """Close the update :meth:`load_layout_weights` streamed with the next version, and reset the prefix
+        cache (see [Note: vllm server switch]).
+
+        Returns:
+            What the switch report shows: ``engine_update_nbytes`` (this rank's streamed bytes, what its
+            worker took), ``engine_update_s``, ``weight_version`` and ``engine_buckets_handed``.
+
+        Raises:
+            RuntimeError: No complete stream since the weights were resumed.
+            EngineProcessError: The engine refused or failed a call (the engine then refuses to generate
+                until a complete update succeeds), on rank 0 or, as it reports, on another rank.
+        """
+        if not self._loaded or self.last_stream is None:
+            raise RuntimeError(f"rank {self.rank}: commit_weights with no complete load_layout_weights since "
+                               f"the weights were resumed")
+        start = time.perf_counter()
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
                 self._control("finish_weight_update", f"hybridmem-{self.version + 1}")
                 self._update_open = False
                 self._control("reset_prefix_cache")
             except BaseException as exc:  # the other ranks hear of it first, then it is raised
                 error = exc
-        if error is None:
-            code = 1.0
-        else:
-            code = _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
-        code = self.ranks.broadcast_flag(code, deadline_s=self.timeout_s + sum(
-            self._deadline_s(c) for c in ("finish_weight_update", "start_weight_update", "update_weights",
-                                          "finish_weight_update", "reset_prefix_cache")))
-        if error is not None:
-            raise error
-        if code != 1.0:
-            fault = next((f for f, c in _OUTCOME.items() if c == code and f is not None), EngineFault.REFUSED)
-            raise EngineProcessError("update_weights", where=self.client.where, deadline_s=self.timeout_s,
-                                     elapsed_s=time.perf_counter() - start, fault=fault,
-                                     cause="rank 0 of the engine's ranks reported the update failed (its "
-                                     "error names the call)")
+        self._agree(error, start, what="the update's outcome", reduce=False, deadline_s=self.timeout_s + sum(
+            self._deadline_s(c) for c in ("finish_weight_update", "reset_prefix_cache")))
+        self._loaded = False
         self.version += 1
         self._current = True
-        self._staged = False
-        return {"engine_update_nbytes": sum(e.nbytes for e in self.staging.entries),
-                "engine_update_s": time.perf_counter() - start, "weight_version": f"hybridmem-{self.version}"}
+        return {"engine_update_nbytes": self.last_stream.nbytes,
+                "engine_update_s": self._load_s + time.perf_counter() - start,
+                "weight_version": f"hybridmem-{self.version}",
+                "engine_buckets_handed": self.last_stream.num_handed}
+
+    def unwritten_weights(self) -> list[str]:
+        """The tensors of this rank's layout the last :meth:`load_layout_weights` did not write ([Note: weight
+        coverage] in :mod:`hybridmem.weight_sync`)."""
+        return [n for n in self.layout if n not in self._written]
+
+    def buffer_nbytes(self) -> int:
+        """Bytes of this rank's buckets (on its device; host RAM on CPU), held in both phases."""
+        return 0 if self.buckets is None else self.buckets.nbytes
 
     def release(self, tags: Sequence[str]) -> None:
         """Pause generation (by :attr:`in_flight`) when the KV cache goes, then sleep where vLLM can.
@@ -549,11 +656,67 @@ class VLLMServerEngine:
         self._trouble = False
         return result
 
+    def _await(self, call: BackgroundCall, timeout_s: float, start: float) -> None:
+        """The answer of ``update_weights`` running in the background: its error, or a stall past
+        ``timeout_s``."""
+        if not call.wait(timeout_s):
+            self._trouble = True
+            raise self.client.failure("update_weights", deadline_s=timeout_s,
+                                      elapsed_s=time.perf_counter() - start,
+                                      cause="no answer once every bucket was taken")
+        self._trouble = call.error is not None
+        call.watch()
+
+    def _update_error(self, exc: BaseException, call: BackgroundCall | None, holding: list[int], *,
+                      connected: bool, start: float) -> BaseException:
+        """The error a failed :meth:`load_layout_weights` raises: on rank 0 the ``update_weights`` call's own
+        where it failed (its cause is vLLM's account), else the broken stream as [Note: vllm engine failures]
+        says (``holding``: the buckets the worker held)."""
+        if isinstance(exc, ChannelError) and exc.kind == "abort":
+            return exc  # rank 0's error is the one the ranks agree on
+        if call is not None and isinstance(exc, ChannelError) and exc.kind in ("error", "closed"):
+            call.wait(self.timeout_s)  # the worker failed: vLLM answers the call at once
+        if call is not None and call.error is not None:
+            self._trouble = True
+            error = call.error
+            if isinstance(error, EngineProcessError) and error.dead and isinstance(exc, ChannelError):
+                return stream_error(exc, rank=self.rank, holding=holding, where=self.client.where,
+                                    deadline_s=error.deadline_s, start=start, gone=lambda: True)
+            return error
+        if isinstance(exc, ChannelError):
+            self._trouble = True
+            deadline = self._deadline_s("acknowledge" if connected else "connect")
+            return stream_error(exc, rank=self.rank, holding=holding, where=self.client.where,
+                                deadline_s=deadline, start=start, gone=self.client.gone)
+        return exc
+
+    def _agree(self, error: BaseException | None, start: float, *, what: str, deadline_s: float,
+               reduce: bool = True) -> None:
+        """Every rank's outcome (``reduce``: the lowest of them; else rank 0's) on every rank; raise this
+        rank's error, or the agreed one where another rank failed (see [Note: vllm engine failures])."""
+        if error is None:
+            code = 1.0
+        else:
+            code = _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
+        code = self.ranks.broadcast_flag(code, what=what, reduce=reduce, deadline_s=deadline_s)
+        if error is not None and not (isinstance(error, ChannelError) and error.kind == "abort"):
+            raise error
+        if code != 1.0:
+            fault = next((f for f, c in _OUTCOME.items() if c == code and f is not None), EngineFault.REFUSED)
+            raise EngineProcessError("update_weights", where=self.client.where, deadline_s=self.timeout_s,
+                                     elapsed_s=time.perf_counter() - start, fault=fault,
+                                     cause="another of the engine's ranks reported the update failed (its "
+                                     "error names the call)")
+
     def _deadline_s(self, call: str) -> float:
         """The deadline of ``call`` (see [Note: vllm engine deadlines])."""
         deadline = self.client.timeout_s
+        if call == "connect" and self.rank > 0:
+            deadline += 2 * self.client.timeout_s  # rank 0's close and start come first
+        if call == "acknowledge":
+            deadline += (self.bucket_nbytes + self._max_module_nbytes) / UPDATE_MIN_BPS
         if call == "update_weights":
-            deadline += sum(e.nbytes for e in self.staging.entries) / UPDATE_MIN_BPS
+            deadline += sum(math.prod(s) * t.itemsize for s, t in self.layout.values()) / UPDATE_MIN_BPS
         if call == "pause" and self.in_flight is InFlight.WAIT and self._in_flight:
             deadline += self.client.generate_timeout_s
         return deadline
@@ -569,14 +732,20 @@ class VLLMServerEngine:
             log.debug("hybridmem: no update transaction was open in the vLLM engine (%s)", exc)
         self._update_open = False
 
+    def _close_transport(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        if self.buckets is not None:
+            self.buckets.close()
+
     def close(self) -> None:
-        """Remove this rank's staging file and its other files in the shared directory (the directory too,
+        """Remove this rank's buckets, channel and other files in the shared directory (the directory too,
         by the last rank to close) and drop the connection (the engine process keeps running;
         :meth:`start_async`'s AsyncLLM is shut down, :meth:`launch`'s server stopped)."""
-        self.staging.close()
-        for name in (f"layout-rank{self.rank}.json", f"update-rank{self.rank}.json"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.directory, name))
+        self._close_transport()
+        self.buckets = self.listener = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.directory, f"layout-rank{self.rank}.json"))
         with contextlib.suppress(OSError):  # another rank's files are still there: that rank removes it
             os.rmdir(self.directory)
         self.client.close()
@@ -589,8 +758,38 @@ class VLLMServerEngine:
                 f"v{self.version})")
 
 
+def _drain(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run a stream to its end unused: producing it is the weight sync's collectives, which the other ranks
+    wait in until this one has run them all."""
+    try:
+        for _ in weights:
+            pass
+    except Exception as exc:
+        log.warning("hybridmem: the rest of a failed update's stream failed too: %s", exc)
+
+
+def _max_module_nbytes(layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The bytes of the largest module of ``layout`` (what a worker may process at once)."""
+    modules: dict[str, int] = {}
+    for name, (shape, dtype) in layout.items():
+        module = name.rpartition(".")[0]
+        modules[module] = modules.get(module, 0) + math.prod(shape) * dtype.itemsize
+    return max(modules.values(), default=0)
+
+
+def _bucket_nbytes(bucket_nbytes: int | None, device: torch.device, staging_dir: str, ranks: int) -> int:
+    """``bucket_nbytes`` checked against what the device (CUDA) or the shared directory (CPU, shared by the
+    ``ranks`` of one host) can hold, or the default (see [Note: vllm buckets] in
+    :mod:`hybridmem.adapters.vllm.server.buckets`)."""
+    limit, where = bucket_limit(device, staging_dir)
+    if device.type == "cpu" and ranks > 1:
+        limit, where = limit // ranks, f"{where} (shared by {ranks} ranks: its share)"
+    if bucket_nbytes is None:
+        bucket_nbytes = default_bucket_nbytes(device.type, free_nbytes=limit)
+    return check_bucket_nbytes(bucket_nbytes, limit_nbytes=limit, what=where)
+
+
 def _config_of(model: str) -> Any:
     from transformers import AutoConfig  # noqa: PLC0415
 
     return AutoConfig.from_pretrained(model)
-

