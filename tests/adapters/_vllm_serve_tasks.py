@@ -15,10 +15,13 @@ import time
 import urllib.request
 
 from _vllm_server_tasks import (
+    BUCKET_NBYTES,
     MAX_TOKENS,
     PROMPTS,
     VLLM_ENV,
+    ShmSampler,
     hf_greedy,
+    layout_nbytes,
     lm_step,
     save_policy,
 )
@@ -57,66 +60,74 @@ def snapshot(model, opt) -> list:
     return tensors
 
 
-def corrupting_update_info(original):
-    """``StagingFile.update_info`` that takes the figures, then flips a bit of one exponent byte of the
-    first element of :data:`CORRUPTED` in the staging file: what the worker reads differs from what the
-    trainer staged."""
+def corrupting_hand_over(original):
+    """``BucketWriter._hand_over`` that, when the bucket holds the first range of :data:`CORRUPTED`, flips a
+    bit of the exponent byte of that range's first element before the bucket goes to the worker: what the
+    worker reads differs from what the trainer took the figures of."""
 
-    def update_info(self, *, figures, generation):
-        info = original(self, figures=figures, generation=generation)
-        entry = next(e for e in self.entries if e.name == CORRUPTED)
-        self._bytes[entry.offset + 3] ^= 0x40  # float32, little-endian: byte 3 holds the sign and exponent
-        return info
+    def hand_over(self):
+        entry = next((e for e in self._entries if e["name"] == CORRUPTED and e["start"] == 0), None)
+        if entry is not None:  # float32, little-endian: byte 3 holds the sign and exponent
+            self.buckets.views[self._current][entry["offset"] + 3] ^= 0x40
+        return original(self)
 
-    return update_info
+    return hand_over
 
 
 def http_tp1(out: str, steps: str = "3") -> dict:
     """``VLLMServerEngine.launch`` (vllm serve, TP 1): the user's training loop with log-probs, then a
-    switch whose staging file is corrupted after its figures were taken, then one more good switch."""
+    switch whose bucket is corrupted after the figures were taken, then one more good switch. A thread samples
+    what the engine's shared directory holds in ``/dev/shm`` during every switch."""
     import torch
     import transformers
 
     from hybridmem import Direction, Phase, ShardingManager
     from hybridmem.adapters.vllm.server import VLLMServerEngine
-    from hybridmem.adapters.vllm.server.staging import StagingFile
+    from hybridmem.adapters.vllm.server.packing import BucketWriter
     from hybridmem.engines import SamplingParams
     from hybridmem.errors import EngineProcessError, PhaseError
 
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     start = time.monotonic()
-    engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS)
+    engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS, bucket_nbytes=BUCKET_NBYTES)
     res: dict = {"launch_s": time.monotonic() - start, "url": engine.client.where,
                  "server_pid": engine.server.pid, "argv": engine.server.argv, "verify": engine.verify,
+                 "bucket_nbytes": engine.bucket_nbytes, "vllm_layout_nbytes": layout_nbytes(engine),
                  "steps": []}
+    sampler = ShmSampler(engine.directory)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         manager = ShardingManager(model, engine, optimizer=opt)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True)
         for step in range(int(steps)):
-            with manager.inference() as e:
-                outs = e.generate(PROMPTS, params)
+            sampler.reset()
+            manager.to_infer()
+            shm_peak, samples = sampler.reset()
+            outs = engine.generate(PROMPTS, params)
+            manager.to_train()
             sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
             got = [o.token_ids for o in outs]
             res["steps"].append({"got": got, "expected": hf_greedy(model),
                                  "logprobs": [o.logprobs for o in outs],
                                  "hf_logprobs": hf_logprobs(model, PROMPTS, got),
                                  "version": http_get(engine.client.where, "/weight_info")["weight_version"],
-                                 "sync": dict(sync.extra)})
+                                 "sync": dict(sync.extra), "shm_peak_nbytes": shm_peak,
+                                 "shm_samples": samples})
             lm_step(model, opt, step, model.config.vocab_size)
+        sampler.stop()
 
-        # A staging file damaged after the trainer took its figures: the worker refuses the update.
+        # A bucket damaged after the trainer took the figures: the worker refuses the update.
         before = snapshot(model, opt)
-        original = StagingFile.update_info
-        StagingFile.update_info = corrupting_update_info(original)
+        original = BucketWriter._hand_over
+        BucketWriter._hand_over = corrupting_hand_over(original)
         try:
             manager.to_infer()
             res["corrupt"] = {"raised": None}
         except EngineProcessError as exc:
             res["corrupt"] = {"raised": type(exc).__name__, "message": str(exc)}
         finally:
-            StagingFile.update_info = original
+            BucketWriter._hand_over = original
         after = snapshot(model, opt)
         corrupt = res["corrupt"]
         corrupt["phase"] = manager.phase.name
@@ -206,14 +217,20 @@ def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = time.monotonic()
     engine = VLLMServerEngine.launch(model_dir, tensor_parallel_size=2, group=dist.group.WORLD,
-                                     server_args=SERVER_ARGS)
+                                     server_args=SERVER_ARGS, bucket_nbytes=BUCKET_NBYTES)
     launch_s = time.monotonic() - start
     manager = ShardingManager(model, engine, optimizer=opt)
     steps_out = []
+    mine = ShmSampler(engine.directory, prefix=f"bucket-rank{rank}-")  # this rank's buckets
+    everything = ShmSampler(engine.directory)  # the directory: both ranks' buckets, sockets, anything else
     for step in range(int(steps)):
-        with manager.inference() as e:
-            got = [o.token_ids
-                   for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+        mine.reset()
+        everything.reset()
+        manager.to_infer()
+        shm = {"rank_peak_nbytes": mine.reset()[0], "directory_peak_nbytes": everything.reset()[0]}
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        got = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+        manager.to_train()
         sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
         full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # a collective
         expected = None
@@ -221,7 +238,7 @@ def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
             ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             ref.load_state_dict(full)
             expected = hf_greedy(ref)
-        steps_out.append({"got": got, "expected": expected, "sync": dict(sync.extra),
+        steps_out.append({"got": got, "expected": expected, "sync": dict(sync.extra), **shm,
                           "version": engine.weight_version()})
         x = torch.randint(0, model.config.vocab_size, (4, 12),
                           generator=torch.Generator().manual_seed(1000 + step))
@@ -229,9 +246,12 @@ def fsdp_tp2(out: str, steps: str = "3") -> dict | None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    mine.stop()
+    everything.stop()
     manager.close()
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, {"rank": rank, "steps": steps_out})
+    dist.all_gather_object(per_rank, {"rank": rank, "steps": steps_out,
+                                      "bucket_nbytes": engine.bucket_nbytes})
     server = engine.server
     engine.close()
     res = None

@@ -34,11 +34,12 @@ across buckets, and a fifteenth of its vLLM layout (1.4 MB), so a sync reuses ea
 class ShmSampler:
     """Samples, every ``every_s`` on a thread of its own, the bytes the files in ``directory`` hold in memory
     (``st_blocks``: the pages allocated, which is what a file in ``/dev/shm`` takes of RAM), and keeps the
-    largest figure since :meth:`reset` (the whole directory, and per file name prefix)."""
+    largest figure since :meth:`reset` (of the files whose names start with ``prefix``)."""
 
-    def __init__(self, directory: str, every_s: float = 0.002):
+    def __init__(self, directory: str, every_s: float = 0.002, prefix: str = ""):
         self.directory = directory
         self.every_s = every_s
+        self.prefix = prefix
         self.peak = 0
         self.samples = 0
         self._stop = threading.Event()
@@ -52,6 +53,8 @@ class ShmSampler:
         except FileNotFoundError:
             return 0
         for entry in entries:
+            if not entry.name.startswith(self.prefix):
+                continue
             try:
                 total += entry.stat(follow_symlinks=False).st_blocks * 512
             except FileNotFoundError:
@@ -145,7 +148,8 @@ def train_and_switch(engine, model_dir: str, steps: int) -> dict:
             manager.to_train()
             sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
             res["steps"].append({"got": got, "expected": hf_greedy(model), "version": version,
-                                 "sync": dict(sync.extra), "shm_peak_nbytes": shm_peak, "shm_samples": samples})
+                                 "sync": dict(sync.extra), "shm_peak_nbytes": shm_peak,
+                                 "shm_samples": samples})
             lm_step(model, opt, step, model.config.vocab_size)
     finally:
         sampler.stop()
@@ -181,7 +185,8 @@ def bad_bucket_sizes(engine, manager, model, opt) -> dict:
         out["state_intact"] = str(exc)
     expected = hf_greedy(model)
     with manager.inference() as e:
-        got = [o.token_ids for o in e.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        got = [o.token_ids for o in e.generate(PROMPTS, greedy)]
     out["after"] = {"got": got, "expected": expected, "version": engine.weight_version()}
     return out
 

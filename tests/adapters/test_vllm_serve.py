@@ -178,13 +178,23 @@ def test_the_server_serves_the_trained_weights_after_every_step(http_tp1):
 
 
 def test_every_update_is_checked_by_the_worker_and_moves_the_vllm_layout(http_tp1):
-    assert http_tp1["verify"], "the staged tensors' figures go with every update (the engine's default)"
+    assert http_tp1["verify"], "the streamed tensors' figures go with every update (the engine's default)"
     for s in http_tp1["steps"]:
         assert s["sync"]["engine_update_nbytes"] == _tp1_vllm_layout_nbytes()
         assert s["sync"]["weight_version"] in VERSIONS
 
 
-def test_a_staging_file_damaged_after_its_figures_were_taken_is_refused_by_the_worker(http_tp1):
+def test_the_server_takes_the_weights_through_two_buckets_smaller_than_a_tensor(http_tp1):
+    """What the engine's shared directory held in /dev/shm while each switch ran (sampled every 2 ms) never
+    exceeded its two buckets, each smaller than the largest tensor (gate_up_proj) and reused many times."""
+    bucket = http_tp1["bucket_nbytes"]
+    assert bucket < F32 * 2 * I * H and _tp1_vllm_layout_nbytes() >= 4 * bucket, bucket
+    for i, s in enumerate(http_tp1["steps"]):
+        assert s["shm_samples"] >= 3, f"step {i}: the sampler ran {s['shm_samples']} times during the switch"
+        assert 0 < s["shm_peak_nbytes"] <= 2 * bucket, (i, s["shm_peak_nbytes"], bucket)
+
+
+def test_a_bucket_damaged_after_its_figures_were_taken_is_refused_by_the_worker(http_tp1):
     corrupt = http_tp1["corrupt"]
     assert corrupt["raised"] == "SwitchEngineProcessError"  # an EngineProcessError raised by the switch
     # The worker's own refusal, passed on by the server: the figures it read differ from those staged.
@@ -225,23 +235,28 @@ def test_fsdp2_ranks_feed_a_tp2_server_the_trained_weights(fsdp_tp2):
 
 def test_fsdp2_to_tp2_moves_the_fewest_bytes_per_rank(fsdp_tp2, record_property):
     minimum = _fsdp2_to_tp2_min_nbytes_per_rank()
-    staged = _tp2_vllm_layout_nbytes_per_rank()
+    streamed = _tp2_vllm_layout_nbytes_per_rank()
     m2n = _nccl_m2n_nbytes_per_rank()
     rows = []
     for r in fsdp_tp2["ranks"]:
+        bucket = r["bucket_nbytes"]
+        assert bucket < F32 * 2 * I * H // 2 and streamed >= 4 * bucket, bucket  # smaller than a gate_up shard
         for i, s in enumerate(r["steps"]):
             sync = s["sync"]
             assert sync["received_nbytes"] == sync["min_received_nbytes"] == minimum, (r["rank"], i, sync)
-            assert sync["engine_update_nbytes"] == staged, (r["rank"], i, sync)
-        rows.append((r["rank"], r["steps"][-1]["sync"]["received_nbytes"], staged, m2n))
-    record_property("fsdp2_to_tp2_bytes_per_rank", {"hybridmem_received": minimum, "hybridmem_staged": staged,
+            assert sync["engine_update_nbytes"] == streamed, (r["rank"], i, sync)
+            # what its buckets held in /dev/shm during the switch, and the whole directory (both ranks')
+            assert 0 < s["rank_peak_nbytes"] <= 2 * bucket, (r["rank"], i, s["rank_peak_nbytes"])
+            assert s["directory_peak_nbytes"] <= 2 * 2 * bucket, (r["rank"], i, s["directory_peak_nbytes"])
+        rows.append((r["rank"], r["steps"][-1]["sync"]["received_nbytes"], streamed, m2n))
+    record_property("fsdp2_to_tp2_bytes_per_rank", {"hybridmem_received": minimum, "hybridmem_streamed": streamed,
                                                     "nccl_m2n_received": m2n})
     print("\nFSDP2 (2 ranks) -> vllm serve TP 2, bytes per rank and sync:")
-    print(f"{'rank':>4} {'hybridmem: from other ranks':>28} {'hybridmem: into its worker (shm)':>33} "
+    print(f"{'rank':>4} {'hybridmem: from other ranks':>28} {'hybridmem: into its worker (buckets)':>37} "
           f"{'nccl_m2n: into its worker':>26}")
     for rank, received, into, other in rows:
-        print(f"{rank:>4} {received:>28,} {into:>33,} {other:>26,}")
-    assert staged < m2n  # the fused tensors' shards only, where M-to-N sends them whole
+        print(f"{rank:>4} {received:>28,} {into:>37,} {other:>26,}")
+    assert streamed < m2n  # the fused tensors' shards only, where M-to-N sends them whole
 
 
 # launched: no server outlives its trainer -----------------------------------------------------------------
