@@ -270,8 +270,11 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
 
 
 def _dst_dtype(plan: ReshardPlan, local: Any, dtype: torch.dtype) -> torch.dtype:
-    """dtype of an allocated destination tensor: its cells' wire dtype (see [Note: wire dtype])."""
-    return cell_dtype(plan, local.pieces[0].hf_name, dtype) if local.pieces else dtype
+    """dtype of an allocated destination tensor held in ``dtype`` (the wire's, or the engine's): fp32 for a
+    tensor the spec keeps in fp32 where ``dtype`` is narrower (see [Note: wire dtype])."""
+    if local.pieces and plan.src.spec.wire_itemsize(local.pieces[0].hf_name, dtype.itemsize) > dtype.itemsize:
+        return torch.float32
+    return dtype
 
 
 def _data_numel(local: Any) -> int:
