@@ -110,7 +110,8 @@ def test_every_switch_streams_the_trained_weights_in_the_engines_layout(dtype):
             assert got.dtype == dtype and torch.equal(got, tensor.to(dtype)), (step, name)
         sync = next(s for s in report.steps if s.name == "weight sync")
         assert sync.extra["coverage_checked"] is True and sync.extra["num_tensors"] == len(expected)
-        # [Note: no silent dtype change]: a bf16 engine's cast is named, an fp32 one's weights are bit for bit
+        # a bf16 engine's cast is named, an fp32 one's weights are bit for bit ([Note: no silent dtype
+        # change] in :mod:`hybridmem.weight_sync.base`)
         assert ("weights cast: trainer float32 -> engine bfloat16" in sync.extra.get("note", "")) == (
             dtype == torch.bfloat16)
         manager.to_train()
