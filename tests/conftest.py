@@ -55,6 +55,7 @@ ONE_WORKER_MODULES = frozenset({
     "tests/reshard/test_vllm_names.py",
     "tests/reshard/test_vllm_multimodal.py",
     "tests/reshard/test_distributed.py",
+    "tests/reshard/test_layout_stream.py",
     "tests/reshard/test_megatron_names.py",
     "tests/distributed/test_collective_faults.py",
     "tests/engines/test_reference_tp.py",

@@ -24,6 +24,11 @@ attribute is an EngineCapabilities, and every caller (the steps, the weight sync
 report) reads capabilities_of(engine). A declared capability whose method is missing is a TypeError
 naming both, raised when the manager is built. An engine that declares nothing (a third-party object
 implementing the protocol) gets its capabilities read once from the methods it has.
+
+Three of them decide how a resharding sync (``hybridmem.weight_sync.ReshardSync``) hands the engine its
+weights, in this order: ``writes_in_place`` (into the engine's own tensors), ``streams_layout`` (complete
+tensors of the engine's own layout, one at a time, into ``load_layout_weights``), else full HF-named
+tensors of its pipeline stage into ``load_weights``.
 """
 
 from __future__ import annotations
@@ -92,8 +97,11 @@ class EngineCapabilities:
     writes_in_place: bool = False
     """``named_parameters()`` gives the engine's own weight tensors, which a resharding sync may write."""
     streams_layout: bool = False
-    """``load_layout_weights(weights)`` takes this rank's tensors of the engine's own (vLLM) layout, as an
-    iterable of complete ``(name, tensor)`` pairs consumed one at a time (an engine in its own process)."""
+    """``load_layout_weights(weights)`` takes this rank's tensors of the engine's own layout (the vLLM layout
+    its ``parallel_layout`` describes: per-rank TP shards, fused ``qkv_proj``/``gate_up_proj``, vLLM names) as
+    a stream of ``(name, tensor)``, each complete and yielded once; a tensor is valid only until the next one
+    is requested (the engine copies it out). A resharding sync then holds only the tensors in flight, never a
+    copy of the whole model ([Note: layout streams] in :mod:`hybridmem.reshard.execute`)."""
     reports_weight_coverage: bool = False
     """``unwritten_weights()`` lists weights ``load_weights`` has not written since they were resumed."""
     reports_residency: bool = False

@@ -8,7 +8,8 @@
   :mod:`hybridmem.reshard.vllm_versions`).
 - :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
 - :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
-- :func:`run_plan`, :func:`iter_full_tensors`: the plan run over a ``torch.distributed`` group.
+- :func:`run_plan`, :func:`iter_layout_tensors` (:func:`iter_full_tensors` for HF destinations): the plan
+  run over a ``torch.distributed`` group, into given tensors or as a stream of complete ones.
 
 The weight sync that runs a plan on every switch, ``ReshardSync``, is in :mod:`hybridmem.weight_sync`, above
 this package.
@@ -24,7 +25,13 @@ from hybridmem.reshard.conventions import (
     VLLMConvention,
 )
 from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
-from hybridmem.reshard.execute import TransferStats, iter_full_tensors, run_plan
+from hybridmem.reshard.execute import (
+    TransferStats,
+    iter_full_tensors,
+    iter_layout_tensors,
+    run_plan,
+    stream_peak_nbytes,
+)
 from hybridmem.reshard.hf_source import HFSourceLayout, hf_source_layout
 from hybridmem.reshard.layouts import (
     ShardLayout,
@@ -70,7 +77,9 @@ __all__ = [
     "allocate_local",
     "reshard_offline",
     "run_plan",
+    "iter_layout_tensors",
     "iter_full_tensors",
+    "stream_peak_nbytes",
     "TransferStats",
     "CellChecksums",
     "verify_offline",

@@ -1,6 +1,6 @@
 """Run a :class:`~hybridmem.reshard.plan.ReshardPlan` over a ``torch.distributed`` process group.
 
-Every rank calls :func:`run_plan` (or iterates :func:`iter_full_tensors` to the end) with the same plan,
+Every rank calls :func:`run_plan` (or iterates :func:`iter_layout_tensors` to the end) with the same plan,
 in the same order relative to other collectives on ``group``. Per bucket, each rank packs what it sends
 to each peer into one flat buffer, posts one ``isend`` per peer and one ``irecv`` per peer through
 ``dist.batch_isend_irecv`` (gloo on CPU, NCCL on GPU, HCCL on NPU), waits, then copies the received
@@ -29,13 +29,24 @@ not usable afterwards (gloo closes a pair whose operation timed out) and the err
 The one exception is a tensor the spec keeps in fp32 (``ModelSpec.keeps_fp32``: DeepSeek-V3's router
 bias): on a narrower wire its slices travel in fp32, in a second buffer per peer, and local copies of
 it are not cast; every rank knows which cells those are from the plan (``plan.cell_dtype``).
+
+[Note: layout streams]
+:func:`iter_layout_tensors` yields each destination tensor complete, once, and keeps none: a tensor is
+allocated when first touched (zeroed where its layout has padding elements, vocab padding rows), its
+local cells (what this rank holds in the source layout) are copied into it then, and it is yielded and
+dropped as soon as its data elements (the sum of its pieces, as ``run_plan``'s coverage counts them) are
+all written. Tensors made of local cells alone come first, one at a time in destination order (with one
+rank, every tensor); each of the others is touched first by the plan bucket that first brings it a cell
+and completed by the last one. So at most the largest local tensor, or the tensors open across one
+bucket, are alive at once (:func:`stream_peak_nbytes`), never a copy of the whole model. The buckets,
+and so the collectives, are those of :func:`run_plan`, in the same order on every rank.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +65,7 @@ from hybridmem.reshard.deadline import (
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import piece_view
 
-__all__ = ["run_plan", "iter_full_tensors", "TransferStats"]
+__all__ = ["run_plan", "iter_layout_tensors", "iter_full_tensors", "stream_peak_nbytes", "TransferStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,19 +182,19 @@ def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]],
             offset += n
 
 
-def _copy_local(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor],
-                dst: MutableMapping[str, torch.Tensor],
-                dtype: torch.dtype, written: dict[str, int] | None = None) -> set[str]:
-    """This rank's local cells, cast as they would be on the wire; returns the destination names."""
-    names = set()
-    for t in plan.local[rank]:
+def _copy_local(plan: ReshardPlan, cells: Iterable[Transfer], src: Mapping[str, torch.Tensor],
+                dst: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                written: dict[str, int] | None = None) -> int:
+    """Copy local ``cells``, cast as they would be on the wire; returns the number of elements copied."""
+    copied = 0
+    for t in cells:
         piece = piece_view(src[t.src_name], t.src_piece, t.box).to(cell_dtype(plan, t.hf_name, dtype))
         target = piece_view(dst[t.dst_name], t.dst_piece, t.box)
         target.copy_(piece)
         if written is not None:
             written[t.dst_name] = written.get(t.dst_name, 0) + target.numel()
-        names.add(t.dst_name)
-    return names
+        copied += t.numel
+    return copied
 
 
 def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
@@ -240,7 +251,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     sent = received = peak = 0
     _warm_group(plan, group, device, bound)
     with torch.no_grad(), accel.on_side_stream(side):
-        _copy_local(plan, rank, src, dst, dtype, written)
+        _copy_local(plan, plan.local[rank], src, dst, dtype, written)
         for i in range(len(plan.buckets)):
             recvs, bufs, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
             _unpack(recvs, bufs, dst, written)
@@ -259,22 +270,133 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
 
 
 def _dst_dtype(plan: ReshardPlan, local: Any, dtype: torch.dtype) -> torch.dtype:
-    """dtype of an allocated destination tensor: its cells' wire dtype (see [Note: wire dtype])."""
-    return cell_dtype(plan, local.pieces[0].hf_name, dtype) if local.pieces else dtype
+    """dtype of an allocated destination tensor held in ``dtype`` (the wire's, or the engine's): fp32 for a
+    tensor the spec keeps in fp32 where ``dtype`` is narrower (see [Note: wire dtype])."""
+    if local.pieces and plan.src.spec.wire_itemsize(local.pieces[0].hf_name, dtype.itemsize) > dtype.itemsize:
+        return torch.float32
+    return dtype
 
 
-class _AllocateOnFirstUse(dict):
-    """Destination tensors allocated when first indexed (so a stream holds only tensors in flight)."""
+def _data_numel(local: Any) -> int:
+    """Data elements of a destination tensor: its pieces; the rest is padding."""
+    return sum(p.numel for p in local.pieces)
 
-    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype],
-                 device: torch.device):
-        super().__init__()
-        self.shapes, self.dtypes, self.device = shapes, dtypes, device
 
-    def __missing__(self, name: str) -> torch.Tensor:
-        tensor = torch.empty(self.shapes[name], dtype=self.dtypes[name], device=self.device)
-        self[name] = tensor
+def _received_spans(plan: ReshardPlan, rank: int) -> dict[str, tuple[int, int]]:
+    """The first and last bucket of each destination tensor of ``rank`` that receives cells from others."""
+    spans: dict[str, tuple[int, int]] = {}
+    for i, bucket in enumerate(plan.buckets):
+        for t in bucket:
+            if t.dst_rank == rank:
+                spans[t.dst_name] = (spans.get(t.dst_name, (i, i))[0], i)
+    return spans
+
+
+def stream_peak_nbytes(plan: ReshardPlan, rank: int, dtype: torch.dtype) -> int:
+    """The most bytes of destination tensors :func:`iter_layout_tensors` holds at once on ``rank`` (the one
+    yielded included), in ``dtype`` (its ``out_dtype``, else the wire's): the largest tensor made of local
+    cells alone, or the tensors open across one bucket, whichever is more ([Note: layout streams])."""
+    expected = plan.dst.tensors(rank)
+    nbytes = {name: local.numel * _dst_dtype(plan, local, dtype).itemsize for name, local in expected.items()}
+    spans = _received_spans(plan, rank)
+    peak = max((n for name, n in nbytes.items() if name not in spans), default=0)
+    opened = [0] * (len(plan.buckets) + 1)
+    for name, (first, last) in spans.items():
+        opened[first] += nbytes[name]
+        opened[last + 1] -= nbytes[name]
+    alive = 0
+    for change in opened:
+        alive += change
+        peak = max(peak, alive)
+    return peak
+
+
+def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
+                        dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+                        stats: list[TransferStats] | None = None,
+                        deadline_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for each of this rank's destination tensors, complete, once, in the plan's
+    destination layout (any: vLLM's, HF's).
+
+    Holds only the tensors in flight ([Note: layout streams]): at most :func:`stream_peak_nbytes` bytes of
+    destination tensors, the one yielded included, on ``src``'s device. A yielded tensor is this function's
+    to drop: it is valid until the next one is requested, and the caller copies it out. Every rank must
+    exhaust the iterator (a rank that stops early leaves its peers waiting in a bucket).
+
+    Args:
+        plan: The plan (``plan.world_size`` must be the size of ``group``).
+        rank: This process's rank in ``group``.
+        src: This rank's source tensors by name.
+        group: The process group (``None``: the default group).
+        dtype: The element type on the wire, the same on every rank (see [Note: wire dtype]); ``None``:
+            the first source tensor's.
+        out_dtype: The element type of the yielded tensors (a tensor the spec keeps in fp32 stays fp32
+            where it is narrower); ``None``: the wire dtype. Cells are cast to it as they are copied in.
+        stats: When given, one :class:`TransferStats` is appended to it at the end.
+        deadline_s: Seconds from the call within which every collective must complete (see [Note:
+            collective deadlines]); ``None``: no bound but the process group's own timeout.
+
+    Raises:
+        ValueError: A source tensor is missing or has the wrong shape.
+        CollectiveTimeoutError: A peer did not complete a bucket within ``deadline_s`` (stuck or dead).
+        RuntimeError: The plan left a destination tensor incomplete (a bug in a plan; names the tensor).
+    """
+    start = time.perf_counter()
+    bound = deadline_bound(deadline_s)
+    dtype, device = _check_sources(plan, rank, src, dtype)
+    held = dtype if out_dtype is None else out_dtype
+    expected = plan.dst.tensors(rank)
+    remaining = {name: _data_numel(local) for name, local in expected.items()}
+    cells: dict[str, list[Transfer]] = defaultdict(list)
+    for t in plan.local[rank]:
+        cells[t.dst_name].append(t)
+    spans = _received_spans(plan, rank)
+    order = {name: i for i, name in enumerate(expected)}
+    in_flight: dict[str, torch.Tensor] = {}
+    sent = received = peak = 0
+
+    def first_touch(name: str) -> torch.Tensor:
+        local = expected[name]
+        make = torch.zeros if remaining[name] < local.numel else torch.empty
+        tensor = make(local.shape, dtype=_dst_dtype(plan, local, held), device=device)
+        remaining[name] -= _copy_local(plan, cells.pop(name, ()), src, {name: tensor}, dtype)
         return tensor
+
+    _warm_group(plan, group, device, bound)
+    with torch.no_grad():
+        for name in expected:
+            if name not in spans:
+                tensor = first_touch(name)
+                _check_complete(plan, rank, [name], remaining)
+                yield name, tensor
+                del tensor  # before the next one is allocated
+        for i in range(len(plan.buckets)):
+            recvs, bufs, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
+            touched = {t.dst_name for ts in recvs.values() for t in ts}
+            for name in touched - in_flight.keys():
+                in_flight[name] = first_touch(name)
+            _unpack(recvs, bufs, in_flight)
+            del bufs
+            sent, received, peak = sent + s, received + r, max(peak, s + r)
+            for ts in recvs.values():
+                for t in ts:
+                    remaining[t.dst_name] -= t.numel
+            for name in sorted(touched, key=order.__getitem__):
+                if remaining[name] == 0:
+                    yield name, in_flight.pop(name)
+    _check_complete(plan, rank, in_flight, remaining)
+    if stats is not None:
+        stats.append(TransferStats(num_tensors=len(expected), sent_nbytes=sent, received_nbytes=received,
+                                   min_received_nbytes=plan.min_recv_nbytes(rank), temp_peak_nbytes=peak,
+                                   seconds=time.perf_counter() - start))
+
+
+def _check_complete(plan: ReshardPlan, rank: int, names: Iterable[str], remaining: Mapping[str, int]) -> None:
+    left = {name: remaining[name] for name in names if remaining[name]}
+    if left:
+        name, num = next(iter(left.items()))
+        raise RuntimeError(f"rank {rank}: the plan left {len(left)} {plan.dst.side.value} tensors "
+                           f"incomplete, e.g. {name} ({num} data elements unwritten)")
 
 
 def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor],
@@ -283,54 +405,13 @@ def iter_full_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.T
                       deadline_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for this rank's pipeline stage, each as soon as it is complete.
 
-    For engines that only take ``load_weights``: the plan's destination must be an HF layout
-    (:func:`~hybridmem.reshard.layouts.hf_layout`). Every rank must exhaust the iterator (a rank that
-    stops early leaves its peers waiting in a bucket). A tensor is allocated when its first slice
-    arrives and dropped by this function once yielded. When ``stats`` is given, one
-    :class:`TransferStats` is appended to it at the end.
+    :func:`iter_layout_tensors` for engines that only take ``load_weights``: the plan's destination must be
+    an HF layout (:func:`~hybridmem.reshard.layouts.hf_layout`); the tensors are in the wire dtype.
 
     Raises:
         ValueError: The plan's destination is not an HF layout, or a source tensor is wrong.
     """
     if plan.dst.side is not Side.HF:
         raise ValueError(f"iter_full_tensors needs an HF destination layout, got {plan.dst.side.value}")
-    start = time.perf_counter()
-    bound = deadline_bound(deadline_s)
-    dtype, device = _check_sources(plan, rank, src, dtype)
-    expected = plan.dst.tensors(rank)
-    remaining = {name: local.numel for name, local in expected.items()}
-    dst = _AllocateOnFirstUse({n: t.shape for n, t in expected.items()},
-                              {n: _dst_dtype(plan, t, dtype) for n, t in expected.items()}, device)
-    order = {name: i for i, name in enumerate(expected)}
-    sent = received = peak = 0
-
-    def done(names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in sorted(names, key=order.__getitem__):
-            if remaining[name] == 0 and name in dst:
-                yield name, dst.pop(name)
-
-    _warm_group(plan, group, device, bound)
-    with torch.no_grad():
-        touched = _copy_local(plan, rank, src, dst, dtype)
-        for t in plan.local[rank]:
-            remaining[t.dst_name] -= t.numel
-        yield from done(touched)
-        for i in range(len(plan.buckets)):
-            recvs, bufs, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
-            _unpack(recvs, bufs, dst)
-            del bufs
-            sent, received, peak = sent + s, received + r, max(peak, s + r)
-            touched = set()
-            for ts in recvs.values():
-                for t in ts:
-                    remaining[t.dst_name] -= t.numel
-                    touched.add(t.dst_name)
-            yield from done(touched)
-    left = {n: k for n, k in remaining.items() if k}
-    if left:
-        raise RuntimeError(f"rank {rank}: plan left {len(left)} HF tensors incomplete, e.g. "
-                           f"{next(iter(left))}")
-    if stats is not None:
-        stats.append(TransferStats(num_tensors=len(expected), sent_nbytes=sent, received_nbytes=received,
-                               min_received_nbytes=plan.min_recv_nbytes(rank), temp_peak_nbytes=peak,
-                               seconds=time.perf_counter() - start))
+    return iter_layout_tensors(plan, rank=rank, src=src, group=group, dtype=dtype, stats=stats,
+                               deadline_s=deadline_s)

@@ -4,9 +4,9 @@
   one sync did), in :mod:`~hybridmem.weight_sync.base`;
 - :class:`LoadWeightsSync`: ``(name, tensor)`` pairs streamed into the engine's ``load_weights``; it suits
   engines that hold the training layout (``TorchCopyEngine``) or load full HF-named tensors;
-- :class:`ReshardSync`: each rank's inference-layout shards written straight into the engine's parameters
-  (or its pipeline stage's full HF tensors streamed), through the resharding engine
-  (:mod:`hybridmem.reshard`, below this package);
+- :class:`ReshardSync`: each rank's inference-layout shards written straight into the engine's parameters,
+  or streamed to it as complete tensors of its own layout, or as its pipeline stage's full HF tensors
+  (:class:`ReshardRoute`), through the resharding engine (:mod:`hybridmem.reshard`, below this package);
 - :func:`default_weight_sync`: picks between the two from the config's layouts and the model's spec;
 - :class:`LoraSync`: a PEFT LoRA model's adapters into vLLM's LoRA, the base kept by the engine (or
   :func:`merged_lora_weights` streamed where vLLM cannot serve the adapter), see [Note: lora sync] in
@@ -21,8 +21,9 @@ padding) count as written: the sync zeroes them. The proof comes from the party 
 :class:`LoadWeightsSync` asks the engine (``unwritten_weights()``, which ``TorchCopyEngine`` and
 ``ReferenceEngine`` keep per name and row range since the weights were resumed); the resharding sync,
 writing in place, counts the elements each engine tensor received against its plan and lists every
-engine tensor the plan does not fill. An engine without ``unwritten_weights()`` that is written through
-``load_weights`` (vLLM in another process) cannot be checked; ``SyncStats.coverage_checked`` says so.
+engine tensor the plan does not fill; streaming, it asks the engine as :class:`LoadWeightsSync` does. An
+engine without ``unwritten_weights()`` that is written through a stream (``load_weights``,
+``load_layout_weights``) cannot be checked; ``SyncStats.coverage_checked`` says so.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from hybridmem.weight_sync.base import (
 )
 from hybridmem.weight_sync.choice import default_weight_sync, model_spec_of
 from hybridmem.weight_sync.lora import LoraRoute, LoraSync, merged_lora_weights
-from hybridmem.weight_sync.resharding import ReshardSync
+from hybridmem.weight_sync.resharding import ReshardRoute, ReshardSync
 from hybridmem.weight_sync.streamed import LoadWeightsSync
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "WeightSync",
     "LoadWeightsSync",
     "ReshardSync",
+    "ReshardRoute",
     "LoraSync",
     "LoraRoute",
     "merged_lora_weights",

@@ -1,9 +1,9 @@
 """ReshardSync: the TRAIN->INFER weight sync through the resharding engine.
 
 ShardingManager calls :meth:`ReshardSync.sync` on every rank during the weight-sync step, after the
-engine's weight storage is resumed. If the engine exposes ``named_parameters()`` the inference-layout
-shards are written straight into it (vLLM names, see :func:`~hybridmem.reshard.layouts.vllm_layout`);
-otherwise full HF-named tensors of this rank's pipeline stage are streamed into ``load_weights``.
+engine's weight storage is resumed. How the weights reach the engine is one :class:`ReshardRoute`, the first
+the engine's capabilities allow: written in place into its own tensors, streamed as complete tensors of its
+own (vLLM) layout, or streamed as full HF-named tensors of its pipeline stage.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +31,10 @@ from hybridmem.reshard import (
     build_plan,
     hf_layout,
     hf_source_layout,
-    iter_full_tensors,
+    iter_layout_tensors,
     megatron_layout,
     run_plan,
+    stream_peak_nbytes,
     vllm_layout,
 )
 from hybridmem.reshard.deadline import deadline_bound
@@ -49,7 +51,7 @@ from hybridmem.weight_sync.base import (
 if TYPE_CHECKING:
     from hybridmem.contract.engine import InferenceEngine
 
-__all__ = ["ReshardSync", "default_deadline_s"]
+__all__ = ["ReshardSync", "ReshardRoute", "default_deadline_s"]
 
 DEADLINE_BASE_S = 120.0
 """Seconds every sync's deadline allows beyond its bytes: process start-up skew, the engine's own load."""
@@ -66,6 +68,30 @@ def default_deadline_s(plan: ReshardPlan, rank: int) -> float:
 SourceFn = Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]]
 
 
+class ReshardRoute(Enum):
+    """How a :class:`ReshardSync` hands the weights to the engine: the first its capabilities allow
+    (:meth:`of`; [Note: engine capabilities] in :mod:`hybridmem.contract.engine`)."""
+
+    IN_PLACE = "written in place into the engine's own tensors"
+    """``writes_in_place``: the plan's vLLM-layout cells are copied into ``named_parameters()``
+    (:func:`~hybridmem.reshard.run_plan`); only the plan's staging buffers are extra memory."""
+    LAYOUT_STREAM = "complete tensors of the engine's own layout, streamed"
+    """``streams_layout``: this rank's vLLM-layout tensors, in the engine's dtype, into
+    ``load_layout_weights`` (:func:`~hybridmem.reshard.iter_layout_tensors`); only the tensors in flight are
+    extra memory."""
+    HF_STREAM = "full HF-named tensors of its pipeline stage, streamed"
+    """Neither: this rank's stage's full HF tensors, in the wire dtype, into ``load_weights``
+    (:func:`~hybridmem.reshard.iter_full_tensors`); only the tensors in flight are extra memory."""
+
+    @classmethod
+    def of(cls, engine: InferenceEngine) -> ReshardRoute:
+        """The route ``engine``'s declared capabilities allow, in the order of the members."""
+        capabilities = capabilities_of(engine)
+        if capabilities.writes_in_place:
+            return cls.IN_PLACE
+        return cls.LAYOUT_STREAM if capabilities.streams_layout else cls.HF_STREAM
+
+
 class ReshardSync(WeightSync):
     """Reshard training weights (Megatron or HF-named) into an inference engine on every switch.
 
@@ -80,9 +106,9 @@ class ReshardSync(WeightSync):
         group: The process group spanning both layouts (``None``: the default group).
         source: Returns this rank's training tensors by the source layout's names (a mapping or
             ``(name, tensor)`` pairs, e.g. ``model.named_parameters``); called on every sync.
-        engine: The engine; written through ``named_parameters()`` when it has it, else ``load_weights``.
-            An engine with ``check_weights(tensors, what=...)`` (the vLLM adapter) checks this rank's
-            tensors of the vLLM layout against its own parameters here, before anything moves.
+        engine: The engine, written the first way its capabilities allow (:class:`ReshardRoute`). An engine
+            with ``check_weights(tensors, what=...)`` (the vLLM adapter) checks this rank's tensors of the
+            vLLM layout against its own parameters here, before anything moves.
         bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
         verify: Compare per-slice checksums after each sync (raises ``WeightSyncError`` on mismatch).
         dtype: Element type on the wire, the same on every rank (see [Note: wire dtype] in
@@ -107,7 +133,8 @@ class ReshardSync(WeightSync):
         self.source = source
         self.engine = engine
         self.verify = verify
-        self.in_place = capabilities_of(engine).writes_in_place
+        self.route = ReshardRoute.of(engine)
+        """How the weights reach the engine."""
         sources = self._sources_of(source)
         if isinstance(src, ParallelLayout) and looks_hf_named(sources):
             if (src.tp, src.pp, src.ep) != (1, 1, 1):
@@ -127,9 +154,17 @@ class ReshardSync(WeightSync):
         if dtype is None:
             dtype = dominant_dtype(t for n, t in sources.items() if n in read) or torch.float32
         self.dtype = dtype
-        dst_layout = (vllm_layout(spec, dst, world, convention=vllm) if self.in_place
-                      else hf_layout(spec, dst, world,
-                                     vllm_version=vllm.version if vllm is not None else None))
+        streams_hf = self.route is ReshardRoute.HF_STREAM
+        checks_weights = capabilities_of(engine).checks_weights
+        # the engine's own layout: what it holds, and what check_weights compares
+        own = vllm_layout(spec, dst, world, convention=vllm) if checks_weights or not streams_hf else None
+        dst_layout = (hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None)
+                      if streams_hf else own)
+        held = engine_dtypes(engine) if self.route is ReshardRoute.LAYOUT_STREAM else set()
+        self.out_dtype: torch.dtype | None = held.pop() if held else None
+        """The dtype the engine is handed its own layout in, its own (``describes_weights``; a cast the sync
+        report names, [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`); ``None``: the
+        wire dtype."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize,
                                             bucket_nbytes=bucket_nbytes,
@@ -143,14 +178,22 @@ class ReshardSync(WeightSync):
         """Seconds each sync's collectives have on this rank ([Note: collective deadlines] in
         :mod:`hybridmem.reshard.execute`)."""
         # the engine's own parameters vs the tensors this sync fills
-        if capabilities_of(engine).checks_weights:
-            written = dst_layout if self.in_place else vllm_layout(spec, dst, world, convention=vllm)
-            engine.check_weights(written.tensors(self.rank),
+        if checks_weights:
+            engine.check_weights(own.tensors(self.rank),
                                  what=f"the vLLM layout {dst} this sync writes, rank {self.rank}")
 
+    @property
+    def in_place(self) -> bool:
+        """The engine's own tensors are written (:attr:`ReshardRoute.IN_PLACE`)."""
+        return self.route is ReshardRoute.IN_PLACE
+
     def temp_nbytes(self) -> int:
-        """This rank's peak staging bytes in one bucket (plan figure)."""
-        return self.plan.peak_temp_nbytes(self.rank)
+        """This rank's peak staging bytes in one bucket, and on a streamed route the destination tensors in
+        flight (plan figures; [Note: layout streams] in :mod:`hybridmem.reshard.execute`)."""
+        staging = self.plan.peak_temp_nbytes(self.rank)
+        if self.route is ReshardRoute.IN_PLACE:
+            return staging
+        return staging + stream_peak_nbytes(self.plan, self.rank, self.out_dtype or self.dtype)
 
     def collective(self) -> tuple[Any, float] | None:
         """The group and deadline of a sync over several ranks ([Note: switch agreement] in
@@ -176,7 +219,7 @@ class ReshardSync(WeightSync):
         checks = CellChecksums(self.plan, self.rank) if self.verify else None
         if checks is not None:
             checks.add_source(src, self.dtype)
-        if self.in_place:
+        if self.route is ReshardRoute.IN_PLACE:
             params = {k: v.data for k, v in self.engine.named_parameters()}
             written: dict[str, int] = {}
             dst, stats = run_plan(self.plan, rank=self.rank, src=src, group=self.group, dst=params,
@@ -187,21 +230,8 @@ class ReshardSync(WeightSync):
             if checks is not None:
                 checks.add_destinations(dst)
         else:
-            collected: list[TransferStats] = []
-
-            def stream() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, tensor in iter_full_tensors(self.plan, rank=self.rank, src=src, group=self.group,
-                                                      deadline_s=left(),
-                                                      stats=collected, dtype=self.dtype):
-                    if checks is not None:
-                        checks.add_destination(name, tensor)
-                    yield name, tensor
-
-            with torch.no_grad():
-                self.engine.load_weights(stream())
-            stats = collected[0]
+            stats, dst_dtypes = self._stream(src, checks, left())
             unwritten, checked = engine_unwritten(self.engine)
-            dst_dtypes = engine_dtypes(self.engine)
         if checks is not None:
             checks.compare(self.group, device=next(iter(src.values())).device, bound=bound)
         return SyncStats(
@@ -211,6 +241,36 @@ class ReshardSync(WeightSync):
             dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src},
                                   dst_dtypes, self.dtype),
         )
+
+    def _stream(self, src: Mapping[str, torch.Tensor], checks: CellChecksums | None,
+                deadline_s: float | None) -> tuple[TransferStats, set[torch.dtype]]:
+        """Stream the plan's complete destination tensors into the engine; returns the figures and the
+        dtypes the engine was handed (what it holds, where it does not say)."""
+        collected: list[TransferStats] = []
+        dtypes: set[torch.dtype] = set()
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,
+                                                    dtype=self.dtype, out_dtype=self.out_dtype,
+                                                    stats=collected, deadline_s=deadline_s):
+                if checks is not None:
+                    checks.add_destination(name, tensor)
+                dtypes.add(tensor.dtype)
+                yield name, tensor
+                del tensor  # the stream's memory bound: gone before the next one is made
+
+        layout = self.route is ReshardRoute.LAYOUT_STREAM
+        load = self.engine.load_layout_weights if layout else self.engine.load_weights
+        tensors = stream()
+        with torch.no_grad():
+            load(tensors)
+            # The other ranks wait in the plan's buckets until this one has run them all.
+            left = [name for name, _ in tensors]
+        if left:
+            method = "load_layout_weights" if layout else "load_weights"
+            raise RuntimeError(f"rank {self.rank}: {type(self.engine).__name__}.{method} returned before the "
+                               f"end of its stream, leaving {len(left)} tensors, e.g. {left[0]}")
+        return collected[0], (dtypes if layout else engine_dtypes(self.engine))
 
     def _unwritten(self, params: Mapping[str, torch.Tensor], written: Mapping[str, int]) -> tuple[str, ...]:
         """Engine tensors not written exactly once in every data element ([Note: weight coverage] in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridmem.contract.engine import EngineCapabilities
 from hybridmem.reshard import build_plan, hf_layout, megatron_layout, vllm_layout
 from hybridmem.reshard.execute import iter_full_tensors, run_plan
 from hybridmem.weight_sync import ReshardSync
@@ -69,15 +70,42 @@ class LoadOnlyEngine:
         pass
 
 
-def sync_task(ctx, spec, src, dst, *, in_place, corrupt_rank=None):
+class LayoutStreamEngine:
+    """An engine that takes its own (vLLM) layout's tensors as a stream and keeps copies of them."""
+
+    capabilities = EngineCapabilities(streams_layout=True)
+
+    def __init__(self):
+        self.loaded = {}
+
+    def load_layout_weights(self, weights):
+        for name, tensor in weights:
+            assert name not in self.loaded, name
+            self.loaded[name] = tensor.clone()
+
+    def load_weights(self, weights):
+        raise AssertionError("an engine streaming its own layout must not get HF tensors")
+
+    def release(self, tags):
+        pass
+
+    def resume(self, tags):
+        pass
+
+
+def sync_engine(route, layout, rank, **kwargs):
+    """The engine of a ``route``: ``"in_place"``, ``"layout"`` (its own layout streamed) or ``"hf"``."""
+    if route == "in_place":
+        return ParamEngine({n: torch.zeros(t.shape, **kwargs) for n, t in layout.tensors(rank).items()})
+    return LayoutStreamEngine() if route == "layout" else LoadOnlyEngine()
+
+
+def sync_task(ctx, spec, src, dst, *, route, corrupt_rank=None):
     import hybridmem.reshard.execute as execute
 
     full, train = _train(spec, src, ctx.world_size, ctx.rank)
     layout = vllm_layout(spec, dst, ctx.world_size)
-    if in_place:
-        engine = ParamEngine({n: torch.zeros(t.shape) for n, t in layout.tensors(ctx.rank).items()})
-    else:
-        engine = LoadOnlyEngine()
+    engine = sync_engine(route, layout, ctx.rank)
     if corrupt_rank == ctx.rank:
         original = execute._unpack
 
@@ -97,7 +125,7 @@ def sync_task(ctx, spec, src, dst, *, in_place, corrupt_rank=None):
     finally:
         if corrupt_rank == ctx.rank:
             execute._unpack = original
-    got = engine.tensors if in_place else engine.loaded
+    got = engine.tensors if route == "in_place" else engine.loaded
     return got, stats, error, sync.temp_nbytes()
 
 

@@ -11,8 +11,10 @@ from hybridmem.config import ParallelLayout
 from hybridmem.reshard import (
     ModelSpec,
     build_plan,
+    hf_layout,
     megatron_layout,
     reshard_offline,
+    stream_peak_nbytes,
     vllm_layout,
 )
 from hybridmem.testing.workers import WorkerPool
@@ -122,27 +124,37 @@ SPEC = ModelSpec(family="qwen2", hidden_size=8, num_attention_heads=4, num_key_v
                  intermediate_size=8, num_hidden_layers=2, vocab_size=70, qkv_bias=True)
 
 
-@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("route", ["in_place", "layout", "hf"])
 @pytest.mark.parametrize("src", [ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2)], ids=["tp2pp2", "tp2"])
-def test_reshard_sync_writes_engine_and_verifies(pool, in_place, src):
+def test_reshard_sync_writes_engine_and_verifies(pool, route, src):
     """From TP2xPP2 into TP2, and from TP2 into TP4 (where a rank can have nothing to send or receive, and
-    still takes part in the checksum comparison)."""
+    still takes part in the checksum comparison): in place, as a stream of the engine's own layout, and as
+    full HF tensors."""
     dst = ParallelLayout(tp=2) if src.pp == 2 else ParallelLayout(tp=4)
-    results = pool.run(_tasks.sync_task, SPEC, src, dst, in_place=in_place, world_size=4)
+    results = pool.run(_tasks.sync_task, SPEC, src, dst, route=route, world_size=4)
     full = random_full(SPEC)
     for r, (got, stats, error, temp) in enumerate(results):
         assert error is None, error
-        ref = vllm_shard(full, SPEC, tp=dst.tp, pp=1, ep=1, world=4, rank=r) if in_place else full
+        ref = full if route == "hf" else vllm_shard(full, SPEC, tp=dst.tp, pp=1, ep=1, world=4, rank=r)
         assert set(got) == set(ref)
         assert all(torch.equal(got[n], t) for n, t in ref.items())
         assert stats.received_nbytes == stats.min_received_nbytes
-        assert stats.temp_peak_nbytes <= temp <= 256
+        # a stream's complete tensors in flight count beside the staging buckets
+        in_flight = 0 if route == "in_place" else stream_peak_nbytes(
+            _plan(SPEC, src, dst, r, hf=route == "hf"), r, torch.float32)
+        assert stats.temp_peak_nbytes <= temp - in_flight <= 256
         assert (stats.temp_peak_nbytes > 0) == (stats.sent_nbytes + stats.received_nbytes > 0)
 
 
-def test_reshard_sync_detects_corruption(pool):
+def _plan(spec, src, dst, rank, *, hf):
+    return build_plan(megatron_layout(spec, src, 4), (hf_layout if hf else vllm_layout)(spec, dst, 4),
+                      itemsize=4, bucket_nbytes=256, rank=rank)
+
+
+@pytest.mark.parametrize("route", ["in_place", "layout"])
+def test_reshard_sync_detects_corruption(pool, route):
     results = pool.run(_tasks.sync_task, SPEC, ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2),
-                       in_place=True, corrupt_rank=1, world_size=4)
+                       route=route, corrupt_rank=1, world_size=4)
     for _got, _stats, error, _ in results:
         assert error is not None and error.startswith("WeightSyncError")
         assert "written on rank 1" in error

@@ -19,7 +19,7 @@ from hybridmem.reshard import (
 from hybridmem.reshard.checksum import verify_offline
 from hybridmem.reshard.execute import run_plan
 from hybridmem.weight_sync import ReshardSync
-from tests.reshard._tasks import LoadOnlyEngine, ParamEngine
+from tests.reshard._tasks import ParamEngine, sync_engine
 from tests.reshard.reference import random_full, vllm_shard
 
 SPEC = ModelSpec(family="qwen3", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -46,20 +46,16 @@ def test_run_plan_world1_writes_in_place(device):
     assert stats.num_tensors == len(ref)
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_reshard_sync_single_process(device, in_place):
+@pytest.mark.parametrize("route", ["in_place", "layout", "hf"])
+def test_reshard_sync_single_process(device, route):
     full = _full(device)
     train = shard(full, megatron_layout(SPEC, ParallelLayout(), 1), 0)
     dst = vllm_layout(SPEC, ParallelLayout(), 1)
-    if in_place:
-        engine = ParamEngine({n: torch.zeros(t.shape, dtype=torch.bfloat16, device=device)
-                              for n, t in dst.tensors(0).items()})
-    else:
-        engine = LoadOnlyEngine()
+    engine = sync_engine(route, dst, 0, dtype=torch.bfloat16, device=device)
     sync = ReshardSync(SPEC, ParallelLayout(), ParallelLayout(), None, lambda: train, engine, verify=True)
     stats = sync.sync()
-    got = engine.tensors if in_place else engine.loaded
-    ref = shard(full, dst, 0) if in_place else full
+    got = engine.tensors if route == "in_place" else engine.loaded
+    ref = full if route == "hf" else shard(full, dst, 0)
     assert set(got) == set(ref) and all(torch.equal(got[n], t) for n, t in ref.items())
     assert stats.num_tensors == len(ref) and stats.received_nbytes == 0
 

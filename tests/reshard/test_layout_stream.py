@@ -1,0 +1,136 @@
+"""iter_layout_tensors: each rank's tensors of the engine's own (vLLM) layout, complete and once each, equal
+to the independent reference shards; and only the tensors in flight are alive, measured by a spy on the
+allocations (1 rank in this process, 2 and 4 over a gloo pool)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem.config import ParallelLayout
+from hybridmem.reshard import (
+    ModelSpec,
+    build_plan,
+    hf_layout,
+    megatron_layout,
+    stream_peak_nbytes,
+    vllm_layout,
+)
+from hybridmem.testing.workers import WorkerPool
+from tests.reshard import _stream_tasks
+from tests.reshard.reference import vllm_shard
+
+BUCKET = 256
+
+QWEN2 = ModelSpec(family="qwen2", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+                  intermediate_size=16, num_hidden_layers=2, vocab_size=70, qkv_bias=True)
+QWEN3_TIED = ModelSpec(family="qwen3", hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=4, intermediate_size=16, num_hidden_layers=3, vocab_size=33, qk_norm=True,
+                       tie_word_embeddings=True)
+MOE = ModelSpec(family="qwen2_moe", hidden_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=2,
+                intermediate_size=0, num_hidden_layers=2, vocab_size=70, qkv_bias=True, num_experts=8,
+                moe_intermediate_size=4, shared_expert_intermediate_size=8)
+DEEPSEEK = ModelSpec(family="deepseek_v3", hidden_size=8, num_attention_heads=4, num_key_value_heads=4,
+                     head_dim=6, intermediate_size=8, num_hidden_layers=2, vocab_size=70, num_experts=4,
+                     moe_intermediate_size=4, shared_expert_intermediate_size=8, first_k_dense_replace=1,
+                     q_lora_rank=4, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+
+CASES = {
+    # id: (spec, training layout, inference layout, world)
+    "qwen2-1rank": (QWEN2, ParallelLayout(), ParallelLayout(), 1),
+    "qwen3-tied-1rank": (QWEN3_TIED, ParallelLayout(), ParallelLayout(), 1),
+    "deepseek-1rank": (DEEPSEEK, ParallelLayout(), ParallelLayout(), 1),
+    "qwen2-tp2-to-tp1": (QWEN2, ParallelLayout(tp=2), ParallelLayout(tp=1), 2),
+    "qwen2-pp2-to-tp2": (QWEN2, ParallelLayout(pp=2), ParallelLayout(tp=2), 2),
+    "moe-ep4-to-tp4": (MOE, ParallelLayout(ep=4), ParallelLayout(tp=4), 4),
+    "moe-tp2ep2-to-ep4": (MOE, ParallelLayout(tp=2, ep=2), ParallelLayout(tp=1, ep=4), 4),
+    "deepseek-tp2pp2-to-ep4": (DEEPSEEK, ParallelLayout(tp=2, pp=2), ParallelLayout(tp=1, ep=4), 4),
+    "qwen3-tied-tp2-to-tp2pp2": (QWEN3_TIED, ParallelLayout(tp=2), ParallelLayout(tp=2, pp=2), 4),
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(4, timeout_s=300) as p:
+        yield p
+
+
+def _run(pool, spec, src, dst, world, **kwargs):
+    """Per rank: ``(full, names in order, {name: tensor}, peak bytes alive)``."""
+    if world == 1:
+        return [_stream_tasks.stream(spec, src, dst, rank=0, world=1, group=None, bucket=BUCKET, **kwargs)]
+    return pool.run(_stream_tasks.stream_task, spec, src, dst, BUCKET, world_size=world, **kwargs)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_stream_is_the_reference_vllm_shard_each_tensor_once(pool, case):
+    spec, src, dst, world = CASES[case]
+    for rank, (full, names, got, _) in enumerate(_run(pool, spec, src, dst, world)):
+        ref = vllm_shard(full, spec, tp=dst.tp, pp=dst.pp, ep=dst.ep, world=world, rank=rank)
+        assert len(names) == len(set(names)) and set(names) == set(ref), (rank, set(names) ^ set(ref))
+        for name, tensor in ref.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (rank, name)
+
+
+def test_one_rank_streams_in_the_layouts_order():
+    full, names, _, _ = _run(None, QWEN3_TIED, ParallelLayout(), ParallelLayout(), 1)[0]
+    assert names == list(vllm_layout(QWEN3_TIED, ParallelLayout(), 1).tensors(0))
+
+
+def test_the_stream_casts_to_the_engines_dtype_but_keeps_fp32_tensors(pool):
+    """An fp32 wire into a bf16 engine: every tensor arrives in bf16 but DeepSeek's router bias, which vLLM
+    keeps in fp32 (PP2 -> TP2 moves layer 1, the bias among it, over the wire to rank 0)."""
+    src, dst = ParallelLayout(pp=2), ParallelLayout(tp=2)
+    results = _run(pool, DEEPSEEK, src, dst, 2, out_dtype=torch.bfloat16)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    for rank, (full, _, got, _) in enumerate(results):
+        ref = vllm_shard(full, DEEPSEEK, tp=2, pp=1, ep=1, world=2, rank=rank)
+        for name, tensor in ref.items():
+            want = tensor if name == bias else tensor.to(torch.bfloat16)
+            assert got[name].dtype == want.dtype and torch.equal(got[name], want), (rank, name)
+
+
+def _plan(spec, src, dst, world, rank, hf=False):
+    layout = (hf_layout if hf else vllm_layout)(spec, dst, world)
+    return build_plan(megatron_layout(spec, src, world), layout, itemsize=4, bucket_nbytes=BUCKET, rank=rank)
+
+
+def _bucket_bound(plan, rank) -> tuple[int, int]:
+    """``(the bound, every destination tensor's bytes)``: the larger of the largest tensor no bucket brings a
+    cell to, and, per bucket, the tensors that bucket or an earlier one brought cells to and that bucket or a
+    later one still brings cells to (fp32 here, 4 bytes an element)."""
+    nbytes = {name: local.numel * 4 for name, local in plan.dst.tensors(rank).items()}
+    brought = [{t.dst_name for t in bucket if t.dst_rank == rank} for bucket in plan.buckets]
+    bound = max((n for name, n in nbytes.items() if not any(name in b for b in brought)), default=0)
+    for i in range(len(brought)):
+        open_ = set().union(*brought[:i + 1]) & set().union(*brought[i:])
+        bound = max(bound, sum(nbytes[name] for name in open_))
+    return bound, sum(nbytes.values())
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["vllm", "hf"])
+def test_one_rank_holds_one_tensor_at_a_time(hf):
+    """Every cell is local: the stream holds the tensor it yields, nothing else (the old order copied every
+    local cell first, into a whole copy of the model)."""
+    _, _, got, peak = _stream_tasks.stream(QWEN2, ParallelLayout(), ParallelLayout(), rank=0, world=1,
+                                           group=None, bucket=BUCKET, hf=hf)
+    largest = max(t.numel() * t.element_size() for t in got.values())
+    assert 0 < peak <= largest < sum(t.numel() * t.element_size() for t in got.values())
+    plan = _plan(QWEN2, ParallelLayout(), ParallelLayout(), 1, 0, hf=hf)
+    assert stream_peak_nbytes(plan, 0, torch.float32) == largest
+
+
+@pytest.mark.parametrize("case", ["qwen2-tp2-to-tp1", "moe-tp2ep2-to-ep4", "deepseek-tp2pp2-to-ep4"])
+def test_ranks_hold_only_what_the_buckets_have_open(pool, case):
+    """Each rank's peak of destination bytes alive is at most what the plan's buckets have touched and not
+    completed (never every tensor with a local cell at once), and the plan figure says so."""
+    spec, src, dst, world = CASES[case]
+    results = _run(pool, spec, src, dst, world)
+    below_total = []
+    for rank, (_, _, _, peak) in enumerate(results):
+        plan = _plan(spec, src, dst, world, rank)
+        bound, total = _bucket_bound(plan, rank)
+        assert 0 < peak <= bound, (rank, peak, bound)
+        assert stream_peak_nbytes(plan, rank, torch.float32) == bound
+        below_total.append(bound < total)
+    assert all(below_total), below_total  # the cases are ones where the bound bites
