@@ -10,7 +10,8 @@ model. The file is allocated once and reused by every switch. A weight update th
 and, per tensor, its dtype, shape and byte offset (:class:`StagedTensor`), as plain JSON: vLLM hands
 the worker exactly what the trainer sent.
 
-Each tensor carries two figures (:func:`tensor_figures`: its sum and a position-weighted sum, in float64)
+Each tensor carries two figures (:func:`tensor_figures`, that is
+:func:`~hybridmem.reshard.checksum.tensor_checksum`: its sum and a position-weighted sum, in float64)
 computed by the trainer from what it staged; the worker recomputes them from what its parameter holds
 after the copy and refuses the update on a difference, naming the tensor (an offset or dtype read
 wrongly, a file rewritten under the worker). Offsets are aligned to :data:`ALIGN` bytes.
@@ -27,6 +28,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from hybridmem.reshard.checksum import tensor_checksum as tensor_figures
 
 __all__ = ["ALIGN", "StagedTensor", "StagingFile", "layout_entries", "map_staged", "tensor_figures",
            "dtype_name", "dtype_of"]
@@ -92,15 +95,6 @@ def layout_entries(
         entries.append(entry)
         offset += -(-entry.nbytes // ALIGN) * ALIGN
     return entries, max(offset, ALIGN)
-
-
-def tensor_figures(t: torch.Tensor) -> tuple[float, float]:
-    """``(sum, position-weighted sum)`` of ``t`` in float64 (weights ``1 + (i mod 61) / 61`` over the
-    flattened index), so a swapped slice changes the second figure."""
-    flat = t.detach().reshape(-1).to(torch.float64)
-    index = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
-    weights = 1.0 + torch.remainder(index, 61) / 61
-    return float(flat.sum()), float(flat @ weights)
 
 
 class StagingFile:
