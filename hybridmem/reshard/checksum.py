@@ -9,13 +9,14 @@ message per peer, cells in plan order, so a rank's own share of the plan is enou
 and one ``all_reduce`` of one count per rank tells every rank whether any rank found a mismatch: every rank
 then raises :class:`~hybridmem.errors.WeightSyncError`, the finding rank naming the tensor, the slice
 and both ranks, the others naming the ranks that found it. Cost: one extra read of the weights in
-float64 chunks (bounded by ``_CHUNK_NUMEL``), ``2`` doubles per cell sent, and ``world`` doubles summed.
+float64 chunks (see [Note: checksum chunks]), ``2`` doubles per cell sent, and ``world`` doubles summed.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,30 +29,134 @@ from hybridmem.reshard.transforms import Box, piece_view
 
 __all__ = ["box_checksum", "CellChecksums", "tensor_checksum", "verify_offline"]
 
-_CHUNK_NUMEL = 1 << 22
+_CHUNK_NUMEL = 1 << 18
+"""Float64 elements of the one cast buffer on a CPU: 2 MiB, so each thread's half of a chunk stays in
+its core's L2 while the two products read it back (2**17 to 2**18 are the fastest on cpu-2c; 2**15 pays
+more in per-chunk calls, 2**22 writes each chunk out to memory and reads it back)."""
+
+_ACCEL_CHUNK_NUMEL = 1 << 22
+"""The same off the CPU: 32 MiB, so a 100 MB tensor takes a dozen chunks of three kernel launches."""
+
+
+@functools.lru_cache(maxsize=64)
+def _periodic(period: int, numel: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(numel, dtype=torch.float64, device=device).remainder_(period).div_(period).add_(1.0)
 
 
 def _weights(lo: int, hi: int, period: int, device: torch.device) -> torch.Tensor:
-    idx = torch.arange(lo, hi, dtype=torch.float64, device=device)
-    return 1.0 + torch.remainder(idx, period) / period
+    """``1 + (i mod period) / period`` for ``lo <= i < hi`` (period 1: all ones), a read-only view of a
+    cached vector (lengths rounded up to a power of two, so a few vectors serve every call)."""
+    numel = 1 << (hi - lo + period - 2).bit_length()
+    start = lo % period
+    return _periodic(period, numel, device)[start:start + hi - lo]
+
+
+def _figures(x: torch.Tensor, row_lo: int, row_period: int, col_lo: int,
+             col_period: int) -> tuple[float, float]:
+    """``(sum, u @ x @ v)`` of the 2-D ``x`` in float64, ``u`` and ``v`` the :func:`_weights` of its rows
+    from ``row_lo`` and of its columns from ``col_lo``.
+
+    [Note: checksum chunks]
+    One read of ``x``: each chunk (whole rows, or part of one row when a row is longer than a chunk) is
+    cast into one reused float64 buffer and read back, while still in cache, by two matrix-vector
+    products, ``chunk @ v`` and ``chunk @ 1``, added into two per-row accumulators. The weighted one is
+    indexed by row class: a chunk's rows land from position ``(row_lo + first row) mod row_period`` on,
+    so ``u`` (one period long, plus a chunk's height) is applied once at the end. Why not fewer or other
+    passes (cpu-2c, 100 MB): ``torch.sum(x, dtype=float64)`` casts all of ``x`` first (a transient of
+    the whole tensor in float64; 6x the copy's time for fp32, 12x for bf16); ``chunk @ [v, 1]`` as one
+    ``(n, 2)`` product is slower in MKL than two ``mv``; summing row periods
+    (``chunk.view(-1, 61, cols).sum(0)``) needs 61 rows per chunk, more than a core's L2 for a 4096-wide
+    weight. What is left is mostly the cast itself (about 0.6x the copy's time for fp32, 1.0x for bf16:
+    one float64 element written per element read). Float64 accumulation throughout, so the figures agree
+    to float64 rounding whatever the chunking or the thread count.
+    """
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        return 0.0, 0.0
+    chunk = _CHUNK_NUMEL if x.device.type == "cpu" else _ACCEL_CHUNK_NUMEL
+    row_step, col_step = (min(rows, max(1, chunk // cols)), cols) if cols <= chunk else (1, chunk)
+    device = x.device
+    buf = torch.empty(row_step * col_step, dtype=torch.float64, device=device)
+    # weighted[p]: the products of rows in class p mod row_period (the chunk at row r starts at its class)
+    weighted = torch.zeros(row_step + row_period - 1, dtype=torch.float64, device=device)
+    total = torch.zeros(row_step, dtype=torch.float64, device=device)
+    for c in range(0, cols, col_step):
+        width = min(col_step, cols - c)
+        v = _weights(col_lo + c, col_lo + c + width, col_period, device)
+        ones = _weights(0, width, 1, device)
+        block = buf[:row_step * width].view(row_step, width)
+        for r in range(0, rows, row_step):
+            height = min(row_step, rows - r)
+            part = block[:height]
+            part.copy_(x[r:r + height, c:c + width])
+            start = (row_lo + r) % row_period
+            weighted[start:start + height].addmv_(part, v)
+            total[:height].addmv_(part, ones)
+    u = _weights(0, weighted.numel(), row_period, device)
+    figures = torch.stack([total.sum(), u @ weighted]).tolist()
+    return figures[0], figures[1]
 
 
 def box_checksum(x: torch.Tensor, box: Box) -> tuple[float, float]:
-    """``(sum, weighted sum)`` of ``x``, the slice ``box`` of an HF-full tensor (1-D or 2-D box)."""
-    x = x.reshape(tuple(b - a for a, b in box))
+    """``(sum, weighted sum)`` in float64 of ``x``, the slice ``box`` of an HF-full tensor (1-D or 2-D box).
+
+    The weights belong to the HF-full coordinates, so a receiver holding the same cell in another layout
+    gets the same figures: ``u(row) @ x @ v(col)`` with ``u = 1 + (row mod 61) / 61`` and
+    ``v = 1 + (col mod 53) / 53`` (a 1-D box: ``x @ u(index)``). Computed where ``x`` lies, in chunks (see
+    [Note: checksum chunks]): whatever the size of ``x``, the transient is one buffer of at most
+    ``_CHUNK_NUMEL`` float64 elements (2 MiB; ``_ACCEL_CHUNK_NUMEL``, 32 MiB, off the CPU) and two
+    float64 accumulators of a chunk's height plus 60 (``_CHUNK_NUMEL // width``: small but for narrow
+    boxes, so three chunks at worst). ``x`` is viewed with ``box``'s shape (copied by ``reshape`` only
+    where no view exists).
+    """
+    x = x.detach()
+    shape = tuple(b - a for a, b in box)
+    if tuple(x.shape) != shape:
+        x = x.reshape(shape)
+    if x.is_complex():
+        raise TypeError(f"box_checksum takes real tensors, got {x.dtype}")
     if x.dim() == 1:
-        x64 = x.to(torch.float64)
-        return float(x64.sum()), float(x64 @ _weights(box[0][0], box[0][1], 61, x.device))
+        return _figures(x[None], 0, 1, box[0][0], 61)
     if x.dim() != 2:
         raise ValueError(f"box_checksum supports 1-D and 2-D boxes, got {box}")
-    (r0, r1), (c0, c1) = box
-    v = _weights(c0, c1, 53, x.device)
+    return _figures(x, box[0][0], 61, box[1][0], 53)
+
+
+def _row_views(t: torch.Tensor, row_lo: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, 2-D view)`` covering the rows of ``t`` (2-D or more, viewed as ``(-1, last dim)``)
+    in order: one view where the strides allow it, else one per leading index (never a copy)."""
+    try:
+        rows = t.view(-1, t.shape[-1])
+    except RuntimeError:  # strides no view can merge (a permuted tensor): split the leading dim
+        rows_per_index = math.prod(t.shape[1:-1])
+        for i in range(t.shape[0]):
+            yield from _row_views(t[i], row_lo + i * rows_per_index)
+        return
+    yield row_lo, rows
+
+
+def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
+    """``(sum, weighted sum)`` in float64 of the whole of ``t``, computed on its own device.
+
+    Defined as :func:`box_checksum` of ``t`` viewed as ``(numel // last dim, last dim)`` with the box
+    ``((0, rows), (0, cols))``, a 0-D or 1-D ``t`` as the 1-D box ``((0, numel),)``: the same function
+    and the same bounded transient. Values are read as numbers: floating dtypes (fp8 included), integers
+    and bool are cast to float64 exactly (int64 beyond ``2**53`` rounds); complex dtypes raise.
+
+    Raises:
+        TypeError: ``t`` is complex.
+    """
+    t = t.detach()
+    if t.is_complex():
+        raise TypeError(f"tensor_checksum takes real tensors, got {t.dtype}")
+    if t.dim() <= 1:
+        return box_checksum(t.reshape(-1), ((0, t.numel()),))
+    if t.numel() == 0:
+        return 0.0, 0.0
     total = weighted = 0.0
-    step = max(1, _CHUNK_NUMEL // max(1, c1 - c0))
-    for s in range(0, r1 - r0, step):
-        part = x[s:s + step].to(torch.float64)
-        total += float(part.sum())
-        weighted += float(_weights(r0 + s, r0 + s + part.shape[0], 61, x.device) @ part @ v)
+    for row_lo, rows in _row_views(t, 0):
+        figures = _figures(rows, row_lo, 61, 0, 53)
+        total, weighted = total + figures[0], weighted + figures[1]
     return total, weighted
 
 
@@ -214,13 +319,3 @@ def verify_offline(plan: ReshardPlan, src: Sequence[Mapping[str, torch.Tensor]],
         figures[1, i] = torch.tensor(box_checksum(received, t.box))
     return _raise_on_mismatch(cells, figures)
 
-
-def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
-    """``(sum, weighted sum)`` in float64 of the whole of ``t``, on its own device: :func:`box_checksum` of
-    ``t`` viewed as ``(numel // last dim, last dim)``, a 0-D or 1-D ``t`` as the 1-D box ``((0, numel),)``."""
-    t = t.detach()
-    if t.dim() <= 1:
-        return box_checksum(t.reshape(-1), ((0, t.numel()),))
-    cols = t.shape[-1]
-    rows = t.numel() // cols if cols else 0
-    return box_checksum(t.reshape(rows, cols), ((0, rows), (0, cols)))

@@ -1,8 +1,11 @@
-"""The weight-sync checksum tells a fused weight whose rows were exchanged from the right one.
+"""The weight-sync checksum: its figures, its bounded transient, and a fused weight whose rows were
+exchanged told from the right one.
 
-A wrong interleave of a fused ``qkv_proj`` / ``gate_up_proj`` (rows of q, k and v, or of gate and up, put
-in each other's places) moves no value in or out of a slice, so the plain sum of every slice is
-unchanged; only the position-weighted sum (row weights ``u(row)`` in ``u @ X @ v``) sees it.
+The figures are checked against the formula written out here in float64 (``sum(x)`` and
+``sum(u(row) * x * v(col))`` over HF-full coordinates), whatever the chunking, the layout of the view and
+the thread count. A wrong interleave of a fused ``qkv_proj`` / ``gate_up_proj`` (rows of q, k and v, or
+of gate and up, put in each other's places) moves no value in or out of a slice, so the plain sum of every
+slice is unchanged; only the position-weighted sum (row weights ``u(row)`` in ``u @ X @ v``) sees it.
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hybridmem import HybridConfig, Phase, ShardingManager, WeightSyncError
+from hybridmem.adapters.vllm.server import staging
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
 from hybridmem.engines.nn.config import hf_config_dict
 from hybridmem.engines.nn.gpt import MegatronLayoutGPT, init_hf_weights
-from hybridmem.reshard import megatron_layout, shard
-from hybridmem.reshard.checksum import box_checksum
+from hybridmem.reshard import checksum, megatron_layout, shard
+from hybridmem.reshard.checksum import box_checksum, tensor_checksum
 from hybridmem.reshard.spec import ModelSpec
 
 CFG = ModelSpec(family="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -28,6 +34,134 @@ CFG = ModelSpec(family="qwen2", hidden_size=32, num_attention_heads=4, num_key_v
 def _swap_rows(t: torch.Tensor, i: int, j: int) -> None:
     with torch.no_grad():
         t[[i, j]] = t[[j, i]]
+
+
+def _reference(x: torch.Tensor, box: tuple[tuple[int, int], ...]) -> tuple[float, float]:
+    """The figures by their definition, elementwise in float64 (no chunks, no products of matrices)."""
+    x = x.to(torch.float64)
+    (r0, r1), *cols = box
+    u = 1 + torch.arange(r0, r1, dtype=torch.float64).remainder(61) / 61
+    if not cols:
+        return x.sum().item(), (x * u).sum().item()
+    (c0, c1), = cols
+    v = 1 + torch.arange(c0, c1, dtype=torch.float64).remainder(53) / 53
+    return x.sum().item(), (x * u[:, None] * v[None, :]).sum().item()
+
+
+def _agree(got: tuple[float, float], want: tuple[float, float]) -> bool:
+    """Equal within the tolerance the sync's comparison allows (float64 rounding)."""
+    return not checksum._bad(torch.tensor([got], dtype=torch.float64),
+                             torch.tensor([want], dtype=torch.float64))
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1 << 18, 1000, 7])  # one chunk; rows of 1000 // width; parts of one row
+def test_box_checksum_matches_its_definition(monkeypatch, dtype, chunk):
+    """1-D and 2-D boxes at offsets, contiguous, sliced and transposed views: the figures of the formula."""
+    monkeypatch.setattr(checksum, "_CHUNK_NUMEL", chunk)
+    full = _randn(300, 260, dtype=dtype)
+    cases = [
+        (_randn(900, dtype=dtype, seed=1), ((17, 917),)),
+        (full[:, 5], ((40, 340),)),  # a strided 1-D view
+        (_randn(130, 70, dtype=dtype, seed=2), ((61 * 3 + 5, 61 * 3 + 135), (29, 99))),
+        (full[10:200, 20:250], ((10, 200), (20, 250))),
+        (full.T[7:107, 3:203], ((107, 207), (3, 203))),  # a transposed piece, as piece_view returns it
+        (_randn(2, 3000, dtype=dtype, seed=3), ((1, 3), (60, 3060))),  # rows longer than a chunk
+    ]
+    for x, box in cases:
+        got, want = box_checksum(x, box), _reference(x, box)
+        assert _agree(got, want), f"{box}: {got} vs {want}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
+                                   torch.uint8, torch.float8_e4m3fn, torch.bool])
+@pytest.mark.parametrize("shape", [(), (7,), (5, 9), (4, 6, 10), (3, 1, 4, 2)])
+def test_tensor_checksum_is_the_box_checksum_of_its_2d_view(dtype, shape):
+    t = (_randn(*shape) * 4).to(dtype)
+    view = t.reshape(-1) if t.dim() <= 1 else t.reshape(-1, t.shape[-1])
+    box = ((0, view.shape[0]),) if view.dim() == 1 else ((0, view.shape[0]), (0, view.shape[1]))
+    got = tensor_checksum(t)
+    assert _agree(got, _reference(view, box)), f"{shape} {dtype}: {got} vs {_reference(view, box)}"
+    assert got == box_checksum(view, box)
+    assert staging.tensor_figures is tensor_checksum, "one implementation: the staging figures are these"
+
+
+def test_tensor_checksum_of_views_no_reshape_can_merge(monkeypatch):
+    """A permuted 3-D tensor cannot be viewed as 2-D: its rows are read per leading index, never copied."""
+    monkeypatch.setattr(checksum, "_CHUNK_NUMEL", 50)
+    t = _randn(6, 5, 8).permute(1, 0, 2)  # (5, 6, 8), no view as (30, 8)
+    with pytest.raises(RuntimeError):
+        t.view(-1, 8)
+    assert _agree(tensor_checksum(t), _reference(t.reshape(-1, 8), ((0, 30), (0, 8))))
+    assert tensor_checksum(torch.empty(0, 4)) == (0.0, 0.0)
+    with pytest.raises(TypeError, match="complex64"):
+        tensor_checksum(torch.zeros(2, 2, dtype=torch.complex64))
+
+
+def test_tensor_checksum_sees_swapped_rows_and_columns():
+    # Whole numbers: the plain sums then agree to the last bit.
+    t = torch.randint(-50, 50, (4, 70, 90), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    total, weighted = tensor_checksum(t)
+    rows, cols = t.clone(), t.clone()
+    _swap_rows(rows[2], 3, 40)  # rows 143 and 180 of the (280, 90) view (rows 61 apart weigh the same)
+    cols[..., [5, 40]] = cols[..., [40, 5]]
+    for changed in (rows, cols):
+        assert tensor_checksum(changed)[0] == total
+        assert not _agree(tensor_checksum(changed), (total, weighted)), "the weighted sum must see the swap"
+
+
+class _Float64Allocations(TorchDispatchMode):
+    """Records the size in elements of every float64 tensor an op returns in new storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        self.numels += [o.numel() for o in tree_leaves(out) if isinstance(o, torch.Tensor)
+                        and o.dtype == torch.float64 and o.untyped_storage().data_ptr() not in given]
+        return out
+
+
+@pytest.mark.parametrize(("shape", "box"), [
+    ((200_000,), ((3, 200_003),)),
+    ((500, 400), ((61, 561), (0, 400))),
+    ((3, 70_000), ((0, 3), (1, 70_001))),
+])
+def test_checksum_transient_is_bounded_by_the_chunk(monkeypatch, shape, box):
+    """A tensor of 200 chunks allocates a few chunks of float64 in all (the buffer, the accumulators and
+    the cached weights), none per chunk, and none the size of the tensor."""
+    chunk = 1000
+    monkeypatch.setattr(checksum, "_CHUNK_NUMEL", chunk)
+    checksum._periodic.cache_clear()
+    x = _randn(*shape, dtype=torch.bfloat16)
+    with _Float64Allocations() as spy:
+        got = box_checksum(x, box)
+    assert _agree(got, _reference(x, box))
+    assert max(spy.numels) <= 2 * (chunk + 61), f"an allocation of {max(spy.numels)} float64 elements"
+    assert sum(spy.numels) <= 8 * chunk, f"{sum(spy.numels)} float64 elements in {len(spy.numels)} tensors"
+
+
+def test_checksum_does_not_depend_on_the_thread_count():
+    x = _randn(700, 3000) * torch.logspace(-6, 6, 3000)  # wide range of magnitudes: rounding shows
+    box = ((100, 800), (40, 3040))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = box_checksum(x, box), tensor_checksum(x)
+        torch.set_num_threads(2)
+        two = box_checksum(x, box), tensor_checksum(x)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two, strict=True):
+        assert _agree(a, b), f"1 thread {a} vs 2 threads {b}"
 
 
 def test_box_checksum_weights_rows():

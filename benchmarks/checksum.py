@@ -1,0 +1,75 @@
+"""Weight checksum against a copy: :func:`hybridmem.reshard.checksum.tensor_checksum` of one tensor
+beside ``dst.copy_(src)`` of the same tensor into a preallocated one of its dtype, the same run.
+
+Per size and dtype, in a fresh subprocess (so the peak RSS is the case's own): a ``(numel // 4096, 4096)``
+tensor, ``--reps`` rounds of one copy then one checksum (interleaved, so a noisy neighbour slows both),
+the median of each and their ratio (target: checksum <= 0.25 x copy), and the checksum's peak transient:
+the growth of the process's peak RSS (``ru_maxrss``) over the checksums, measured after the tensors, the
+copy and a checksum of 8 elements (torch's and MKL's own start-up) are in place. The transient is bounded by
+``_CHUNK_NUMEL`` float64 elements plus the cached weight vectors, whatever the size.
+
+    python benchmarks/checksum.py                       # 10, 100, 400 MB; fp32 and bf16; on CPU
+    python benchmarks/checksum.py --device cuda --mb 100 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+_CHILD = """
+import json, resource, statistics, sys, time
+import torch
+from hybridmem.reshard.checksum import _CHUNK_NUMEL, tensor_checksum
+nbytes, dtype_name, device, reps = json.loads(sys.argv[1])
+dtype = getattr(torch, dtype_name)
+cols = 4096
+rows = nbytes // (cols * torch.empty((), dtype=dtype).element_size())
+src = torch.randn(rows, cols, dtype=dtype, device=device)  # no float32 temporary to raise the peak
+dst = torch.empty_like(src)
+dst.copy_(src)
+tensor_checksum(src[:1, :8])
+def sync():
+    if device != "cpu":
+        torch.cuda.synchronize()
+before_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+copy_s, checksum_s = [], []
+for _ in range(reps):
+    sync(); start = time.perf_counter(); dst.copy_(src); sync(); copy_s.append(time.perf_counter() - start)
+    start = time.perf_counter(); tensor_checksum(src); checksum_s.append(time.perf_counter() - start)
+peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib
+print(json.dumps(dict(nbytes=src.numel() * src.element_size(), copy_s=statistics.median(copy_s),
+                      checksum_s=statistics.median(checksum_s), peak_bytes=peak_kib * 1024,
+                      chunk_bytes=_CHUNK_NUMEL * 8, threads=torch.get_num_threads())))
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=int, nargs="+", default=[10, 100, 400], help="tensor sizes in MB (1e6 B)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--reps", type=int, default=9)
+    args = p.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, device {args.device}")
+    print("| MB | dtype | copy ms | checksum ms | checksum / copy | checksum peak RSS growth MiB |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for mb in args.mb:
+        for dtype in args.dtypes:
+            case = json.dumps([mb * 10**6, dtype, args.device, args.reps])
+            out = subprocess.run([sys.executable, "-c", _CHILD, case], env=env, check=True,
+                                 capture_output=True, text=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            copy_ms, checksum_ms = r["copy_s"] * 1e3, r["checksum_s"] * 1e3
+            print(f"| {r['nbytes'] / 1e6:.0f} | {dtype} | {copy_ms:.2f} | {checksum_ms:.2f} | "
+                  f"{checksum_ms / copy_ms:.2f} | {r['peak_bytes'] / 2**20:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
