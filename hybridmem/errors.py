@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 from collections.abc import Sequence
 from enum import Enum
 
@@ -338,9 +339,12 @@ class EngineProcessError(HybridMemError, RuntimeError):
                                  "overloaded",
             EngineFault.DEAD: "its process is gone, and its memory with it (its log says why it stopped)",
         }[self.fault]
+        waited = f"{elapsed_s:.1f} s"
+        if math.isfinite(deadline_s):
+            waited += f" of {deadline_s:.1f} s"
         super().__init__(
-            f"the vLLM engine at {where} did not complete {call!r} (waited {elapsed_s:.1f} s of "
-            f"{deadline_s:.1f} s: {cause}); {self.fault.value}: {advice}"
+            f"the vLLM engine at {where} did not complete {call!r} (waited {waited}: {cause}); "
+            f"{self.fault.value}: {advice}"
         )
 
     @property

@@ -318,4 +318,3 @@ def verify_offline(plan: ReshardPlan, src: Sequence[Mapping[str, torch.Tensor]],
         figures[0, i] = torch.tensor(box_checksum(sent, t.box))
         figures[1, i] = torch.tensor(box_checksum(received, t.box))
     return _raise_on_mismatch(cells, figures)
-

@@ -240,7 +240,8 @@ def test_fsdp2_to_tp2_moves_the_fewest_bytes_per_rank(fsdp_tp2, record_property)
     rows = []
     for r in fsdp_tp2["ranks"]:
         bucket = r["bucket_nbytes"]
-        assert bucket < F32 * 2 * I * H // 2 and streamed >= 4 * bucket, bucket  # smaller than a gate_up shard
+        # smaller than a gate_up shard
+        assert bucket < F32 * 2 * I * H // 2 and streamed >= 4 * bucket, bucket
         for i, s in enumerate(r["steps"]):
             sync = s["sync"]
             assert sync["received_nbytes"] == sync["min_received_nbytes"] == minimum, (r["rank"], i, sync)
@@ -249,8 +250,8 @@ def test_fsdp2_to_tp2_moves_the_fewest_bytes_per_rank(fsdp_tp2, record_property)
             assert 0 < s["rank_peak_nbytes"] <= 2 * bucket, (r["rank"], i, s["rank_peak_nbytes"])
             assert s["directory_peak_nbytes"] <= 2 * 2 * bucket, (r["rank"], i, s["directory_peak_nbytes"])
         rows.append((r["rank"], r["steps"][-1]["sync"]["received_nbytes"], streamed, m2n))
-    record_property("fsdp2_to_tp2_bytes_per_rank", {"hybridmem_received": minimum, "hybridmem_streamed": streamed,
-                                                    "nccl_m2n_received": m2n})
+    record_property("fsdp2_to_tp2_bytes_per_rank", {"hybridmem_received": minimum,
+                                                    "hybridmem_streamed": streamed, "nccl_m2n_received": m2n})
     print("\nFSDP2 (2 ranks) -> vllm serve TP 2, bytes per rank and sync:")
     print(f"{'rank':>4} {'hybridmem: from other ranks':>28} {'hybridmem: into its worker (buckets)':>37} "
           f"{'nccl_m2n: into its worker':>26}")

@@ -137,7 +137,7 @@ from hybridmem.adapters.vllm.server.update import BackgroundCall, stream_error
 from hybridmem.contract.engine import EngineCapabilities, check_tags
 from hybridmem.contract.generation import GenerationOutput
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
-from hybridmem.errors import EngineFault, EngineProcessError, PhaseError
+from hybridmem.errors import EngineFault, EngineProcessError, PhaseError, add_note
 from hybridmem.reshard.checksum import tensor_checksum
 
 __all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
@@ -698,7 +698,13 @@ class VLLMServerEngine:
             code = 1.0
         else:
             code = _OUTCOME[error.fault] if isinstance(error, EngineProcessError) else -3.0
-        code = self.ranks.broadcast_flag(code, what=what, reduce=reduce, deadline_s=deadline_s)
+        try:
+            code = self.ranks.broadcast_flag(code, what=what, reduce=reduce, deadline_s=deadline_s)
+        except Exception as lost:
+            if error is None:
+                raise
+            add_note(error, f"hybridmem: and telling the other ranks failed too: {lost}")
+            raise error from lost
         if error is not None and not (isinstance(error, ChannelError) and error.kind == "abort"):
             raise error
         if code != 1.0:

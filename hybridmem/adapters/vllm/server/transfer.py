@@ -37,9 +37,11 @@ stream to its end:
    ``[0]``;
 4. at the stream's end every tensor of the layout must have been written, else the update fails.
 
-The sequence uses reload helpers vLLM keeps private (``_copy_and_restore_kernel_tensors``); they are looked
-up when the module is imported, and a vLLM without them fails there naming this module and the version
-it was read from (:data:`VLLM_READ_FROM`). Malformed info is refused when vLLM parses it
+The sequence uses reload helpers vLLM keeps private (``_copy_and_restore_kernel_tensors``, and
+``_place_kernel_tensors``, which puts a module a failed update left in load-time form back on its kernel
+tensors unprocessed); they are looked up when the module is imported, and a vLLM without them fails
+there naming this module and the version it was read from (:data:`VLLM_READ_FROM`). Malformed info is
+refused when vLLM parses it
 (:meth:`HybridmemWeightTransferEngine.parse_update_info`, ``parse_init_info``), naming the field, before
 anything is written. A failure once a byte was written leaves the model partly updated: the worker is
 ``damaged`` until a complete update succeeds, and the trainer side keeps generation paused until one does.
@@ -96,6 +98,7 @@ try:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import (
         _copy_and_restore_kernel_tensors,
+        _place_kernel_tensors,
         get_layerwise_info,
     )
     from vllm.model_executor.model_loader.reload.meta import (
@@ -358,6 +361,7 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
                 with torch.no_grad():
                     update.completed(entries, message["figures"])
         except BaseException as exc:
+            update.abandon()
             if update.touched:
                 self.damaged = True
             with contextlib.suppress(ChannelError):
@@ -455,6 +459,17 @@ class _Update:
                 if not remaining:
                     _process(module)
                     del self._open[module_name]
+
+    def abandon(self) -> None:
+        """Put every module still in load-time form back on its kernel tensors, unprocessed (their values are
+        the previous weights'): a failed update leaves each module in the form the model runs with, and the
+        next update finds it so."""
+        for module_name in list(self._open):
+            module = self.model.get_submodule(module_name)
+            info = get_layerwise_info(module)
+            _place_kernel_tensors(module, info)
+            info.reset()
+            del self._open[module_name]
 
     def end(self, message: dict[str, Any]) -> None:
         """Step 4: the trainer's end of the stream."""
