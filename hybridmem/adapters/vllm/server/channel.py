@@ -15,10 +15,13 @@ every ``update_weights`` and the two speak JSON lines (the worker's side: :class
   ``{"error": "..."}`` (then it closes the connection).
 
 A thread of the trainer rank (:class:`Listener`) accepts connections all along and hands on only the one
-whose hello names the run and the update the rank waits for; any other (a worker that reached a late
-``update_weights`` of an update the trainer gave up on) is answered with an error and closed, so that late
-update fails at once instead of holding the engine. Rank 0 of the engine's ranks can also tell another
-rank, through the same socket, that the update failed before its worker could connect
+whose hello names the run and the update the rank waits for. A worker may connect before its trainer rank
+got there (rank 0 started the update while this rank was still offloading): a hello of this run for a later
+update than any this rank waited for is kept until the rank asks for that update. Any other (another run,
+or an update the trainer gave up on: a worker that reached a late ``update_weights``) is answered with an
+error and closed, so that late update fails at once instead of holding the engine. Rank 0 of the engine's
+ranks can also tell another rank, through the same socket, that the update failed before its worker could
+connect
 (``{"abort": generation, "cause": ...}``, :func:`send_abort`), so it does not wait out its deadline.
 
 A closed connection is the other side's death or refusal: every wait is bounded by a deadline and by a
@@ -135,19 +138,21 @@ class Connection:
 
 
 class Listener:
-    """Trainer rank ``rank``'s end of [Note: vllm channel]: listens on ``path`` from construction to
-    :meth:`close`; :meth:`expect` says which hello a switch waits for, :meth:`accept` waits for it.
+    """Trainer rank ``rank``'s end of [Note: vllm channel] for the engine's ``run``: listens on ``path`` from
+    construction to :meth:`close`; :meth:`expect` says which hello a switch waits for, :meth:`accept` waits
+    for it.
 
     Raises:
         ValueError: ``path`` is longer than a Unix socket path may be (:data:`MAX_PATH_CHARS`).
     """
 
-    def __init__(self, path: str, rank: int):
+    def __init__(self, path: str, rank: int, *, run: str):
         if len(os.fsencode(path)) > MAX_PATH_CHARS:
             raise ValueError(f"the channel path {path} has {len(os.fsencode(path))} bytes, more than a Unix "
                              f"socket path may ({MAX_PATH_CHARS}); pass a shorter staging_dir")
         self.path = path
         self.rank = rank
+        self.run = run
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,6 +160,8 @@ class Listener:
         self._sock.listen(8)
         self._lock = threading.Lock()
         self._wanted: tuple[str, int] | None = None
+        self._last = 0  # the latest update this rank waited for
+        self._early: dict[tuple[str, int], Connection] = {}  # hellos ahead of this rank
         self._aborted: dict[int, str] = {}
         self._arrived: queue.Queue[Connection | ChannelError] = queue.Queue()
         self._closed = False
@@ -173,6 +180,15 @@ class Listener:
                     break
                 if isinstance(stale, Connection):
                     _refuse(stale, "the trainer no longer waits for this update")
+            if self._wanted is not None:
+                self._last = max(self._last, self._wanted[1])
+                early = self._early.pop(self._wanted, None)
+                for key in [k for k in self._early if k[1] <= self._last]:
+                    _refuse(self._early.pop(key), f"trainer rank {self.rank} gave up on update {key[1]}")
+                if early is not None:
+                    self._arrived.put(early)
+                    self._wanted = None
+                    return
             if self._wanted is not None and self._wanted[1] in self._aborted:  # rank 0 was first
                 self._arrived.put(ChannelError("abort", self._aborted.pop(self._wanted[1])))
                 self._wanted = None
@@ -228,6 +244,9 @@ class Listener:
                     self._aborted = {int(hello["abort"]): cause}
                 return
             key = (hello.get("run"), hello.get("generation"))
+            if wanted is None and isinstance(key[1], int) and key[1] > self._last and key[0] == self.run:
+                self._early[key] = conn  # handed on when this rank asks for it
+                return
             if wanted is None or key != wanted:
                 _refuse(conn, f"this update (run {key[0]}, update {key[1]}) is not the one trainer rank "
                         f"{self.rank} waits for ({'none' if wanted is None else wanted}): it gave up on it")
@@ -245,6 +264,10 @@ class Listener:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         self.expect(None)
+        with self._lock:
+            for conn in self._early.values():
+                _refuse(conn, f"trainer rank {self.rank} closed its engine")
+            self._early.clear()
 
 
 def _refuse(conn: Connection, cause: str) -> None:

@@ -244,7 +244,7 @@ class VLLMServerEngine:
         try:
             self.buckets = Buckets(self.directory, self.rank, bucket_nbytes=self.bucket_nbytes,
                                    device=self.accel.device)
-            self.listener = Listener(channel_path(self.directory, self.rank), self.rank)
+            self.listener = Listener(channel_path(self.directory, self.rank), self.rank, run=self.run)
             self.layout = self._init_workers()
         except BaseException:
             self._close_transport()
