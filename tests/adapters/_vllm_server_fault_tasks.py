@@ -10,7 +10,7 @@ run that counts them as tests/_faults.py counts torch calls. The fault done ther
 - ``lost``: the call is made, then an :class:`EngineProcessError` (fault STALLED) is raised (its answer came
   too late: the engine acted, the trainer gave up);
 - ``engine-refuses``: the real engine refuses the call (a second ``start_weight_update`` while one is open,
-  a ``finish_weight_update`` without one, staged figures the worker does not read back);
+  a ``finish_weight_update`` without one, an update named for a previous run, refused when vLLM parses it);
 - ``exception`` / ``keyboard-interrupt``: an ``Injected`` exception or ``KeyboardInterrupt`` (full runs);
 - ``stop`` / ``kill`` (signal scenarios): SIGSTOP or SIGKILL to the engine's process right before the call.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,11 +83,11 @@ def _lost(label, original, client, args, kwargs):
                              cause="injected: the answer came after the deadline", fault=EngineFault.STALLED)
 
 
-def _bad_figures(info: Any) -> Any:
-    """The update's figures with the first tensor's sum off by one: the worker reads it back and refuses."""
+def _stale_run(info: Any) -> Any:
+    """The update named for a previous run of the engine: the workers refuse it when vLLM parses it."""
     info = json.loads(json.dumps(info))
-    first = info[0] if isinstance(info, list) else info
-    first["figures"][0][0] += 1.0
+    for one in info if isinstance(info, list) else [info]:
+        one["run"] = "hybridmem-0123456789ab"
     return info
 
 
@@ -96,7 +97,7 @@ def _engine_refuses(label, original, client, args, kwargs):
     elif label == "finish_weight_update":
         original(client, None)  # closes it: vLLM refuses the switch's own finish
     elif label == "update_weights":
-        args = (_bad_figures(args[0]),)
+        args = (_stale_run(args[0]),)
     else:
         raise AssertionError(f"no real refusal for {label}")
     return original(client, *args, **kwargs)
@@ -384,11 +385,12 @@ def injections(out: str, transport: str = "async") -> dict:
         server = Server(model_dir)
         engine = VLLMServerEngine.connect(server.url, timeout_s=DEADLINE_S)
     res: dict[str, Any] = {"configs": {}, "records": [], "deadline_s": DEADLINE_S, "full": FULL}
+    extra: list = []
     try:
         first = Actor(engine, model_dir=model_dir)
         res["warm"] = first.cycle()
         kinds = ["refused", "lost", "engine-refuses"] + (["exception", "keyboard-interrupt"] if FULL else [])
-        for config, act in configs_of(first, engine):
+        for config, act in configs_of(first, engine, extra):
             labels = {d: act.dry_run(d) for d in ("to_infer", "to_train")}
             res["configs"][config] = labels
             if config not in INJECTED_CONFIGS:
@@ -417,6 +419,9 @@ def injections(out: str, transport: str = "async") -> dict:
                     res["records"].append(rec)
             res["final"] = act.cycle()
     finally:
+        for other in extra:  # its buckets and channel; the client is the first engine's
+            other._close_transport()
+            shutil.rmtree(other.directory, ignore_errors=True)
         engine.close()
         if server is not None:
             server.stop()
@@ -431,16 +436,17 @@ PAIRED_CI = ("update_weights", "resume_generation")
 runs, with every call of the rollback)."""
 
 
-def configs_of(actor: Actor, engine: Any):
+def configs_of(actor: Actor, engine: Any, extra: list):
     """The two call sequences: the engine as built (vLLM's CPU build: no sleep mode), then a second
-    VLLMServerEngine on the same client that sleeps and wakes (the calls a GPU build makes)."""
+    VLLMServerEngine on the same client that sleeps and wakes (the calls a GPU build makes; appended to
+    ``extra``, for the caller to close)."""
     from hybridmem.adapters.vllm.server import VLLMServerEngine
 
     yield "no-sleep", actor
     actor.manager.close()
     sleeping = VLLMServerEngine(engine.client, hf_config=engine.hf_config, frees_memory=True)
+    extra.append(sleeping)
     yield "sleep", Actor(sleeping, model=actor.model, opt=actor.opt)
-    sleeping.staging.close()
 
 
 def stalls(out: str) -> dict:
