@@ -164,8 +164,8 @@ def worker_main(init_path: str) -> int:
     from hybridmem.adapters.vllm.server.receive import StreamUpdate, receive_stream
 
     if "vllm" in sys.modules:
-        print("stand-in worker: importing hybridmem's receive code imported vLLM; it must not (see [Note: "
-              "vllm receive] in hybridmem/adapters/vllm/server/receive.py)", file=sys.stderr)
+        print("stand-in worker: importing hybridmem's receive code imported vLLM; it must not (see "
+              "hybridmem/adapters/vllm/server/receive.py)", file=sys.stderr)
         return 1
     init = json.loads(Path(init_path).read_text())
     device = torch.device(init["device"])
