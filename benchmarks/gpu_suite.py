@@ -23,6 +23,11 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
 - ``tms``: the same models paused/resumed by torch_memory_saver (CPU backup on): the first cycles.
 - ``kv``: ``kv_release.py``: the ``torch`` and ``cuda-vmm`` KV allocators and torch_memory_saver,
   address stability and a CUDA graph replayed after resume.
+- ``buckets``: ``bucket_transport.py``: the engine-in-its-own-process weight transport without vLLM: the
+  real bucket writer streams ~4 GB of LLM-shaped tensors through the CUDA IPC buckets into a stand-in
+  worker process running the worker side's own receive code; GB/s against a raw device copy and against
+  host staging, device and host memory of both processes, the worker's tensors checked equal (on CPU: the
+  CUDA transfer skipped with the reason, the same path with the ``/dev/shm`` buckets at ~10 MB).
 - ``demo``: the GRPO demo on the device, torch, Megatron and FSDP2 trainers (one process: one GPU), and the
   torch trainer in a Ray worker actor holding the GPU's placement-group bundle (``--launcher ray``; on a GPU
   where Ray is installed).
@@ -54,7 +59,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GB = 1e9
-PARTS = ("tests", "dsa", "lora", "switch", "tms", "kv", "demo")
+PARTS = ("tests", "dsa", "lora", "switch", "tms", "kv", "buckets", "demo")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,6 +160,10 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
                         argv=(py, f"{bench}/kv_release.py", "--device", device, "--gib", str(prof.kv_gib),
                               "--cycles", str(prof.kv_cycles), "--graph-check", "--json",
                               str(out / "kv.json"))))
+    if "buckets" in parts:
+        jobs.append(Job(part="buckets", label="bucket transport", timeout_s=120, result="buckets.json",
+                        argv=(py, f"{bench}/bucket_transport.py", "--device", device,
+                              *(("--quick",) if quick else ()), "--json", str(out / "buckets.json"))))
     if "demo" in parts:
         for trainer in ("torch", "megatron", "fsdp"):
             jobs.append(Job(part="demo", label=f"demo --trainer {trainer}", timeout_s=240,
@@ -373,6 +382,23 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
                          f"| {k['touch_s']:.4f} | {_gib(k['freed_nbytes'])} | {_gib(k['retaken_nbytes'])} "
                          f"| {k['address_stable']} | {graph} |")
         lines += [f"- skipped {name}: {why}" for name, why in r.result.get("skipped", {}).items()]
+        lines.append("")
+
+    for r in by_part.get("buckets", []):
+        lines += ["## Bucket transport: the engine in its own process, without vLLM (`bucket_transport.py`)",
+                  ""]
+        res = r.result or {}
+        for key in ("skipped", "cuda_skipped"):
+            if key in res:
+                lines.append(f"CUDA IPC buckets skipped: {res[key]}")
+        if "error" in res:
+            lines.append(f"**failed**: {res['error']}")
+        elif "weights_equal" in res:
+            from bucket_transport import summary  # a sibling script
+
+            lines += summary(res)
+        if not res:
+            lines.append(f"no figures ({r.status})")
         lines.append("")
 
     demos = [r for r in by_part.get("demo", []) if r.result]

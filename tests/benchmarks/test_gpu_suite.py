@@ -20,8 +20,16 @@ from tests._full import TESTS_FULL
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 SECTIONS = ("## CUDA tests", "## DeepSeek sparse attention in vLLM", "## LoRA with vLLM", "## Switch latency",
-            "## First three cycles", "## KV cache release / resume", "## GRPO demo", "## Device in INFER",
-            "## Targets", "## Jobs")
+            "## First three cycles", "## KV cache release / resume", "## Bucket transport", "## GRPO demo",
+            "## Device in INFER", "## Targets", "## Jobs")
+BUCKET_TENSORS = 17
+"""``bucket_transport.py --quick`` on CPU: the embedding, two layers of seven tensors, the final norm, the
+head."""
+BUCKET_NBYTES = (2 * 4096 * 256 * 2  # embedding and head, bf16
+                 + 256 * 2  # final norm, bf16
+                 + (384 * 256 + 384 + 256 * 256 + 2048 * 256 + 256 * 1024 + 2 * 256) * (4 + 2))  # layers
+"""Its bytes, by hand: hidden 256, K and V 64 wide each (qkv 384 rows), intermediate 1024, vocab 4096; layer 0
+in fp32, layer 1 in bf16."""
 
 
 def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -31,7 +39,7 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_cpu_quick_dry_run_runs_every_part(tmp_path):
-    parts = ["tests", "dsa", "lora", "switch", "tms", "kv"] + (["demo"] if TESTS_FULL else [])
+    parts = ["tests", "dsa", "lora", "switch", "tms", "kv", "buckets"] + (["demo"] if TESTS_FULL else [])
     proc = _suite(tmp_path, "--quick", "--parts", ",".join(parts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
@@ -60,9 +68,23 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
     assert "demo --launcher ray" not in runs  # GPU only (tests/examples/test_grpo_ray.py runs it on CPU)
     kv = runs["kv 0.03 GiB"]["result"]
     assert [r["allocator"] for r in kv["results"]] == ["torch"]
+    buckets = runs["bucket transport"]["result"]
+    assert buckets["cuda_skipped"].startswith("needs --device cuda")
+    assert buckets["transport"] == "CPU buckets (shared files)"
+    assert (buckets["tensors"], buckets["total_nbytes"]) == (BUCKET_TENSORS, BUCKET_NBYTES)
+    assert buckets["larger_than_bucket"] == [  # 2 MiB each, more than the 1 MiB bucket
+        "model.embed_tokens.weight", "model.layers.0.mlp.gate_up_proj.weight", "lm_head.weight"]
+    assert buckets["weights_equal"] is True and buckets["different"] == []
+    # the stand-in ran the worker side's receive code without vLLM ([Note: vllm receive] in
+    # :mod:`hybridmem.adapters.vllm.server.receive`)
+    assert buckets["vllm_imported"] is False
+    assert [r["verify"] for r in buckets["rounds"]] == [False] * 4 + [True]
+    assert all(r["buckets_handed"] >= 10 for r in buckets["rounds"])  # ~9.9 MB through 1 MiB buckets
 
     text = (tmp_path / "gpu_suite.md").read_text()
     assert "skipped: needs --device cuda" in text
+    assert "CUDA IPC buckets skipped: needs --device cuda" in text
+    assert "the worker's tensors after the last round: equal to the sources" in text
     for section in SECTIONS:
         if section != "## GRPO demo" or TESTS_FULL:
             assert section in text, f"report lacks {section!r}"
@@ -112,3 +134,19 @@ def test_sparse_attention_check_without_a_gpu_skips_and_says_why(tmp_path):
         why = json.loads(out.read_text())["skipped"]
         assert why in proc.stdout and (
             "--device cuda" in why if device == "cpu" else "CUDA device" in why), why
+
+
+def test_bucket_transport_fails_when_the_worker_holds_other_weights(tmp_path):
+    """``bucket_transport.py`` on CPU with one source value changed behind the figures' back before the last
+    round: the stand-in worker's comparison with the regenerated sources finds it, the run fails (exit
+    status 1) naming the tensor."""
+    out = tmp_path / "buckets.json"
+    script = ROOT / "benchmarks" / "bucket_transport.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick", "--rounds", "1",
+                           "--tamper", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    want = "FAILED: the worker's tensors differ from the sources: ['model.embed_tokens.weight']"
+    assert want in proc.stderr
+    result = json.loads(out.read_text())
+    assert result["different"] == ["model.embed_tokens.weight"] and result["weights_equal"] is False

@@ -5,7 +5,8 @@ The trainer side: :mod:`.engine` (the InferenceEngine), :mod:`.client` (HTTP and
 engine), :mod:`.update` (the update call beside the stream). The transport, both sides: :mod:`.buckets`
 (the two reused buffers a rank's weights travel through), :mod:`.channel` (the socket saying what they
 hold), :mod:`.packing` (a stream of tensors into buckets). The worker side, imported by vLLM in its own
-processes: :mod:`.transfer`. Importing this package does not import vLLM.
+processes: :mod:`.transfer`, on :mod:`.receive` (the stream's receiving end, which imports no vLLM).
+Importing this package does not import vLLM.
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ stream to its end:
    ``[0]``;
 4. at the stream's end every tensor of the layout must have been written, else the update fails.
 
+The stream itself (checks, copies, acknowledgements, figures, the end) is
+:mod:`hybridmem.adapters.vllm.server.receive`, which imports no vLLM ([Note: vllm receive] in
+:mod:`hybridmem.adapters.vllm.server.receive`); this module adds what is vLLM's: the model's tensors and the
+layerwise reload of steps 2 and 3.
+
 The sequence uses reload helpers vLLM keeps private (``_copy_and_restore_kernel_tensors``, and
 ``_place_kernel_tensors``, which puts a module a failed update left in load-time form back on its kernel
 tensors unprocessed); they are looked up when the module is imported, and a vLLM without them fails
@@ -62,10 +67,8 @@ one rule, :func:`~hybridmem.adapters.vllm.names.synced_tensors` (see [Note: vllm
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -75,10 +78,11 @@ import torch
 from hybridmem.accel.group import rank_and_size
 from hybridmem.adapters.vllm.names import synced_tensors
 from hybridmem.adapters.vllm.plugin import BACKEND_NAME
-from hybridmem.adapters.vllm.server.buckets import dtype_name, dtype_of, open_buckets
-from hybridmem.adapters.vllm.server.channel import ChannelError, WorkerChannel
+from hybridmem.adapters.vllm.server.buckets import dtype_name, open_buckets
+from hybridmem.adapters.vllm.server.channel import WorkerChannel
+from hybridmem.adapters.vllm.server.receive import StreamUpdate, check_bucket_message, receive_stream
+from hybridmem.adapters.vllm.server.receive import check_fields as _check_fields
 from hybridmem.adapters.vllm.worker import persistent_buffers
-from hybridmem.reshard.checksum import tensor_checksum
 
 __all__ = ["HybridmemInitInfo", "HybridmemUpdateInfo", "HybridmemWeightTransferEngine", "BACKEND_NAME",
            "VLLM_READ_FROM", "layout_file", "check_bucket_message"]
@@ -157,82 +161,6 @@ _INIT_TYPES: dict[str, tuple[type, ...]] = {
     "run": (str,), "layout_dir": (str,), "bucket_nbytes": (int,), "ranks": (list,), "wait_s": (int, float),
     "weight_names": (list, type(None)), "not_synced": (list,)}
 _UPDATE_TYPES: dict[str, tuple[type, ...]] = {"run": (str,), "generation": (int,), "verify": (bool,)}
-_ENTRY_TYPES: dict[str, tuple[type, ...]] = {"name": (str,), "dtype": (str,), "shape": (list,),
-                                             "start": (int,), "end": (int,), "offset": (int,)}
-
-
-def _check_fields(what: str, data: Any, types: dict[str, tuple[type, ...]],
-                  required: tuple[str, ...]) -> None:
-    """Refuse ``data`` unless it is a dict of the fields in ``types`` (``required`` among them), each of its
-    type; the error names the field."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(types))
-    if unknown:
-        raise ValueError(f"{what}: unknown field {unknown[0]!r} (expected {sorted(types)})")
-    for name in required:
-        if name not in data:
-            raise ValueError(f"{what}: missing field {name!r}")
-    for name, value in data.items():
-        if isinstance(value, bool) and bool not in types[name] or not isinstance(value, types[name]):
-            raise ValueError(f"{what}: field {name!r} is {type(value).__name__} {value!r:.80}, expected "
-                             f"{' or '.join(t.__name__ for t in types[name])}")
-
-
-def check_bucket_message(message: Any, *, run: str, num_buckets: int, bucket_nbytes: int,
-                         layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                         received: dict[str, int]) -> list[dict[str, Any]]:
-    """The entries of one bucket message of [Note: vllm channel] in
-    :mod:`hybridmem.adapters.vllm.server.channel`, checked before any byte is copied (step 1 of [Note: vllm
-    transfer backend]); ``received``: bytes of each tensor received so far in this update.
-
-    Raises:
-        ValueError: A field is missing, of another type, or out of bounds; names it.
-    """
-    _check_fields("bucket message", message, {"bucket": (int,), "seq": (int,), "run": (str,),
-                                              "entries": (list,), "figures": (dict,)},
-                  ("bucket", "seq", "run", "entries", "figures"))
-    if message["run"] != run:
-        raise ValueError(f"bucket message: field 'run' is {message['run']!r}, a previous run's (this worker "
-                         f"was initialised for run {run!r}); refused")
-    if not 0 <= message["bucket"] < num_buckets:
-        raise ValueError(f"bucket message: field 'bucket' is {message['bucket']}, expected "
-                         f"0..{num_buckets - 1}")
-    seen = dict(received)
-    ends: dict[str, int] = {}
-    for i, entry in enumerate(message["entries"]):
-        _check_fields(f"bucket message entry {i}", entry, _ENTRY_TYPES, tuple(_ENTRY_TYPES))
-        name = entry["name"]
-        if name not in layout:
-            raise ValueError(f"bucket message entry {i}: field 'name' is {name!r}, not a tensor of this "
-                             f"worker's layout")
-        shape, dtype = layout[name]
-        if tuple(entry["shape"]) != shape or entry["dtype"] != dtype_name(dtype):
-            raise ValueError(f"bucket message entry {i}: {name} is {entry['shape']} {entry['dtype']}, the "
-                             f"model's load-time {list(shape)} {dtype_name(dtype)}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        start, end, offset = entry["start"], entry["end"], entry["offset"]
-        if start != seen.get(name, 0) or not start <= end <= nbytes:
-            raise ValueError(f"bucket message entry {i}: {name} bytes [{start}, {end}) do not follow the "
-                             f"{seen.get(name, 0)} received of its {nbytes}")
-        if start % dtype.itemsize or end % dtype.itemsize or offset % dtype.itemsize:
-            raise ValueError(f"bucket message entry {i}: {name} range [{start}, {end}) at {offset} is not "
-                             f"whole {dtype_name(dtype)} elements")
-        if offset < 0 or offset + end - start > bucket_nbytes:
-            raise ValueError(f"bucket message entry {i}: field 'offset' {offset} puts {end - start} bytes "
-                             f"outside the {bucket_nbytes}-byte bucket")
-        seen[name] = end
-        ends[name] = nbytes
-    for name, value in message["figures"].items():
-        if name not in ends or seen[name] != ends[name]:
-            raise ValueError(f"bucket message: field 'figures' names {name!r}, which this bucket does not "
-                             f"complete")
-        if (not isinstance(value, list) or len(value) != 2
-                or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)):
-            raise ValueError(f"bucket message: field 'figures' of {name} is {value!r:.80}, expected [sum, "
-                             f"weighted]")
-    return message["entries"]
-
 
 def _rank() -> int:
     return rank_and_size()[0]
@@ -346,33 +274,11 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
                                 generation=update_info.generation)
         update = _Update(self, verify=update_info.verify)
         try:
-            while True:
-                message = channel.receive(timeout_s=self.wait_s)
-                if "end" in message:
-                    update.end(message)
-                    channel.send({"end": True, "tensors": len(update.complete)})
-                    break
-                entries = check_bucket_message(message, run=str(self.run), num_buckets=len(self.buckets),
-                                               bucket_nbytes=self.buckets[0].numel(), layout=self.layout,
-                                               received=update.received)
-                with torch.no_grad():
-                    update.copy(self.buckets[message["bucket"]], entries)
-                channel.send({"done": message["bucket"], "seq": message["seq"]})
-                with torch.no_grad():
-                    update.completed(entries, message["figures"])
-        except BaseException as exc:
-            update.abandon()
+            receive_stream(channel, self.buckets, update, wait_s=self.wait_s)
+        except BaseException:
             if update.touched:
                 self.damaged = True
-            with contextlib.suppress(ChannelError):
-                channel.send({"error": f"vLLM worker rank {rank}: {exc}"})
-            if isinstance(exc, ChannelError):
-                written = ("; the model is partly updated until a complete update" if update.touched
-                           else "; nothing was written")
-                raise RuntimeError(f"vLLM worker rank {rank}: {exc}{written}") from exc
             raise
-        finally:
-            channel.close()
         self.damaged = False
         log.debug("hybridmem: vLLM worker rank %d took update %d (%d tensors)", rank, update_info.generation,
                   len(update.complete))
@@ -387,19 +293,17 @@ class HybridmemWeightTransferEngine(WeightTransferEngine[HybridmemInitInfo, Hybr
         self.buckets = []
 
 
-class _Update:
-    """One ``update_weights`` on one worker: steps 2 to 4 of [Note: vllm transfer backend]."""
+class _Update(StreamUpdate):
+    """One ``update_weights`` on one worker: steps 2 to 4 of [Note: vllm transfer backend], into the model
+    (:class:`~hybridmem.adapters.vllm.server.receive.StreamUpdate` with vLLM's layerwise reload)."""
 
     def __init__(self, engine: HybridmemWeightTransferEngine, *, verify: bool):
+        super().__init__(engine.layout, run=str(engine.run), verify=verify, who=f"vLLM worker rank {_rank()}")
         self.engine = engine
         self.model = engine.model
-        self.verify = verify
-        self.received: dict[str, int] = {}
-        self.complete: list[str] = []
-        self.touched = False
         self._open: dict[str, set[str]] = {}  # quantized modules in load-time form: tensors still incomplete
 
-    def _target(self, name: str) -> torch.Tensor:
+    def target(self, name: str) -> torch.Tensor:
         """The tensor ``name``'s bytes go into: its live tensor, or its module's load-time tensor (the
         module put into load-time form on its first range)."""
         module_name, _, tensor = name.rpartition(".")
@@ -410,8 +314,8 @@ class _Update:
             needed = set(info.restore_metadata[0])
             given = self.engine._module_tensors.get(module_name, set())
             if needed - given:
-                raise ValueError(f"vLLM worker rank {_rank()}: module {module_name} is rebuilt from its "
-                                 f"load-time tensors {sorted(needed)}, the layout writes {sorted(given)}")
+                raise ValueError(f"{self.who}: module {module_name} is rebuilt from its load-time tensors "
+                                 f"{sorted(needed)}, the layout writes {sorted(given)}")
             info.kernel_tensors = get_layer_params_buffers(module)
             info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
             self.touched = True
@@ -420,45 +324,22 @@ class _Update:
             self._open[module_name] = set(given)
         return getattr(module, tensor)
 
-    def copy(self, bucket: torch.Tensor, entries: list[dict[str, Any]]) -> None:
-        """Step 2: the ranges of one bucket into their tensors (the bucket is free once this returns)."""
-        for entry in entries:
-            dtype = dtype_of(entry["dtype"])
-            size = dtype.itemsize
-            target = self._target(entry["name"]).data.view(-1)
-            source = bucket[entry["offset"]:entry["offset"] + entry["end"] - entry["start"]].view(dtype)
-            self.touched = True
-            target[entry["start"] // size:entry["end"] // size].copy_(source)
-            self.received[entry["name"]] = entry["end"]
-        if bucket.device.type == "cuda":  # copied out before the trainer may write the bucket again
-            torch.cuda.current_stream(bucket.device).synchronize()
+    def held(self, name: str) -> torch.Tensor:
+        """The tensor as the module holds it now: the load-time tensor before processing, the live one for a
+        plain module."""
+        module_name, _, tensor = name.rpartition(".")
+        return getattr(self.model.get_submodule(module_name), tensor).data
 
-    def completed(self, entries: list[dict[str, Any]], figures: dict[str, list[float]]) -> None:
-        """Step 3 for the tensors this bucket completed."""
-        rank = _rank()
-        for entry in entries:
-            name = entry["name"]
-            shape, dtype = self.engine.layout[name]
-            if self.received[name] != math.prod(shape) * dtype.itemsize or name in self.complete:
-                continue
-            module_name, _, tensor = name.rpartition(".")
-            module = self.model.get_submodule(module_name)
-            if self.verify:
-                if name not in figures:
-                    raise ValueError(f"vLLM worker rank {rank}: the bucket completing {name} carries no "
-                                     f"figures")
-                got = tensor_checksum(getattr(module, tensor).data.view(shape))
-                want = figures[name]
-                if not (_close(got[0], want[0]) and _close(got[1], want[1])):
-                    raise ValueError(f"vLLM worker rank {rank}: staged tensor {name} reads (sum, weighted) "
-                                     f"{got}, the trainer sent {tuple(want)}")
-            self.complete.append(name)
-            remaining = self._open.get(module_name)
-            if remaining is not None:
-                remaining.discard(tensor)
-                if not remaining:
-                    _process(module)
-                    del self._open[module_name]
+    def on_complete(self, name: str) -> None:
+        """A module with a quantization method whose every load-time tensor is complete is processed again
+        (step 3)."""
+        module_name, _, tensor = name.rpartition(".")
+        remaining = self._open.get(module_name)
+        if remaining is not None:
+            remaining.discard(tensor)
+            if not remaining:
+                _process(self.model.get_submodule(module_name))
+                del self._open[module_name]
 
     def abandon(self) -> None:
         """Put every module still in load-time form back on its kernel tensors, unprocessed (their values are
@@ -470,27 +351,6 @@ class _Update:
             _place_kernel_tensors(module, info)
             info.reset()
             del self._open[module_name]
-
-    def end(self, message: dict[str, Any]) -> None:
-        """Step 4: the trainer's end of the stream."""
-        _check_fields("end message", message, {"end": (bool,), "tensors": (int,), "run": (str,)},
-                      ("end", "tensors", "run"))
-        rank = _rank()
-        if message["run"] != self.engine.run:
-            raise ValueError(f"end message: field 'run' is {message['run']!r}, a previous run's")
-        if message["tensors"] != len(self.complete):
-            raise ValueError(f"vLLM worker rank {rank}: the trainer sent {message['tensors']} tensors, "
-                             f"{len(self.complete)} arrived complete")
-        missing = [n for n in self.engine.layout if n not in set(self.complete)]
-        if missing:
-            written = ("; the model is partly updated until a complete update" if self.touched
-                       else "; nothing was written")
-            raise ValueError(f"vLLM worker rank {rank}: this update did not rewrite {len(missing)} tensors "
-                             f"(e.g. {missing[:3]}){written}")
-
-
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
 
 
 def _process(module: torch.nn.Module) -> None:
