@@ -257,7 +257,8 @@ def main(model_dir: str, out_path: str) -> None:
                 engine.close()
 
             got, got_out = tensors(model), linear_outputs(model)
-            assert list(got) == list(want)
+            assert list(got) == list(want), (f"B's tensors are named otherwise: "
+                                             f"{sorted(set(got) ^ set(want))[:6]}")
             differ = [n for n in want if not torch.equal(got[n], want[n])]
             assert not differ, f"B differs from A at {differ[:5]}"
             report["compared"] = len(want)
