@@ -58,6 +58,17 @@ def test_supported_versions_and_errors():
     assert vllm_layout(MOE, ParallelLayout(), 1, vllm_version="0.33.0").convention.version == "0.33"
 
 
+def test_the_vllm_extra_allows_exactly_the_supported_releases():
+    """pyproject.toml's ``vllm`` extra is the range of the releases the layouts know and the tests check
+    (docs/vllm.md, "vLLM releases"): from 0.32 to before 0.34, written out here."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["vllm"] == ["vllm>=0.32,<0.34"]
+    assert SUPPORTED_VLLM_VERSIONS == ("0.32", "0.33")
+
+
 def test_version_from_installed_vllm(monkeypatch):
     monkeypatch.setattr(versions_module, "installed_vllm_version", lambda: "0.33.0")
     assert resolve_vllm_version() == "0.33"

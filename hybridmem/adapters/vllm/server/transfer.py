@@ -45,7 +45,9 @@ layerwise reload of steps 2 and 3.
 The sequence uses reload helpers vLLM keeps private (``_copy_and_restore_kernel_tensors``, and
 ``_place_kernel_tensors``, which puts a module a failed update left in load-time form back on its kernel
 tensors unprocessed); they are looked up when the module is imported, and a vLLM without them fails
-there naming this module and the version it was read from (:data:`VLLM_READ_FROM`). Malformed info is
+there naming this module and the version it was read from (:data:`VLLM_READ_FROM`; vLLM 0.33.0's reload
+modules are the same files, and ``tests/adapters/test_vllm_transfer_versions.py`` runs this backend in the
+model classes of both releases). Malformed info is
 refused when vLLM parses it
 (:meth:`HybridmemWeightTransferEngine.parse_update_info`, ``parse_init_info``), naming the field, before
 anything is written. A failure once a byte was written leaves the model partly updated: the worker is
