@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="the trainer API is vLLM's (README install: v
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
 
 
 def _env(cache: pathlib.Path) -> dict:
@@ -51,6 +52,31 @@ def test_trainer_init_without_a_config_is_one_error_naming_the_field():
     with pytest.raises(ValueError, match="field 'hf_config'"):
         WeightTransferTrainerFactory.trainer_init(HybridmemTrainerInitInfo(rank=0), client=object(),
                                                   source=object())
+
+
+# The source's HF tensors into one rank's vLLM tensors ------------------------------------------------------
+def test_iter_shard_cuts_each_ranks_tensors_from_a_stream_in_any_order_as_shard_does(tmp_path):
+    import random
+
+    import torch
+    import transformers
+    from _vllm_server_tasks import save_policy
+
+    from hybridmem.config import ParallelLayout
+    from hybridmem.reshard import ModelSpec, iter_shard, shard, vllm_layout
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(save_policy(str(tmp_path / "policy")))
+    layout = vllm_layout(ModelSpec.from_hf_config(model.config), ParallelLayout(tp=2), 2)
+    full = dict(model.named_parameters())
+    stream = list(full.items())
+    random.Random(0).shuffle(stream)
+    for rank in range(2):
+        got = dict(iter_shard(stream, layout, rank))
+        want = shard(full, layout, rank)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), rank
+    without_k = [(n, t) for n, t in stream if n != "model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        list(iter_shard(without_k, layout, 0))
 
 
 # The clients against vLLM's protocol ------------------------------------------------------------------------
