@@ -7,7 +7,8 @@
   (:data:`SUPPORTED_VLLM_VERSIONS`, :func:`resolve_vllm_version`, [Note: vLLM versions] in
   :mod:`hybridmem.reshard.vllm_versions`).
 - :func:`build_plan` / :class:`ReshardPlan`: who sends which slices to whom, bucketed; cached.
-- :func:`reshard_offline`: the plan run in one process over per-rank state dicts.
+- :func:`reshard_offline`: the plan run in one process over per-rank state dicts; :func:`iter_shard`: a
+  stream of HF-full tensors cut into one rank's tensors of a layout.
 - :func:`run_plan`, :func:`iter_layout_tensors` (:func:`iter_full_tensors` for HF destinations): the plan
   run over a ``torch.distributed`` group, into given tensors or as a stream of complete ones.
 
@@ -24,7 +25,7 @@ from hybridmem.reshard.conventions import (
     Side,
     VLLMConvention,
 )
-from hybridmem.reshard.convert import allocate_local, reshard_offline, shard, unshard
+from hybridmem.reshard.convert import allocate_local, iter_shard, reshard_offline, shard, unshard
 from hybridmem.reshard.execute import (
     TransferStats,
     iter_full_tensors,
@@ -73,6 +74,7 @@ __all__ = [
     "build_plan",
     "DEFAULT_BUCKET_NBYTES",
     "shard",
+    "iter_shard",
     "unshard",
     "allocate_local",
     "reshard_offline",

@@ -5,7 +5,7 @@ Useful for debugging and checkpoint conversion, and the entry point of the exhau
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -16,12 +16,78 @@ from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, build_plan
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import build_local, piece_view, scatter_local
 
-__all__ = ["shard", "unshard", "reshard_offline", "allocate_local"]
+__all__ = ["shard", "iter_shard", "unshard", "reshard_offline", "allocate_local"]
 
 
 def shard(full: Mapping[str, torch.Tensor], layout: ShardLayout, rank: int) -> dict[str, torch.Tensor]:
     """``rank``'s tensors in ``layout``, cut from HF-full tensors (padding rows zero)."""
     return {name: build_local(local, full) for name, local in layout.tensors(rank).items()}
+
+
+def iter_shard(full: Iterable[tuple[str, torch.Tensor | None]], layout: ShardLayout, rank: int, *,
+               dtypes: Mapping[str, torch.dtype] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`shard` over a stream of HF-full tensors: ``rank``'s tensors in ``layout``, each yielded once the
+    HF tensors it is cut from have all arrived (a fused tensor waits for all its parts), and each HF tensor
+    dropped once every local tensor cut from it was built; so it holds the HF tensors of the local tensors
+    not yet complete, never the model.
+
+    Args:
+        full: ``(HF name, full tensor)`` in any order; a ``None`` tensor (another rank's) is skipped, as is an
+            HF tensor no tensor of ``rank`` is cut from.
+        layout: The destination layout.
+        rank: The destination rank.
+        dtypes: The dtype of a local tensor that is all padding (it is yielded first); default: float32.
+
+    Raises:
+        ValueError: A name that is no HF tensor of the model, one given twice, a shape other than the model's,
+            or, at the end, an HF tensor never given that a local tensor needs; each names it.
+    """
+    shapes = layout.spec.full_shapes()
+    tensors = layout.tensors(rank)
+    missing: dict[str, set[str]] = {}  # local name -> HF names still to come
+    users: dict[str, list[str]] = {}  # HF name -> local names cut from it
+    for name, local in tensors.items():
+        if not local.pieces:
+            yield name, build_local(local, {}, dtype=(dtypes or {}).get(name, torch.float32))
+            continue
+        missing[name] = {p.hf_name for p in local.pieces}
+        for hf_name in missing[name]:
+            users.setdefault(hf_name, []).append(name)
+    left = {hf_name: len(names) for hf_name, names in users.items()}
+    held: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    for hf_name, tensor in full:
+        if tensor is None:
+            continue
+        if hf_name not in shapes:
+            raise ValueError(f"{hf_name!r} is not an HF tensor of the {layout.spec.family} model (e.g. "
+                             f"{list(shapes)[:3]})")
+        if hf_name in seen:
+            raise ValueError(f"{hf_name} was given twice")
+        seen.add(hf_name)
+        if tuple(tensor.shape) != tuple(shapes[hf_name]):
+            raise ValueError(f"{hf_name}: the stream gives shape {tuple(tensor.shape)}, the model's is "
+                             f"{tuple(shapes[hf_name])}")
+        if hf_name not in users:
+            continue
+        held[hf_name] = tensor
+        for name in users[hf_name]:
+            waiting = missing[name]
+            waiting.discard(hf_name)
+            if waiting:
+                continue
+            del missing[name]
+            local = tensors[name]
+            out = build_local(local, held)
+            for part in {p.hf_name for p in local.pieces}:
+                left[part] -= 1
+                if not left[part]:
+                    del held[part]
+            yield name, out
+    if missing:
+        absent = sorted(set().union(*missing.values()))
+        raise ValueError(f"the stream ended without {absent[:3]} ({len(absent)} HF tensors), from which rank "
+                         f"{rank}'s {sorted(missing)[:3]} are cut")
 
 
 def unshard(per_rank: Sequence[Mapping[str, torch.Tensor]], layout: ShardLayout) -> dict[str, torch.Tensor]:

@@ -744,17 +744,19 @@ class VLLMServerEngine:
         if self.buckets is not None:
             self.buckets.close()
 
-    def close(self) -> None:
+    def close(self, *, close_client: bool = True) -> None:
         """Remove this rank's buckets, channel and other files in the shared directory (the directory too,
         by the last rank to close) and drop the connection (the engine process keeps running;
-        :meth:`start_async`'s AsyncLLM is shut down, :meth:`launch`'s server stopped)."""
+        :meth:`start_async`'s AsyncLLM is shut down, :meth:`launch`'s server stopped); ``close_client=False``
+        leaves the client to its owner (vLLM's trainer API, :mod:`hybridmem.adapters.vllm.server.trainer`)."""
         self._close_transport()
         self.buckets = self.listener = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.directory, f"layout-rank{self.rank}.json"))
         with contextlib.suppress(OSError):  # another rank's files are still there: that rank removes it
             os.rmdir(self.directory)
-        self.client.close()
+        if close_client:
+            self.client.close()
         if self.server is not None:
             self.server.stop()
 
