@@ -10,6 +10,21 @@ and one ``all_reduce`` of one count per rank tells every rank whether any rank f
 then raises :class:`~hybridmem.errors.WeightSyncError`, the finding rank naming the tensor, the slice
 and both ranks, the others naming the ranks that found it. Cost: one extra read of the weights in
 float64 chunks (see [Note: checksum chunks]), ``2`` doubles per cell sent, and ``world`` doubles summed.
+
+[Note: checksum chunks]
+One read of ``x``: each chunk (whole rows, or part of one row when a row is longer than a chunk) is
+cast into one reused float64 buffer and read back, while still in cache, by two matrix-vector
+products, ``chunk @ v`` and ``chunk @ 1``, added into two per-row accumulators. The weighted one is
+indexed by row class: a chunk's rows land from position ``(row_lo + first row) mod row_period`` on,
+so ``u`` (one period long, plus a chunk's height) is applied once at the end. Why not fewer or other
+passes (cpu-2c, 100 MB): ``torch.sum(x, dtype=float64)`` casts all of ``x`` first (a transient of
+the whole tensor in float64; 6x the copy's time for fp32, 12x for bf16); ``chunk @ [v, 1]`` as one
+``(n, 2)`` product is slower in MKL than two ``mv``; summing row periods
+(``chunk.view(-1, 61, cols).sum(0)``) needs 61 rows per chunk, more than a core's L2 for a 4096-wide
+weight. What is left is mostly the cast (one float64 element written per element read): the whole
+checksum of a 100 MB tensor takes about 1.2x a plain copy of it for fp32 and 2x for bf16 on cpu-2c
+(``benchmarks/checksum.py``). Float64 accumulation throughout, so the figures agree to float64
+rounding whatever the chunking or the thread count.
 """
 
 from __future__ import annotations
@@ -54,21 +69,7 @@ def _weights(lo: int, hi: int, period: int, device: torch.device) -> torch.Tenso
 def _figures(x: torch.Tensor, row_lo: int, row_period: int, col_lo: int,
              col_period: int) -> tuple[float, float]:
     """``(sum, u @ x @ v)`` of the 2-D ``x`` in float64, ``u`` and ``v`` the :func:`_weights` of its rows
-    from ``row_lo`` and of its columns from ``col_lo``.
-
-    [Note: checksum chunks]
-    One read of ``x``: each chunk (whole rows, or part of one row when a row is longer than a chunk) is
-    cast into one reused float64 buffer and read back, while still in cache, by two matrix-vector
-    products, ``chunk @ v`` and ``chunk @ 1``, added into two per-row accumulators. The weighted one is
-    indexed by row class: a chunk's rows land from position ``(row_lo + first row) mod row_period`` on,
-    so ``u`` (one period long, plus a chunk's height) is applied once at the end. Why not fewer or other
-    passes (cpu-2c, 100 MB): ``torch.sum(x, dtype=float64)`` casts all of ``x`` first (a transient of
-    the whole tensor in float64; 6x the copy's time for fp32, 12x for bf16); ``chunk @ [v, 1]`` as one
-    ``(n, 2)`` product is slower in MKL than two ``mv``; summing row periods
-    (``chunk.view(-1, 61, cols).sum(0)``) needs 61 rows per chunk, more than a core's L2 for a 4096-wide
-    weight. What is left is mostly the cast itself (about 0.6x the copy's time for fp32, 1.0x for bf16:
-    one float64 element written per element read). Float64 accumulation throughout, so the figures agree
-    to float64 rounding whatever the chunking or the thread count.
+    from ``row_lo`` and of its columns from ``col_lo``, in one chunked read (see [Note: checksum chunks]).
     """
     rows, cols = x.shape
     if rows == 0 or cols == 0:

@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 import tempfile
+import threading
 import uuid
 
 _BUILT: list = []
@@ -299,14 +300,16 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
     from vllm.model_executor.models import registry
 
     from hybridmem.adapters.vllm.names import sync_rule
-    from hybridmem.adapters.vllm.server.staging import StagingFile, dtype_of, layout_entries
+    from hybridmem.adapters.vllm.server.buckets import Buckets, dtype_of
+    from hybridmem.adapters.vllm.server.channel import Listener
+    from hybridmem.adapters.vllm.server.packing import BucketWriter
     from hybridmem.adapters.vllm.server.transfer import (
-        HybridmemInitInfo,
         HybridmemUpdateInfo,
         HybridmemWeightTransferEngine,
         layout_file,
     )
     from hybridmem.adapters.vllm.worker import persistent_buffers
+    from hybridmem.reshard.checksum import tensor_checksum
 
     if hasattr(registry, "_run_in_subprocess"):
         registry._run_in_subprocess = _call
@@ -333,18 +336,36 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
             engine = HybridmemWeightTransferEngine(WeightTransferConfig(backend="hybridmem"), vllm_config,
                                                    torch.device("cpu"), model)
             weight_names, not_synced = sync_rule(model_config.hf_config, tp)
-            engine.init_transfer_engine(HybridmemInitInfo(layout_dir=directory, weight_names=weight_names,
-                                                          not_synced=not_synced))
+            # This rank's trainer side of the bucket transport (its worker is this process's model).
+            run = "hybridmem-gemma4-test"
+            buckets = Buckets(directory, ctx.rank, bucket_nbytes=1 << 16, device=torch.device("cpu"))
+            listener = Listener(os.path.join(directory, "c.sock"), ctx.rank, run=run)
+            mine = {"channel": listener.path, "buckets": buckets.descriptor()}
+            engine.init_transfer_engine(engine.parse_init_info({
+                "run": run, "layout_dir": directory, "bucket_nbytes": 1 << 16, "ranks": [mine] * tp,
+                "weight_names": weight_names, "not_synced": not_synced}))
             with open(layout_file(directory, ctx.rank)) as f:
                 layout = json.load(f)["params"]
-            entries, nbytes = layout_entries((n, tuple(shape), dtype_of(dtype)) for n, shape, dtype in layout)
-            staging = StagingFile(os.path.join(directory, "staging.bin"), entries, nbytes)
-            for name, view in staging.tensors().items():
-                view.copy_(staged[f"{ctx.rank}/{name}"])
+            shapes = {n: (tuple(shape), dtype_of(dtype)) for n, shape, dtype in layout}
+            listener.expect(run, 1)
+            sent: list = []
+
+            def trainer() -> None:
+                writer = BucketWriter(buckets, listener.accept(timeout_s=60.0), shapes, run=run,
+                                      checksum=tensor_checksum, ack_timeout_s=60.0)
+                for name in shapes:
+                    writer.put(name, staged[f"{ctx.rank}/{name}"])
+                sent.append(writer.finish())
+
+            thread = threading.Thread(target=trainer)
+            thread.start()
             engine.start_weight_update()
-            engine.receive_weights(HybridmemUpdateInfo(**staging.update_info(figures=True, generation=1)))
+            engine.receive_weights(HybridmemUpdateInfo(run=run, generation=1, verify=True))
             engine.finish_weight_update()
-            staging.close()
+            thread.join(timeout=60.0)
+            assert sent, "the trainer side did not finish"
+            listener.close()
+            buckets.close()
             after = {n: b.detach().clone() for n, b in persistent_buffers(model)}
             after.update((n, p.detach().clone()) for n, p in model.named_parameters() if p.numel())
             return {"layout": layout, "after": after}
