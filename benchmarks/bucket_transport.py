@@ -378,8 +378,8 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     figures["raw_copy_gbps"] = total / raw / GB
 
     buckets = Buckets(directory, 0, bucket_nbytes=bucket_nbytes, device=device)
-    listener = Listener(channel_path(directory, 0), 0)
     run = uuid.uuid4().hex
+    listener = Listener(channel_path(directory, 0), 0, run=run)
     init_path = Path(directory) / "init.json"
     init_path.write_text(json.dumps({
         "run": run, "channel": listener.path, "buckets": buckets.descriptor(), "bucket_nbytes": bucket_nbytes,
