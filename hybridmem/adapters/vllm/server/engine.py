@@ -106,6 +106,7 @@ case).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -252,6 +253,9 @@ class VLLMServerEngine:
         self._max_module_nbytes = _max_module_nbytes(self.layout)
         self.version = 0
         """Updates committed so far; the engine's weight version is ``f"hybridmem-{version}"``."""
+        self.control_log: collections.deque[tuple[str, float]] = collections.deque(maxlen=256)
+        """``(call, seconds)`` of the latest control calls this rank made, the wait for ``update_weights``'s
+        answer once the stream ended included (what a switch pays whatever the model's size)."""
         self.last_aborted = 0
         """Requests the last release aborted (policy :attr:`InFlight.ABORT`)."""
         self.last_stream: StreamStats | None = None
@@ -473,7 +477,9 @@ class VLLMServerEngine:
             stats = writer.finish()
             conn.close()
             if call is not None:
+                answered = time.perf_counter()
                 self._await(call, self._deadline_s("update_weights"), start)
+                self.control_log.append(("update_weights", time.perf_counter() - answered))
         except BaseException as exc:  # the other ranks hear of it first, then it is raised
             holding = [] if writer is None else writer.holding()
             if writer is not None:
@@ -500,7 +506,10 @@ class VLLMServerEngine:
 
         Returns:
             What the switch report shows: ``engine_update_nbytes`` (this rank's streamed bytes, what its
-            worker took), ``engine_update_s``, ``weight_version`` and ``engine_buckets_handed``.
+            worker took), ``engine_update_s``, ``weight_version``, ``engine_buckets_handed``,
+            ``engine_stream_s`` (packing until the worker took the last bucket), of which
+            ``engine_checksum_s`` (the figures, trainer side), and ``engine_worker_checksum_s`` (the worker's
+            checks, its own clock).
 
         Raises:
             RuntimeError: No complete stream since the weights were resumed.
@@ -527,7 +536,10 @@ class VLLMServerEngine:
         return {"engine_update_nbytes": self.last_stream.nbytes,
                 "engine_update_s": self._load_s + time.perf_counter() - start,
                 "weight_version": f"hybridmem-{self.version}",
-                "engine_buckets_handed": self.last_stream.num_handed}
+                "engine_buckets_handed": self.last_stream.num_handed,
+                "engine_stream_s": self.last_stream.seconds,
+                "engine_checksum_s": self.last_stream.checksum_s,
+                "engine_worker_checksum_s": self.last_stream.worker_checksum_s}
 
     def unwritten_weights(self) -> list[str]:
         """The tensors of this rank's layout the last :meth:`load_layout_weights` did not write ([Note: weight
@@ -648,11 +660,14 @@ class VLLMServerEngine:
     # Internals --------------------------------------------------------------------------------------
     def _control(self, call: str, *args: Any, **kwargs: Any) -> Any:
         """Control call ``call`` of the client; remembers whether it failed ([Note: vllm engine failures])."""
+        start = time.perf_counter()
         try:
             result = getattr(self.client, call)(*args, **kwargs)
         except BaseException:
             self._trouble = True
             raise
+        finally:
+            self.control_log.append((call, time.perf_counter() - start))
         self._trouble = False
         return result
 

@@ -42,6 +42,10 @@ class StreamStats:
     num_handed: int
     """Buckets handed to the worker."""
     seconds: float
+    checksum_s: float = 0.0
+    """Of :attr:`seconds`, taking the figures on the trainer's side."""
+    worker_checksum_s: float = 0.0
+    """The worker's time checking them (its own clock; overlaps the trainer's packing)."""
 
 
 class BucketWriter:
@@ -74,6 +78,8 @@ class BucketWriter:
         self.written: list[str] = []
         """Names of the tensors packed so far, in order."""
         self.nbytes = 0
+        self.checksum_s = 0.0
+        """Seconds spent taking figures so far."""
         self._start = time.perf_counter()
         self._current = 0
         self._fill = 0
@@ -101,7 +107,11 @@ class BucketWriter:
         if name in self._figures or name in self.written:
             raise ValueError(f"{name} was given twice in one switch")
         flat = tensor.detach().to(dtype).reshape(-1)
-        figures = self.checksum(flat.view(shape)) if self.checksum is not None else None
+        figures = None
+        if self.checksum is not None:
+            start = time.perf_counter()
+            figures = self.checksum(flat.view(shape))
+            self.checksum_s += time.perf_counter() - start
         size = flat.element_size()
         numel, done = flat.numel(), 0
         while True:
@@ -172,8 +182,11 @@ class BucketWriter:
         if message.get("end") is not True or message.get("tensors") != len(self.written):
             raise ChannelError("error", f"the worker answered the end of the stream with {message}, expected "
                                f"{{'end': True, 'tensors': {len(self.written)}}}")
+        worker_checksum_s = message.get("checksum_s", 0.0)
         return StreamStats(num_tensors=len(self.written), nbytes=self.nbytes, num_handed=self._handed,
-                           seconds=time.perf_counter() - self._start)
+                           seconds=time.perf_counter() - self._start, checksum_s=self.checksum_s,
+                           worker_checksum_s=float(worker_checksum_s)
+                           if isinstance(worker_checksum_s, (int, float)) else 0.0)
 
     def holding(self) -> list[int]:
         """The buckets with the worker now, in the order it took them."""

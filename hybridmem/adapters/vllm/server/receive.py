@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -138,6 +139,8 @@ class StreamUpdate:
         """Tensors received whole (and checked), in order."""
         self.touched = False
         """Whether a byte of the destination was written (a failure then leaves it partly updated)."""
+        self.checksum_s = 0.0
+        """Seconds spent on the figures of complete tensors."""
 
     def target(self, name: str) -> torch.Tensor:
         """The tensor ``name``'s bytes go into."""
@@ -180,7 +183,9 @@ class StreamUpdate:
             if self.verify:
                 if name not in figures:
                     raise ValueError(f"{self.who}: the bucket completing {name} carries no figures")
+                start = time.perf_counter()
                 got = tensor_checksum(self.held(name).view(shape))
+                self.checksum_s += time.perf_counter() - start
                 want = figures[name]
                 if not (_close(got[0], want[0]) and _close(got[1], want[1])):
                     raise ValueError(f"{self.who}: staged tensor {name} reads (sum, weighted) {got}, the "
@@ -233,7 +238,7 @@ def receive_stream(channel: Connection, buckets: Sequence[torch.Tensor], update:
             message = channel.receive(timeout_s=wait_s)
             if "end" in message:
                 update.end(message)
-                channel.send({"end": True, "tensors": len(update.complete)})
+                channel.send({"end": True, "tensors": len(update.complete), "checksum_s": update.checksum_s})
                 break
             entries = check_bucket_message(message, run=update.run, num_buckets=len(buckets),
                                            bucket_nbytes=buckets[0].numel(), layout=update.layout,
