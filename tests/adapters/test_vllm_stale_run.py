@@ -77,9 +77,11 @@ def test_a_bucket_message_of_a_previous_run_is_refused_naming_both_runs_and_noth
     assert len(raised) == 1 and isinstance(raised[0], ValueError), raised
     message = str(raised[0])
     assert STALE in message and RUN in message and "'run'" in message, message
-    # The trainer heard the worker's own error.
-    assert trainer_side.value.kind == "error", trainer_side.value
-    assert STALE in str(trainer_side.value) and RUN in str(trainer_side.value), trainer_side.value
+    # The trainer's stream broke: the worker's own error, or its closed channel where the trainer's next send
+    # came before it read that error.
+    assert trainer_side.value.kind in ("error", "closed"), trainer_side.value
+    if trainer_side.value.kind == "error":
+        assert STALE in str(trainer_side.value) and RUN in str(trainer_side.value), trainer_side.value
     # Nothing was written: the worker's tensors are still 7.0 everywhere.
     assert update.touched is False and update.received == {} and update.complete == []
     for name, (shape, dtype) in LAYOUT.items():
