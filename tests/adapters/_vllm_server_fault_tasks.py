@@ -12,7 +12,8 @@ run that counts them as tests/_faults.py counts torch calls. The fault done ther
 - ``engine-refuses``: the real engine refuses the call (a second ``start_weight_update`` while one is open,
   a ``finish_weight_update`` without one, an update named for a previous run, refused when vLLM parses it);
 - ``exception`` / ``keyboard-interrupt``: an ``Injected`` exception or ``KeyboardInterrupt`` (full runs);
-- ``stop`` / ``kill`` (signal scenarios): SIGSTOP or SIGKILL to the engine's process right before the call.
+- ``stop`` / ``kill`` (signal scenarios): SIGSTOP or SIGKILL to the engine's process right before the call;
+  or (``kills``) SIGKILL to its vLLM worker once the trainer handed it a bucket of the call's stream.
 
 Each record says what was raised, how long the switch took, the phase, whether the training state is
 bitwise what it was, whether the engine was left paused, what ``generate`` answered (tokens or a
@@ -152,6 +153,50 @@ def signal_fault(pid_of: Callable[[], int], signum: int, *,
         return original(client, *args, **kwargs)
 
     return fault
+
+
+def worker_kill_fault(pid_of: Callable[[], int], seen: dict) -> Callable[..., Any]:
+    """A fault at ``update_weights`` that lets the call through and has the trainer's first bucket hand-over
+    kill the vLLM worker (``pid_of()``) once the bucket's message is sent: the worker is stopped first, so
+    it holds the bucket unacknowledged when it dies. ``seen`` gets the worker's pid and the buckets the
+    trainer had with it."""
+
+    def fault(label, original, client, args, kwargs):
+        from hybridmem.adapters.vllm.server.packing import BucketWriter
+
+        real = BucketWriter._hand_over
+
+        def hand_over(writer: Any) -> None:
+            BucketWriter._hand_over = real  # once
+            pid = pid_of()
+            seen["worker_pid"] = pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                real(writer)  # the bucket's message is sent; the worker cannot take it
+            finally:
+                seen["holding"] = writer.holding()
+                os.kill(pid, signal.SIGKILL)
+
+        BucketWriter._hand_over = hand_over
+        try:
+            return original(client, *args, **kwargs)
+        finally:
+            if "worker_pid" not in seen:  # the stream never got to a hand-over
+                BucketWriter._hand_over = real
+
+    return fault
+
+
+def worker_pid(engine_pid: int) -> int:
+    """The pid of the vLLM worker under the engine core ``engine_pid`` (vLLM's CPU build runs one process
+    per worker, ``VLLM::Worker``, its child)."""
+    import psutil
+
+    workers = [p.pid for p in psutil.Process(engine_pid).children(recursive=True)
+               if p.name().startswith("VLLM::Worker")]
+    if len(workers) != 1:
+        raise RuntimeError(f"expected one VLLM::Worker under the engine core {engine_pid}, found {workers}")
+    return workers[0]
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -498,14 +543,17 @@ def stalls(out: str) -> dict:
 
 
 def kills(out: str) -> dict:
-    """SIGKILL of the AsyncLLM's engine core: while ``update_weights`` waits (TRAIN->INFER), and while
-    ``pause`` waits (INFER->TRAIN), on an engine each; the engine core is stopped first so the call is
-    surely pending when it dies. CI kills the first only (``http`` kills an engine core in INFER->TRAIN,
-    ``stalls`` a stopped one)."""
+    """SIGKILL on an engine each: of the AsyncLLM's engine core while ``update_weights`` waits (TRAIN->INFER);
+    of its vLLM worker while it holds the trainer's first bucket of that update (TRAIN->INFER); of its
+    engine core while ``pause`` waits (INFER->TRAIN). An engine core is stopped first so the call is surely
+    pending when it dies, a worker so it has not taken the bucket. CI kills the first two (``http`` kills
+    an engine core in INFER->TRAIN, ``stalls`` a stopped one)."""
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     res: dict[str, Any] = {"records": [], "deadline_s": DEADLINE_S}
     model = opt = None
-    for direction, label in (("to_infer", "update_weights"), ("to_train", "pause"))[:None if FULL else 1]:
+    cases = (("to_infer", "update_weights", "engine core"), ("to_infer", "update_weights", "worker"),
+             ("to_train", "pause", "engine core"))
+    for direction, label, victim in cases[:None if FULL else 2]:
         engine = _start_async(model_dir)
         try:
             actor = Actor(engine, model=model, opt=opt, model_dir=model_dir)
@@ -514,10 +562,16 @@ def kills(out: str) -> dict:
             pid = engine.client.engine_pids()[0]
             labels = actor.dry_run(direction)
             point = labels.index(label) + 1
-            rec = run_point(actor, direction,
-                            signal_fault(lambda pid=pid: pid, signal.SIGSTOP, kill_after_s=2.0), point,
-                            kind="kill")
-            rec.update(point=point, label=label, engine_exit=_wait_gone(engine), dry_run=labels)
+            seen: dict[str, Any] = {}
+            if victim == "worker":
+                fault = worker_kill_fault(lambda pid=pid: worker_pid(pid), seen)
+            else:
+                fault = signal_fault(lambda pid=pid: pid, signal.SIGSTOP, kill_after_s=2.0)
+            rec = run_point(actor, direction, fault, point, kind="kill")
+            rec.update(point=point, label=label, victim=victim, engine_exit=_wait_gone(engine),
+                       dry_run=labels, **seen)
+            if "worker_pid" in seen:
+                rec["worker_exists"] = _exists(seen["worker_pid"])
             next_round(actor, rec)
             rec["generate_dead"] = actor.answer()
             res["records"].append(rec)
@@ -525,6 +579,16 @@ def kills(out: str) -> dict:
         finally:
             engine.close()
     return res
+
+
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` is there and not a zombie."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _wait_gone(engine: Any, timeout_s: float = 30.0) -> Any:

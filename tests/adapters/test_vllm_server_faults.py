@@ -280,13 +280,27 @@ def test_a_stopped_engine_is_stalled_within_the_deadline_then_serves_again(stall
 
 def test_a_killed_engine_is_named_dead_at_once_in_both_directions(kills):
     records = kills["records"]
-    assert [(r["direction"], r["label"]) for r in records] == [
-        ("to_infer", "update_weights"), ("to_train", "pause")][:None if FULL else 1]
+    assert [(r["direction"], r["label"], r["victim"]) for r in records] == [
+        ("to_infer", "update_weights", "engine core"), ("to_infer", "update_weights", "worker"),
+        ("to_train", "pause", "engine core")][:None if FULL else 2]
     for rec in records:
         assert rec["engine_exit"] is not None, f"{where(rec)}: the engine core is still there"
         check_record(rec, kills["deadline_s"], dead=True)
         assert (rec["generate_dead"]["refused"] == "PhaseError"
                 and "dead" in rec["generate_dead"]["message"]), rec
+
+
+def test_a_worker_killed_while_it_holds_a_bucket_is_named_with_the_bucket(kills):
+    """SIGKILL of the vLLM worker once the trainer handed it the first bucket of an update and waits for its
+    acknowledgement: one error naming the worker rank and that bucket, within the deadline, TRAIN, the
+    training state bitwise as before (``check_record``), the worker and its engine gone."""
+    rec = next(r for r in kills["records"] if r["victim"] == "worker")
+    assert rec["holding"] == [0], f"{where(rec)}: the trainer had {rec['holding']} with the worker"
+    assert rec["worker_exists"] is False, f"{where(rec)}: worker {rec['worker_pid']} is still there"
+    assert "vLLM worker rank 0 died while holding bucket 0" in rec["error"]["message"], where(rec)
+    assert rec["error"]["fault"] == "dead" and rec["error"]["call"] == "update_weights", where(rec)
+    assert rec["elapsed_s"] < kills["deadline_s"], f"{where(rec)}: took {rec['elapsed_s']:.1f} s"
+    assert rec["phase"] == rec["phase_final"] == "TRAIN" and rec["state_equal"] is True, where(rec)
 
 
 @pytest.mark.skipif(not FULL, reason="a fourth engine start (vllm serve, about 4 min on a 2-core machine): "

@@ -36,9 +36,10 @@ Each is an :class:`~hybridmem.errors.EngineProcessError` naming the call, the en
 raised inside a switch as ``SwitchEngineProcessError`` naming the step. No engine call touches the
 trainer's params, grads or optimizer state. A stream that breaks is the ``update_weights`` call's
 failure: a worker that closes its channel while it holds a bucket is DEAD when the engine's process is
-gone ("vLLM worker rank r died while holding bucket i"), REFUSED otherwise; its own error message (figures
-that read otherwise, a previous run's message) REFUSED; a worker that does not connect or acknowledge
-within the deadline STALLED. Then:
+gone, or found gone within ``DEATH_GRACE_S`` (vLLM answers the call with an error the moment a worker
+dies, its engine core exits after): "vLLM worker rank r died while holding bucket i"; REFUSED otherwise;
+its own error message (figures that read otherwise, a previous run's message) REFUSED; a worker that
+does not connect or acknowledge within the deadline STALLED. Then:
 
 - TRAIN->INFER failing at any call (``wake_up``, ``start_weight_update``, ``update_weights`` and its
   stream, ``finish_weight_update``, ``reset_prefix_cache``, ``resume``): the rollback undoes what the switch
@@ -154,6 +155,10 @@ WORKER_WAIT_S = 1800.0
 """The longest a worker waits for its trainer rank's next message (a trainer that dies closes the
 channel at once; this bounds one that hangs)."""
 
+DEATH_GRACE_S = 5.0
+"""How long a stream whose worker closed its channel while holding a bucket waits for the engine to be
+found gone before it counts the close as a refusal: vLLM answers ``update_weights`` with an error
+("collective_rpc ... cancelled") as soon as a worker dies, and its engine core exits a moment later."""
 _OUTCOME = {None: 1.0, EngineFault.REFUSED: 0.0, EngineFault.STALLED: -1.0, EngineFault.DEAD: -2.0}
 """A rank's outcome of an update as the number the ranks agree on (any other error: -3)."""
 
@@ -691,19 +696,42 @@ class VLLMServerEngine:
             return exc  # rank 0's error is the one the ranks agree on
         if call is not None and isinstance(exc, ChannelError) and exc.kind in ("error", "closed"):
             call.wait(self.timeout_s)  # the worker failed: vLLM answers the call at once
+        died = self._died(exc, call, holding)
         if call is not None and call.error is not None:
             self._trouble = True
             error = call.error
-            if isinstance(error, EngineProcessError) and error.dead and isinstance(exc, ChannelError):
-                return stream_error(exc, rank=self.rank, holding=holding, where=self.client.where,
-                                    deadline_s=error.deadline_s, start=start, gone=lambda: True)
+            if died:  # named with the buckets it held, whichever the stream saw first
+                broken = exc if isinstance(exc, ChannelError) else ChannelError(
+                    "closed", "its engine's process exited while the stream waited")
+                named = stream_error(broken, rank=self.rank, holding=holding, where=self.client.where,
+                                     deadline_s=error.deadline_s, start=start, gone=lambda: True)
+                named.__cause__ = error
+                return named
             return error
         if isinstance(exc, ChannelError):
             self._trouble = True
             deadline = self._deadline_s("acknowledge" if connected else "connect")
             return stream_error(exc, rank=self.rank, holding=holding, where=self.client.where,
-                                deadline_s=deadline, start=start, gone=self.client.gone)
+                                deadline_s=deadline, start=start, gone=lambda: died or self.client.gone())
         return exc
+
+    def _died(self, exc: BaseException, call: BackgroundCall | None, holding: list[int]) -> bool:
+        """Whether the stream broke because its worker died while holding ``holding``: its channel closed
+        without a word (or the call failed meanwhile) and the engine's process is gone, or found gone
+        within :data:`DEATH_GRACE_S` (see [Note: vllm engine failures])."""
+        if not holding:
+            return False
+        closed = isinstance(exc, ChannelError) and exc.kind == "closed"
+        if not closed and not (call is not None and exc is call.error):
+            return False
+        if call is not None and isinstance(call.error, EngineProcessError) and call.error.dead:
+            return True
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not self.client.gone():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _agree(self, error: BaseException | None, start: float, *, what: str, deadline_s: float,
                reduce: bool = True) -> None:

@@ -202,7 +202,8 @@ class StreamUpdate:
         check_fields("end message", message, {"end": (bool,), "tensors": (int,), "run": (str,)},
                      ("end", "tensors", "run"))
         if message["run"] != self.run:
-            raise ValueError(f"end message: field 'run' is {message['run']!r}, a previous run's")
+            raise ValueError(f"end message: field 'run' is {message['run']!r}, a previous run's (this worker "
+                             f"was initialised for run {self.run!r}); refused{self.written()}")
         if message["tensors"] != len(self.complete):
             raise ValueError(f"{self.who}: the trainer sent {message['tensors']} tensors, "
                              f"{len(self.complete)} arrived complete")
