@@ -19,15 +19,21 @@ event the host waits for) before the bucket's message leaves.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hybridmem.adapters.vllm.server.buckets import ALIGN, Buckets, BucketState, aligned, dtype_name
+from hybridmem.adapters.vllm.server.buckets import (
+    ALIGN,
+    Buckets,
+    BucketState,
+    aligned,
+    dtype_name,
+    one_thread,
+)
 from hybridmem.adapters.vllm.server.channel import ChannelError, Connection
 
 __all__ = ["BucketWriter", "StreamStats"]
@@ -47,22 +53,6 @@ class StreamStats:
     """Of :attr:`seconds`, taking the figures on the trainer's side."""
     worker_checksum_s: float = 0.0
     """The worker's time checking them (its own clock; overlaps the trainer's packing)."""
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """Take a CPU tensor's figures on one thread: the worker copies the previous bucket on the same cores
-    meanwhile, and each of the checksum's many small chunk operations would wait for the slowest of
-    torch's threads (on cpu-2c beside a vLLM worker: 1.4 s for 633 MB on two threads, 0.35 s on one)."""
-    if device.type != "cpu" or torch.get_num_threads() == 1:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class BucketWriter:
@@ -127,7 +117,7 @@ class BucketWriter:
         figures = None
         if self.checksum is not None:
             start = time.perf_counter()
-            with _one_thread(flat.device):
+            with one_thread(flat.device):
                 figures = self.checksum(flat.view(shape))
             self.checksum_s += time.perf_counter() - start
         size = flat.element_size()

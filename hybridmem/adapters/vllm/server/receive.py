@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hybridmem.adapters.vllm.server.buckets import dtype_name, dtype_of
+from hybridmem.adapters.vllm.server.buckets import dtype_name, dtype_of, one_thread
 from hybridmem.adapters.vllm.server.channel import ChannelError, Connection
 from hybridmem.reshard.checksum import tensor_checksum
 
@@ -184,7 +184,9 @@ class StreamUpdate:
                 if name not in figures:
                     raise ValueError(f"{self.who}: the bucket completing {name} carries no figures")
                 start = time.perf_counter()
-                got = tensor_checksum(self.held(name).view(shape))
+                held = self.held(name).view(shape)
+                with one_thread(held.device):
+                    got = tensor_checksum(held)
                 self.checksum_s += time.perf_counter() - start
                 want = figures[name]
                 if not (_close(got[0], want[0]) and _close(got[1], want[1])):
