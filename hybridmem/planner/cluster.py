@@ -21,7 +21,15 @@ sent and received, peers (same node or not), largest staging buffer. What the st
   step per tensor;
 - engine weights: the destination layout's tensors of the rank (padding rows included), in the
   inference dtype (a tensor the model keeps in fp32 counted in fp32);
-- KV cache: given, or vLLM's rule: ``gpu_memory_utilization`` of the device minus the engine weights.
+- KV cache: given, or vLLM's rule: ``gpu_memory_utilization`` of the device minus the engine weights;
+- an engine in its own process (``engine_process``, vLLM's ``AsyncLLM`` or ``vllm serve`` with hybridmem's
+  bucket transport): its :data:`~hybridmem.contract.buckets.NUM_BUCKETS` transfer buckets on the rank's
+  device, held in both phases, so every step of both switches counts them (the owner ``"engine
+  buckets"``). Their size is given, or the engine's own default
+  (:func:`~hybridmem.contract.buckets.default_bucket_nbytes`) of the device's memory less the rank's
+  training state: the engine measures its free memory at construction, which anything else on the
+  device then (a vLLM on the same device) makes smaller, so the plan's default is the largest the
+  engine would take.
 
 The optimizer state of Megatron's distributed optimizer is divided over the ranks holding the same
 parameters: the data-parallel ranks for the dense part, the expert-data-parallel ranks (``world / (pp *
@@ -43,6 +51,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from hybridmem.config import ParallelLayout
+from hybridmem.contract.buckets import MIN_BUCKET_NBYTES, NUM_BUCKETS, default_bucket_nbytes
 from hybridmem.contract.engine import EngineCapabilities
 from hybridmem.contract.kinds import KV_CACHE, WEIGHTS, StateKind
 from hybridmem.offload import OffloadState
@@ -62,6 +71,7 @@ from hybridmem.reshard import (
 from hybridmem.reshard.hf_source import hf_module_tensors
 from hybridmem.switch.agreement import AgreeStep
 from hybridmem.switch.memplan import MemoryPlan, plan_switch
+from hybridmem.switch.owners import ENGINE_BUFFERS_OWNER
 from hybridmem.switch.phase import Direction
 from hybridmem.switch.steps import (
     FSDP_BUFFERS,
@@ -227,7 +237,8 @@ class RankPrediction:
     sent_nbytes: int
     received_nbytes: int
     state_nbytes: dict[str, int]
-    """Bytes per kind: params, grads, optimizer, engine weights, KV cache."""
+    """Bytes per kind: params, grads, optimizer, engine weights, KV cache, and with an engine in its own
+    process its transfer buckets (``"engine buckets"``, both together)."""
     host_nbytes: dict[str, int]
     """Host bytes at the rank's host peak, by source ([Note: host plan] in :mod:`hybridmem.planner.host`)."""
 
@@ -373,9 +384,11 @@ def _rank_host(state: RankState, setup: TrainingSetup, accel: AcceleratorFigures
 def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, rank: int, *,
                  accel: AcceleratorFigures, offload: Mapping[StateKind, bool], kv_nbytes: int | None,
                  gpu_memory_utilization: float, infer_bytes: int, bucket_nbytes: int, sleep_level: int = 2,
+                 engine_process: bool = False, engine_bucket_nbytes: int | None = None,
                  state: RankState | None = None) -> RankPrediction:
     """Both switches of ``rank`` (see [Note: cluster plan]); ``state``: the rank's entry of
-    :func:`rank_states` (computed when not given)."""
+    :func:`rank_states` (computed when not given); ``engine_process``: the engine's transfer buckets held
+    on the device throughout (``engine_bucket_nbytes`` each, ``None``: the engine's default)."""
     src = _train_layout(spec, setup, world)
     dst = vllm_layout(spec, infer, world)
     plan = build_plan(src, dst, itemsize=infer_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
@@ -386,11 +399,17 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     kv = (kv_nbytes if kv_nbytes is not None
           else max(0, int(gpu_memory_utilization * accel.memory_nbytes) - weights))
     figures = {**state.nbytes, "kv_cache": kv}
+    start = params + grads + optimizer
+    if engine_process:
+        free = max(0, accel.memory_nbytes - start)
+        each = (engine_bucket_nbytes if engine_bucket_nbytes is not None
+                else default_bucket_nbytes(accel.device_type, free_nbytes=free))
+        figures[ENGINE_BUFFERS_OWNER] = NUM_BUCKETS * each
+        start += figures[ENGINE_BUFFERS_OWNER]
     offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params),
                   StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
                   StateKind.OPTIMIZER: _Offloader(StateKind.OPTIMIZER, optimizer)}
     engine, sync = _Engine(weights, kv), _Sync(plan.peak_temp_nbytes(rank))
-    start = params + grads + optimizer
     walk = dict(offloaders=offloaders, offload=offload, engine=engine, sync=sync, plan=plan, rank=rank,
                 accel=accel, setup=setup, sleep_level=sleep_level)
     to_infer = _walk(Direction.TO_INFER, start, **walk)
@@ -485,6 +504,7 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
                  accel: AcceleratorFigures, offload: Mapping[StateKind, bool] | None = None,
                  kv_nbytes: int | None = None, gpu_memory_utilization: float = 0.9, infer_bytes: int = 2,
                  bucket_nbytes: int = DEFAULT_BUCKET_NBYTES, sleep_level: int = 2, ranks: int = 4,
+                 engine_process: bool = False, engine_bucket_nbytes: int | None = None,
                  advise: bool = True) -> ClusterPlan:
     """Predict both switches of the ``ranks`` ranks with the most bytes (all of them when ``ranks >= world``),
     and every node's host bytes ([Note: host plan] in :mod:`hybridmem.planner.host`).
@@ -492,6 +512,10 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     Args:
         sleep_level: The engine's sleep level: 2 (weights discarded; hybridmem's vLLM adapter's default)
             or 1 (weights kept in host memory).
+        engine_process: The engine runs in its own process with hybridmem's bucket transport: its
+            transfer buckets stay on every rank's device ([Note: cluster plan]).
+        engine_bucket_nbytes: Bytes per bucket (``VLLMServerEngine``'s ``bucket_nbytes``); ``None``: the
+            engine's default.
 
     Raises:
         ValueError: A layout that does not fit the model or the world (named by the layouts' checks),
@@ -503,10 +527,21 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
         raise ValueError(f"ranks={ranks} must be >= 1")
     if sleep_level not in SLEEP_LEVELS:
         raise ValueError(f"sleep_level={sleep_level!r}; expected one of {SLEEP_LEVELS}")
+    if engine_process and accel.device_type != "cuda":
+        raise ValueError(f"engine_process on accelerator {accel.name} ({accel.device_type}): an engine in "
+                         "its own process moves weights through CUDA IPC only; an NPU engine runs in the "
+                         "trainer's process (VLLMEngine)")
+    if engine_bucket_nbytes is not None and not engine_process:
+        raise ValueError(f"engine_bucket_nbytes={engine_bucket_nbytes} is for an engine in its own process "
+                         "(engine_process)")
+    if engine_bucket_nbytes is not None and engine_bucket_nbytes < MIN_BUCKET_NBYTES:
+        raise ValueError(f"engine_bucket_nbytes={engine_bucket_nbytes}; expected at least "
+                         f"{MIN_BUCKET_NBYTES} (one page), or None for the engine's default")
     offload = dict(offload or {k: True for k in (StateKind.PARAM, StateKind.GRAD, StateKind.OPTIMIZER)})
     args = dict(accel=accel, offload=offload, kv_nbytes=kv_nbytes,
                 gpu_memory_utilization=gpu_memory_utilization,
-                infer_bytes=infer_bytes, bucket_nbytes=bucket_nbytes, sleep_level=sleep_level)
+                infer_bytes=infer_bytes, bucket_nbytes=bucket_nbytes, sleep_level=sleep_level,
+                engine_process=engine_process, engine_bucket_nbytes=engine_bucket_nbytes)
     states = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)
     chosen = _ranks_to_plan(spec, setup, infer, world, ranks, infer_bytes)
     predictions = tuple(predict_rank(spec, setup, infer, world, r, state=states[r], **args) for r in chosen)

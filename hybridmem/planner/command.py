@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from hybridmem.config import ParallelLayout
 from hybridmem.config.arguments import OneLineErrorParser
+from hybridmem.contract.buckets import MIN_BUCKET_NBYTES
 from hybridmem.contract.kinds import StateKind
 from hybridmem.planner.cluster import (
     ACCELERATORS,
@@ -94,6 +95,12 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--bucket-mib", type=float, default=512, help="resharding bucket (reshard_bucket_bytes)")
     p.add_argument("--sleep-level", type=int, default=2, choices=SLEEP_LEVELS,
                    help="the engine's sleep: 1 keeps its weights in host memory, 2 (default) discards them")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the engine runs in its own process (vLLM's AsyncLLM or vllm serve) with hybridmem's "
+                        "bucket transport: its 2 transfer buckets stay on every rank's device (GPU only)")
+    p.add_argument("--engine-bucket-mib", type=float,
+                   help="bytes per transfer bucket with --engine-process, MiB (default: the engine's own "
+                        "rule, a sixteenth of the device's free memory, 1 MiB to 1 GiB)")
     p.add_argument("--train-host-gb", type=float, default=0.0,
                    help="the training framework's own host buffers per rank (default 0: none known)")
     p.add_argument("--lora-rank", type=int,
@@ -196,11 +203,24 @@ def plan_from_args(args) -> ClusterPlan:
     kv = args.kv_cache_bytes if args.kv_cache_bytes is not None else (
         int(args.kv_cache_gb * GB) if args.kv_cache_gb is not None else None)
     ranks = args.world if args.ranks == "all" else int(args.ranks)
+    if args.engine_process and accel.device_type != "cuda":
+        raise ValueError(f"--engine-process with --accelerator {args.accelerator} ({accel.device_type}): an "
+                         "engine in its own process moves weights through CUDA IPC only; an NPU engine runs "
+                         "in the trainer's process")
+    engine_bucket = None
+    if args.engine_bucket_mib is not None:
+        if not args.engine_process:
+            raise ValueError(f"--engine-bucket-mib {args.engine_bucket_mib:g} is for --engine-process")
+        engine_bucket = int(args.engine_bucket_mib * 2**20)
+        if engine_bucket < MIN_BUCKET_NBYTES:
+            raise ValueError(f"--engine-bucket-mib {args.engine_bucket_mib:g}: a bucket takes at least "
+                             f"{MIN_BUCKET_NBYTES} bytes (one page)")
     return plan_cluster(spec, setup, _layout(args.infer, "--infer"), args.world, accel=accel,
                         offload={k: k.value in names for k in KINDS.values()}, kv_nbytes=kv,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         infer_bytes=DTYPE_BYTES[args.infer_dtype],
-                        bucket_nbytes=int(args.bucket_mib * 2**20), sleep_level=args.sleep_level, ranks=ranks)
+                        bucket_nbytes=int(args.bucket_mib * 2**20), sleep_level=args.sleep_level, ranks=ranks,
+                        engine_process=args.engine_process, engine_bucket_nbytes=engine_bucket)
 
 
 def lora_plan_from_args(args) -> list[LoraRoutePlan]:
@@ -209,6 +229,9 @@ def lora_plan_from_args(args) -> list[LoraRoutePlan]:
     Raises:
         ValueError: A bad option (named), or a layout other than one device.
     """
+    if args.engine_process or args.engine_bucket_mib is not None:
+        raise ValueError("--engine-process is planned without --lora-rank (a LoRA plan keeps its engine in "
+                         "the trainer's process)")
     if args.world != 1 or args.infer != "1/1/1" or args.train not in ("1/1/1", "fsdp2"):
         raise ValueError("--lora-rank plans one device: give --world 1 --infer 1/1/1 (got --world "
                          f"{args.world} --train {args.train} --infer {args.infer})")
@@ -260,7 +283,8 @@ def _print(plan: ClusterPlan, args) -> None:
                   f"{a.host_link_bps / GB:.0f} GB/s, NVLink {a.intra_node_bps / GB:.0f} GB/s, network "
                   f"{a.inter_node_bps / GB:.0f} GB/s, {a.devices_per_node}/node with "
                   f"{a.host_memory_nbytes / GB:.0f} GB host memory); train {args.train}, infer {args.infer}, "
-                  f"engine sleep level {plan.sleep_level}; planned ranks {[p.rank for p in plan.ranks]}")
+                  f"engine sleep level {plan.sleep_level}{_engine_text(args)}; planned ranks "
+                  f"{[p.rank for p in plan.ranks]}")
     state = ", ".join(f"{k} {v / GB:.2f}" for k, v in worst.state_nbytes.items())
     console.print(f"worst rank {worst.rank} (GB): {state}")
     for direction, steps in (("TRAIN->INFER", worst.to_infer), ("INFER->TRAIN", worst.to_train)):
@@ -296,6 +320,14 @@ def _print(plan: ClusterPlan, args) -> None:
         if advice.options and advice.host_peak_nbytes is not None:
             how += f", host {advice.host_peak_nbytes / GB:.1f} GB per node"
         console.print(f"  would fit with: {advice.knob}{how}")
+
+
+def _engine_text(args) -> str:
+    if not args.engine_process:
+        return ""
+    size = (f"{args.engine_bucket_mib:g} MiB" if args.engine_bucket_mib is not None
+            else "the engine's default size")
+    return f", engine in its own process (2 buckets of {size} per rank)"
 
 
 def _plot(plan: ClusterPlan, path: str) -> None:

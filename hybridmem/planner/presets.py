@@ -40,6 +40,9 @@ class AcceleratorFigures:
     is set below the arena's size (read from torch 2.13's ``ATen/core/CachingHostAllocator.h``)."""
     step_latency_s: float = 50e-6
     """Fixed cost of one resharding step (posting, launching)."""
+    device_type: str = "cuda"
+    """The torch device type (``"cuda"``, ``"npu"``): an engine in its own process has a bucket path on CUDA
+    only ([Note: vllm buckets] in :mod:`hybridmem.adapters.vllm.server.buckets`)."""
 
     def __post_init__(self) -> None:
         for name in ("memory_nbytes", "host_link_bps", "intra_node_bps", "inter_node_bps", "devices_per_node",
@@ -74,7 +77,7 @@ ACCELERATORS: dict[str, AcceleratorFigures] = {
     "910b": AcceleratorFigures(name="910b", memory_nbytes=64 * 2**30, host_link_bps=25 * GB,
                                intra_node_bps=196 * GB, inter_node_bps=25 * GB, devices_per_node=8,
                                device_copy_bps=800 * GB, host_memory_nbytes=1500 * GB,
-                               pinned_rounds_up=False),
+                               pinned_rounds_up=False, device_type="npu"),
     # GB200 NVL72, one compute tray per node: 2 Grace CPUs + 4 B200 (NVIDIA GB200 NVL72 and DGX GB200
     # pages). Per GPU up to 186 GB HBM3e (13.4 TB over 72 GPUs) at 8 TB/s (576 TB/s over 72). Host: up to
     # 480 GB LPDDR5X per Grace (17 TB over 36), 960 GB per tray; the OS sees somewhat less (firmware and

@@ -21,7 +21,8 @@ worker what each holds over the rank's channel (:mod:`hybridmem.adapters.vllm.se
 buckets stay allocated in both phases: the memory plan counts them as the owner ``"engine buckets"`` of
 the trainer's device (host RAM on CPU).
 
-``bucket_nbytes=None`` picks :func:`default_bucket_nbytes`: 64 MiB on CPU (a quarter of the shared
+``bucket_nbytes=None`` picks :func:`default_bucket_nbytes` (:mod:`hybridmem.contract.buckets`, the one rule
+the memory plan's ``--engine-process`` counts too): 64 MiB on CPU (a quarter of the shared
 directory's free space where that is less); on CUDA a sixteenth of the device's free memory at
 construction (both buckets: an eighth), at most 1 GiB (vLLM's own packed default) and at least 1 MiB.
 """
@@ -38,21 +39,20 @@ from typing import Any
 
 import torch
 
+from hybridmem.contract.buckets import (
+    CPU_BUCKET_NBYTES,
+    MAX_DEFAULT_BUCKET_NBYTES,
+    MIN_BUCKET_NBYTES,
+    NUM_BUCKETS,
+    default_bucket_nbytes,
+)
+
 __all__ = ["ALIGN", "NUM_BUCKETS", "MIN_BUCKET_NBYTES", "MAX_DEFAULT_BUCKET_NBYTES", "CPU_BUCKET_NBYTES",
            "BucketState", "Buckets", "default_bucket_nbytes", "check_bucket_nbytes", "open_buckets",
            "encode_ipc", "decode_ipc", "aligned", "dtype_name", "dtype_of", "one_thread"]
 
 ALIGN = 64
 """Byte alignment of every range in a bucket (any dtype's element, and vector loads)."""
-NUM_BUCKETS = 2
-"""Buckets per trainer rank: the trainer fills one while the worker copies the other."""
-MIN_BUCKET_NBYTES = 4096
-"""The smallest bucket taken: one page."""
-CPU_BUCKET_NBYTES = 64 << 20
-"""The default bucket on CPU."""
-MAX_DEFAULT_BUCKET_NBYTES = 1 << 30
-"""The largest default bucket on CUDA (``vllm/distributed/weight_transfer/packed_tensor.py``'s buffer)."""
-_MIN_DEFAULT_NBYTES = 1 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -86,16 +86,6 @@ class BucketState(Enum):
     WITH_WORKER = "with_worker"
     """Handed to the worker, which copies its ranges out; the trainer writes it again only after the
     worker's acknowledgement."""
-
-
-def default_bucket_nbytes(device_type: str, *, free_nbytes: int) -> int:
-    """The bucket size ``bucket_nbytes=None`` takes (see [Note: vllm buckets]); ``free_nbytes``: the shared
-    directory's free bytes (CPU) or the device's (CUDA)."""
-    if device_type == "cpu":
-        size = min(CPU_BUCKET_NBYTES, free_nbytes // 4)
-    else:
-        size = min(MAX_DEFAULT_BUCKET_NBYTES, free_nbytes // 16)
-    return max(_MIN_DEFAULT_NBYTES, size // _MIN_DEFAULT_NBYTES * _MIN_DEFAULT_NBYTES)
 
 
 def check_bucket_nbytes(bucket_nbytes: int, *, limit_nbytes: int, what: str,
