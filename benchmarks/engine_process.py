@@ -146,6 +146,11 @@ def _ms(values: list, scale: float = 1e3) -> str:
     return f"{statistics.median(values) * scale:.0f}" if values else "-"
 
 
+def _control_s(runs: list[dict]) -> list[float | None]:
+    """Per switch, the control calls of both directions (``None`` for the in-process engine)."""
+    return [None if x["control_in_s"] is None else x["control_in_s"] + x["control_out_s"] for x in runs]
+
+
 def table(results: list[dict]) -> str:
     """Per engine, medians over the switches."""
     med = statistics.median
@@ -158,8 +163,7 @@ def table(results: list[dict]) -> str:
         runs = r["runs"]
         sync_s = med(x["sync_s"] for x in runs)
         nbytes = runs[-1]["engine_nbytes"]
-        control = [None if x["control_in_s"] is None else x["control_in_s"] + x["control_out_s"]
-                   for x in runs]
+        control = _control_s(runs)
         lines.append(f"| {r['engine']} | {r['start_s']:.1f} | "
                      f"{med(x['to_infer_s'] for x in runs) * 1e3:.0f} | {sync_s * 1e3:.0f} | "
                      f"{_ms([x['stream_s'] for x in runs])} | {_ms([x['checksum_s'] for x in runs])} | "
@@ -183,8 +187,7 @@ def fit(by_size: list[list[dict]]) -> str:
         both_a = med(x["to_infer_s"] + x["to_train_s"] for x in a["runs"])
         both_b = med(x["to_infer_s"] + x["to_train_s"] for x in b["runs"])
         slope = (both_b - both_a) / (nb - na)
-        control = [None if x["control_in_s"] is None else x["control_in_s"] + x["control_out_s"]
-                   for x in b["runs"]]
+        control = _control_s(b["runs"])
         gbps = nb / sync_b / 1e9
         base = gbps if base is None else base
         lines.append(f"| {b['engine']} | {(both_a - slope * na) * 1e3:.0f} | {_ms(control)} | "

@@ -131,7 +131,7 @@ from hybridmem.adapters.vllm.server.buckets import (
     default_bucket_nbytes,
     dtype_of,
 )
-from hybridmem.adapters.vllm.server.channel import ChannelError, Listener, channel_path, send_abort
+from hybridmem.adapters.vllm.server.channel import POLL_S, ChannelError, Listener, channel_path, send_abort
 from hybridmem.adapters.vllm.server.client import VLLMClient
 from hybridmem.adapters.vllm.server.packing import BucketWriter, StreamStats
 from hybridmem.adapters.vllm.server.ranks import EngineRanks, engine_ranks
@@ -730,7 +730,7 @@ class VLLMServerEngine:
         while not self.client.gone():
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(0.05)
+            time.sleep(POLL_S)
         return True
 
     def _agree(self, error: BaseException | None, start: float, *, what: str, deadline_s: float,
