@@ -69,6 +69,7 @@ class InferenceEngine(Protocol):
 _METHODS = {
     "writes_in_place": ("named_parameters",),
     "streams_layout": ("load_layout_weights",),
+    "offers_layout_targets": ("layout_target",),
     "reports_weight_coverage": ("unwritten_weights",),
     "reports_residency": ("resident_nbytes", "planned_nbytes"),
     "binds_phase": ("bind_phase",),
@@ -102,6 +103,10 @@ class EngineCapabilities:
     a stream of ``(name, tensor)``, each complete and yielded once; a tensor is valid only until the next one
     is requested (the engine copies it out). A resharding sync then holds only the tensors in flight, never a
     copy of the whole model ([Note: layout streams] in :mod:`hybridmem.reshard.execute`)."""
+    offers_layout_targets: bool = False
+    """With ``streams_layout``: while ``load_layout_weights`` reads its stream, ``layout_target(name, shape,
+    dtype)`` gives the engine's memory to build the stream's next tensor in (the part of a transfer bucket it
+    will be sent from), or ``None``; a tensor built there is handed over without a copy."""
     reports_weight_coverage: bool = False
     """``unwritten_weights()`` lists weights ``load_weights`` has not written since they were resumed."""
     reports_residency: bool = False

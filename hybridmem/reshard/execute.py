@@ -39,14 +39,17 @@ all written. Tensors made of local cells alone come first, one at a time in dest
 rank, every tensor); each of the others is touched first by the plan bucket that first brings it a cell
 and completed by the last one. So at most the largest local tensor, or the tensors open across one
 bucket, are alive at once (:func:`stream_peak_nbytes`), never a copy of the whole model. The buckets,
-and so the collectives, are those of :func:`run_plan`, in the same order on every rank.
+and so the collectives, are those of :func:`run_plan`, in the same order on every rank. A caller may give
+the memory a tensor of local cells alone is built in (``target``: e.g. the part of a transfer bucket it
+is to be sent from), which saves the copy into it; such a tensor is yielded right after it is built, so
+the caller's memory holds it only until the caller's next request.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,6 +295,10 @@ def _received_spans(plan: ReshardPlan, rank: int) -> dict[str, tuple[int, int]]:
     return spans
 
 
+TargetFn = Callable[[str, tuple[int, ...], torch.dtype], "torch.Tensor | None"]
+"""``target(name, shape, dtype)`` of :func:`iter_layout_tensors`."""
+
+
 def stream_peak_nbytes(plan: ReshardPlan, rank: int, dtype: torch.dtype) -> int:
     """The most bytes of destination tensors :func:`iter_layout_tensors` holds at once on ``rank`` (the one
     yielded included), in ``dtype`` (its ``out_dtype``, else the wire's): the largest tensor made of local
@@ -314,7 +321,8 @@ def stream_peak_nbytes(plan: ReshardPlan, rank: int, dtype: torch.dtype) -> int:
 def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], group: Any = None,
                         dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
                         stats: list[TransferStats] | None = None,
-                        deadline_s: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                        deadline_s: float | None = None,
+                        target: TargetFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for each of this rank's destination tensors, complete, once, in the plan's
     destination layout (any: vLLM's, HF's).
 
@@ -335,6 +343,9 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
         stats: When given, one :class:`TransferStats` is appended to it at the end.
         deadline_s: Seconds from the call within which every collective must complete (see [Note:
             collective deadlines]); ``None``: no bound but the process group's own timeout.
+        target: ``target(name, shape, dtype)`` gives the memory to build a tensor made of local cells alone
+            in (a tensor of that shape and dtype, the caller's), or ``None`` for a new one; asked right
+            before the tensor is built, which is then yielded next ([Note: layout streams]).
 
     Raises:
         ValueError: A source tensor is missing or has the wrong shape.
@@ -355,10 +366,20 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
     in_flight: dict[str, torch.Tensor] = {}
     sent = received = peak = 0
 
-    def first_touch(name: str) -> torch.Tensor:
+    def first_touch(name: str, into: TargetFn | None = None) -> torch.Tensor:
         local = expected[name]
-        make = torch.zeros if remaining[name] < local.numel else torch.empty
-        tensor = make(local.shape, dtype=_dst_dtype(plan, local, held), device=device)
+        padded = remaining[name] < local.numel
+        out_dtype = _dst_dtype(plan, local, held)
+        tensor = None if into is None else into(name, tuple(local.shape), out_dtype)
+        if tensor is None:
+            tensor = (torch.zeros if padded else torch.empty)(local.shape, dtype=out_dtype, device=device)
+        else:
+            if (tuple(tensor.shape), tensor.dtype, tensor.device) != (tuple(local.shape), out_dtype, device):
+                raise ValueError(f"target({name!r}) gave a {tensor.dtype} tensor of shape "
+                                 f"{tuple(tensor.shape)} on {tensor.device}, expected {out_dtype} "
+                                 f"{tuple(local.shape)} on {device}")
+            if padded:
+                tensor.zero_()
         remaining[name] -= _copy_local(plan, cells.pop(name, ()), src, {name: tensor}, dtype)
         return tensor
 
@@ -366,7 +387,7 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
     with torch.no_grad():
         for name in expected:
             if name not in spans:
-                tensor = first_touch(name)
+                tensor = first_touch(name, target)
                 _check_complete(plan, rank, [name], remaining)
                 yield name, tensor
                 del tensor  # before the next one is allocated

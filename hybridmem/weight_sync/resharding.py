@@ -248,18 +248,20 @@ class ReshardSync(WeightSync):
         dtypes the engine was handed (what it holds, where it does not say)."""
         collected: list[TransferStats] = []
         dtypes: set[torch.dtype] = set()
+        layout = self.route is ReshardRoute.LAYOUT_STREAM
+        target = self.engine.layout_target if layout and capabilities_of(self.engine).offers_layout_targets \
+            else None
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,
                                                     dtype=self.dtype, out_dtype=self.out_dtype,
-                                                    stats=collected, deadline_s=deadline_s):
+                                                    stats=collected, deadline_s=deadline_s, target=target):
                 if checks is not None:
                     checks.add_destination(name, tensor)
                 dtypes.add(tensor.dtype)
                 yield name, tensor
                 del tensor  # the stream's memory bound: gone before the next one is made
 
-        layout = self.route is ReshardRoute.LAYOUT_STREAM
         load = self.engine.load_layout_weights if layout else self.engine.load_weights
         tensors = stream()
         with torch.no_grad():

@@ -238,6 +238,7 @@ class VLLMServerEngine:
         self.frees_memory = (self.accel.name != "cpu") if frees_memory is None else bool(frees_memory)
         self.capabilities = EngineCapabilities(
             frees_memory=self.frees_memory, memory_note=self.memory_note, streams_layout=True,
+            offers_layout_targets=True,
             reports_weight_coverage=True, reports_residency=True, stages_weights=True, checks_weights=True,
             describes_weights=True, reports_model_type=True, reports_layout=True, holds_buffers=True,
         )
@@ -247,6 +248,8 @@ class VLLMServerEngine:
         """This engine's run id: the workers refuse an update or bucket message of another."""
         self.buckets: Buckets | None = None
         self.listener: Listener | None = None
+        self._writer: BucketWriter | None = None
+        """The open stream's writer, while :meth:`load_layout_weights` reads its stream."""
         try:
             self.buckets = Buckets(self.directory, self.rank, bucket_nbytes=self.bucket_nbytes,
                                    device=self.accel.device)
@@ -477,8 +480,10 @@ class VLLMServerEngine:
             writer = BucketWriter(self.buckets, conn, self.layout, run=self.run,
                                   checksum=tensor_checksum if self.verify else None,
                                   ack_timeout_s=self._deadline_s("acknowledge"), watch=watch)
+            self._writer = writer
             for name, tensor in stream:
                 writer.put(name, tensor)
+            self._writer = None
             stats = writer.finish()
             conn.close()
             if call is not None:
@@ -496,6 +501,7 @@ class VLLMServerEngine:
                 for r in range(1, self.world_size):
                     send_abort(channel_path(self.directory, r), generation, str(error)[:500])
         finally:
+            self._writer = None
             self.listener.expect(None)
         self._agree(error, start, what="every rank's stream", deadline_s=self.timeout_s + sum(
             self._deadline_s(c) for c in ("finish_weight_update", "start_weight_update", "connect",
@@ -504,6 +510,12 @@ class VLLMServerEngine:
         self.last_stream = stats
         self._loaded = True
         self._load_s = time.perf_counter() - start
+
+    def layout_target(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """While :meth:`load_layout_weights` reads its stream: the bucket bytes the stream's next tensor,
+        ``name``, will be sent from, to build it in (``None``: build it elsewhere; see [Note: vllm packing]
+        in :mod:`hybridmem.adapters.vllm.server.packing`)."""
+        return None if self._writer is None else self._writer.reserve(name, shape, dtype)
 
     def commit_weights(self) -> dict[str, Any]:
         """Close the update :meth:`load_layout_weights` streamed with the next version, and reset the prefix

@@ -11,7 +11,10 @@ both are with the worker, for the acknowledgement the worker sends once it copie
 So the trainer holds at most two buckets and the tensors in flight, whatever the model's size.
 
 A tensor is checked against the worker's load-time layout (name, shape) before any byte of it is written,
-and cast to the layout's dtype where the stream's differs. With ``verify``, its figures (the one checksum,
+and cast to the layout's dtype where the stream's differs. The stream may build a tensor in its bucket
+right away (:meth:`BucketWriter.reserve`: the next tensor's bytes, whole, in one bucket); its
+:meth:`BucketWriter.put` then records it where it lies, with no copy. A tensor larger than a bucket, or
+of another dtype, is never reserved. With ``verify``, its figures (the one checksum,
 :func:`hybridmem.reshard.checksum.tensor_checksum`) are taken on the trainer's device from the tensor as it
 is packed, and sent with the bucket that completes it. On CUDA the copies into a bucket are complete (an
 event the host waits for) before the bucket's message leaves.
@@ -19,6 +22,7 @@ event the host waits for) before the bucket's message leaves.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -53,6 +57,8 @@ class StreamStats:
     """Of :attr:`seconds`, taking the figures on the trainer's side."""
     worker_checksum_s: float = 0.0
     """The worker's time checking them (its own clock; overlaps the trainer's packing)."""
+    num_in_place: int = 0
+    """Of :attr:`num_tensors`, those the stream built in their bucket (no copy into it)."""
 
 
 class BucketWriter:
@@ -95,6 +101,31 @@ class BucketWriter:
         self._seq = 0
         self._handed = 0
         self._pending: list[tuple[int, int]] = []  # (bucket, seq) with the worker, in order
+        self._reserved: tuple[str, torch.Tensor] | None = None
+        self.num_in_place = 0
+        """Tensors built in their bucket by the stream (:meth:`reserve`), so put without a copy."""
+
+    def reserve(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The bucket bytes the next :meth:`put`, of ``name``, will take, as a tensor to build it in; ``None``
+        where it would not lie whole in one bucket in the layout's dtype and shape (then build it elsewhere).
+
+        Hands the current bucket over first where what is left of it is too small.
+
+        Raises:
+            ChannelError: As :meth:`put` (waiting for a bucket to come back).
+        """
+        want = self.layout.get(name)
+        if want is None or tuple(want[0]) != tuple(shape) or want[1] != dtype or name in self.written:
+            return None
+        nbytes = dtype.itemsize * math.prod(shape)
+        if not 0 < nbytes <= self.buckets.bucket_nbytes:
+            return None
+        if aligned(self._fill) + nbytes > self.buckets.bucket_nbytes:
+            self._hand_over()
+        offset = aligned(self._fill)
+        view = self.buckets.views[self._current][offset:offset + nbytes].view(dtype).view(shape)
+        self._reserved = (name, view)
+        return view
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         """Pack one complete tensor of the layout.
@@ -113,7 +144,13 @@ class BucketWriter:
                              f"{tuple(shape)}")
         if name in self._figures or name in self.written:
             raise ValueError(f"{name} was given twice in one switch")
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None and reserved[0] != name:
+            raise RuntimeError(f"the stream reserved bucket bytes for {reserved[0]} and then gave {name} "
+                               f"(internal error: a reserved tensor is given next)")
         flat = tensor.detach().to(dtype).reshape(-1)
+        in_place = reserved is not None and flat.data_ptr() == reserved[1].data_ptr() and \
+            flat.numel() == reserved[1].numel()
         figures = None
         if self.checksum is not None:
             start = time.perf_counter()
@@ -129,8 +166,12 @@ class BucketWriter:
                 self._hand_over()
                 continue
             count = min(room, numel - done)
-            view = self.buckets.views[self._current][offset:offset + count * size]
-            view.view(dtype).copy_(flat[done:done + count])
+            if in_place and (count != numel or offset != reserved[1].data_ptr() - self.buckets.views[
+                    self._current].data_ptr()):
+                raise RuntimeError(f"{name}: its reserved bucket bytes moved (internal error)")
+            if not in_place:
+                view = self.buckets.views[self._current][offset:offset + count * size]
+                view.view(dtype).copy_(flat[done:done + count])
             self._entries.append({"name": name, "dtype": dtype_name(dtype), "shape": list(shape),
                                   "start": done * size, "end": (done + count) * size, "offset": offset})
             self._fill = offset + count * size
@@ -139,6 +180,7 @@ class BucketWriter:
                 break
         if figures is not None:
             self._figures[name] = [float(figures[0]), float(figures[1])]
+        self.num_in_place += in_place
         self.written.append(name)
         self.nbytes += numel * size
         if aligned(self._fill) >= self.buckets.bucket_nbytes:
@@ -193,6 +235,7 @@ class BucketWriter:
         worker_checksum_s = message.get("checksum_s", 0.0)
         return StreamStats(num_tensors=len(self.written), nbytes=self.nbytes, num_handed=self._handed,
                            seconds=time.perf_counter() - self._start, checksum_s=self.checksum_s,
+                           num_in_place=self.num_in_place,
                            worker_checksum_s=float(worker_checksum_s)
                            if isinstance(worker_checksum_s, (int, float)) else 0.0)
 
@@ -204,6 +247,7 @@ class BucketWriter:
         """Give up this switch: close the connection (the worker then fails its update at once) and count
         every bucket free (the worker's copies out of them end with its update)."""
         self.conn.close()
+        self._reserved = None
         self.buckets.states = [BucketState.FREE] * self.buckets.num_buckets
 
 
