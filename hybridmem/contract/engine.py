@@ -106,7 +106,8 @@ class EngineCapabilities:
     offers_layout_targets: bool = False
     """With ``streams_layout``: while ``load_layout_weights`` reads its stream, ``layout_target(name, shape,
     dtype)`` gives the engine's memory to build the stream's next tensor in (the part of a transfer bucket it
-    will be sent from), or ``None``; a tensor built there is handed over without a copy."""
+    will be sent from), or ``None``; a tensor built there is handed over without a copy. The engine only reads
+    the stream's tensors, so a tensor that lies whole in one training tensor is handed over as that tensor."""
     reports_weight_coverage: bool = False
     """``unwritten_weights()`` lists weights ``load_weights`` has not written since they were resumed."""
     reports_residency: bool = False

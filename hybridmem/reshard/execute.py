@@ -42,14 +42,17 @@ bucket, are alive at once (:func:`stream_peak_nbytes`), never a copy of the whol
 and so the collectives, are those of :func:`run_plan`, in the same order on every rank. A caller may give
 the memory a tensor of local cells alone is built in (``target``: e.g. the part of a transfer bucket it
 is to be sent from), which saves the copy into it; such a tensor is yielded right after it is built, so
-the caller's memory holds it only until the caller's next request.
+the caller's memory holds it only until the caller's next request. A caller that only reads what it is
+given may also take a tensor that is one local cell, whole, in its own dtype and order, as the source
+tensor itself (``borrow``): nothing is allocated or copied for it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,6 +298,24 @@ def _received_spans(plan: ReshardPlan, rank: int) -> dict[str, tuple[int, int]]:
     return spans
 
 
+def _lent(plan: ReshardPlan, cells: Sequence[Transfer], shape: tuple[int, ...],
+          src: Mapping[str, torch.Tensor], dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The source tensor that is, as it lies, a destination tensor of ``shape`` made of the one cell in
+    ``cells`` (whole, in ``out_dtype``, in the destination's element order); ``None`` where none is."""
+    if len(cells) != 1:
+        return None
+    t = cells[0]
+    if t.numel != math.prod(shape) or cell_dtype(plan, t.hf_name, dtype) != out_dtype:
+        return None
+    order = piece_view(torch.empty(shape, device="meta"), t.dst_piece, t.box)
+    if tuple(order.shape) != tuple(shape) or order.storage_offset() or not order.is_contiguous():
+        return None
+    piece = piece_view(src[t.src_name], t.src_piece, t.box)
+    if piece.dtype != out_dtype or tuple(piece.shape) != tuple(shape) or not piece.is_contiguous():
+        return None
+    return piece
+
+
 TargetFn = Callable[[str, tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 """``target(name, shape, dtype)`` of :func:`iter_layout_tensors`."""
 
@@ -322,7 +343,8 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
                         dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
                         stats: list[TransferStats] | None = None,
                         deadline_s: float | None = None,
-                        target: TargetFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                        target: TargetFn | None = None,
+                        borrow: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for each of this rank's destination tensors, complete, once, in the plan's
     destination layout (any: vLLM's, HF's).
 
@@ -346,6 +368,9 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
         target: ``target(name, shape, dtype)`` gives the memory to build a tensor made of local cells alone
             in (a tensor of that shape and dtype, the caller's), or ``None`` for a new one; asked right
             before the tensor is built, which is then yielded next ([Note: layout streams]).
+        borrow: Yield a tensor that is one whole local cell already in its destination dtype and element
+            order as that source tensor (a view of it, the caller's to read only), where ``target`` gave
+            no memory for it.
 
     Raises:
         ValueError: A source tensor is missing or has the wrong shape.
@@ -366,11 +391,16 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
     in_flight: dict[str, torch.Tensor] = {}
     sent = received = peak = 0
 
-    def first_touch(name: str, into: TargetFn | None = None) -> torch.Tensor:
+    def first_touch(name: str, into: TargetFn | None = None, lend: bool = False) -> torch.Tensor:
         local = expected[name]
         padded = remaining[name] < local.numel
         out_dtype = _dst_dtype(plan, local, held)
         tensor = None if into is None else into(name, tuple(local.shape), out_dtype)
+        if tensor is None and lend and not padded:
+            tensor = _lent(plan, cells.get(name, ()), local.shape, src, dtype, out_dtype)
+            if tensor is not None:
+                remaining[name] -= cells.pop(name)[0].numel
+                return tensor
         if tensor is None:
             tensor = (torch.zeros if padded else torch.empty)(local.shape, dtype=out_dtype, device=device)
         else:
@@ -387,7 +417,7 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
     with torch.no_grad():
         for name in expected:
             if name not in spans:
-                tensor = first_touch(name, target)
+                tensor = first_touch(name, target, borrow)
                 _check_complete(plan, rank, [name], remaining)
                 yield name, tensor
                 del tensor  # before the next one is allocated

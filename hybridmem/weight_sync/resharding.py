@@ -255,7 +255,8 @@ class ReshardSync(WeightSync):
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,
                                                     dtype=self.dtype, out_dtype=self.out_dtype,
-                                                    stats=collected, deadline_s=deadline_s, target=target):
+                                                    stats=collected, deadline_s=deadline_s, target=target,
+                                                    borrow=target is not None):
                 if checks is not None:
                     checks.add_destination(name, tensor)
                 dtypes.add(tensor.dtype)

@@ -1,6 +1,7 @@
 """Tensors built right in their transfer bucket: the stream of a weight sync (``iter_layout_tensors`` with
 ``target``) builds each tensor of local cells alone in the bucket bytes :meth:`BucketWriter.reserve` gives,
-and the writer sends it from there without a copy; what the worker writes is still the reference shard.
+and the writer sends it from there without a copy; a tensor larger than a bucket that is one training tensor
+as it lies is handed over as that tensor (``borrow``); what the worker writes is still the reference shard.
 
 The real pieces of the transport in one process, without vLLM, as in ``test_vllm_stale_run.py``: the trainer
 rank's :class:`Listener`, :class:`Buckets` and :class:`BucketWriter`, and on a thread the worker's
@@ -32,10 +33,11 @@ from tests.reshard.reference import megatron_shard, random_full, vllm_shard
 RUN = "hybridmem-run-packing"
 WAIT_S = 20.0
 SPEC = ModelSpec(family="qwen2", hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
-                 intermediate_size=48, num_hidden_layers=2, vocab_size=96, qkv_bias=True)
+                 intermediate_size=48, num_hidden_layers=2, vocab_size=128, qkv_bias=True)
 BUCKET_NBYTES = 4096
-"""Larger than every norm, bias and the fused q/k/v (16 x 32 fp32: 2 KiB), smaller than the embedding
-(96 x 16: 6 KiB) and the fused gate/up (96 x 16: 6 KiB): both kinds of tensor are in the stream."""
+"""Larger than every norm, bias and the fused q/k/v (16 x 32 fp32: 2 KiB), smaller than the embedding and
+the head (128 x 16: 8 KiB, no padding rows: each one training tensor as it lies) and the fused gate/up
+(96 x 16: 6 KiB, two training tensors)."""
 
 
 @pytest.fixture
@@ -79,7 +81,7 @@ def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(d
         conn = listener.accept(timeout_s=WAIT_S)
         writer = BucketWriter(buckets, conn, layout, run=RUN, checksum=tensor_checksum, ack_timeout_s=WAIT_S)
         yielded = {}
-        for name, tensor in iter_layout_tensors(plan, rank=0, src=src, target=writer.reserve):
+        for name, tensor in iter_layout_tensors(plan, rank=0, src=src, target=writer.reserve, borrow=True):
             yielded[name] = tensor.data_ptr()
             writer.put(name, tensor)
         stats = writer.finish()
@@ -97,6 +99,8 @@ def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(d
     assert stats.num_in_place == len(fits) and stats.num_tensors == len(want)
     in_a_bucket = {n for n, ptr in yielded.items() if any(lo <= ptr < hi for lo, hi in bucket_spans)}
     assert in_a_bucket == fits
+    lent = {n for n, ptr in yielded.items() if ptr in {t.data_ptr() for t in src.values()}}
+    assert lent == {"model.embed_tokens.weight", "lm_head.weight"}
 
 
 def test_a_reserved_tensor_must_be_the_next_one_given(directory):

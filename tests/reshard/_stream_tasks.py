@@ -68,30 +68,35 @@ class AllocationSpy:
         return peak
 
 
-def stream(spec, src, dst, *, rank, world, group, bucket, hf=False, out_dtype=None, seed=0):
+def stream(spec, src, dst, *, rank, world, group, bucket, hf=False, out_dtype=None, seed=0, borrow=False):
     """Run the stream of ``rank``'s destination tensors of ``dst`` (vLLM's layout, or HF's with ``hf``) from
     the reference Megatron shards of ``src``; returns ``(full, names in order, {name: copy}, peak bytes of
-    destination tensors alive at once)``. The copies are ``clone()``s, which the spy does not see; nothing
+    destination tensors alive at once)``, with ``borrow`` also the names of the tensors yielded as a training
+    tensor itself. The copies are ``clone()``s, which the spy does not see; nothing
     keeps a yielded tensor once the next is asked for."""
     full = random_full(spec, seed=seed)
     train = megatron_shard(full, spec, tp=src.tp, pp=src.pp, ep=src.ep, world=world, rank=rank)
     layout = (hf_layout if hf else vllm_layout)(spec, dst, world)
     plan = build_plan(megatron_layout(spec, src, world), layout, itemsize=4, bucket_nbytes=bucket,
                       rank=rank)
-    names, got = [], {}
+    names, got, lent = [], {}, []
     with AllocationSpy() as spy:
         if hf:
             tensors = iter_full_tensors(plan, rank=rank, src=train, group=group, dtype=torch.float32)
         else:
             tensors = iter_layout_tensors(plan, rank=rank, src=train, group=group, dtype=torch.float32,
-                                          out_dtype=out_dtype)
+                                          out_dtype=out_dtype, borrow=borrow)
+        sources = {t.data_ptr() for t in train.values()}
         for name, tensor in tensors:
-            spy.mark(tensor)
+            if tensor.data_ptr() in sources:  # lent (borrow): the training tensor itself, never allocated
+                lent.append(name)
+            else:
+                spy.mark(tensor)
             names.append(name)
             got[name] = tensor.clone()
             del tensor
         del tensors
-    return full, names, got, spy.peak_nbytes()
+    return (full, names, got, spy.peak_nbytes(), lent) if borrow else (full, names, got, spy.peak_nbytes())
 
 
 def stream_task(ctx, spec, src, dst, bucket, **kwargs):

@@ -72,6 +72,21 @@ def test_the_stream_is_the_reference_vllm_shard_each_tensor_once(pool, case):
             assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), (rank, name)
 
 
+@pytest.mark.parametrize("case", ["qwen2-1rank", "deepseek-1rank", "qwen2-tp2-to-tp1", "moe-tp2ep2-to-ep4"])
+def test_a_borrowing_stream_lends_whole_training_tensors_and_is_still_the_reference(pool, case):
+    """``borrow``: a tensor that one training tensor holds whole, in the same order, is yielded as that
+    tensor (the norms at least; never a fused q/k/v, a padded vocabulary or a TP-split weight); every tensor
+    still equals the reference shard."""
+    spec, src, dst, world = CASES[case]
+    for rank, (full, names, got, _, lent) in enumerate(_run(pool, spec, src, dst, world, borrow=True)):
+        ref = vllm_shard(full, spec, tp=dst.tp, pp=dst.pp, ep=dst.ep, world=world, rank=rank)
+        assert len(names) == len(set(names)) and set(names) == set(ref), (rank, set(names) ^ set(ref))
+        for name, tensor in ref.items():
+            assert torch.equal(got[name], tensor), (rank, name)
+        assert any(n.endswith("input_layernorm.weight") for n in lent), (rank, lent)
+        assert not any(n.endswith(("qkv_proj.weight", "embed_tokens.weight")) for n in lent), (rank, lent)
+
+
 def test_one_rank_streams_in_the_layouts_order():
     full, names, _, _ = _run(None, QWEN3_TIED, ParallelLayout(), ParallelLayout(), 1)[0]
     assert names == list(vllm_layout(QWEN3_TIED, ParallelLayout(), 1).tensors(0))
