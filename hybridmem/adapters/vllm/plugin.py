@@ -36,11 +36,15 @@ TRAINER_CLASS = "HybridmemTrainerWeightTransferEngine"
 
 def register() -> None:
     """Register :data:`BACKEND_NAME` with vLLM's ``WeightTransferEngineFactory`` and
-    ``WeightTransferTrainerFactory`` (twice is a no-op)."""
+    ``WeightTransferTrainerFactory`` (twice is a no-op), and apply ``HYBRIDMEM_VLLM_BUSY_POLL_S`` where set
+    (see [Note: vllm busy poll] in :mod:`hybridmem.adapters.vllm.busy_poll`)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # noqa: PLC0415
 
     _register(WeightTransferEngineFactory, BACKEND_MODULE, BACKEND_CLASS)
     register_trainer()
+    from hybridmem.adapters.vllm.busy_poll import apply_busy_poll  # noqa: PLC0415
+
+    apply_busy_poll()
 
 
 def register_trainer() -> None:

@@ -121,6 +121,7 @@ from typing import Any
 import torch
 
 from hybridmem.accel import Accelerator, get_accelerator
+from hybridmem.adapters.vllm.busy_poll import default_busy_poll
 from hybridmem.adapters.vllm.names import sync_rule
 from hybridmem.adapters.vllm.outputs import GREEDY
 from hybridmem.adapters.vllm.plugin import BACKEND_NAME
@@ -308,6 +309,9 @@ class VLLMServerEngine:
 
         args = AsyncEngineArgs(model=str(model), weight_transfer_config={"backend": BACKEND_NAME},
                                **async_engine_args)
+        # vLLM's processes, spawned from this one, take its environment ([Note: vllm busy poll] in
+        # :mod:`hybridmem.adapters.vllm.busy_poll`)
+        default_busy_poll(os.environ, on_cpu=get_accelerator("auto").name == "cpu")
         client = AsyncLLMClient(args, timeout_s=timeout_s)
         return cls(client, hf_config=_config_of(str(model)), **dict(engine_kwargs or {}))
 

@@ -17,7 +17,9 @@ rank 0 of the engine's trainer ranks (:func:`launch_server`):
   ``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's cores between the tensor-parallel workers
   (vLLM's automatic binding reserves cores and fails on a 2-core machine at TP 2) and the KV cache sized
   to the model ([Note: vllm cpu kv default] in :mod:`hybridmem.adapters.vllm.cpu_kv`) unless the caller
-  chose (:func:`server_env`);
+  chose, and there too with ``HYBRIDMEM_VLLM_BUSY_POLL_S=0`` unless set (vLLM's processes then sleep at once
+  when they wait for a message, see [Note: vllm busy poll] in :mod:`hybridmem.adapters.vllm.busy_poll`)
+  (:func:`server_env`);
 - the server writes its output to a log file; rank 0 waits for ``GET /health`` within the deadline and,
   when the server exits first or the deadline passes, kills it and raises
   :class:`~hybridmem.errors.EngineProcessError` with the last lines of that log; the URL, or the error,
@@ -58,6 +60,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from hybridmem.adapters.vllm.busy_poll import default_busy_poll
 from hybridmem.adapters.vllm.plugin import BACKEND_NAME
 from hybridmem.errors import EngineProcessError
 
@@ -161,6 +164,7 @@ def server_env(*, tensor_parallel_size: int, env: Mapping[str, str] | None = Non
     out = {k: v for k, v in (os.environ if base is None else base).items() if k not in _TORCHRUN_VARS}
     out.update({str(k): str(v) for k, v in (env or {}).items()})
     out["VLLM_SERVER_DEV_MODE"] = "1"
+    default_busy_poll(out, on_cpu=on_cpu)
     if on_cpu and tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in out:
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
         out["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tensor_parallel_size, list(cores))
