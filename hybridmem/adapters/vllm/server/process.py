@@ -17,9 +17,9 @@ rank 0 of the engine's trainer ranks (:func:`launch_server`):
   ``VLLM_CPU_OMP_THREADS_BIND`` splitting this process's cores between the tensor-parallel workers
   (vLLM's automatic binding reserves cores and fails on a 2-core machine at TP 2) and the KV cache sized
   to the model ([Note: vllm cpu kv default] in :mod:`hybridmem.adapters.vllm.cpu_kv`) unless the caller
-  chose, and there too with ``HYBRIDMEM_VLLM_BUSY_POLL_S=0`` unless set (vLLM's processes then sleep at once
-  when they wait for a message, see [Note: vllm busy poll] in :mod:`hybridmem.adapters.vllm.busy_poll`)
-  (:func:`server_env`);
+  chose, and there too with ``HYBRIDMEM_VLLM_BUSY_POLL_S=0.01`` unless set (vLLM's processes then spin
+  10 ms, not 1 s, when they wait for a message, see [Note: vllm busy poll] in
+  :mod:`hybridmem.adapters.vllm.busy_poll`) (:func:`server_env`);
 - the server writes its output to a log file; rank 0 waits for ``GET /health`` within the deadline and,
   when the server exits first or the deadline passes, kills it and raises
   :class:`~hybridmem.errors.EngineProcessError` with the last lines of that log; the URL, or the error,
