@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from hybridmem.testing.workers import WorkerPool
+from tests._full import full_only
 from tests.distributed.fsdp_job import save_tiny_qwen2
 from tests.planner import _tasks
 
@@ -34,7 +35,8 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=full_only(
+    "the same 2-rank nodes and plan as 4 ranks, twice the processes"))])
 def test_the_plan_equals_a_gloo_run(model_dir, world):
     with WorkerPool(world, timeout_s=120) as pool:
         runs = pool.run(_tasks.switch_task, model_dir, infer_tp=2, kv_blocks=8)
