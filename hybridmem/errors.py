@@ -22,8 +22,10 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import os
 from collections.abc import Sequence
 from enum import Enum
+from pathlib import Path
 
 __all__ = [
     "HybridMemError",
@@ -43,6 +45,7 @@ __all__ = [
     "PeerAbortError",
     "EngineProcessError",
     "EngineFault",
+    "EngineSetupError",
     "SwitchHostMemoryBudgetError",
     "SwitchWeightSyncError",
     "SwitchKVResumeError",
@@ -50,6 +53,7 @@ __all__ = [
     "SwitchEngineProcessError",
     "switch_error",
     "add_note",
+    "did_you_mean_path",
 ]
 
 
@@ -353,6 +357,24 @@ class EngineProcessError(HybridMemError, RuntimeError):
         return self.fault is EngineFault.DEAD
 
 
+class EngineSetupError(HybridMemError, RuntimeError):
+    """An inference engine in its own process cannot be used as it was started, found before anything
+    changed: nobody listens at its address, or it lacks something hybridmem needs (an environment
+    variable, a flag), or its model's config cannot be found (see [Note: vllm server contact] in
+    :mod:`hybridmem.adapters.vllm.server.contact`). The message names what is missing and how to add it.
+
+    Attributes:
+        where: Where the engine was looked for (a URL).
+        missing: The variable, flag or argument to add (``""`` where nothing is to be added: nobody
+            listens).
+    """
+
+    def __init__(self, message: str, *, where: str, missing: str = ""):
+        self.where = where
+        self.missing = missing
+        super().__init__(message)
+
+
 class PeerAbortError(HybridMemError, RuntimeError):
     """Other ranks of a multi-rank switch could not finish it and voted to roll back; this rank rolled back
     too (see [Note: switch agreement] in :mod:`hybridmem.switch.agreement`). The process group stays usable.
@@ -495,6 +517,19 @@ def switch_error(message: str, *, direction: str, step: str, phase_after: object
         if isinstance(cause, cause_cls):
             return cls(message, direction=direction, step=step, phase_after=phase_after, cause=cause)
     return SwitchError(message, direction=direction, step=step, phase_after=phase_after)
+
+
+def did_you_mean_path(path: str | os.PathLike[str], *, directories: bool = False) -> str:
+    """``"did you mean 'NAME'?"`` for the entry beside ``path`` (a directory where ``directories``) whose
+    name is closest to its name (``difflib``), or ``""``: the hint an error about a missing file or
+    directory gives."""
+    path = Path(path).expanduser()
+    try:
+        names = [p.name for p in path.parent.iterdir() if not directories or p.is_dir()]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return f"did you mean {str(path.with_name(close[0]))!r}?" if close else ""
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -44,6 +44,9 @@ EXAMPLES = {
     errors.EngineProcessError: lambda: errors.EngineProcessError(
         "wake_up", where="http://127.0.0.1:8000", deadline_s=5.0, elapsed_s=5.2, cause="timed out",
         fault=errors.EngineFault.STALLED),
+    errors.EngineSetupError: lambda: errors.EngineSetupError(
+        "the vLLM server at http://127.0.0.1:8000 was started without VLLM_SERVER_DEV_MODE=1",
+        where="http://127.0.0.1:8000", missing="VLLM_SERVER_DEV_MODE=1"),
     errors.PeerAbortError: lambda: errors.PeerAbortError((2,), rank=0),
     errors.KVStateError: lambda: errors.KVStateError("resume", "released", allocator="torch"),
     errors.KVResumeError: lambda: errors.KVResumeError("no room", requested_nbytes=10, mapped_nbytes=4,

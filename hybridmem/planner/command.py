@@ -26,6 +26,7 @@ from hybridmem.config import ParallelLayout
 from hybridmem.config.arguments import OneLineErrorParser
 from hybridmem.contract.buckets import MIN_BUCKET_NBYTES
 from hybridmem.contract.kinds import StateKind
+from hybridmem.errors import did_you_mean_path
 from hybridmem.planner.cluster import (
     ACCELERATORS,
     GB,
@@ -129,6 +130,12 @@ def _config(args) -> dict:
     if not args.model:
         raise ValueError("give a config.json (or its directory), or --family with --set KEY=VALUE")
     path = os.path.join(args.model, "config.json") if os.path.isdir(args.model) else args.model
+    if not os.path.isfile(path):
+        hint = did_you_mean_path(args.model)
+        missing = (f"no config.json in the directory {args.model!r}" if os.path.isdir(args.model) else
+                   f"no such file or directory {args.model!r}" + (f" ({hint})" if hint else ""))
+        raise ValueError(f"{missing}: hybridmem plan reads a model's Hugging Face config.json (or its "
+                         "directory); give that, or --family with --set KEY=VALUE")
     with open(path) as f:
         text = f.read()
     try:

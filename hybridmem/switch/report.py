@@ -158,6 +158,8 @@ class SwitchReport:
             f"copied {format_nbytes(self.copied_nbytes)} at {self.gbps:.2f} GB/s"
         )
         notes = sorted({s.extra["note"] for s in self.steps if s.extra.get("note")})
+        notes += sorted({f"engine log {s.extra['engine_log']}" for s in self.steps
+                         if s.extra.get("engine_log")})  # an engine in its own process names its log
         if notes:
             table.caption += "; " + "; ".join(notes)
         table.caption_justify = "left"

@@ -90,8 +90,9 @@ def http_tp1(out: str, steps: str = "3") -> dict:
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     start = time.monotonic()
     engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS, bucket_nbytes=BUCKET_NBYTES)
-    res: dict = {"launch_s": time.monotonic() - start, "url": engine.client.where,
-                 "server_pid": engine.server.pid, "argv": engine.server.argv, "verify": engine.verify,
+    res: dict = {"launch_s": time.monotonic() - start, "url": engine.client.url,
+                 "server_pid": engine.server.pid, "log_path": engine.server.log_path,
+                 "argv": engine.server.argv, "verify": engine.verify,
                  "bucket_nbytes": engine.bucket_nbytes, "vllm_layout_nbytes": layout_nbytes(engine),
                  "steps": []}
     sampler = ShmSampler(engine.directory)
@@ -106,12 +107,14 @@ def http_tp1(out: str, steps: str = "3") -> dict:
             shm_peak, samples = sampler.reset()
             outs = engine.generate(PROMPTS, params)
             manager.to_train()
-            sync = next(s for s in manager.last_reports[Direction.TO_INFER].steps if s.name == "weight sync")
+            report = manager.last_reports[Direction.TO_INFER]
+            sync = next(s for s in report.steps if s.name == "weight sync")
+            res.setdefault("report", str(report))  # the first switch's report as printed
             got = [o.token_ids for o in outs]
             res["steps"].append({"got": got, "expected": hf_greedy(model),
                                  "logprobs": [o.logprobs for o in outs],
                                  "hf_logprobs": hf_logprobs(model, PROMPTS, got),
-                                 "version": http_get(engine.client.where, "/weight_info")["weight_version"],
+                                 "version": http_get(engine.client.url, "/weight_info")["weight_version"],
                                  "sync": dict(sync.extra), "shm_peak_nbytes": shm_peak,
                                  "shm_samples": samples})
             lm_step(model, opt, step, model.config.vocab_size)
@@ -133,7 +136,7 @@ def http_tp1(out: str, steps: str = "3") -> dict:
         corrupt["phase"] = manager.phase.name
         corrupt["state_intact"] = len(before) == len(after) and all(torch.equal(a, b)
                                                                     for a, b in zip(before, after))
-        corrupt["version"] = http_get(engine.client.where, "/weight_info")["weight_version"]
+        corrupt["version"] = http_get(engine.client.url, "/weight_info")["weight_version"]
         try:
             engine.generate(PROMPTS[:1], params)
             corrupt["released_refused"] = None
@@ -146,7 +149,7 @@ def http_tp1(out: str, steps: str = "3") -> dict:
             corrupt["stale_refused"] = None
         except PhaseError as exc:
             corrupt["stale_refused"] = str(exc)
-        corrupt["server_paused"] = http_get(engine.client.where, "/is_paused")["is_paused"]
+        corrupt["server_paused"] = http_get(engine.client.url, "/is_paused")["is_paused"]
         engine.release(["kv_cache", "weights"])
         assert manager.phase is Phase.TRAIN
 
@@ -154,7 +157,16 @@ def http_tp1(out: str, steps: str = "3") -> dict:
         with manager.inference() as e:
             got = [o.token_ids for o in e.generate(PROMPTS, params)]
         res["recovered"] = {"got": got, "expected": hf_greedy(model),
-                            "version": http_get(engine.client.where, "/weight_info")["weight_version"]}
+                            "version": http_get(engine.client.url, "/weight_info")["weight_version"]}
+
+        # The server dies (its process group killed): the next switch names it dead, and its log.
+        os.killpg(engine.server.pid, signal.SIGKILL)
+        try:
+            manager.to_infer()
+            res["died"] = {"raised": None}
+        except EngineProcessError as exc:
+            res["died"] = {"raised": type(exc).__name__, "message": str(exc), "fault": exc.fault.value}
+        res["died"]["phase"] = manager.phase.name
         manager.close()
     finally:
         engine.close()
@@ -273,7 +285,7 @@ def launched(out: str, mode: str) -> dict | None:
 
     model_dir = save_policy(tempfile.mkdtemp(prefix="policy-"))
     engine = VLLMServerEngine.launch(model_dir, server_args=SERVER_ARGS)
-    print(json.dumps({"server_pid": engine.server.pid, "url": engine.client.where}), flush=True)
+    print(json.dumps({"server_pid": engine.server.pid, "url": engine.client.url}), flush=True)
     if mode == "exit":
         sys.stdin.readline()  # the test reads the server's processes, then lets this process end
         return {"server_pid": engine.server.pid}

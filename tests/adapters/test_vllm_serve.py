@@ -209,6 +209,24 @@ def test_a_bucket_damaged_after_its_figures_were_taken_is_refused_by_the_worker(
     assert recovered["version"] == "hybridmem-4"
 
 
+def test_the_launched_servers_log_is_named_in_its_errors_and_switch_reports(http_tp1):
+    log = http_tp1["log_path"]
+    assert "Started server process" in pathlib.Path(log).read_text(errors="replace")  # uvicorn says so
+    assert f"(server log {log})" in http_tp1["corrupt"]["message"]  # a refusal
+    for s in http_tp1["steps"]:
+        assert s["sync"]["engine_log"] == log
+    assert f"engine log {log}" in " ".join(http_tp1["report"].split())  # the report as printed
+
+
+def test_a_launched_server_that_died_is_named_dead_with_its_log(http_tp1):
+    died = http_tp1["died"]
+    assert died["raised"] == "SwitchEngineProcessError" and died["fault"] == "dead", died
+    assert f"the vLLM engine at {http_tp1['url']} (server log {http_tp1['log_path']}) did not complete" in \
+        died["message"], died["message"]
+    assert "dead: its process is gone" in died["message"] and "nobody listens" not in died["message"]
+    assert died["phase"] == "TRAIN"
+
+
 def test_close_stops_the_launched_server(http_tp1):
     assert http_tp1["server_returncode"] is not None
     assert not _running(http_tp1["server_pid"])

@@ -1,11 +1,12 @@
-"""What :meth:`VLLMEngine.create` checks about the model it is given before vLLM starts.
+"""What hybridmem checks about a model it is given before vLLM starts (``VLLMEngine.create``, and for an
+engine in its own process ``VLLMServerEngine.launch``, ``launch_server`` and ``start_async``).
 
 [Note: vllm model source]
 vLLM takes any string as a model: a directory, or else a Hugging Face hub id. A mistyped directory
 (``"my-polciy"``) therefore goes to the hub, which offline means about a minute of retries and a long
 ``OSError`` about huggingface.co, and a checkpoint directory without tokenizer files fails deep inside
-vLLM's tokenizer (or, for some families, gets an empty one). ``create`` checks first, in this process,
-without touching the network:
+vLLM's tokenizer (or, for some families, gets an empty one). ``create`` (``launch``, ``start_async``) checks
+first, in this process, without touching the network:
 
 - an existing directory is the model; unless ``skip_tokenizer_init=True`` it (or the ``tokenizer=``
   directory) must hold tokenizer files (:data:`TOKENIZER_FILES`);
@@ -15,17 +16,22 @@ without touching the network:
   name, a path) is refused as a missing directory, naming the nearest directory beside it, and, when
   ``HF_HUB_OFFLINE`` is set, that the hub is ruled out. With ``VLLM_USE_MODELSCOPE`` set names go to
   ModelScope unchecked.
+
+``launch`` checks no tokenizer (it passes ``--skip-tokenizer-init`` to a directory without one, see [Note:
+vllm server process] in :mod:`hybridmem.adapters.vllm.server.process`). ``hybridmem plan`` names the
+nearest file or directory too (:func:`hybridmem.errors.did_you_mean_path`, the one place that finds it).
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILES", "check_model_source", "hub_offline", "tokenizer_files"]
+from hybridmem.errors import did_you_mean_path
+
+__all__ = ["TOKENIZER_FILES", "check_model_source", "hub_offline", "is_hub_id", "tokenizer_files"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tekken.json", "vocab.json",
                    "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
@@ -42,6 +48,11 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in _TRUE
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether ``model`` is shaped like a Hugging Face hub id, ``owner/name``."""
+    return _HUB_ID.fullmatch(model) is not None and "--" not in model and ".." not in model
+
+
 def tokenizer_files(directory: Path) -> list[str]:
     """The tokenizer files in ``directory`` (see :data:`TOKENIZER_FILES`)."""
     found = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
@@ -56,16 +67,6 @@ def _in_hub_cache(repo_id: str, llm_kwargs: dict[str, Any]) -> bool:
     found = try_to_load_from_cache(repo_id, "config.json", cache_dir=llm_kwargs.get("download_dir"),
                                    revision=llm_kwargs.get("revision"))
     return isinstance(found, str)
-
-
-def _nearest(path: Path) -> str:
-    """``"did you mean 'DIR'?"`` for the directory beside ``path`` whose name is closest to it, or ``""``."""
-    try:
-        names = [p.name for p in path.parent.iterdir() if p.is_dir()]
-    except OSError:
-        return ""
-    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
-    return f"did you mean {str(path.with_name(close[0]))!r}?" if close else ""
 
 
 def _check_tokenizer(directory: Path, shown: str) -> None:
@@ -102,14 +103,14 @@ def check_model_source(model: str, llm_kwargs: dict[str, Any]) -> None:
         return
     if path.exists() or os.environ.get("VLLM_USE_MODELSCOPE", "").strip().upper() in _TRUE:
         return
-    hub_shaped = _HUB_ID.fullmatch(model) is not None and "--" not in model and ".." not in model
+    hub_shaped = is_hub_id(model)
     offline = hub_offline()
     if hub_shaped and (not offline or _in_hub_cache(model, llm_kwargs)):
         return
     if "/" not in model and _HUB_ID.fullmatch(f"x/{model}") and _in_hub_cache(model, llm_kwargs):
         return  # a hub model without an owner (e.g. "gpt2") already downloaded
     notes = [str(path.absolute())] if str(path.absolute()) != model else []
-    notes += [n for n in (_nearest(path),) if n]
+    notes += [n for n in (did_you_mean_path(path, directories=True),) if n]
     where = f"{model!r}" + (f" ({'; '.join(notes)})" if notes else "")
     if offline:
         raise ValueError(

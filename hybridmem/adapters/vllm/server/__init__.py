@@ -1,6 +1,7 @@
 """vLLM in its own process (``vllm serve``, or an AsyncLLM), driven through vLLM's RL API.
 
 The trainer side: :mod:`.engine` (the InferenceEngine), :mod:`.client` (HTTP and AsyncLLM control planes),
+:mod:`.contact` (what ``connect`` checks about a server first),
 :mod:`.process` (starting and stopping ``vllm serve``), :mod:`.ranks` (the trainer ranks serving one
 engine), :mod:`.update` (the update call beside the stream). The transport, both sides: :mod:`.buckets`
 (the two reused buffers a rank's weights travel through), :mod:`.channel` (the socket saying what they

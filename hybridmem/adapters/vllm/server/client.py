@@ -192,16 +192,23 @@ class HTTPClient(VLLMClient):
         base_url: E.g. ``http://127.0.0.1:8000``.
         timeout_s: Deadline of each control call.
         generate_timeout_s: Deadline of one generation request.
+        log_path: The server's log file, named in every error (:attr:`where`).
+
+    Attributes:
+        url: ``base_url`` without a trailing ``/``.
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float = 60.0, generate_timeout_s: float = 600.0):
+    def __init__(self, base_url: str, *, timeout_s: float = 60.0, generate_timeout_s: float = 600.0,
+                 log_path: str | None = None):
         import httpx  # noqa: PLC0415 - vLLM's own dependency
 
-        self.where = base_url.rstrip("/")
+        self.url = base_url.rstrip("/")
+        self.log_path = log_path
+        self.where = self.url + (f" (server log {log_path})" if log_path else "")
         self.timeout_s = float(timeout_s)
         self.generate_timeout_s = float(generate_timeout_s)
         self._httpx = httpx
-        self._http = httpx.Client(base_url=self.where, timeout=self.timeout_s)
+        self._http = httpx.Client(base_url=self.url, timeout=self.timeout_s)
         self._model: str | None = None
         self._token_endpoint: bool | None = None
 
@@ -228,7 +235,7 @@ class HTTPClient(VLLMClient):
         timeout = self.timeout_s if timeout_s is None else timeout_s
         # update_weights waits on a thread of its own while other calls may go on: its own connection
         own = name in _OWN_CONNECTION
-        http = self._httpx.Client(base_url=self.where) if own else self._http
+        http = self._httpx.Client(base_url=self.url) if own else self._http
         start = time.monotonic()
         try:
             response = http.request(method, path, params=params, json=body,
@@ -265,14 +272,14 @@ class HTTPClient(VLLMClient):
         ``/health`` probe, the next call) would fail with ``RemoteProtocolError`` and read as a dead
         server."""
         self._http.close()
-        self._http = self._httpx.Client(base_url=self.where, timeout=self.timeout_s)
+        self._http = self._httpx.Client(base_url=self.url, timeout=self.timeout_s)
 
     def _gone(self) -> bool:
         """Whether the server is gone, asked after a call failed: its port refuses or drops connections, or
         ``/health`` says its engine is dead (503); a server that does not answer within :data:`PROBE_S`
         is there but stalled (see [Note: vllm engine process])."""
         try:  # a connection of its own: it may run beside a call on another thread
-            response = self._httpx.get(self.where + "/health", timeout=PROBE_S)
+            response = self._httpx.get(self.url + "/health", timeout=PROBE_S)
         except self._httpx.TimeoutException:
             return False
         except self._httpx.HTTPError:
@@ -297,7 +304,7 @@ class HTTPClient(VLLMClient):
                                               "sampling_params": sampling, "stream": False}
         if logprobs is not None:
             raise ValueError(f"log-probs without a tokenizer need the server's token endpoint: start "
-                             f"{self.where} with --enable-scale-out (or serve a model with a tokenizer)")
+                             f"{self.url} with --enable-scale-out (or serve a model with a tokenizer)")
         body = {"model": self._model_name(), "prompt": [int(t) for t in prompt], "return_token_ids": True,
                 **{k: v for k, v in kwargs.items() if v is not None}}
         return "/v1/completions", body
@@ -331,7 +338,7 @@ class HTTPClient(VLLMClient):
         path, body = self._request(prompt_ids, params, index)
         start = time.monotonic()
         try:
-            async with self._httpx.AsyncClient(base_url=self.where, timeout=self.generate_timeout_s) as http:
+            async with self._httpx.AsyncClient(base_url=self.url, timeout=self.generate_timeout_s) as http:
                 response = await http.post(path, json=body)
         except self._httpx.HTTPError as exc:
             raise EngineProcessError("generate", where=self.where, deadline_s=self.generate_timeout_s,

@@ -285,24 +285,59 @@ class VLLMServerEngine:
     # Construction -----------------------------------------------------------------------------------
     @classmethod
     def connect(cls, base_url: str, *, hf_config: Any = None, timeout_s: float = 60.0,
-                **kwargs: Any) -> VLLMServerEngine:
+                server_log: str | None = None, **kwargs: Any) -> VLLMServerEngine:
         """The engine of a running ``vllm serve`` at ``base_url`` (started with ``VLLM_SERVER_DEV_MODE=1``
-        and ``--weight-transfer-config '{"backend": "hybridmem"}'``); ``hf_config``: the served model's
-        config (default: read from the model directory the server names)."""
-        from hybridmem.adapters.vllm.server.client import HTTPClient  # noqa: PLC0415
+        and ``--weight-transfer-config '{"backend": "hybridmem"}'``; each is checked, [Note: vllm server
+        contact] in :mod:`hybridmem.adapters.vllm.server.contact`).
 
-        client = HTTPClient(base_url, timeout_s=timeout_s)
-        client.health(timeout_s=timeout_s)
-        if hf_config is None:
-            hf_config = _config_of(client._model_name())  # the served model's id
-        return cls(client, hf_config=hf_config, timeout_s=max(timeout_s, 120.0), **kwargs)
+        Args:
+            base_url: E.g. ``http://127.0.0.1:8000``.
+            hf_config: The served model's config (default: read from the model directory the server
+                reports, relative to the server's working directory).
+            timeout_s: Deadline of each control call.
+            server_log: The server's log file, named in every error and switch report (:meth:`launch`
+                passes its own).
+            kwargs: The constructor's options (``in_flight``, ``verify``, ``group``, ...).
+
+        Raises:
+            EngineSetupError: Nobody listens at ``base_url``, or the server lacks what the engine needs
+                (``VLLM_SERVER_DEV_MODE=1``, hybridmem's backend), or the model's config was not found
+                (pass ``hf_config=``); one line naming it.
+            EngineProcessError: The server does not answer, or its engine is dead.
+        """
+        from hybridmem.adapters.vllm.server.client import HTTPClient  # noqa: PLC0415
+        from hybridmem.adapters.vllm.server.contact import backend_problem, check_server  # noqa: PLC0415
+
+        client = HTTPClient(base_url, timeout_s=timeout_s, log_path=server_log)
+        try:
+            hf_config = check_server(client, hf_config=hf_config)
+            try:
+                return cls(client, hf_config=hf_config, timeout_s=max(timeout_s, 120.0), **kwargs)
+            except EngineProcessError as exc:
+                problem = (backend_problem(client) if exc.call == "init_weight_transfer_engine"
+                           and exc.fault is EngineFault.REFUSED else None)
+                if problem is None:
+                    raise
+                raise problem from exc
+        except BaseException:
+            client.close()
+            raise
 
     @classmethod
     def start_async(cls, model: str, *, timeout_s: float = 60.0,
                     engine_kwargs: Mapping[str, Any] | None = None,
                     **async_engine_args: Any) -> VLLMServerEngine:
         """Start an ``AsyncLLM`` for ``model`` (a directory) here, its engine core in a process of its own,
-        with hybridmem's weight-transfer backend; ``async_engine_args``: more ``AsyncEngineArgs``."""
+        with hybridmem's weight-transfer backend; ``async_engine_args``: more ``AsyncEngineArgs``.
+
+        Raises:
+            ValueError: ``model`` is no directory (nor a hub model), or holds no tokenizer files without
+                ``skip_tokenizer_init=True``; before vLLM starts ([Note: vllm model source] in
+                :mod:`hybridmem.adapters.vllm.source`).
+        """
+        from hybridmem.adapters.vllm.source import check_model_source  # noqa: PLC0415
+
+        check_model_source(str(model), dict(async_engine_args))
         from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
 
         from hybridmem.adapters.vllm.server.client import AsyncLLMClient  # noqa: PLC0415
@@ -341,8 +376,9 @@ class VLLMServerEngine:
             engine_kwargs: :meth:`connect`'s and the constructor's options (``in_flight``, ``verify``, ...).
 
         Raises:
-            ValueError: ``group``'s size is not ``tensor_parallel_size``, or ``server_args`` sets a flag
-                ``launch`` sets itself.
+            ValueError: ``model_dir`` is no directory (nor a hub model: one line with the nearest directory,
+                before anything starts), ``group``'s size is not ``tensor_parallel_size``, or
+                ``server_args`` sets a flag ``launch`` sets itself.
             EngineProcessError: The server exited or did not answer in time (its log's last lines shown).
         """
         from hybridmem.adapters.vllm.server.process import (  # noqa: PLC0415
@@ -358,8 +394,15 @@ class VLLMServerEngine:
         url, server = launch_server(str(model_dir), tensor_parallel_size=tensor_parallel_size, group=group,
                                     port=port, server_args=server_args, env=env,
                                     startup_timeout_s=startup_timeout_s or DEFAULT_STARTUP_TIMEOUT_S)
+        log_path = None if server is None else server.log_path
+        if size > 1:  # every rank's errors name the server's log
+            import torch.distributed as dist  # noqa: PLC0415
+
+            box = [log_path]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            log_path = box[0]
         try:
-            engine = cls.connect(url, group=group, **engine_kwargs)
+            engine = cls.connect(url, group=group, server_log=log_path, **engine_kwargs)
         except BaseException:
             if server is not None:
                 server.stop()
@@ -530,7 +573,7 @@ class VLLMServerEngine:
             worker took), ``engine_update_s``, ``weight_version``, ``engine_buckets_handed``,
             ``engine_stream_s`` (packing until the worker took the last bucket), of which
             ``engine_checksum_s`` (the figures, trainer side), and ``engine_worker_checksum_s`` (the worker's
-            checks, its own clock).
+            checks, its own clock); ``engine_log``, the server's log file, where the engine knows it.
 
         Raises:
             RuntimeError: No complete stream since the weights were resumed.
@@ -554,7 +597,9 @@ class VLLMServerEngine:
         self._loaded = False
         self.version += 1
         self._current = True
-        return {"engine_update_nbytes": self.last_stream.nbytes,
+        log_path = getattr(self.client, "log_path", None)
+        return {**({"engine_log": log_path} if log_path else {}),
+                "engine_update_nbytes": self.last_stream.nbytes,
                 "engine_update_s": self._load_s + time.perf_counter() - start,
                 "weight_version": f"hybridmem-{self.version}",
                 "engine_buckets_handed": self.last_stream.num_handed,

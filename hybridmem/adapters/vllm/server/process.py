@@ -367,7 +367,9 @@ def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any =
         ``(url, server)``: ``server`` is the process on rank 0, ``None`` on the others.
 
     Raises:
-        ValueError: Bad ``server_args`` or ``tensor_parallel_size`` (on every rank, before anything starts).
+        ValueError: Bad ``server_args`` or ``tensor_parallel_size``, or ``model_dir`` is no directory (nor a
+            hub model: [Note: vllm model source] in :mod:`hybridmem.adapters.vllm.source`); on every rank,
+            before anything starts.
         EngineProcessError: The server did not become ready (on every rank; rank 0's names its log).
     """
     import torch.distributed as dist  # noqa: PLC0415
@@ -379,6 +381,11 @@ def launch_server(model_dir: str, *, tensor_parallel_size: int = 1, group: Any =
     port = free_port() if port is None else int(port)
     # Checks the arguments on every rank, before anything starts.
     server_argv(model_dir, tensor_parallel_size=tensor_parallel_size, port=port, server_args=server_args)
+    from hybridmem.adapters.vllm.source import check_model_source  # noqa: PLC0415
+
+    check_model_source(str(model_dir), {"skip_tokenizer_init": True,  # launch skips a missing tokenizer
+                                        "revision": _flag(server_args, "--revision"),
+                                        "download_dir": _flag(server_args, "--download-dir")})
     server: ServerProcess | None = None
     failure: BaseException | None = None
     message: dict[str, Any] = {}

@@ -42,13 +42,13 @@ class EngineRanks:
         self.rank, self.size = engine_ranks(group)
 
     def shared_directory(self, parent: str) -> str:
-        """One new directory under ``parent`` for every rank (rank 0 names and makes it)."""
+        """One new directory under ``parent`` for every rank (rank 0 names it; the first rank there makes
+        it)."""
         name = [os.path.join(parent, f"hybridmem-{uuid.uuid4().hex[:12]}")] if self.rank == 0 else [None]
         if self.size > 1:
             dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0) if self.group else 0,
                                        group=self.group)
-        if self.rank == 0:
-            os.makedirs(name[0], exist_ok=True)
+        os.makedirs(name[0], exist_ok=True)  # on every rank: another rank's files may come before rank 0's
         return str(name[0])
 
     def gather(self, value: Any, *, what: str) -> list[Any]:
