@@ -179,6 +179,15 @@ class Family:
     """Norm weights [hidden_size] of the MoE layers only, replicated (Gemma 4's
     ``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_1`` and
     ``post_feedforward_layernorm_2``)."""
+    per_layer_inputs: bool = False
+    """The family may have per-layer input embeddings (Gemma 4's PLE), present where the config gives them
+    (:attr:`~hybridmem.reshard.ModelSpec.hidden_size_per_layer_input` P > 0, over L layers): outside the
+    layers ``model.embed_tokens_per_layer.weight`` [vocab_size_per_layer_input, L * P],
+    ``model.per_layer_model_projection.weight`` [L * P, H] and ``model.per_layer_projection_norm.weight`` [P];
+    in every layer ``per_layer_input_gate.weight`` [P, H], ``per_layer_projection.weight`` [H, P] and
+    ``post_per_layer_input_norm.weight`` [H]. vLLM splits the embedding by vocabulary rows (padded, as the
+    token embedding) and the model projection by rows, keeps the rest whole on every rank, and builds the
+    three outside the layers on every pipeline stage."""
     layer_scalar: bool = False
     """Every layer has a ``layer_scalar`` [1] (Gemma 4), replicated on every rank. transformers and vLLM
     hold it as a persistent buffer, not a parameter: the checkpoint has it and vLLM's loader fills it, so

@@ -18,8 +18,13 @@ spec marked ``gemma4`` (``ModelSpec.multimodal``): its checkpoint and vLLM names
 (``model.language_model.*``, ``lm_head.weight``), the class transformers builds of such a checkpoint (its
 ``Gemma4ForCausalLM`` does not read one).
 
-Not read: per-layer input embeddings (``hidden_size_per_layer_input``, the E2B/E4B models), layers sharing
-another layer's keys and values (``num_kv_shared_layers``), attention biases; each is refused by name.
+With ``hidden_size_per_layer_input`` P > 0 (transformers' default, 256, as in the E2B/E4B models) the model
+has per-layer input embeddings (``Family.per_layer_inputs``): ``embed_tokens_per_layer``
+[``vocab_size_per_layer_input``, L * P], its ``per_layer_model_projection`` and ``per_layer_projection_norm``,
+and in every layer a ``per_layer_input_gate``, a ``per_layer_projection`` and a ``post_per_layer_input_norm``.
+
+Not read: layers sharing another layer's keys and values (``num_kv_shared_layers``, the E2B/E4B models, and
+with it ``use_double_wide_mlp``, which widens only those layers), attention biases; each is refused by name.
 """
 
 from __future__ import annotations
@@ -87,14 +92,22 @@ def attention_fields(get: ConfigGetter, head_dim: int, kv_heads: int) -> dict[st
 
 def refuse_unsupported(get: ConfigGetter, family: str) -> None:
     """Raise ``ValueError`` naming a Gemma 4 feature whose tensors the layout tables do not express."""
-    if get("hidden_size_per_layer_input", 256):
-        raise ValueError(f"hidden_size_per_layer_input={get('hidden_size_per_layer_input', 256)} is not "
-                         f"supported for {family} (per-layer input embeddings); expected 0")
     if get("num_kv_shared_layers", 0):
         raise ValueError(f"num_kv_shared_layers={get('num_kv_shared_layers')} is not supported for {family} "
                          f"(layers without their own keys and values); expected 0")
     if get("attention_bias", False):
         raise ValueError(f"attention_bias=True is not supported for {family} (Gemma 4 has none)")
+
+
+def per_layer_input_fields(get: ConfigGetter) -> dict[str, int]:
+    """ModelSpec fields of the per-layer input embeddings: their width per layer and vocabulary, with
+    transformers' defaults for a key the config lacks (256 and 262144, what it builds and saves); none
+    where the width is 0 or ``None`` (no such tensors, as transformers and vLLM read it)."""
+    width = get("hidden_size_per_layer_input", 256) or 0
+    if not width:
+        return {}
+    return dict(hidden_size_per_layer_input=width,
+                vocab_size_per_layer_input=get("vocab_size_per_layer_input", 262_144))
 
 
 def read_config(get: ConfigGetter) -> dict[str, Any]:
@@ -106,6 +119,7 @@ def read_config(get: ConfigGetter) -> dict[str, Any]:
         fields.update(num_experts=int(get("num_experts")),
                       moe_intermediate_size=int(get("moe_intermediate_size")))
     fields["tie_word_embeddings"] = bool(get("tie_word_embeddings", True))
+    fields.update(per_layer_input_fields(get))
     fields.update(attention_fields(get, fields["head_dim"], fields["num_key_value_heads"]))
     return fields
 
@@ -122,6 +136,7 @@ GEMMA4 = Family(
     read_config=read_config,
     extra_norms=("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
     layer_scalar=True,
+    per_layer_inputs=True,
     moe=True,
     experts_optional=True,
     dense_mlp_with_experts=True,
@@ -144,9 +159,9 @@ GEMMA4 = Family(
         (r"^mlp\.experts\.", "experts."),
     ),
     vllm_every_stage=True,
-    embedded_engine="Gemma 4's sandwich norms, sliding and full-attention layers of different head widths "
-                    "and layer scalars are no blocks of the embedded engine",
+    embedded_engine="Gemma 4's sandwich norms, sliding and full-attention layers of different head widths, "
+                    "layer scalars and per-layer input embeddings are no blocks of the embedded engine",
     megatron="megatron-core 0.16.1's TransformerLayer has no norm after attention and after the MLP "
              "(Gemma 4's post_attention_layernorm and post_feedforward_layernorm) and one head width for "
-             "every layer",
+             "every layer, and its GPTModel no per-layer input embeddings (hidden_size_per_layer_input)",
 )

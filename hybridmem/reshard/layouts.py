@@ -64,7 +64,7 @@ from hybridmem.reshard.rules import (
 )
 from hybridmem.reshard.spec import ModelSpec, Placement
 from hybridmem.reshard.stages import engine_stage_layers, stage_range, validate_stages
-from hybridmem.reshard.transforms import LocalTensor, pad_rows, replicate
+from hybridmem.reshard.transforms import LocalTensor, pad_rows, replicate, split
 from hybridmem.reshard.vllm_versions import resolve_vllm_version
 
 __all__ = [
@@ -220,6 +220,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
         embed_everywhere = every_stage or spec.description.vllm_embedding_every_stage
         if c.first_stage or (spec.tie_word_embeddings and c.last_stage) or embed_everywhere:
             out[embed] = replicate(embed, shapes[embed])
+        # Gemma 4's per-layer input embeddings: vLLM builds them on every stage.
+        out.update((n, replicate(n, shape)) for n, shape in spec.per_layer_input_shapes().items())
         for i in c.layers:
             for name in vllm_loaded_hf_names(spec, i):
                 out[name] = replicate(name, shapes[name])
@@ -247,6 +249,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
     elif (c.first_stage or (spec.tie_word_embeddings and c.last_stage) or every_stage
           or (side is Side.VLLM and spec.description.vllm_embedding_every_stage)):
         out[spec.description.vllm_embedding] = vocab(embed)
+    if dense and side is Side.VLLM and spec.hidden_size_per_layer_input:
+        out.update(_per_layer_inputs(spec, layout.convention, c))
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
             if (experts if rule.kind in EXPERT_KINDS else dense) and rule.when(spec, layer):
@@ -267,6 +271,19 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
             if not spec.tie_word_embeddings:
                 out["lm_head.weight"] = vocab(head)
     return _to_checkpoint(spec, out)
+
+
+def _per_layer_inputs(spec: ModelSpec, conv: VLLMConvention, c: RankCoords) -> dict[str, LocalTensor]:
+    """The per-layer input embeddings' tensors outside the layers on a vLLM rank at ``c``, every stage (see
+    :attr:`hybridmem.models.Family.per_layer_inputs`): the embedding's vocabulary padded and split as the
+    token embedding's (a ``VocabParallelEmbedding`` of its own rows), the model projection's rows split (a
+    ``ColumnParallelLinear``), the norm whole."""
+    shapes = spec.per_layer_input_shapes()
+    embed, projection, norm = shapes
+    padded = -(-spec.vocab_size_per_layer_input // conv.vocab_padding) * conv.vocab_padding
+    return {embed: pad_rows(embed, shapes[embed], padded_rows=padded, rank=c.tp_rank, num=c.tp),
+            projection: split(projection, shapes[projection], axis=0, rank=c.tp_rank, num=c.tp),
+            norm: replicate(norm, shapes[norm])}
 
 
 def _multimodal_names(spec: ModelSpec, side: Side, text: dict[str, LocalTensor]) -> dict[str, LocalTensor]:
@@ -397,8 +414,9 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     Raises:
         ValueError: an unsupported vLLM version (named, with the supported ones), ``vllm_version``
             and ``convention.version`` disagreeing, world size not divisible by tp*pp, heads or kv heads
-            not divisible by tp (nor tp by kv heads when tp exceeds them), ffn or padded vocab not
-            divisible, ep not dividing tp*dp or num_experts, pp > num_hidden_layers.
+            not divisible by tp (nor tp by kv heads when tp exceeds them), ffn or padded vocab (the
+            per-layer input embeddings' too, and their layers' total width) not divisible, ep not dividing
+            tp*dp or num_experts, pp > num_hidden_layers.
     """
     conv = convention or VLLMConvention()
     if vllm_version is not None and conv.version is not None and (
@@ -429,6 +447,13 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
                          f"(vocab_size={spec.vocab_size})")
     if spec.has_dense_layers and spec.intermediate_size % tp:
         raise ValueError(f"inference tp={tp} does not divide intermediate_size={spec.intermediate_size}")
+    if spec.per_layer_inputs_size % tp:
+        raise ValueError(f"inference tp={tp} does not divide num_hidden_layers * hidden_size_per_layer_input="
+                         f"{spec.per_layer_inputs_size} (vLLM splits per_layer_model_projection by rows)")
+    padded = -(-spec.vocab_size_per_layer_input // conv.vocab_padding) * conv.vocab_padding
+    if padded % tp:
+        raise ValueError(f"inference tp={tp} does not divide the padded per-layer input vocab {padded} "
+                         f"(vocab_size_per_layer_input={spec.vocab_size_per_layer_input})")
     if spec.is_moe:
         if (dp * tp) % ep or ep > spec.num_experts:
             raise ValueError(

@@ -206,6 +206,11 @@ LAYER_RULES: tuple[LayerRule, ...] = (
     # Gemma 4's per-layer scalar: a buffer in transformers and vLLM that the loaders fill.
     LayerRule(("layer_scalar",), None, "layer_scalar", "replicate",
               when=lambda s, i: s.description.layer_scalar),
+    # Gemma 4's per-layer input embeddings: each layer's gate, projection and norm, whole on every rank
+    # (vLLM's ReplicatedLinear); no Megatron form.
+    *(LayerRule((name,), None, name, "replicate", when=lambda s, i: s.hidden_size_per_layer_input > 0)
+      for name in ("per_layer_input_gate.weight", "per_layer_projection.weight",
+                   "post_per_layer_input_norm.weight")),
     # Dense MLP (every layer of a dense family; DeepSeek-V3's first k layers).
     LayerRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "mlp.linear_fc1.weight",
               "mlp.gate_up_proj.weight", "gate_up", when=_dense_mlp),

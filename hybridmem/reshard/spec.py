@@ -153,6 +153,13 @@ class ModelSpec:
     """The :attr:`full_attention_layers` have no ``v_proj``: values are the key projection's output
     (Gemma 4's ``attention_k_eq_v``; vLLM loads ``k_proj`` into both the K and V rows of ``qkv_proj``)."""
 
+    hidden_size_per_layer_input: int = 0
+    """Per-layer input embeddings (:attr:`hybridmem.models.Family.per_layer_inputs`, Gemma 4's PLE): the
+    width P each layer gets of them; 0: none."""
+    vocab_size_per_layer_input: int = 0
+    """Per-layer input embeddings: the rows of ``model.embed_tokens_per_layer.weight`` (before any padding);
+    0 without them."""
+
     linear_attention_layers: tuple[int, ...] = ()
     """Layers (global indices, ascending) whose token mixer is a gated delta-net, ``linear_attn.*`` (Qwen3.5's
     ``linear_attention`` layer type), instead of attention; the other layers have ``self_attn.*``."""
@@ -229,6 +236,15 @@ class ModelSpec:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                          "linear_value_head_dim", "linear_conv_kernel_dim"):
                 _positive(name, getattr(self, name))
+        if self.hidden_size_per_layer_input:
+            if not self.description.per_layer_inputs:
+                raise ValueError(f"hidden_size_per_layer_input={self.hidden_size_per_layer_input} given for "
+                                 f"family={self.family!r}, which has no per-layer input embeddings")
+            _positive("hidden_size_per_layer_input", self.hidden_size_per_layer_input)
+            _positive("vocab_size_per_layer_input", self.vocab_size_per_layer_input)
+        elif self.vocab_size_per_layer_input:
+            raise ValueError(f"vocab_size_per_layer_input={self.vocab_size_per_layer_input} given without "
+                             "hidden_size_per_layer_input")
         if self.shared_expert_intermediate_size and self.description.shared_expert is None:
             raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size} given "
                              f"for family={self.family!r}, which has no shared expert")
@@ -332,6 +348,12 @@ class ModelSpec:
     def has_shared_expert_gate(self) -> bool:
         """Qwen2-MoE gates its shared expert with a [1, H] sigmoid."""
         return self.description.shared_expert_gate and self.shared_expert_intermediate_size > 0
+
+    @property
+    def per_layer_inputs_size(self) -> int:
+        """Columns of the per-layer input embeddings (and rows of their model projection), all layers'
+        together: ``num_hidden_layers * hidden_size_per_layer_input``; 0 without them."""
+        return self.num_hidden_layers * self.hidden_size_per_layer_input
 
     def is_linear_attention_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (global index) is a gated delta-net layer (``linear_attn.*``)."""
@@ -458,9 +480,20 @@ class ModelSpec:
         and its shape, in HF's order. Cached per spec; do not modify."""
         return _canonical(self)
 
+    def per_layer_input_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The per-layer input embeddings' tensors outside the layers, by name, and their shapes (see
+        :attr:`hybridmem.models.Family.per_layer_inputs`); empty without them."""
+        if not self.hidden_size_per_layer_input:
+            return {}
+        width, total = self.hidden_size_per_layer_input, self.per_layer_inputs_size
+        return {"model.embed_tokens_per_layer.weight": (self.vocab_size_per_layer_input, total),
+                "model.per_layer_model_projection.weight": (total, self.hidden_size),
+                "model.per_layer_projection_norm.weight": (width,)}
+
     def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         h, shapes = self.hidden_size, {}
         shapes["model.embed_tokens.weight"] = (self.vocab_size, h)
+        shapes.update(self.per_layer_input_shapes())
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
             shapes[p + "input_layernorm.weight"] = (h,)
@@ -473,6 +506,11 @@ class ModelSpec:
                 shapes[p + norm] = (h,)
             if self.description.layer_scalar:
                 shapes[p + "layer_scalar"] = (1,)
+            if self.hidden_size_per_layer_input:
+                width = self.hidden_size_per_layer_input
+                shapes[p + "per_layer_input_gate.weight"] = (width, h)
+                shapes[p + "per_layer_projection.weight"] = (h, width)
+                shapes[p + "post_per_layer_input_norm.weight"] = (h,)
             if not self.is_moe_layer(i) or self.description.dense_mlp_with_experts:
                 for proj in ("gate", "up"):
                     shapes[p + f"mlp.{proj}_proj.weight"] = (self.intermediate_size, h)

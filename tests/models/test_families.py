@@ -298,7 +298,6 @@ def test_gemma4_is_refused_by_the_embedded_engine_and_megatron(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,named", [
-    ("hidden_size_per_layer_input", 256, "per-layer input embeddings"),
     ("num_kv_shared_layers", 1, "layers without their own keys and values"),
     ("attention_bias", True, "Gemma 4 has none"),
 ])
@@ -306,6 +305,96 @@ def test_gemma4_features_without_layout_rows_are_refused_by_name(key, value, nam
     config = dict(_COMMON, model_type="gemma4_text", **{**CONFIGS["gemma4_text"], key: value})
     with pytest.raises(ValueError, match=f"{key}={value} is not supported for gemma4_text \\(.*{named}"):
         ModelSpec.from_hf_config(config)
+
+
+_GEMMA4_PLE = dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=70)
+"""Per-layer input embeddings as transformers builds them by default (its width there is 256, over a
+vocabulary of 262144), tiny."""
+
+
+@pytest.mark.parametrize("variant", [dict(tie_word_embeddings=True), dict(tie_word_embeddings=False),
+                                     dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                          moe_intermediate_size=8, attention_k_eq_v=False)],
+                         ids=["tied", "untied", "moe"])
+def test_gemma4_per_layer_input_embeddings_are_what_transformers_saves(variant, tmp_path):
+    """hidden_size_per_layer_input > 0: embed_tokens_per_layer [vocab_size_per_layer_input, L * P], its model
+    projection and norm, and each layer's gate, projection and norm, beside the other Gemma 4 features the
+    layouts take (full-attention layers of their own width with and without values = keys, experts); read
+    alike from transformers' config, its config.json and a config that lacks the keys (transformers'
+    defaults)."""
+    cfg, saved = _saved("gemma4_text", tmp_path, **_GEMMA4_PLE, **variant)
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.full_shapes() == saved
+    assert (spec.hidden_size_per_layer_input, spec.vocab_size_per_layer_input) == (8, 70)
+    assert saved["model.embed_tokens_per_layer.weight"] == (70, 3 * 8)
+    assert saved["model.per_layer_model_projection.weight"] == (3 * 8, 64)
+    assert saved["model.per_layer_projection_norm.weight"] == (8,)
+    assert saved["model.layers.2.per_layer_input_gate.weight"] == (8, 64)
+    assert saved["model.layers.2.per_layer_projection.weight"] == (64, 8)
+    assert saved["model.layers.2.post_per_layer_input_norm.weight"] == (64,)
+    assert ModelSpec.from_hf_config(json.loads((tmp_path / "config.json").read_text())) == spec
+    hub = {k: v for k, v in dict(_COMMON, model_type="gemma4_text", **CONFIGS["gemma4_text"]).items()
+           if k != "hidden_size_per_layer_input"}
+    assert (ModelSpec.from_hf_config(hub).hidden_size_per_layer_input,
+            ModelSpec.from_hf_config(hub).vocab_size_per_layer_input) == (256, 262_144)
+
+
+def test_gemma4_default_config_is_the_model_transformers_builds():
+    """transformers' default Gemma4TextConfig (per-layer input embeddings of 256 over 262144 tokens, 30
+    layers), built on the meta device: the spec's tensors are its state dict's, the head tied to the
+    embedding left out as save_pretrained leaves it out."""
+    cfg = transformers.Gemma4TextConfig()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    state = {n: tuple(t.shape) for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.hidden_size_per_layer_input == 256 and spec.tie_word_embeddings
+    assert spec.full_shapes() == state
+
+
+def test_gemma4_per_layer_input_embeddings_in_vllm_and_what_refuses_them(tmp_path):
+    """At vLLM TP 2 the per-layer embedding's 70 rows are padded to 128 (a multiple of 64) and split: rank 1
+    holds rows 64..69 then zeros; the model projection's 24 rows split 12 and 12; the norms, gates and
+    projections are whole. The embedded engine and Megatron refuse such a model by name, as do a per-layer
+    width whose layers' total TP does not divide and a family without such embeddings."""
+    import dataclasses
+
+    from hybridmem.engines import ReferenceEngine
+    from hybridmem.reshard import shard, vllm_layout
+
+    cfg = transformers.AutoConfig.for_model("gemma4_text", **{**_COMMON, **CONFIGS["gemma4_text"],
+                                                              **_GEMMA4_PLE})
+    torch.manual_seed(0)
+    weights = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+    spec = ModelSpec.from_hf_config(cfg)
+    local = shard(weights, vllm_layout(spec, ParallelLayout(tp=2), 2), 1)
+    embed = weights["model.embed_tokens_per_layer.weight"]
+    assert local["model.embed_tokens_per_layer.weight"].shape == (64, 24)
+    assert torch.equal(local["model.embed_tokens_per_layer.weight"][:6], embed[64:70])
+    assert not local["model.embed_tokens_per_layer.weight"][6:].any()
+    assert torch.equal(local["model.per_layer_model_projection.weight"],
+                       weights["model.per_layer_model_projection.weight"][12:24])
+    for name in ("model.per_layer_projection_norm.weight", "model.layers.1.per_layer_input_gate.weight",
+                 "model.layers.1.per_layer_projection.weight",
+                 "model.layers.1.post_per_layer_input_norm.weight"):
+        assert torch.equal(local[name], weights[name]), name
+    with pytest.raises(ValueError, match=r"model_type='gemma4_text' does not run in the embedded engine "
+                                         r"\(.*per-layer input embeddings"):
+        ReferenceEngine(cfg.to_dict())
+    with pytest.raises(ValueError, match="family='gemma4_text' has no Megatron-core layout: "
+                                         r".*per-layer input embeddings \(hidden_size_per_layer_input\)"):
+        megatron_layout(spec, ParallelLayout(), 1)
+    odd = ModelSpec.from_hf_config({**cfg.to_dict(), "hidden_size_per_layer_input": 5})
+    with pytest.raises(ValueError, match=r"inference tp=2 does not divide num_hidden_layers \* "
+                                         r"hidden_size_per_layer_input=15"):
+        vllm_layout(odd, ParallelLayout(tp=2), 2)
+    llama = ModelSpec.from_hf_config(_saved("llama", tmp_path)[0])
+    with pytest.raises(ValueError, match="hidden_size_per_layer_input=8 given for family='llama', which has "
+                                         "no per-layer input embeddings"):
+        dataclasses.replace(llama, hidden_size_per_layer_input=8, vocab_size_per_layer_input=70)
+    with pytest.raises(ValueError, match="vocab_size_per_layer_input=70 given without "
+                                         "hidden_size_per_layer_input"):
+        dataclasses.replace(spec, hidden_size_per_layer_input=0)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -358,8 +447,9 @@ _GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_in
                    tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_path):
+@pytest.mark.parametrize("moe,ple", [(False, False), (True, False), (False, True)],
+                         ids=["dense", "moe", "per-layer-inputs"])
+def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, ple, tmp_path):
     """The Hub's Gemma 4 checkpoints are multimodal (``gemma4``): a ``text_config`` nested in config.json,
     text weights under ``model.language_model.*`` beside the vision tower and its projection. Their config
     (object or config.json) gives the text model's spec marked ``gemma4``; the text weights are the spec's
@@ -372,7 +462,8 @@ def test_gemma4_multimodal_checkpoints_are_read_as_their_text_model(moe, tmp_pat
     from hybridmem.reshard.hf_source import hf_module_tensors, looks_hf_named
     from hybridmem.reshard.transforms import build_local
 
-    text = {**_COMMON, **CONFIGS["gemma4_text"], **(_GEMMA4_MOE if moe else {})}
+    text = {**_COMMON, **CONFIGS["gemma4_text"], **(_GEMMA4_MOE if moe else {}),
+            **(_GEMMA4_PLE if ple else {})}
     vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, position_embedding_size=16)
     cfg = transformers.AutoConfig.for_model("gemma4", text_config=text, vision_config=vision,

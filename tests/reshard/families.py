@@ -98,6 +98,14 @@ MODELS = {
                         layer_types=["sliding_attention", "full_attention"], enable_moe_block=True,
                         num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                         tie_word_embeddings=False)),
+    # Gemma 4 with per-layer input embeddings (transformers' default; tied, full-attention layers with their
+    # own v_proj): embed_tokens_per_layer over a vocabulary of its own (padded and split by vLLM as the token
+    # embedding; TP 4's last rank holds padding only), its model projection (rows split), their norm, and
+    # every layer's gate, projection and norm (whole on every rank).
+    "gemma4-ple": ("gemma4_text",
+                   dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+                        intermediate_size=96, hidden_size_per_layer_input=16, vocab_size_per_layer_input=136,
+                        sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
     # Llama 4 text: a dense layer then a MoE layer (interleave_moe_layer_step 2) with a shared expert, experts
     # stacked and transposed in the checkpoint (gate_up_proj [E, H, 2I]), q/k rows reordered per head by
     # vLLM's loader, the second layer without RoPE.

@@ -1,9 +1,9 @@
-"""The Hub's multimodal checkpoints of Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) and Gemma 4 (``gemma4``, dense
-and MoE): a nested ``text_config``, text weights under ``model.language_model.*``, served as the text model:
-vLLM's own ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` / ``Gemma4ForCausalLM`` and ``load_weights``
-read the prefixed checkpoint, and every rank's parameters (and the buffers the loader fills, Gemma 4's
-``layer_scalar``) equal ``shard`` of its text weights (the prefix dropped) under ``vllm_layout`` of the spec
-its config.json gives.
+"""The Hub's multimodal checkpoints of Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``) and Gemma 4 (``gemma4``, dense,
+MoE, and with per-layer input embeddings): a nested ``text_config``, text weights under
+``model.language_model.*``, served as the text model: vLLM's own ``Qwen3_5ForCausalLM`` /
+``Qwen3_5MoeForCausalLM`` / ``Gemma4ForCausalLM`` and ``load_weights`` read the prefixed checkpoint, and
+every rank's parameters (and the buffers the loader fills, Gemma 4's ``layer_scalar``) equal ``shard`` of its
+text weights (the prefix dropped) under ``vllm_layout`` of the spec its config.json gives.
 
 The checkpoints are written by transformers' multimodal classes (``save_pretrained``) with every value
 replaced by a distinct number; the vision tower's weights are left out (the text model has no place for them;
@@ -41,6 +41,7 @@ MULTIMODAL = {
     "qwen3.5-moe": ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", _QWEN3_5_VISION, ("model.visual.",)),
     "gemma4": ("gemma4", "Gemma4ForCausalLM", _GEMMA4_VISION, ()),
     "gemma4-moe": ("gemma4", "Gemma4ForCausalLM", _GEMMA4_VISION, ()),
+    "gemma4-ple": ("gemma4", "Gemma4ForCausalLM", _GEMMA4_VISION, ()),
 }
 PREFIX = "model.language_model."
 TOWERS = ("model.visual.", "model.vision_tower.", "model.embed_vision.")
