@@ -86,8 +86,8 @@ def block_from_hf_config(config: Mapping[str, Any] | Any) -> tuple[int, int] | N
         quant = quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
     method = quant.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"quantization_config quant_method={method!r}: hybridmem syncs into bf16/fp32 engines "
-                         "and FP8 ones with 128x128 blocks (quant_method='fp8') only")
+        raise ValueError(f"quantization_config quant_method={method!r}: hybridmem syncs into "
+                         "bf16/fp32 engines and FP8 ones with 128x128 blocks (quant_method='fp8') only")
     if quant.get("weight_block_size") is None:
         raise ValueError("quantization_config quant_method='fp8' without weight_block_size (one scale per "
                          "tensor): hybridmem's FP8 layout takes weight_block_size=[128, 128] only")
@@ -99,7 +99,8 @@ def block_from_hf_config(config: Mapping[str, Any] | Any) -> tuple[int, int] | N
 
 def _check_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in QUANTIZABLE_DTYPES:
-        raise ValueError(f"{name}: dtype {tensor.dtype} cannot be block-quantized to FP8; the quantizer takes "
+        raise ValueError(f"{name}: dtype {tensor.dtype} cannot be block-quantized to FP8; the "
+                         "quantizer takes "
                          f"{[str(d) for d in QUANTIZABLE_DTYPES]}")
     if tensor.dim() != 2:
         raise ValueError(f"{name}: shape {tuple(tensor.shape)} is not a 2-D weight; FP8 blocks are 128x128")
@@ -129,7 +130,7 @@ def quantize_block_fp8(weight: torch.Tensor, *, name: str = "weight") -> tuple[t
 
 
 def scale_name(weight_name: str) -> str:
-    """``X.weight`` -> ``X.weight_scale_inv`` (a stacked experts' ``w13_weight`` -> ``w13_weight_scale_inv``)."""
+    """``X.weight`` -> ``X.weight_scale_inv`` (``w13_weight`` -> ``w13_weight_scale_inv``)."""
     return weight_name + SCALE_SUFFIX
 
 

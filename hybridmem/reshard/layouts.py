@@ -279,7 +279,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
     return out
 
 
-def _with_scales(spec: ModelSpec, out: dict[str, LocalTensor], quantized: list[str]) -> dict[str, LocalTensor]:
+def _with_scales(spec: ModelSpec, out: dict[str, LocalTensor],
+                 quantized: list[str]) -> dict[str, LocalTensor]:
     """``out`` with the block scales of each ``quantized`` tensor right after it (see [Note: fp8 block layout]
     in :mod:`hybridmem.reshard.fp8`)."""
     shapes, names = spec.full_shapes(), set(quantized)
@@ -309,9 +310,9 @@ def fp8_quantized_names(spec: ModelSpec) -> tuple[str, ...]:
 
 
 def layout_full_shapes(layout: ShardLayout) -> dict[str, tuple[int, ...]]:
-    """The HF-full tensors ``layout``'s pieces are cut from, by name, with their shapes: the model's checkpoint
-    (:meth:`~hybridmem.reshard.ModelSpec.full_shapes`), or, for an FP8 vLLM layout, the FP8 checkpoint's (each
-    quantized weight's ``weight_scale_inv`` too)."""
+    """The HF-full tensors ``layout``'s pieces are cut from, by name, with their shapes: the model's
+    checkpoint (:meth:`~hybridmem.reshard.ModelSpec.full_shapes`), or, for an FP8 vLLM layout, the FP8
+    checkpoint's (each quantized weight's ``weight_scale_inv`` too)."""
     shapes = layout.spec.full_shapes()
     if layout.side is Side.VLLM and layout.convention.weight_block_size is not None:
         return fp8_full_shapes(shapes, fp8_quantized_names(layout.spec))
@@ -498,9 +499,9 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
 
 
 def _check_fp8(layout: ShardLayout) -> None:
-    """An FP8 layout's family is one checked against vLLM's FP8 classes, and every quantized shard of the first
-    replica's ranks (the others repeat them) is whole 128x128 blocks (:func:`~hybridmem.reshard.fp8.scale_of`
-    raises naming the first that is not)."""
+    """An FP8 layout's family is one checked against vLLM's FP8 classes, and every quantized shard of the
+    first replica's ranks (the others repeat them) is whole 128x128 blocks
+    (:func:`~hybridmem.reshard.fp8.scale_of` raises naming the first that is not)."""
     spec = layout.spec
     if spec.family not in FP8_FAMILIES or spec.multimodal:
         raise ValueError(f"family={spec.family!r}: no FP8 layout (weight_block_size="

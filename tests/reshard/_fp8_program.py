@@ -7,7 +7,8 @@ names), vLLM's own block quantizer (``per_block_cast_to_fp8``) makes the FP8 che
 and ``quantization="fp8"`` (:mod:`tests.reshard._fp8_tasks`: only the ScaledMM kernel choice is a stand-in)
 at each (tp, pp, ep) and load it with ``load_weights``. Every rank's parameters must equal, bit for bit, what
 a sync from the bf16 weights gives that rank: hybridmem's quantizer over the bf16 stream
-(:func:`~hybridmem.reshard.fp8.quantize_stream`) cut by the FP8 vLLM layout (:func:`~hybridmem.reshard.iter_shard`).
+(:func:`~hybridmem.reshard.fp8.quantize_stream`) cut by the FP8 vLLM layout
+(:func:`~hybridmem.reshard.iter_shard`).
 The dense model's parameters after vLLM's ``process_weights_after_loading`` (the block kernels' base
 processing) must be those it loaded. Exits 1 on any difference; writes the report either way.
 """
@@ -54,7 +55,8 @@ def _checkpoint(root: str, kw: dict) -> tuple[str, dict, tuple]:
     with open(f"{path}/config.json") as f:
         config = json.load(f)
     quantized = fp8_quantized_names(ModelSpec.from_hf_config(config))
-    safetensors.torch.save_file(_fp8_tasks.quantize_with_vllm(bf16, list(quantized)), f"{path}/model.safetensors")
+    safetensors.torch.save_file(_fp8_tasks.quantize_with_vllm(bf16, list(quantized)),
+                                f"{path}/model.safetensors")
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     if model_type == "qwen3_moe":  # the routers stay bf16, as the Hub's Qwen3-MoE FP8 checkpoints list them
         quant["modules_to_not_convert"] = ["lm_head", *(f"model.layers.{i}.mlp.gate"
@@ -101,7 +103,9 @@ def main(report_path: str) -> int:
                 for name, tensor in synced.items():
                     if name not in ours:
                         continue
-                    mine = ours[name] if ours[name].dtype == torch.float8_e4m3fn else ours[name].to(tensor.dtype)
+                    mine = ours[name]
+                    if mine.dtype != torch.float8_e4m3fn:
+                        mine = mine.to(tensor.dtype)  # bf16 -> vLLM's CPU dtype (float32): exact
                     if mine.shape != tensor.shape or mine.dtype != tensor.dtype or not torch.equal(
                             _bits(mine), _bits(tensor)):
                         bad.append(name)

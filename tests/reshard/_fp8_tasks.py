@@ -34,7 +34,7 @@ def _stand_in_scaled_mm_kernel():
         def is_supported(cls, compute_capability=None):
             return True, None
 
-        def apply_block_scaled_mm(self, A, B, As, Bs):
+        def apply_block_scaled_mm(self, A, B, As, Bs):  # noqa: N803 (vLLM's names)
             raise NotImplementedError("a stand-in for vLLM's FP8 block GEMM: builds and loads only")
 
     original = linear.choose_scaled_mm_linear_kernel
@@ -63,9 +63,9 @@ def quantize_with_vllm(tensors: dict, quantized: list) -> dict:
 
 def fp8_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dict:
     """``{"loaded": {name: tensor}, "processed": {name: tensor}, "kernels": {module: class name}}`` of this
-    rank's vLLM model of the FP8 checkpoint in ``model_dir``: its parameters right after ``load_weights``, and
-    after vLLM's ``process_weights_after_loading`` (those it left as parameters), and the kernel or MoE backend
-    each FP8 module was built with."""
+    rank's vLLM model of the FP8 checkpoint in ``model_dir``: its parameters right after ``load_weights``,
+    and after vLLM's ``process_weights_after_loading`` (those it left as parameters), and the kernel or MoE
+    backend each FP8 module was built with."""
     _vllm_tasks._environment()
     import safetensors.torch
     import torch
@@ -83,8 +83,8 @@ def fp8_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dic
 
     if hasattr(registry, "_run_in_subprocess"):
         registry._run_in_subprocess = _vllm_tasks._call
-    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                               max_model_len=64, seed=0)
+    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                               enforce_eager=True, max_model_len=64, seed=0)
     assert model_config.quantization == "fp8", model_config.quantization
     vllm_config = VllmConfig(
         model_config=model_config,

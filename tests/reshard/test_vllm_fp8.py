@@ -59,9 +59,10 @@ def _vllm_quantizer(compiled: bool):
     return per_block_cast_to_fp8 if compiled else per_block_cast_to_fp8._torchdynamo_orig_callable
 
 
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=full_only("the eager case runs the same "
-                                                                                "body; compiling costs 10 s "
-                                                                                "per dtype"))])
+_COMPILED = full_only("the eager case runs the same body; compiling costs 10 s per dtype")
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=_COMPILED)])
 def test_quantizer_is_vllms_bit_for_bit(compiled):
     theirs = _vllm_quantizer(compiled)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -85,9 +86,9 @@ def test_quantizer_values_by_hand():
 
 
 def test_fp8_layout_shapes_and_bytes_by_hand(capsys):
-    """Qwen3 at TP 4 (kv heads 2, so each kv head on two ranks): every quantized weight is whole blocks; scales
-    are [rows / 128, columns / 128]; what is not quantized keeps the bf16 layout. The bytes per rank: FP8
-    weights one byte an element, scales four, the rest two."""
+    """Qwen3 at TP 4 (kv heads 2, so each kv head on two ranks): every quantized weight is whole blocks;
+    scales are [rows / 128, columns / 128]; what is not quantized keeps the bf16 layout. The bytes per rank:
+    FP8 weights one byte an element, scales four, the rest two."""
     spec = ModelSpec.from_hf_config(DENSE)
     fp8 = vllm_layout(spec, ParallelLayout(tp=4), 4, convention=FP8).tensors(1)
     bf16 = vllm_layout(spec, ParallelLayout(tp=4), 4).tensors(1)
@@ -106,8 +107,8 @@ def test_fp8_layout_shapes_and_bytes_by_hand(capsys):
     assert len(names) == 2 * 7 and not any("norm" in n or "embed" in n or "lm_head" in n for n in names)
     full = {n: torch.randn(s, dtype=torch.bfloat16) for n, s in spec.full_shapes().items()}
     for rank in range(4):
-        ours = dict(iter_shard(quantize_stream(full.items(), names), vllm_layout(spec, ParallelLayout(tp=4), 4,
-                                                                                  convention=FP8), rank))
+        layout = vllm_layout(spec, ParallelLayout(tp=4), 4, convention=FP8)
+        ours = dict(iter_shard(quantize_stream(full.items(), names), layout, rank))
         fp8_nbytes = sum(t.numel() * t.element_size() for t in ours.values())
         bf16_nbytes = sum(t.numel() * 2 for n, t in ours.items() if not n.endswith("_scale_inv"))
         weights = sum(fp8[n].numel for n in want if not n.endswith("_scale_inv"))
@@ -130,8 +131,8 @@ def test_bad_input_is_named():
         block_from_hf_config({"quantization_config": {"quant_method": "fp8"}})
     assert block_from_hf_config({"model_type": "qwen3"}) is None
     # Experts of 256 rows over TP 4: 64 rows a rank, inside the first 128-block.
-    with pytest.raises(ValueError, match=r"holds rows \[0, 64\) of model\.layers\.0\.mlp\.experts\.0\.gate_proj"
-                                         r"\.weight.*shard boundary inside a 128-block"):
+    with pytest.raises(ValueError, match=r"holds rows \[0, 64\) of model\.layers\.0\.mlp\.experts\.0\."
+                                         r"gate_proj\.weight.*shard boundary inside a 128-block"):
         vllm_layout(moe, ParallelLayout(tp=4), 4, convention=FP8)
     with pytest.raises(ValueError, match="dtype torch.float64 cannot be block-quantized"):
         quantize_block_fp8(torch.zeros(128, 128, dtype=torch.float64), name="w")
