@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from hybridmem.reshard.fp8 import check_block
 from hybridmem.reshard.stages import check_stage_layers
 from hybridmem.reshard.vllm_versions import VLLM_NAMES, VLLMNames, resolve_vllm_version
 
@@ -64,9 +65,16 @@ class VLLMConvention:
     """Layers of each pipeline stage, as ``VLLM_PP_LAYER_PARTITION`` gives them to vLLM (see [Note: uneven
     stages] in :mod:`hybridmem.reshard.stages`); ``None``: that variable of this process's environment when
     set, else vLLM's own split."""
+    weight_block_size: tuple[int, int] | None = None
+    """The engine holds its linear layers in FP8 with one float32 scale per block of this shape (vLLM's
+    ``Fp8Config(weight_block_size=[128, 128])``; only ``(128, 128)``), each quantized weight beside its
+    ``weight_scale_inv`` (see [Note: fp8 block layout] in :mod:`hybridmem.reshard.fp8`); ``None``: the
+    weights as the model's dtype."""
 
     def __post_init__(self) -> None:
         check_stage_layers(self.stage_layers)
+        if self.weight_block_size is not None:
+            object.__setattr__(self, "weight_block_size", check_block(self.weight_block_size))
         if self.vocab_padding < 1:
             raise ValueError(f"vocab_padding={self.vocab_padding} must be >= 1")
         if self.version is not None:

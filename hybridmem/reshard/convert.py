@@ -11,7 +11,7 @@ import torch
 
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard.conventions import MegatronConvention, VLLMConvention
-from hybridmem.reshard.layouts import ShardLayout, megatron_layout, vllm_layout
+from hybridmem.reshard.layouts import ShardLayout, layout_full_shapes, megatron_layout, vllm_layout
 from hybridmem.reshard.plan import DEFAULT_BUCKET_NBYTES, build_plan
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import build_local, piece_view, scatter_local
@@ -42,7 +42,7 @@ def iter_shard(full: Iterable[tuple[str, torch.Tensor | None]], layout: ShardLay
         ValueError: A name that is no HF tensor of the model, one given twice, a shape other than the model's,
             or, at the end, an HF tensor never given that a local tensor needs; each names it.
     """
-    shapes = layout.spec.full_shapes()
+    shapes = layout_full_shapes(layout)
     tensors = layout.tensors(rank)
     missing: dict[str, set[str]] = {}  # local name -> HF names still to come
     users: dict[str, list[str]] = {}  # HF name -> local names cut from it

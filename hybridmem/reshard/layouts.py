@@ -53,6 +53,7 @@ from hybridmem.reshard.conventions import (
     Side,
     VLLMConvention,
 )
+from hybridmem.reshard.fp8 import FP8_FAMILIES, QUANTIZED_VLLM_RULES, fp8_full_shapes, scale_name, scale_of
 from hybridmem.reshard.rules import (
     EXPERT_KINDS,
     LAYER_RULES,
@@ -75,6 +76,8 @@ __all__ = [
     "vllm_layout",
     "hf_layout",
     "to_checkpoint_names",
+    "fp8_quantized_names",
+    "layout_full_shapes",
 ]
 
 
@@ -251,6 +254,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
         out[spec.description.vllm_embedding] = vocab(embed)
     if dense and side is Side.VLLM and spec.hidden_size_per_layer_input:
         out.update(_per_layer_inputs(spec, layout.convention, c))
+    fp8 = side is Side.VLLM and layout.convention.weight_block_size is not None
+    quantized: list[str] = []
     for local, layer in enumerate(c.layers):
         for rule in LAYER_RULES:
             if (experts if rule.kind in EXPERT_KINDS else dense) and rule.when(spec, layer):
@@ -259,6 +264,8 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
                     qk = tuple(f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in ("q", "k"))
                     built = {n: rotary_permuted(t, qk, spec.head_dim) for n, t in built.items()}
                 out.update(built)
+                if fp8 and rule.vllm in QUANTIZED_VLLM_RULES:
+                    quantized.extend(built)
     if dense and (c.last_stage or every_stage):
         if side is Side.MEGATRON:
             out["decoder.final_layernorm.weight"] = replicate("model.norm.weight",
@@ -270,7 +277,50 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
             out["model.norm.weight"] = replicate("model.norm.weight", shapes["model.norm.weight"])
             if not spec.tie_word_embeddings:
                 out["lm_head.weight"] = vocab(head)
-    return _to_checkpoint(spec, out)
+    out = _to_checkpoint(spec, out)
+    if quantized:
+        out = _with_scales(spec, out, quantized)
+    return out
+
+
+def _with_scales(spec: ModelSpec, out: dict[str, LocalTensor],
+                 quantized: list[str]) -> dict[str, LocalTensor]:
+    """``out`` with the block scales of each ``quantized`` tensor right after it (see [Note: fp8 block layout]
+    in :mod:`hybridmem.reshard.fp8`)."""
+    shapes, names = spec.full_shapes(), set(quantized)
+    result: dict[str, LocalTensor] = {}
+    for name, local in out.items():
+        result[name] = local
+        if name in names:
+            result[scale_name(name)] = scale_of(name, local, shapes)
+    return result
+
+
+def fp8_quantized_names(spec: ModelSpec) -> tuple[str, ...]:
+    """The checkpoint tensors an FP8 checkpoint of ``spec`` holds in FP8 with block scales: those of the layer
+    rows vLLM quantizes (:data:`~hybridmem.reshard.fp8.QUANTIZED_VLLM_RULES`), in checkpoint order."""
+    wanted: set[str] = set()
+    for layer in range(spec.num_hidden_layers):
+        for rule in LAYER_RULES:
+            if rule.vllm not in QUANTIZED_VLLM_RULES or not rule.when(spec, layer):
+                continue
+            for suffix in rule.hf:
+                suffix = suffix.replace("{shared}", spec.shared_expert_name)
+                experts = range(spec.num_experts) if "{e}" in suffix else (None,)
+                wanted.update(f"model.layers.{layer}." + suffix.format(e=e) for e in experts)
+    where = spec.checkpoint_names()
+    names = {where[n].name for n in wanted if n in where}
+    return tuple(n for n in spec.full_shapes() if n in names)
+
+
+def layout_full_shapes(layout: ShardLayout) -> dict[str, tuple[int, ...]]:
+    """The HF-full tensors ``layout``'s pieces are cut from, by name, with their shapes: the model's
+    checkpoint (:meth:`~hybridmem.reshard.ModelSpec.full_shapes`), or, for an FP8 vLLM layout, the FP8
+    checkpoint's (each quantized weight's ``weight_scale_inv`` too)."""
+    shapes = layout.spec.full_shapes()
+    if layout.side is Side.VLLM and layout.convention.weight_block_size is not None:
+        return fp8_full_shapes(shapes, fp8_quantized_names(layout.spec))
+    return shapes
 
 
 def _per_layer_inputs(spec: ModelSpec, conv: VLLMConvention, c: RankCoords) -> dict[str, LocalTensor]:
@@ -467,7 +517,23 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
             )
     elif ep != 1:
         raise ValueError(f"ep={ep} given for a dense model")
-    return ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.VLLM, convention=conv)
+    layout = ShardLayout(spec=spec, parallel=parallel, world_size=world_size, side=Side.VLLM, convention=conv)
+    if conv.weight_block_size is not None:
+        _check_fp8(layout)
+    return layout
+
+
+def _check_fp8(layout: ShardLayout) -> None:
+    """An FP8 layout's family is one checked against vLLM's FP8 classes, and every quantized shard of the
+    first replica's ranks (the others repeat them) is whole 128x128 blocks
+    (:func:`~hybridmem.reshard.fp8.scale_of` raises naming the first that is not)."""
+    spec = layout.spec
+    if spec.family not in FP8_FAMILIES or spec.multimodal:
+        raise ValueError(f"family={spec.family!r}: no FP8 layout (weight_block_size="
+                         f"{list(layout.convention.weight_block_size)}); the families checked against vLLM's "
+                         f"FP8 classes are {list(FP8_FAMILIES)}")
+    for rank in range(min(layout.world_size, layout.parallel.tp * layout.parallel.pp)):
+        layout.tensors(rank)
 
 
 def hf_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,

@@ -173,6 +173,11 @@ class ReshardPlan:
 def _check(src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int, rank: int | None) -> None:
     if src.spec != dst.spec:
         raise ValueError(f"source and destination specs differ: {src.spec} vs {dst.spec}")
+    if dst.side is not src.side and getattr(dst.convention, "weight_block_size", None) is not None:
+        raise ValueError(f"destination weight_block_size={list(dst.convention.weight_block_size)}: a plan "
+                         "moves slices of the training tensors, and an FP8 block is quantized whole; sync "
+                         "into an FP8 engine from full tensors (hybridmem.reshard.fp8.quantize_stream into "
+                         "iter_shard)")
     if src.world_size != dst.world_size:
         raise ValueError(f"source world_size={src.world_size} != destination world_size={dst.world_size}")
     if bucket_nbytes < itemsize:

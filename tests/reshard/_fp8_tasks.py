@@ -1,0 +1,123 @@
+"""Worker task for test_vllm_fp8.py: vLLM's own classes built on CPU with ``quantization="fp8"`` and 128x128
+blocks, filled by the model's own ``load_weights`` from an FP8 checkpoint.
+
+As in :mod:`tests.reshard._vllm_tasks` (whose worker set-up this reuses), no engine is started. vLLM refuses
+to build an FP8 linear layer on a CPU without its AMX kernel ("Failed to find a kernel that can implement the
+ScaledMM linear layer", from ``choose_scaled_mm_linear_kernel`` in ``vllm/model_executor/kernels/linear``):
+only that choice is replaced, by :class:`_StandIn`, a subclass of vLLM's own
+``Fp8BlockScaledMMLinearKernel`` that keeps the base class's ``process_weights_after_loading`` (the one the
+Triton, CUTLASS and torch block kernels run) and cannot compute. ``create_weights``, the weight loaders, the
+checkpoint reading and the MoE method are vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from tests.reshard import _vllm_tasks
+
+
+@contextlib.contextmanager
+def _stand_in_scaled_mm_kernel():
+    """vLLM's ``choose_scaled_mm_linear_kernel`` answers :class:`_StandIn` for FP8 block layers while inside;
+    the function comes back afterwards."""
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+
+    class _StandIn(Fp8BlockScaledMMLinearKernel):
+        """Builds and processes as vLLM's block kernels without an override do; never computes."""
+
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            return True, None
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):  # noqa: N803 (vLLM's names)
+            raise NotImplementedError("a stand-in for vLLM's FP8 block GEMM: builds and loads only")
+
+    original = linear.choose_scaled_mm_linear_kernel
+    linear.choose_scaled_mm_linear_kernel = lambda *args, **kwargs: _StandIn
+    try:
+        yield
+    finally:
+        linear.choose_scaled_mm_linear_kernel = original
+
+
+def quantize_with_vllm(tensors: dict, quantized: list) -> dict:
+    """The FP8 checkpoint vLLM's own block quantizer (``per_block_cast_to_fp8``, vllm/utils/deep_gemm.py,
+    torch-compiled as vLLM runs it) makes of ``tensors``: each name in ``quantized`` as e4m3 values and its
+    ``weight_scale_inv``, the others unchanged."""
+    _vllm_tasks._environment()
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    out = {}
+    for name, tensor in tensors.items():
+        if name in quantized:
+            out[name], out[name + "_scale_inv"] = per_block_cast_to_fp8(tensor, [128, 128])
+        else:
+            out[name] = tensor
+    return out
+
+
+def fp8_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dict:
+    """``{"loaded": {name: tensor}, "processed": {name: tensor}, "kernels": {module: class name}}`` of this
+    rank's vLLM model of the FP8 checkpoint in ``model_dir``: its parameters right after ``load_weights``,
+    and after vLLM's ``process_weights_after_loading`` (those it left as parameters), and the kernel or MoE
+    backend each FP8 module was built with."""
+    _vllm_tasks._environment()
+    import safetensors.torch
+    import torch
+    from vllm.config import (
+        DeviceConfig,
+        LoadConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = _vllm_tasks._call
+    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                               enforce_eager=True, max_model_len=64, seed=0)
+    assert model_config.quantization == "fp8", model_config.quantization
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        load_config=LoadConfig(load_format="dummy"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                       enable_expert_parallel=ep > 1),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
+    with _vllm_tasks._dist_ident(ctx), set_current_vllm_config(vllm_config):
+        if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
+            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank,
+                                                        backend="gloo")
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, pp)
+        try:
+            with torch.device("cpu"), _stand_in_scaled_mm_kernel():
+                model = initialize_model(vllm_config=vllm_config)
+            _vllm_tasks._BUILT.append(model)
+            model.load_weights(iter(sorted(weights.items())))
+            loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
+            kernels = {}
+            for name, module in model.named_modules():
+                method = getattr(module, "quant_method", None)
+                kernel = getattr(method, "fp8_linear", None) or getattr(method, "fp8_backend", None)
+                if kernel is not None:
+                    kernels[name] = type(kernel).__name__ if hasattr(kernel, "apply_weights") else str(kernel)
+            processed = {}
+            try:
+                process_weights_after_loading(model, model_config, torch.device("cpu"))
+                processed = {name: p.detach().clone() for name, p in model.named_parameters()}
+            except Exception as exc:  # the MoE backends' processing needs their GPU kernels
+                processed = {"error": repr(exc)[:500]}
+            return {"loaded": loaded, "processed": processed, "kernels": kernels}
+        finally:
+            parallel_state.destroy_model_parallel()
