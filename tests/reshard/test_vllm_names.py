@@ -154,6 +154,7 @@ def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
     spec = ModelSpec.from_hf_config(config)
     layout = vllm_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), WORLD)
     got = _vllm_loaded(pool, checkpoints, model_id, tp, pp, ep)
+    differ = []  # every (rank, name) whose values differ, so a failure names each rank, not the first
     for rank in range(WORLD):
         ours = shard(weights, layout, rank)
         theirs = got[rank]
@@ -161,7 +162,9 @@ def test_vllm_names_and_tensors(pool, checkpoints, model_id, tp, pp, ep):
                                           sorted(set(theirs) - set(ours)))
         for name, tensor in theirs.items():
             assert ours[name].shape == tensor.shape, (rank, name, ours[name].shape, tensor.shape)
-            assert torch.equal(ours[name], tensor), (rank, name)
+            if not torch.equal(ours[name], tensor):
+                differ.append((rank, name))
+    assert not differ, differ
 
 
 STREAM_CASES = [(model, tp, pp) for model in MODELS for tp, pp in ((1, 2), (2, 2))]
