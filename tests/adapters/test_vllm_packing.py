@@ -3,9 +3,8 @@
 and the writer sends it from there without a copy; a tensor larger than a bucket that is one training tensor
 as it lies is handed over as that tensor (``borrow``); what the worker writes is still the reference shard.
 
-The real pieces of the transport in one process, without vLLM, as in ``test_vllm_stale_run.py``: the trainer
-rank's :class:`Listener`, :class:`Buckets` and :class:`BucketWriter`, and on a thread the worker's
-:class:`WorkerChannel`, :func:`open_buckets`, :class:`StreamUpdate` and :func:`receive_stream`. The
+The real pieces of the transport in one process, without vLLM (``tests/adapters/_transport.py``), and the
+trainer rank's :class:`BucketWriter`. The
 reference is ``tests.reshard.reference.vllm_shard`` of the same random HF-full tensors (written apart from
 the plan code).
 """
@@ -15,19 +14,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 
 import pytest
 import torch
 
-from hybridmem.adapters.vllm.server.buckets import Buckets, open_buckets
-from hybridmem.adapters.vllm.server.channel import Listener, WorkerChannel, channel_path
 from hybridmem.adapters.vllm.server.packing import BucketWriter
-from hybridmem.adapters.vllm.server.receive import StreamUpdate, receive_stream
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout
 from hybridmem.reshard.checksum import tensor_checksum
 from hybridmem.reshard.execute import iter_layout_tensors
+from tests.adapters._transport import start_transport
 from tests.reshard.reference import megatron_shard, random_full, vllm_shard
 
 RUN = "hybridmem-run-packing"
@@ -47,27 +43,6 @@ def directory():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _transport(directory, layout, dest):
-    """``(buckets, listener, update, worker thread, errors)`` with the worker receiving into ``dest``."""
-    buckets = Buckets(directory, 0, bucket_nbytes=BUCKET_NBYTES, device=torch.device("cpu"))
-    listener = Listener(channel_path(directory, 0), 0, run=RUN)
-    update = StreamUpdate(layout, run=RUN, verify=True, who="vLLM worker rank 0", tensors=dest)
-    raised: list[BaseException] = []
-
-    def worker() -> None:
-        views = open_buckets(buckets.descriptor(), bucket_nbytes=BUCKET_NBYTES, device=torch.device("cpu"))
-        channel = WorkerChannel(listener.path, rank=0, run=RUN, generation=1)
-        try:
-            receive_stream(channel, views, update, wait_s=WAIT_S)
-        except BaseException as exc:  # the test checks it
-            raised.append(exc)
-
-    listener.expect(RUN, 1)
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
-    return buckets, listener, update, thread, raised
-
-
 def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(directory):
     full = random_full(SPEC, seed=3)
     src = megatron_shard(full, SPEC, tp=1, pp=1, ep=1, world=1, rank=0)
@@ -76,20 +51,20 @@ def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(d
                       itemsize=4, bucket_nbytes=1 << 20, rank=0)
     layout = {name: (tuple(t.shape), t.dtype) for name, t in want.items()}
     dest = {name: torch.full(shape, -7.0, dtype=dtype) for name, (shape, dtype) in layout.items()}
-    buckets, listener, update, thread, raised = _transport(directory, layout, dest)
+    transport = start_transport(directory, layout, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES, wait_s=WAIT_S)
+    buckets, raised = transport.buckets, transport.raised
     try:
-        conn = listener.accept(timeout_s=WAIT_S)
+        conn = transport.listener.accept(timeout_s=WAIT_S)
         writer = BucketWriter(buckets, conn, layout, run=RUN, checksum=tensor_checksum, ack_timeout_s=WAIT_S)
         yielded = {}
         for name, tensor in iter_layout_tensors(plan, rank=0, src=src, target=writer.reserve, borrow=True):
             yielded[name] = tensor.data_ptr()
             writer.put(name, tensor)
         stats = writer.finish()
-        thread.join(WAIT_S)
+        transport.thread.join(WAIT_S)
         bucket_spans = [(v.data_ptr(), v.data_ptr() + BUCKET_NBYTES) for v in buckets.views]
     finally:
-        listener.close()
-        buckets.close()
+        transport.close()
     assert not raised, raised
     for name, tensor in want.items():
         assert torch.equal(dest[name], tensor), name
@@ -106,10 +81,10 @@ def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(d
 def test_a_reserved_tensor_must_be_the_next_one_given(directory):
     layout = {"a": ((8,), torch.float32), "b": ((8,), torch.float32)}
     dest = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
-    buckets, listener, update, thread, raised = _transport(directory, layout, dest)
+    transport = start_transport(directory, layout, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES, wait_s=WAIT_S)
     try:
-        conn = listener.accept(timeout_s=WAIT_S)
-        writer = BucketWriter(buckets, conn, layout, run=RUN, checksum=None, ack_timeout_s=WAIT_S)
+        conn = transport.listener.accept(timeout_s=WAIT_S)
+        writer = BucketWriter(transport.buckets, conn, layout, run=RUN, checksum=None, ack_timeout_s=WAIT_S)
         assert writer.reserve("a", (8,), torch.float64) is None  # another dtype: built elsewhere
         assert writer.reserve("a", (9,), torch.float32) is None  # another shape
         assert writer.reserve("c", (8,), torch.float32) is None  # not in the layout
@@ -117,8 +92,7 @@ def test_a_reserved_tensor_must_be_the_next_one_given(directory):
         with pytest.raises(RuntimeError, match="reserved bucket bytes for a and then gave b"):
             writer.put("b", torch.ones(8))
         writer.abandon()
-        thread.join(WAIT_S)
+        transport.thread.join(WAIT_S)
     finally:
-        listener.close()
-        buckets.close()
-    assert update.complete == [] and all(torch.equal(t, torch.zeros(8)) for t in dest.values())
+        transport.close()
+    assert transport.update.complete == [] and all(torch.equal(t, torch.zeros(8)) for t in dest.values())

@@ -13,16 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 
 import pytest
 import torch
 
-from hybridmem.adapters.vllm.server.buckets import Buckets, open_buckets
-from hybridmem.adapters.vllm.server.channel import ChannelError, Listener, WorkerChannel, channel_path
+from hybridmem.adapters.vllm.server.channel import ChannelError
 from hybridmem.adapters.vllm.server.packing import BucketWriter
-from hybridmem.adapters.vllm.server.receive import StreamUpdate, receive_stream
 from hybridmem.reshard.checksum import tensor_checksum
+from tests.adapters._transport import start_transport
 
 RUN = "hybridmem-run-now"
 STALE = "hybridmem-run-before"
@@ -40,27 +38,13 @@ def directory():
 
 
 def test_a_bucket_message_of_a_previous_run_is_refused_naming_both_runs_and_nothing_is_written(directory):
-    buckets = Buckets(directory, 0, bucket_nbytes=BUCKET_NBYTES, device=torch.device("cpu"))
-    listener = Listener(channel_path(directory, 0), 0, run=RUN)
     # The worker's tensors before the update: 7.0 everywhere, written out here, not read back from anything.
     dest = {name: torch.full(shape, 7.0, dtype=dtype) for name, (shape, dtype) in LAYOUT.items()}
-    update = StreamUpdate(LAYOUT, run=RUN, verify=True, who="vLLM worker rank 0", tensors=dest)
-    raised: list[BaseException] = []
-
-    def worker() -> None:
-        views = open_buckets(buckets.descriptor(), bucket_nbytes=BUCKET_NBYTES, device=torch.device("cpu"))
-        channel = WorkerChannel(listener.path, rank=0, run=RUN, generation=1)
-        try:
-            receive_stream(channel, views, update, wait_s=WAIT_S)
-        except BaseException as exc:  # the test checks it
-            raised.append(exc)
-
+    transport = start_transport(directory, LAYOUT, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES, wait_s=WAIT_S)
+    update, thread, raised = transport.update, transport.thread, transport.raised
     try:
-        listener.expect(RUN, 1)
-        thread = threading.Thread(target=worker, daemon=True)
-        thread.start()
-        conn = listener.accept(timeout_s=WAIT_S)
-        writer = BucketWriter(buckets, conn, LAYOUT, run=STALE, checksum=tensor_checksum,
+        conn = transport.listener.accept(timeout_s=WAIT_S)
+        writer = BucketWriter(transport.buckets, conn, LAYOUT, run=STALE, checksum=tensor_checksum,
                               ack_timeout_s=WAIT_S)
         with pytest.raises(ChannelError) as trainer_side:
             for name, (shape, dtype) in LAYOUT.items():
@@ -70,8 +54,7 @@ def test_a_bucket_message_of_a_previous_run_is_refused_naming_both_runs_and_noth
         thread.join(WAIT_S)
         assert not thread.is_alive(), "the worker did not end its update"
     finally:
-        listener.close()
-        buckets.close()
+        transport.close()
 
     # The worker raised one error naming the message's run and its own.
     assert len(raised) == 1 and isinstance(raised[0], ValueError), raised

@@ -530,7 +530,6 @@ class VLLMServerEngine:
             self._writer = writer
             for name, tensor in stream:
                 writer.put(name, tensor)
-            self._writer = None
             stats = writer.finish()
             conn.close()
             if call is not None:
