@@ -69,55 +69,27 @@ def fp8_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dic
     _vllm_tasks._environment()
     import safetensors.torch
     import torch
-    from vllm.config import (
-        DeviceConfig,
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed import parallel_state
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-    from vllm.model_executor.models import registry
 
-    if hasattr(registry, "_run_in_subprocess"):
-        registry._run_in_subprocess = _vllm_tasks._call
-    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
-                               enforce_eager=True, max_model_len=64, seed=0)
+    model_config, vllm_config = _vllm_tasks.vllm_configs(model_dir, tp, pp, ep, dtype="bfloat16")
     assert model_config.quantization == "fp8", model_config.quantization
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        load_config=LoadConfig(load_format="dummy"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                       enable_expert_parallel=ep > 1),
-        device_config=DeviceConfig(device="cpu"),
-    )
     weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
-    with _vllm_tasks._dist_ident(ctx), set_current_vllm_config(vllm_config):
-        if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
-            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank,
-                                                        backend="gloo")
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tp, pp)
+    with _vllm_tasks.vllm_groups(ctx, vllm_config, tp, pp):
+        with torch.device("cpu"), _stand_in_scaled_mm_kernel():
+            model = initialize_model(vllm_config=vllm_config)
+        _vllm_tasks._BUILT.append(model)
+        model.load_weights(iter(sorted(weights.items())))
+        loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
+        kernels = {}
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            kernel = getattr(method, "fp8_linear", None) or getattr(method, "fp8_backend", None)
+            if kernel is not None:
+                kernels[name] = type(kernel).__name__ if hasattr(kernel, "apply_weights") else str(kernel)
+        processed = {}
         try:
-            with torch.device("cpu"), _stand_in_scaled_mm_kernel():
-                model = initialize_model(vllm_config=vllm_config)
-            _vllm_tasks._BUILT.append(model)
-            model.load_weights(iter(sorted(weights.items())))
-            loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
-            kernels = {}
-            for name, module in model.named_modules():
-                method = getattr(module, "quant_method", None)
-                kernel = getattr(method, "fp8_linear", None) or getattr(method, "fp8_backend", None)
-                if kernel is not None:
-                    kernels[name] = type(kernel).__name__ if hasattr(kernel, "apply_weights") else str(kernel)
-            processed = {}
-            try:
-                process_weights_after_loading(model, model_config, torch.device("cpu"))
-                processed = {name: p.detach().clone() for name, p in model.named_parameters()}
-            except Exception as exc:  # the MoE backends' processing needs their GPU kernels
-                processed = {"error": repr(exc)[:500]}
-            return {"loaded": loaded, "processed": processed, "kernels": kernels}
-        finally:
-            parallel_state.destroy_model_parallel()
+            process_weights_after_loading(model, model_config, torch.device("cpu"))
+            processed = {name: p.detach().clone() for name, p in model.named_parameters()}
+        except Exception as exc:  # the MoE backends' processing needs their GPU kernels
+            processed = {"error": repr(exc)[:500]}
+        return {"loaded": loaded, "processed": processed, "kernels": kernels}

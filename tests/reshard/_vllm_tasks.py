@@ -127,6 +127,49 @@ def _sparse_attention_builds_on_cpu(hf_config):
         platform.get_attn_backend_cls = original
 
 
+def vllm_configs(model_dir: str, tp: int, pp: int, ep: int, *, dtype: str) -> tuple:
+    """``(ModelConfig, VllmConfig)`` of the model in ``model_dir`` built on CPU at ``tp``/``pp``/``ep`` (no
+    engine; weights loaded by the caller), with vLLM's class inspection run in this process."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    # The first ModelConfig of an architecture inspects the model class in a subprocess that imports
+    # vLLM again (5-10 s on a small machine), only so that the inspecting process never initializes
+    # CUDA; these workers have no CUDA, so inspect in-process.
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = _call
+    model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+                               max_model_len=64, seed=0)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        load_config=LoadConfig(load_format="dummy"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                       enable_expert_parallel=ep > 1),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    return model_config, vllm_config
+
+
+@contextlib.contextmanager
+def vllm_groups(ctx, vllm_config, tp: int, pp: int):
+    """This pool rank inside vLLM's distributed environment (gloo) with its tp/pp groups, under
+    ``vllm_config``; the groups are destroyed on the way out."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    with _dist_ident(ctx), set_current_vllm_config(vllm_config):
+        if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
+            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank,
+                                                        backend="gloo")
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, pp)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
 def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_stream: bool = False) -> dict:
     """``{name: tensor}`` of this rank's vLLM model after ``load_weights`` of the checkpoint in ``model_dir``.
 
@@ -140,36 +183,9 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
     _environment()
     import safetensors.torch
     import torch
-    from vllm.config import (
-        DeviceConfig,
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed import parallel_state
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    def make_model_config() -> ModelConfig:
-        return ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                           max_model_len=64, seed=0)
-
-    # The first ModelConfig of an architecture inspects the model class in a subprocess that imports
-    # vLLM again (5-10 s on a small machine), only so that the inspecting process never initializes
-    # CUDA; these workers have no CUDA, so inspect in-process.
-    from vllm.model_executor.models import registry
-
-    if hasattr(registry, "_run_in_subprocess"):
-        registry._run_in_subprocess = _call
-    model_config = make_model_config()
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        load_config=LoadConfig(load_format="dummy"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                       enable_expert_parallel=ep > 1),
-        device_config=DeviceConfig(device="cpu"),
-    )
+    model_config, vllm_config = vllm_configs(model_dir, tp, pp, ep, dtype="float32")
     weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
     if hf_stream:
         import json
@@ -181,27 +197,19 @@ def vllm_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int, hf_st
             spec = ModelSpec.from_hf_config(json.load(f))
         weights = shard(weights, hf_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), ctx.world_size),
                         ctx.rank)
-    with _dist_ident(ctx), set_current_vllm_config(vllm_config):
-        if not parallel_state.model_parallel_is_initialized() and parallel_state._WORLD is None:
-            parallel_state.init_distributed_environment(ctx.world_size, ctx.rank, "env://", ctx.rank,
-                                                        backend="gloo")
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tp, pp)
-        try:
-            with torch.device("cpu"), _sparse_attention_builds_on_cpu(model_config.hf_config):
-                model = initialize_model(vllm_config=vllm_config)
-            # The model's own loader, straight from HF names. Read the parameters right away: the CPU
-            # backend's post-load step (process_weights_after_loading, which a model loader runs after
-            # this) repacks linear weights into its own format, which is not a vLLM parameter layout.
-            loaded = set(model.load_weights(iter(sorted(weights.items()))) or ())
-            # vLLM caches each model's pipeline-missing layers by id(model); keep every model alive so a
-            # later model cannot reuse an id and inherit an earlier model's entry.
-            _BUILT.append(model)
-            out = {name: p.detach().clone() for name, p in model.named_parameters()}
-            out.update((name, b.detach().clone()) for name, b in model.named_buffers() if name in loaded)
-            return out
-        finally:
-            parallel_state.destroy_model_parallel()
+    with vllm_groups(ctx, vllm_config, tp, pp):
+        with torch.device("cpu"), _sparse_attention_builds_on_cpu(model_config.hf_config):
+            model = initialize_model(vllm_config=vllm_config)
+        # The model's own loader, straight from HF names. Read the parameters right away: the CPU
+        # backend's post-load step (process_weights_after_loading, which a model loader runs after
+        # this) repacks linear weights into its own format, which is not a vLLM parameter layout.
+        loaded = set(model.load_weights(iter(sorted(weights.items()))) or ())
+        # vLLM caches each model's pipeline-missing layers by id(model); keep every model alive so a
+        # later model cannot reuse an id and inherit an earlier model's entry.
+        _BUILT.append(model)
+        out = {name: p.detach().clone() for name, p in model.named_parameters()}
+        out.update((name, b.detach().clone()) for name, b in model.named_buffers() if name in loaded)
+        return out
 
 
 def vllm_version(ctx) -> str:
