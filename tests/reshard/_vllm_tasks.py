@@ -72,13 +72,18 @@ def _dist_ident(ctx):
     os.environ["VLLM_DIST_IDENT"] = ident[0]
     try:
         yield
+        # Rank 0 removes every group's files, also those of groups it is not in (tp [2, 3] at tp2 pp2):
+        # only once every rank is past joining its groups, or a slower rank finds its file gone
+        # ("open shm in SHMManager failed. errno: 2"). After a failure the files stay (a barrier there
+        # could wait for a rank that raised).
+        dist.barrier(group=ctx.group)
+        if ctx.rank == 0:
+            _unlink_segments(ident[0])
     finally:
         if before is None:
             os.environ.pop("VLLM_DIST_IDENT", None)
         else:
             os.environ["VLLM_DIST_IDENT"] = before
-        if ctx.rank == 0:
-            _unlink_segments(ident[0])
 
 
 def _unlink_segments(ident: str) -> None:
