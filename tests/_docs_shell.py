@@ -143,6 +143,7 @@ def start_server(source: str, line: int) -> str | None:
         if READY in log.read_text(errors="replace"):
             return None
         if proc.poll() is not None:
+            SERVERS.pop()  # nothing left to stop
             return f"server block at line {line} exited {proc.returncode} before it was ready:\n{_tail(log)}"
         time.sleep(0.5)
     return f"server block at line {line} did not print {READY!r} within {START_S} s:\n{_tail(log)}"
