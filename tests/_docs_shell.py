@@ -143,7 +143,9 @@ def start_server(source: str, line: int) -> str | None:
         if READY in log.read_text(errors="replace"):
             return None
         if proc.poll() is not None:
-            SERVERS.pop()  # nothing left to stop
+            SERVERS.pop()
+            with contextlib.suppress(ProcessLookupError):  # what it started and left behind
+                os.killpg(proc.pid, signal.SIGKILL)
             return f"server block at line {line} exited {proc.returncode} before it was ready:\n{_tail(log)}"
         time.sleep(0.5)
     return f"server block at line {line} did not print {READY!r} within {START_S} s:\n{_tail(log)}"
