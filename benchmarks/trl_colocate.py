@@ -54,6 +54,9 @@ def run(mode: str, args: argparse.Namespace, out: str) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if mode == "hybridmem":  # before TRL's trainer: TRL's vLLM-range warning then prints once (docs/trl.md)
+        from hybridmem.integrations.trl import HybridGRPOTrainer
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, os.path.join(HERE, "..", "tests", "integrations"))
@@ -78,8 +81,6 @@ def run(mode: str, args: argparse.Namespace, out: str) -> None:
     kwargs = dict(model=model, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
                   args=config)
     if mode == "hybridmem":
-        from hybridmem.integrations.trl import HybridGRPOTrainer
-
         trainer = HybridGRPOTrainer(**kwargs)
     else:
         trainer = GRPOTrainer(**kwargs)

@@ -386,6 +386,7 @@ class ShardingManager:
         """
         self._check_coresidents_offloaded("switch to INFER")
         with HeldSignals() as held:
+            held.on_signal = lambda: self._signal_outcome(Direction.TO_INFER)
             report = self._to_infer(held)
         if report is None:  # a held signal stopped the switch and its handler did not raise
             raise SwitchError(
@@ -433,12 +434,14 @@ class ShardingManager:
         """
         self._check_coresidents_offloaded("switch to TRAIN")
         with HeldSignals() as held:
+            held.on_signal = lambda: self._signal_outcome(Direction.TO_TRAIN)
             self._machine.fire(Trigger.BEGIN_TRAIN, operation="switch to TRAIN")
             return self._finish_to_train(held, abort_trigger=Trigger.ABORT_TRAIN)
 
     def recover(self) -> SwitchReport:
         """From FAILED, bring every part back to TRAIN (each step is a no-op where already done)."""
         with HeldSignals() as held:
+            held.on_signal = lambda: self._signal_outcome(Direction.TO_TRAIN)
             self._machine.fire(Trigger.RECOVER, operation="recover")
             return self._finish_to_train(held, abort_trigger=Trigger.FAIL)
 
@@ -530,6 +533,20 @@ class ShardingManager:
             self._claims.release()
 
     # Internals ------------------------------------------------------------------------------------
+    def _signal_outcome(self, direction: Direction) -> str:
+        """What became of a switch a held signal interrupted, and where the training state is, for the line
+        printed before the signal is delivered ([Note: held signals] in
+        :mod:`hybridmem.switch.transaction`)."""
+        where = "INFER" if direction is Direction.TO_INFER else "TRAIN"
+        if self.phase is Phase.TRAIN:
+            did = "it was rolled back" if direction is Direction.TO_INFER else "it finished first"
+            return f"the switch to {where}: {did}; phase TRAIN, the training state is intact on the device"
+        if self.phase is Phase.INFER:
+            return (f"the switch to {where}: it finished first (its ranks had agreed on it); phase INFER, "
+                    "the training state is intact in host memory and the switch to TRAIN brings it back")
+        return (f"the switch to {where}: it failed; phase {self.phase.name}, no training state is lost (it "
+                "is in host memory): call recover()")
+
     def _vote_no(self, run: SwitchRun) -> None:
         """Tell the peers this rank rolls back, where they wait for its vote: its weight sync completed and
         its group is usable ([Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""

@@ -11,7 +11,10 @@
 - a ```` ```python process ```` block: as a program of its own (``python prog.py``, its first line says
   so), for a program that must not share the process of the file's other blocks (its own engine, or
   switches the checker counts per process);
-- a ```` ```yaml title=NAME ```` block: written to NAME, as the text asks the reader to save it.
+- a ```` ```yaml title=NAME ```` block: written to NAME, as the text asks the reader to save it;
+- a ```` ```bash ````, ```` ```console ```` (a transcript: commands and what they print) or ```` ```bash
+  server ```` block (a server left running while the blocks after it talk to it, stopped with Ctrl-C at
+  the end of the file): as shell commands (``_docs_shell.py``).
 
 ``<!-- skip: next if(condition, reason="...") -->`` (Sybil's skip directive) skips the next block where
 it cannot run (a GPU-only block on a CPU machine). The summary lists the line of every block run and
@@ -30,6 +33,7 @@ import tempfile
 import unittest
 from pathlib import Path
 
+from _docs_shell import run_bash, run_console, start_server, stop_servers
 from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 from sybil.parsers.markdown.codeblock import CodeBlockParser
@@ -93,9 +97,31 @@ class YamlFileParser(_InfoParser):
         Path(match["name"]).write_text(str(source))
 
 
+class BashBlockParser(_InfoParser):
+    pattern = re.compile(r"bash")
+
+    def evaluate(self, example) -> str | None:
+        return run_bash(str(example.parsed[1]), example.line)
+
+
+class ConsoleBlockParser(_InfoParser):
+    pattern = re.compile(r"console")
+
+    def evaluate(self, example) -> str | None:
+        return run_console(str(example.parsed[1]), example.line)
+
+
+class ServerBlockParser(_InfoParser):
+    pattern = re.compile(r"bash\s+server")
+
+    def evaluate(self, example) -> str | None:
+        return start_server(str(example.parsed[1]), example.line)
+
+
 def sybil() -> Sybil:
     return Sybil(parsers=[PythonCodeBlockParser(), TorchrunBlockParser(), ProcessBlockParser(),
-                          YamlFileParser(), SkipParser()])
+                          YamlFileParser(), BashBlockParser(), ConsoleBlockParser(), ServerBlockParser(),
+                          SkipParser()])
 
 
 def main(path: str, summary_path: str) -> int:
@@ -105,21 +131,24 @@ def main(path: str, summary_path: str) -> int:
         install()
     document = sybil().parse(Path(path).resolve())
     summary: dict[str, list] = {"ran": [], "skipped": [], "failed": []}
-    for example in document:
-        kind = type(example.region.evaluator).__name__
-        try:
-            example.evaluate()
-        except unittest.SkipTest as skip:
-            summary["skipped"].append([example.line, str(skip)])
-            continue
-        except BaseException as exc:  # reported with the block's line, then the run stops
-            summary["failed"].append([example.line, f"{type(exc).__name__}: {exc}"])
-            Path(summary_path).write_text(json.dumps(summary))
-            raise
-        if kind != "Skipper":  # the skip directives themselves are examples too
-            summary["ran"].append(example.line)
-    Path(summary_path).write_text(json.dumps(summary))
-    return 0
+    try:
+        for example in document:
+            kind = type(example.region.evaluator).__name__
+            try:
+                example.evaluate()
+            except unittest.SkipTest as skip:
+                summary["skipped"].append([example.line, str(skip)])
+                continue
+            except BaseException as exc:  # reported with the block's line, then the run stops
+                summary["failed"].append([example.line, f"{type(exc).__name__}: {exc}"])
+                raise
+            if kind != "Skipper":  # the skip directives themselves are examples too
+                summary["ran"].append(example.line)
+    finally:
+        for failure in stop_servers():  # Ctrl-C, as the reader ends a server: it must stop cleanly
+            summary["failed"].append([None, failure])
+        Path(summary_path).write_text(json.dumps(summary))
+    return 1 if summary["failed"] else 0
 
 
 if __name__ == "__main__":

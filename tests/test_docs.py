@@ -1,10 +1,14 @@
 """Every code block of README.md and docs/*.md runs, as printed, in a fresh interpreter per file.
 
 A file's ``python`` blocks run in order in one namespace, as a reader running them in turn would;
-``python torchrun N`` blocks run as programs under torchrun; blocks a machine cannot run (a GPU) are
-skipped only through a visible ``<!-- skip: next if(...) -->`` with a reason (see ``_docs.py``). The test
-fails when a block raises, and when the number of blocks run or skipped differs from the number of
-fences in the file (counted here with a regular expression, independently of Sybil's parser).
+``python torchrun N`` blocks run as programs under torchrun; shell blocks (``bash``, ``console``
+transcripts checked against what each command prints, ``bash server`` left running for the blocks after
+it and stopped with Ctrl-C at the end) run as a reader runs them in a terminal, from a directory that
+holds the checkout's top-level folders (``benchmarks/configs/...`` resolves as it does from the root of a
+clone); blocks a machine cannot run (a GPU, a second environment, the whole suite) are skipped only
+through a ``<!-- skip: next ... -->`` with a reason (see ``_docs.py``). The test fails when a block
+raises or exits non-zero, and when the number of blocks run or skipped differs from the number of fences
+in the file (counted here with a regular expression, independently of Sybil's parser).
 
 Three files carry the programs users write first, and their switches are also checked
 (``_docs_check.py``): the training state after every INFER->TRAIN equals, byte for byte, the state before
@@ -35,7 +39,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-FENCE = re.compile(r"^```(python|yaml\s+title=)", re.MULTILINE)
+FENCE = re.compile(r"^[ \t]*```(python|bash|console|yaml\s+title=)", re.MULTILINE)
 CHECKED = {"README.md": 3, "vllm.md": 3, "megatron.md": 3}
 """Files whose switches are checked, with the number of switches their program makes (per process)."""
 SLOW = {"vllm.md", "megatron.md", "fsdp.md", "trl.md", "ray.md"}
@@ -68,6 +72,9 @@ def test_every_code_block_runs(path, tmp_path):
     summary = tmp_path / "summary.json"
     work = tmp_path / "work"
     work.mkdir()
+    for entry in ROOT.iterdir():  # the reader's checkout: its folders, seen from where the blocks run
+        if not entry.name.startswith("."):
+            (work / entry.name).symlink_to(entry)
     proc = subprocess.run([sys.executable, str(HERE / "_docs.py"), str(path), str(summary)], cwd=work,
                           env=env, capture_output=True, text=True, timeout=1500)
     result = json.loads(summary.read_text()) if summary.exists() else {}

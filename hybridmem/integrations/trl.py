@@ -95,9 +95,12 @@ class GenerationSwitches:
 
     @property
     def synced_nbytes(self) -> int:
-        """Bytes the weight sync of the TRAIN->INFER switch moved into vLLM (a LoRA model's adapters only,
-        once the engine holds the base)."""
-        return sum(s.copied_nbytes for s in self.to_infer.steps if s.name == "weight sync")
+        """Bytes the weight sync of the TRAIN->INFER switch wrote into vLLM: the whole model's weights (a
+        LoRA model's adapters only, once the engine holds the base), whether they came from this rank
+        or others (the step's ``engine_nbytes``, not its ``copied_nbytes``: bytes received from other
+        ranks, none on one rank)."""
+        return sum(int(s.extra.get("engine_nbytes", s.copied_nbytes)) for s in self.to_infer.steps
+                   if s.name == "weight sync")
 
     @property
     def sync_route(self) -> str:

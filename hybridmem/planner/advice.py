@@ -78,15 +78,32 @@ def _kv_fitting(predict: Callable[..., Any], budget: int, rank: int | None = Non
     return None
 
 
+def _weights_over(result) -> str:
+    """``"need <N> GB of <M> GB on rank <r>"`` for the planned rank whose engine weights alone exceed the
+    device (the most such bytes), ``""`` when none does: no offload, bucket or KV cache brings those under."""
+    over = [p for p in result.ranks if p.state_nbytes.get("engine_weights", 0) > result.budget_nbytes]
+    if not over:
+        return ""
+    rank = max(over, key=lambda p: (p.state_nbytes["engine_weights"], -p.rank))
+    weights = rank.state_nbytes["engine_weights"]
+    return f"need {weights / GB:.1f} GB of {result.budget_nbytes / GB:.1f} GB on rank {rank.rank}"
+
+
 def _device_advice(result, args, predict, host_peak) -> list[Advice]:
     """Knobs that make the worst rank fit the device and keep every node within its host memory: each
     alone, else all of them together; with a level-1 sleep, each also with level 2 when the host needs it."""
     worst, budget, host_budget = result.worst, result.budget_nbytes, result.host_budget_nbytes
+    weights = _weights_over(result)
     if worst.start_nbytes > budget:
+        also = f", and the engine's weights alone {weights}" if weights else ""
+        fix = ", and a larger inference tp/ep" if weights else ""
         return [Advice(f"none: the training state alone needs {worst.start_nbytes / GB:.1f} GB of "
-                       f"{budget / GB:.1f} GB on rank {worst.rank}; use more ranks or more training "
-                       f"parallelism",
+                       f"{budget / GB:.1f} GB on rank {worst.rank}{also}; use more ranks or more training "
+                       f"parallelism{fix}",
                        (), worst.start_nbytes)]
+    if weights:
+        return [Advice(f"none: the engine's weights alone {weights}; use more ranks or a larger "
+                       f"inference tp/ep", (), worst.peak_nbytes)]
 
     def host_ok(change: dict) -> tuple[dict, int] | None:
         """``change``, with sleep level 2 added when the host needs it and that helps, and its host peak; None

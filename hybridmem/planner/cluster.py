@@ -544,6 +544,15 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
                 engine_process=engine_process, engine_bucket_nbytes=engine_bucket_nbytes)
     states = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)
     chosen = _ranks_to_plan(spec, setup, infer, world, ranks, infer_bytes)
+    return _plan(spec, setup, infer, world, states, chosen, args, advise=advise)
+
+
+def _plan(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, states: list[RankState],
+          chosen: list[int], args: dict, *, advise: bool) -> ClusterPlan:
+    """:func:`plan_cluster` once every rank's state and the ranks to plan are known: none of the changes
+    the advice tries (offload, bucket, KV cache, sleep level, pinned rounding) changes them, so its
+    replans reuse them."""
+    accel, offload, sleep_level = args["accel"], args["offload"], args["sleep_level"]
     predictions = tuple(predict_rank(spec, setup, infer, world, r, state=states[r], **args) for r in chosen)
     nodes = node_hosts([_rank_host(s, setup, accel, offload, sleep_level) for s in states],
                        accel.devices_per_node)
@@ -560,7 +569,7 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
             return max(n.peak_nbytes for n in node_hosts(hosts, a["accel"].devices_per_node))
 
         def replan(**change) -> ClusterPlan:
-            return plan_cluster(spec, setup, infer, world, **{**args, **change}, ranks=ranks, advise=False)
+            return _plan(spec, setup, infer, world, states, chosen, {**args, **change}, advise=False)
 
         result = replace(result, advice=tuple(advice_for(result, args, predict=predict, host_peak=host_peak,
                                                          replan=replan)))

@@ -37,7 +37,7 @@ from hybridmem.planner.cluster import (
 )
 from hybridmem.planner.host import HOST_SOURCES, SLEEP_LEVELS
 from hybridmem.planner.lora import LoraRoutePlan, LoraSetup, plan_lora, to_dicts
-from hybridmem.reshard import ModelSpec
+from hybridmem.reshard import ModelSpec, vllm_stage_layers
 
 __all__ = ["main", "build_parser"]
 
@@ -65,7 +65,9 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--train-stages",
                    help="Megatron layers per pipeline stage, first to last (e.g. 7,7,8,8,8,8,8,7)")
     p.add_argument("--infer", default="1/1/1", help="inference (vLLM) layout tp/pp/ep (default 1/1/1)")
-    p.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS))
+    p.add_argument("--accelerator", default="h100", choices=sorted(ACCELERATORS),
+                   help="the preset of device memory, bandwidths, devices and host memory per node "
+                        "(default h100; each figure can be overridden below)")
     p.add_argument("--device-memory-gb", type=float, help="override the accelerator's memory (10^9 bytes)")
     p.add_argument("--host-link-gbps", type=float, help="override host<->device bandwidth (GB/s)")
     p.add_argument("--intra-node-gbps", type=float,
@@ -161,6 +163,27 @@ def _looks_like(path: str, text: str) -> str:
     return ""
 
 
+def _stages(text: str | None, pp: int, num_layers: int, train: str) -> tuple[int, ...] | None:
+    """``--train-stages`` as layer counts, checked against ``--train``'s pp and the model's layers, in the
+    command line's words (the layouts' own checks name the Python API's)."""
+    example = ",".join(map(str, vllm_stage_layers(num_layers, pp))) if num_layers >= pp else None
+    hint = f" (e.g. --train-stages {example})" if example else ""
+    if text is None:
+        if num_layers % pp:
+            raise ValueError(f"--train {train}: pp={pp} does not divide the model's {num_layers} layers; "
+                             "give each pipeline stage's layer count, first to last, with "
+                             f"--train-stages{hint}")
+        return None
+    try:
+        stages = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--train-stages {text!r}: expected comma-separated layer counts{hint}") from None
+    if len(stages) != pp or sum(stages) != num_layers or min(stages) < 1:
+        raise ValueError(f"--train-stages {text}: expected pp={pp} positive layer counts (--train {train}) "
+                         f"summing to the model's {num_layers} layers{hint}")
+    return stages
+
+
 def plan_from_args(args) -> ClusterPlan:
     """The :class:`ClusterPlan` the command line asks for.
 
@@ -194,8 +217,9 @@ def plan_from_args(args) -> ClusterPlan:
                               grad_bytes=DTYPE_BYTES[args.grad_dtype or args.param_dtype],
                               buffer_nbytes=hf_buffer_nbytes(config, param), host_buffer_nbytes=host_buffers)
     else:
-        stages = tuple(int(x) for x in args.train_stages.split(",")) if args.train_stages else None
-        setup = TrainingSetup(kind="megatron", parallel=_layout(args.train, "--train"), stage_layers=stages,
+        parallel = _layout(args.train, "--train")
+        stages = _stages(args.train_stages, parallel.pp, spec.num_hidden_layers, args.train)
+        setup = TrainingSetup(kind="megatron", parallel=parallel, stage_layers=stages,
                               param_bytes=param, grad_bytes=DTYPE_BYTES[args.grad_dtype or "fp32"],
                               optimizer_bytes_per_param=args.optimizer_bytes_per_param,
                               distributed_optimizer=not args.no_distributed_optimizer,

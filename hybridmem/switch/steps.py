@@ -309,6 +309,7 @@ class WeightSyncStep(SwitchStep):
                 "sent_nbytes": s.sent_nbytes,
                 "received_nbytes": s.received_nbytes,
                 "min_received_nbytes": s.min_received_nbytes,
+                "engine_nbytes": s.engine_nbytes,
                 "temp_peak_nbytes": s.temp_peak_nbytes,
                 "coverage_checked": s.coverage_checked,
                 **({"route": s.route} if s.route else {}),

@@ -9,7 +9,10 @@ the record between steps: a signal pending during TRAIN->INFER stops the switch 
 pending during INFER->TRAIN lets it finish (TRAIN is where the training state is whole). Once the switch
 has ended, in TRAIN or INFER or FAILED, the previous handlers are put back and each held signal is
 delivered to them: the default SIGINT handler raises ``KeyboardInterrupt`` there, a ``SIG_DFL`` SIGTERM
-ends the process through the OS, a ``SIG_IGN`` one is dropped.
+ends the process through the OS, a ``SIG_IGN`` one is dropped. Before that, one line on standard error
+says what became of the switch and of the training state (the manager's ``on_signal``: "hybridmem: Ctrl-C
+(SIGINT) during the switch to INFER: it was rolled back; phase TRAIN, the training state is intact on the
+device"), so that it is the first thing the reader sees above the traceback.
 
 Outside the main thread nothing is installed: Python delivers signals to the main thread only, so a
 switch running in another thread is never interrupted by one; the main thread gets the
@@ -35,6 +38,7 @@ torch, the host pool and the engine, and checks the training state after each.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +74,9 @@ class HeldSignals:
     def __init__(self) -> None:
         self.pending: list[int] = []
         """Signals received while held, in order (each signal number at most once)."""
+        self.on_signal: Callable[[], str] | None = None
+        """What became of the switch, in words, printed on standard error before a held signal is
+        delivered (see [Note: held signals]); ``None``: nothing printed."""
         self._previous: dict[int, Any] = {}
 
     @property
@@ -96,6 +103,11 @@ class HeldSignals:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         pending, self.pending = self.pending, []
+        outer = any(_is_recorder(previous.get(signum)) for signum in pending)
+        if pending and self.on_signal is not None and not outer:  # an outer hold says it once, at its end
+            names = " and ".join(SIGNAL_NAMES.get(signum, f"signal {signum}") for signum in pending)
+            sys.stderr.write(f"hybridmem: {names} during {self.on_signal()}\n")
+            sys.stderr.flush()
         for signum in pending:
             self._deliver(signum, previous.get(signum))
 
@@ -106,6 +118,15 @@ class HeldSignals:
         elif handler == signal.SIG_DFL:
             signal.raise_signal(signum)
         # SIG_IGN, or a handler installed from C (None): the signal was meant to be ignored here.
+
+
+SIGNAL_NAMES: dict[int, str] = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
+"""How the line printed for a held signal names it (see [Note: held signals])."""
+
+
+def _is_recorder(handler: Any) -> bool:
+    """Whether ``handler`` is another hold's recorder (nested holds)."""
+    return isinstance(getattr(handler, "__self__", None), HeldSignals)
 
 
 @dataclass

@@ -31,6 +31,11 @@ class SyncStats(TransferStats):
     """What one weight sync did on this rank: what it moved (:class:`~hybridmem.reshard.TransferStats`; a
     stream into ``load_weights`` counts every tensor as received), and what the engine ended up with."""
 
+    engine_nbytes: int = 0
+    """Bytes of the trainer's weights this sync wrote into the engine on this rank: the resharding plan's
+    local copies and the bytes received from other ranks alike (``received_nbytes`` counts the latter
+    only), padding not counted. The bytes that reached the engine, which a TRL run's
+    ``hybridmem/synced_bytes`` reports."""
     unwritten: tuple[str, ...] = ()
     """Engine tensors of this rank not entirely written (see [Note: weight coverage] in
     :mod:`hybridmem.weight_sync`)."""

@@ -216,7 +216,8 @@ class LoraSync(WeightSync):
             s = self._merged.sync()
             route = f"LoRA merged into the base, whole model sent ({self.merged_because})"
             return SyncStats(num_tensors=s.num_tensors, received_nbytes=s.received_nbytes,
-                             min_received_nbytes=s.min_received_nbytes, seconds=s.seconds,
+                             min_received_nbytes=s.min_received_nbytes, engine_nbytes=s.engine_nbytes,
+                             seconds=s.seconds,
                              unwritten=s.unwritten,
                              coverage_checked=s.coverage_checked, dtype_note=s.dtype_note, route=route)
         start = time.perf_counter()
@@ -240,6 +241,7 @@ class LoraSync(WeightSync):
         lora_dtype = getattr(torch, self.engine.lora_info.lora_dtype.removeprefix("torch."), None)
         return SyncStats(
             num_tensors=count, received_nbytes=nbytes + base_nbytes, min_received_nbytes=nbytes + base_nbytes,
+            engine_nbytes=nbytes + base_nbytes,
             temp_peak_nbytes=nbytes, seconds=time.perf_counter() - start, unwritten=unwritten,
             coverage_checked=True,
             dtype_note=dtype_note(dtypes, {lora_dtype} if isinstance(lora_dtype, torch.dtype) else set()),

@@ -227,15 +227,17 @@ class ReshardSync(WeightSync):
                                   written=written)
             unwritten, checked = self._unwritten(params, written), True
             dst_dtypes = {p.dtype for p in params.values()}
+            engine_nbytes = sum(n * params[name].element_size() for name, n in written.items())
             if checks is not None:
                 checks.add_destinations(dst)
         else:
-            stats, dst_dtypes = self._stream(src, checks, left())
+            stats, dst_dtypes, engine_nbytes = self._stream(src, checks, left())
             unwritten, checked = engine_unwritten(self.engine)
         if checks is not None:
             checks.compare(self.group, device=next(iter(src.values())).device, bound=bound)
         return SyncStats(
             **{**asdict(stats), "seconds": time.perf_counter() - start},
+            engine_nbytes=engine_nbytes,
             unwritten=unwritten,
             coverage_checked=checked,
             dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src},
@@ -243,14 +245,17 @@ class ReshardSync(WeightSync):
         )
 
     def _stream(self, src: Mapping[str, torch.Tensor], checks: CellChecksums | None,
-                deadline_s: float | None) -> tuple[TransferStats, set[torch.dtype]]:
-        """Stream the plan's complete destination tensors into the engine; returns the figures and the
-        dtypes the engine was handed (what it holds, where it does not say)."""
+                deadline_s: float | None) -> tuple[TransferStats, set[torch.dtype], int]:
+        """Stream the plan's complete destination tensors into the engine; returns the figures, the dtypes
+        the engine was handed (what it holds, where it does not say) and the bytes of weight data handed
+        (padding rows aside)."""
         collected: list[TransferStats] = []
         dtypes: set[torch.dtype] = set()
         layout = self.route is ReshardRoute.LAYOUT_STREAM
         target = self.engine.layout_target if layout and capabilities_of(self.engine).offers_layout_targets \
             else None
+        expected = self.plan.dst.tensors(self.rank)
+        handed = [0]
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,
@@ -260,6 +265,7 @@ class ReshardSync(WeightSync):
                 if checks is not None:
                     checks.add_destination(name, tensor)
                 dtypes.add(tensor.dtype)
+                handed[0] += sum(p.numel for p in expected[name].pieces) * tensor.element_size()
                 yield name, tensor
                 del tensor  # the stream's memory bound: gone before the next one is made
 
@@ -273,7 +279,7 @@ class ReshardSync(WeightSync):
             method = "load_layout_weights" if layout else "load_weights"
             raise RuntimeError(f"rank {self.rank}: {type(self.engine).__name__}.{method} returned before the "
                                f"end of its stream, leaving {len(left)} tensors, e.g. {left[0]}")
-        return collected[0], (dtypes if layout else engine_dtypes(self.engine))
+        return collected[0], (dtypes if layout else engine_dtypes(self.engine)), handed[0]
 
     def _unwritten(self, params: Mapping[str, torch.Tensor], written: Mapping[str, int]) -> tuple[str, ...]:
         """Engine tensors not written exactly once in every data element ([Note: weight coverage] in

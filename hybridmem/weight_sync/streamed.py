@@ -78,6 +78,7 @@ class LoadWeightsSync(WeightSync):
             num_tensors=count,
             received_nbytes=nbytes,
             min_received_nbytes=nbytes,
+            engine_nbytes=nbytes,
             seconds=time.perf_counter() - start,
             unwritten=unwritten,
             coverage_checked=checked,

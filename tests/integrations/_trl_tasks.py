@@ -168,6 +168,8 @@ def main(scenario: str, out_path: str) -> None:
         "lora_requests": served,
         "logged_metrics": sorted({k for h in trainer.state.log_history
                                   for k in h if k.startswith("hybridmem/")}),
+        "logged_synced": [h["hybridmem/synced_bytes"] for h in trainer.state.log_history
+                          if "hybridmem/synced_bytes" in h],
     }
     with open(out_path, "w") as f:
         json.dump(result, f)

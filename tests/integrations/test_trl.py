@@ -95,6 +95,18 @@ def test_every_generation_ran_with_the_training_state_offloaded_and_every_switch
     assert {"hybridmem/to_infer_s", "hybridmem/offloaded_bytes"} <= set(result["logged_metrics"])
 
 
+def test_every_generation_wrote_the_whole_model_into_vllm_and_the_logged_metric_says_so(learn):
+    """Without LoRA, every TRAIN->INFER writes every weight into vLLM (vLLM's reload on its CPU build):
+    the bytes are the model's parameters', as transformers' model counts them, in every generation's report
+    and in TRL's logged ``hybridmem/synced_bytes``."""
+    result, _ = learn
+    model_nbytes = result["base_nbytes"]  # every parameter of the (non-LoRA) model, fp32 as vLLM holds it
+    assert model_nbytes == result["trainable_param_nbytes"] > 0
+    assert [g["synced"] for g in result["generations"]] == [model_nbytes] * 8, result["generations"]
+    assert result["logged_synced"] and all(v == model_nbytes for v in result["logged_synced"]), \
+        result["logged_synced"]
+
+
 def test_trls_vllm_range_warning_is_printed_once_in_a_whole_run(learn):
     # Five TRL modules warn at import and TRL's LLM build warns again; hybridmem lets one through.
     release = tuple(int(x) for x in vllm.__version__.split("+")[0].split(".")[:2])

@@ -116,6 +116,32 @@ def test_a_training_state_larger_than_the_device_is_said_so():
     assert out.returncode == 1, out.stdout[-2000:]
     assert f"the training state alone needs {expected / 1e9:.1f} GB of 24.0 GB" in out.stdout, \
         (expected, out.stdout[-800:])
+    assert "engine's weights" not in out.stdout  # half of the bf16 weights per rank fit: 7.6 GB
+    # vLLM TP1 replicas: every rank's engine holds all the weights in bf16, which a 12 GB device cannot hold
+    # either; the advice names both.
+    weights = (split + norms) * 2
+    out = _plan(*QWEN25_7B, "--world", "8", "--train", "2/1/1", "--infer", "1/1/1",
+                "--device-memory-gb", "12")
+    assert out.returncode == 1, out.stdout[-2000:]
+    line = next(x for x in out.stdout.splitlines() if "would fit with" in x)
+    assert (f"the training state alone needs {expected / 1e9:.1f} GB of 12.0 GB on rank 0, and the engine's "
+            f"weights alone need {weights / 1e9:.1f} GB of 12.0 GB on rank 0; use more ranks or more "
+            "training parallelism, and a larger inference tp/ep") in " ".join(out.stdout.split()), \
+        (weights, line)
+
+
+def test_engine_weights_larger_than_the_device_are_said_so():
+    """FSDP2 over 8 ranks holds an eighth of the model per rank (bf16 weights, grads and AdamW's two moments:
+    7.6 GB), but each vLLM TP1 replica holds the whole model in bf16: no offload, bucket or KV cache helps."""
+    h, f, v, kv, layers = 3584, 18944, 152064, 512, 28
+    elements = 2 * v * h + layers * (2 * h * h + h + 2 * (kv * h + kv) + 3 * h * f) + (2 * layers + 1) * h
+    weights = 2 * elements
+    out = _plan(*QWEN25_7B, "--world", "8", "--train", "fsdp2", "--infer", "1/1/1",
+                "--device-memory-gb", "12")
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert (f"would fit with: none: the engine's weights alone need {weights / 1e9:.1f} GB of 12.0 GB on "
+            "rank 0; use more ranks or a larger inference tp/ep") in " ".join(out.stdout.split()), \
+        out.stdout[-800:]
 
 
 def test_the_table_json_and_plot(tmp_path):
@@ -137,10 +163,27 @@ def test_the_table_json_and_plot(tmp_path):
     (["--train", "2x1"], "--train='2x1': expected tp/pp/ep"),
     (["--offload", "params"], "--offload 'params': unknown ['params']"),
     (["--train", "fsdp2", "--train-stages", "14,14"], "--train-stages is for a Megatron training layout"),
+    # The command line's own words, not the Python API's (MegatronConvention(stage_layers=...)).
+    (["--train", "1/8/1"], "--train 1/8/1: pp=8 does not divide the model's 28 layers; give each pipeline "
+                           "stage's layer count, first to last, with --train-stages (e.g. --train-stages "
+                           "3,3,3,4,4,4,4,3)"),
+    (["--train", "1/8/1", "--train-stages", "4,4,4"],
+     "--train-stages 4,4,4: expected pp=8 positive layer counts (--train 1/8/1) summing to the model's 28 "
+     "layers"),
+    (["--train", "1/2/1", "--train-stages", "14;14"],
+     "--train-stages '14;14': expected comma-separated layer counts (e.g. --train-stages 14,14)"),
 ])
 def test_bad_options_are_named(args, message):
     out = _plan(*QWEN25_7B, "--world", "8", *args)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_the_accelerator_option_says_what_it_sets_and_its_default():
+    out = subprocess.run([sys.executable, "-m", "hybridmem", "plan", "--help"], capture_output=True,
+                         text=True, timeout=300)
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0 and "--accelerator {910b,gb200,gb300,h100,h200}" in text, out.stdout
+    assert "the preset of device memory, bandwidths, devices and host memory per node (default h100;" in text
 
 
 def _pow2(nbytes: int) -> int:

@@ -6,14 +6,18 @@ its own process) after a random delay. Whatever moment the signal lands
 at, the phase after the switch is TRAIN and the training state is bitwise what it was; the
 ``KeyboardInterrupt`` comes out of the switch (not from inside a step). A second script checks SIGTERM
 with a handler of the program's own (a graceful-shutdown flag): the switch is stopped, rolled back,
-and the handler runs once.
+and the handler runs once. A user's loop stopped with Ctrl-C in either switch (``_interrupted_program.py``)
+ends in the interrupt's traceback, under one line saying what became of the switch and the training state.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +144,37 @@ def test_sigterm_with_a_program_handler_stops_the_switch_and_runs_the_handler_on
     assert "SwitchError (between steps) TRAIN" in out, out
     assert "handler calls [15]" in out, out
     assert "state intact" in out, out
+
+
+INTERRUPTED = Path(__file__).with_name("_interrupted_program.py")
+SAID = {
+    "to_infer": "hybridmem: Ctrl-C (SIGINT) during the switch to INFER: it was rolled back; phase TRAIN, the "
+                "training state is intact on the device",
+    "to_train": "hybridmem: Ctrl-C (SIGINT) during the switch to TRAIN: it finished first; phase TRAIN, the "
+                "training state is intact on the device",
+}
+
+
+@pytest.mark.parametrize("during", ["to_infer", "to_train"])
+def test_ctrl_c_during_a_switch_says_in_one_line_what_became_of_it_before_the_traceback(during):
+    """A user's training loop, its own process, Ctrl-C (SIGINT to it) while a switch runs: it ends with the
+    interrupt's traceback and exit status, and the one line above the traceback says the switch was rolled
+    back (or finished) and the training state is intact, which the program then checks bit for bit."""
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen([sys.executable, str(INTERRUPTED), during], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root},
+                            # Python's own SIGINT handling, even under a runner that ignores SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.readline() == "switching\n", proc.stderr.read()[-3000:]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, err[-3000:])
+    lines = err.splitlines()
+    assert [line for line in lines if line.startswith("hybridmem:")] == [SAID[during]], err[-3000:]
+    assert lines.index(SAID[during]) < lines.index("Traceback (most recent call last):"), err[-3000:]
+    assert lines[-1] == "KeyboardInterrupt", err[-3000:]
+    assert ("after Ctrl-C: phase TRAIN, training state bitwise as before the switch, the next switch went "
+            "through") in out, (out, err[-3000:])

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridmem import ConfigError, HybridConfig, ShardingManager
+from hybridmem import ConfigError, HybridConfig, ParallelLayout, ShardingManager
 from hybridmem.contract.training import TrainingCapabilities
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine, TorchCopyEngine
 from hybridmem.engines.nn.config import hf_config_dict
@@ -122,6 +122,30 @@ def test_transformers_names_get_the_replicated_hf_source():
     sync.sync()
     stats = sync.sync()
     assert stats.received_nbytes == 0 and stats.num_tensors == len(list(engine.named_parameters()))
+    # One rank: nothing is received, yet every byte of the weights was written into the engine (its
+    # padding rows aside).
+    full = init_hf_weights(CFG, seed=3, dtype=torch.float32)
+    assert stats.engine_nbytes == sum(t.numel() * t.element_size() for t in full.values())
+
+
+class _StreamLoader:
+    """An engine that takes full HF tensors through ``load_weights`` only, counting their bytes."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def load_weights(self, weights) -> None:
+        for _, tensor in weights:
+            self.nbytes += tensor.numel() * tensor.element_size()
+
+
+def test_a_streamed_sync_on_one_rank_says_how_many_bytes_reached_the_engine():
+    full = init_hf_weights(CFG, seed=3, dtype=torch.float32)
+    engine = _StreamLoader()
+    sync = ReshardSync(CFG, ParallelLayout(), ParallelLayout(), None, lambda: full, engine)
+    stats = sync.sync()
+    assert stats.received_nbytes == 0
+    assert stats.engine_nbytes == engine.nbytes == sum(t.numel() * t.element_size() for t in full.values())
 
 
 def test_transformers_names_with_a_tensor_parallel_train_layout_are_refused():

@@ -116,6 +116,9 @@ def run_rank(cfg: DemoConfig, *, on_iteration: Any = None) -> list[IterationStat
     """
     rank = GRPORank(cfg)
     try:
+        # The ranks end their setup at different moments (model, engine, manager); without this the first
+        # switch's time would include the wait for the slowest rank inside the weight sync's collectives.
+        dist.barrier()
         stats = []
         for it in range(cfg.iters):
             stats.append(_iteration(rank, it))
