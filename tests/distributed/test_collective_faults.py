@@ -33,9 +33,10 @@ n-th call where it makes one). For each point the test checks, on every rank:
 A failure after the weight sync on one rank (its KV cache cannot be resumed) makes it vote no: the others
 roll back at once with ``PeerAbortError`` naming it, and the group stays usable.
 
-CI injects at a deterministic sample: the first and last call of each kind on every rank at
-once, and the first and last on one rank, the ranks taking turns from kind to kind (a one-rank point
-waits for the whole deadline). ``HYBRIDMEM_FAULTS_FULL=1``
+CI injects at a deterministic sample: one call of each kind on every rank at once, and one on one
+rank, the ranks taking turns from kind to kind; the call is the first of every other kind in their sorted
+order and the last of the rest, so both ends are in the sample (a one-rank point waits for the whole
+deadline). ``HYBRIDMEM_FAULTS_FULL=1``
 injects at every point: every call of every kind on every rank, and every n on all ranks.
 ``python tests/distributed/test_collective_faults.py`` prints the dry run and the number of points;
 with ``--full`` it injects at all of them (``--full one-rank`` or ``--full every-rank``: one set), and
@@ -84,19 +85,21 @@ ROUNDS_PER_TASK = 24
 COMMON = {"deadline_s": DEADLINE_S, "bucket_bytes": BUCKET_BYTES}
 
 
-def _spread(count: int) -> list[int]:
-    """The calls of a kind a sample injects at, of ``count`` (1-based): first and last; all when FULL."""
+def _spread(count: int, k: int) -> list[int]:
+    """The calls of the ``k``-th kind a sample injects at, of ``count`` (1-based): the first for even ``k``,
+    the last for odd ``k`` (so the sample holds first and last calls, each a round, the one-rank rounds
+    waiting out the deadline); all when FULL."""
     if FULL:
         return list(range(1, count + 1))
-    return sorted({1, count} - {0})
+    return [1 if k % 2 == 0 else count] if count else []
 
 
 def every_rank_points(counts: list[dict[str, int]]) -> list[Point]:
     """Points at which every rank faults at its own n-th call of a kind (n up to the most calls of any
     rank)."""
     kinds = sorted(set().union(*counts))
-    return [(ALL_RANKS, kind, n) for kind in kinds
-            for n in _spread(max(c.get(kind, 0) for c in counts))]
+    return [(ALL_RANKS, kind, n) for k, kind in enumerate(kinds)
+            for n in _spread(max(c.get(kind, 0) for c in counts), k)]
 
 
 def one_rank_points(counts: list[dict[str, int]]) -> list[Point]:
@@ -108,7 +111,7 @@ def one_rank_points(counts: list[dict[str, int]]) -> list[Point]:
         ranks = range(WORLD) if FULL else [next(r % WORLD for r in range(k, k + WORLD)
                                                 if counts[r % WORLD].get(kind))]
         points += [(rank, kind, n)
-                   for rank in ranks for n in _spread(counts[rank].get(kind, 0))]
+                   for rank in ranks for n in _spread(counts[rank].get(kind, 0), k)]
     return points
 
 

@@ -90,7 +90,7 @@ def _pairs_by_layout(case, hf_dst: bool):
     return megatron_layout(spec, src, world, **conv), destination
 
 
-@settings(max_examples=60 if TESTS_FULL else 20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60 if TESTS_FULL else 10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(dense_case(), moe_case(), deepseek_case()), st.booleans(), st.sampled_from([2, 4]),
        st.integers(2, 512))
 def test_each_ranks_share_equals_its_part_of_the_whole_plan(case, hf_dst, itemsize, bucket_elems):
