@@ -11,10 +11,6 @@ the plan code).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import pytest
 import torch
 
@@ -36,14 +32,7 @@ the head (128 x 16: 8 KiB, no padding rows: each one training tensor as it lies)
 (96 x 16: 6 KiB, two training tensors)."""
 
 
-@pytest.fixture
-def directory():
-    path = tempfile.mkdtemp(prefix="packing-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(directory):
+def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(shm_directory):
     full = random_full(SPEC, seed=3)
     src = megatron_shard(full, SPEC, tp=1, pp=1, ep=1, world=1, rank=0)
     want = vllm_shard(full, SPEC, tp=1, pp=1, ep=1, world=1, rank=0)
@@ -51,7 +40,8 @@ def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(d
                       itemsize=4, bucket_nbytes=1 << 20, rank=0)
     layout = {name: (tuple(t.shape), t.dtype) for name, t in want.items()}
     dest = {name: torch.full(shape, -7.0, dtype=dtype) for name, (shape, dtype) in layout.items()}
-    transport = start_transport(directory, layout, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES, wait_s=WAIT_S)
+    transport = start_transport(shm_directory, layout, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES,
+                                wait_s=WAIT_S)
     buckets, raised = transport.buckets, transport.raised
     try:
         conn = transport.listener.accept(timeout_s=WAIT_S)
@@ -78,10 +68,11 @@ def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(d
     assert lent == {"model.embed_tokens.weight", "lm_head.weight"}
 
 
-def test_a_reserved_tensor_must_be_the_next_one_given(directory):
+def test_a_reserved_tensor_must_be_the_next_one_given(shm_directory):
     layout = {"a": ((8,), torch.float32), "b": ((8,), torch.float32)}
     dest = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
-    transport = start_transport(directory, layout, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES, wait_s=WAIT_S)
+    transport = start_transport(shm_directory, layout, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES,
+                                wait_s=WAIT_S)
     try:
         conn = transport.listener.accept(timeout_s=WAIT_S)
         writer = BucketWriter(transport.buckets, conn, layout, run=RUN, checksum=None, ack_timeout_s=WAIT_S)

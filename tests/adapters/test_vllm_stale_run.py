@@ -10,10 +10,6 @@ channel are still there would.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import pytest
 import torch
 
@@ -30,17 +26,11 @@ BUCKET_NBYTES = 4096
 WAIT_S = 10.0
 
 
-@pytest.fixture
-def directory():
-    path = tempfile.mkdtemp(prefix="stale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_a_bucket_message_of_a_previous_run_is_refused_naming_both_runs_and_nothing_is_written(directory):
+def test_a_bucket_message_of_a_previous_run_is_refused_naming_both_runs_and_nothing_is_written(shm_directory):
     # The worker's tensors before the update: 7.0 everywhere, written out here, not read back from anything.
     dest = {name: torch.full(shape, 7.0, dtype=dtype) for name, (shape, dtype) in LAYOUT.items()}
-    transport = start_transport(directory, LAYOUT, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES, wait_s=WAIT_S)
+    transport = start_transport(shm_directory, LAYOUT, dest, run=RUN, bucket_nbytes=BUCKET_NBYTES,
+                                wait_s=WAIT_S)
     update, thread, raised = transport.update, transport.thread, transport.raised
     try:
         conn = transport.listener.accept(timeout_s=WAIT_S)
