@@ -1,0 +1,197 @@
+"""A trainer in bf16/fp32 switched into an engine that serves the model in FP8 with 128x128 block scales
+([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`).
+
+The engine is a stand-in that holds a Qwen3 as vLLM's classes built with ``quantization="fp8"`` hold it: each
+quantized linear weight ``float8_e4m3fn`` beside its float32 ``weight_scale_inv``, the rest bf16; it takes its
+layout as a stream and refuses a tensor of another name, shape or dtype. After every training step the switch
+must leave it holding, bit for bit, what vLLM's own quantizer (``per_block_cast_to_fp8``, its eager body, as
+tests/reshard/test_vllm_fp8.py runs it) makes of the full training weights, fused and cut by hand; the switch
+report counts the FP8 bytes it handed. vLLM's own FP8 classes loading such shards at TP 1/2/4 and PP 2 are
+tests/reshard/test_vllm_fp8.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmem import HybridConfig, ShardingManager
+from hybridmem.config import ParallelLayout
+from hybridmem.contract.engine import EngineCapabilities
+from hybridmem.reshard import ModelSpec, vllm_layout
+from hybridmem.reshard.conventions import VLLMConvention
+from hybridmem.weight_sync import ReshardRoute, ReshardSync
+from hybridmem.weight_sync.fp8 import Fp8Target
+
+transformers = pytest.importorskip("transformers")
+
+FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
+              num_hidden_layers=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+BATCH = torch.tensor([[3, 17, 42, 99, 5, 8], [1, 2, 3, 4, 5, 6]])
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+         "mlp.down_proj": ("mlp.down_proj",)}
+"""vLLM's fused Qwen3 linear layers and the checkpoint weights each is made of, in order."""
+NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+
+
+def _vllm_quantizer():
+    pytest.importorskip("vllm")
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    return per_block_cast_to_fp8._torchdynamo_orig_callable
+
+
+def _cut(t: torch.Tensor, axis: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``tp`` equal parts of ``t`` along ``axis``."""
+    n = t.shape[axis] // tp
+    return t.narrow(axis, rank * n, n)
+
+
+def _reference(full: dict[str, torch.Tensor], *, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
+    """What vLLM's Qwen3 at TP ``tp`` (vocab 256, no padding; kv heads 2, so none replicated at TP <= 2) holds
+    on ``rank`` from the FP8 checkpoint vLLM's quantizer makes of ``full``: each part of a fused layer quantized
+    whole, cut (rows of column-parallel layers, columns of o_proj and down_proj; scales by 128-blocks) and
+    concatenated; the rest bf16."""
+    quantize = _vllm_quantizer()
+    bf16 = lambda name: full[name].to(torch.bfloat16)  # noqa: E731
+    out = {"model.embed_tokens.weight": _cut(bf16("model.embed_tokens.weight"), 0, rank, tp)}
+    for i in range(CONFIG["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for fused, parts in FUSED.items():
+            axis = 1 if fused in ("self_attn.o_proj", "mlp.down_proj") else 0
+            weights, scales = zip(*(quantize(full[f"{p}{part}.weight"], [128, 128]) for part in parts))
+            out[f"{p}{fused}.weight"] = torch.cat([_cut(w.view(torch.uint8), axis, rank, tp) for w in weights],
+                                                  dim=0).view(torch.float8_e4m3fn)
+            out[f"{p}{fused}.weight_scale_inv"] = torch.cat([_cut(s, axis, rank, tp) for s in scales], dim=0)
+        out.update((f"{p}{n}.weight", bf16(f"{p}{n}.weight")) for n in NORMS)
+    out["model.norm.weight"] = bf16("model.norm.weight")
+    out["lm_head.weight"] = _cut(bf16("lm_head.weight"), 0, rank, tp)
+    return out
+
+
+class _Fp8Engine:
+    """Holds the reference's tensors (names, shapes, dtypes) as vLLM's FP8 Qwen3 at TP 1 does, and copies into
+    them what its layout stream gives; a tensor it does not hold, or of another shape or dtype, fails."""
+
+    capabilities = EngineCapabilities(streams_layout=True, reports_weight_coverage=True,
+                                      describes_weights=True, reports_layout=True, reports_quantization=True)
+    parallel_layout = ParallelLayout()
+    dtype = torch.bfloat16
+    vocab_size = CONFIG["vocab_size"]
+
+    def __init__(self, like: dict[str, torch.Tensor], quantization_config=FP8):
+        self.params = {n: torch.zeros_like(t) for n, t in like.items()}
+        self.quantization_config = quantization_config
+        self.written: set[str] = set()
+
+    def load_layout_weights(self, weights):
+        for name, tensor in weights:
+            held = self.params[name]
+            assert name not in self.written, name
+            assert (tensor.shape, tensor.dtype) == (held.shape, held.dtype), (name, tensor.shape, tensor.dtype)
+            held.copy_(tensor)
+            self.written.add(name)
+
+    def unwritten_weights(self) -> list[str]:
+        return [n for n in self.params if n not in self.written]
+
+    def load_weights(self, weights):
+        raise AssertionError("an engine that streams its own layout is not handed HF tensors")
+
+    def release(self, tags):
+        if "weights" in tags:
+            self.written = set()
+
+    def resume(self, tags):
+        if "weights" in tags:
+            self.written = set()
+
+
+def _model(dtype: torch.dtype):
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**CONFIG)
+    return transformers.Qwen3ForCausalLM(config).to(dtype), config
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if want.dtype == torch.float8_e4m3fn:
+        return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    return got.dtype == want.dtype and torch.equal(got, want)
+
+
+# The FP8 bytes the engine is handed, from the shapes (hidden 256, q 4x128, kv 2x128, MLP 512, vocab 256):
+# per layer the e4m3 weights (one byte an element) of qkv [1024, 256], o [256, 512], gate_up [1024, 256] and
+# down [256, 512], their float32 scales (four bytes a 128x128 block: 8x2, 2x4, 8x2, 2x4), and four bf16
+# norms (256, 256, 128, 128); then bf16 embedding and head [256, 256] and the final norm.
+LAYER_NBYTES = (1024 * 256 + 256 * 512 + 1024 * 256 + 256 * 512) + 4 * (16 + 8 + 16 + 8) + 2 * (256 * 2 + 128 * 2)
+ENGINE_NBYTES = 2 * LAYER_NBYTES + 2 * (256 * 256) * 2 + 2 * 256
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dtype):
+    model, _ = _model(dtype)
+    engine = _Fp8Engine(_reference(_full(model)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"))
+    sync = manager.weight_sync
+    assert isinstance(sync, ReshardSync) and sync.route is ReshardRoute.LAYOUT_STREAM and sync.fp8 is not None
+    for step in range(2):
+        model.train()
+        model(BATCH, labels=BATCH).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = _reference(_full(model))
+        report = manager.to_infer()
+        assert engine.params.keys() == want.keys() and not engine.unwritten_weights()
+        wrong = [n for n, t in want.items() if not _same(engine.params[n], t)]
+        assert not wrong, (step, wrong)
+        synced = next(s for s in report.steps if s.name == "weight sync").extra
+        assert synced["engine_nbytes"] == ENGINE_NBYTES == 1_838_976
+        assert synced["num_tensors"] == len(want) == 3 + 2 * 12 and synced["coverage_checked"] is True
+        assert synced["note"].startswith("weights quantized: trainer -> engine float8_e4m3fn, 128x128 block")
+        # an fp32 trainer's unquantized tensors reach the bf16 engine cast, and the note says so
+        assert ("trainer float32 -> engine bfloat16" in synced["note"]) == (dtype == torch.float32)
+        manager.to_train()
+    manager.close()
+
+
+def test_a_rank_of_a_tp2_engine_gets_its_hand_cut_fp8_shard():
+    """The quantize-and-cut part on rank 1 of TP 2 (each rank's shard of every weight is whole blocks): from
+    the stage's full tensors, the rank's tensors equal vLLM's quantizer's full tensors cut by hand."""
+    model, config = _model(torch.bfloat16)
+    full = _full(model)
+    spec = ModelSpec.from_hf_config(config)
+    layout = vllm_layout(spec, ParallelLayout(tp=2), 2, convention=VLLMConvention(weight_block_size=(128, 128)))
+    got = dict(Fp8Target(layout, 1, torch.bfloat16).stream(iter(full.items())))
+    want = _reference(full, rank=1, tp=2)
+    assert got.keys() == want.keys()
+    assert not [n for n, t in want.items() if not _same(got[n], t)]
+
+
+def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
+    model, _ = _model(torch.bfloat16)
+    like = _reference(_full(model))
+    build = lambda m, e: ShardingManager(m, e, config=HybridConfig(device="cpu"))  # noqa: E731
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        build(model, _Fp8Engine(like, {"quant_method": "awq"}))
+    with pytest.raises(ValueError, match=r"weight_block_size=\[64, 64\]"):
+        build(model, _Fp8Engine(like, dict(FP8, weight_block_size=[64, 64])))
+    with pytest.raises(ValueError, match=r"training dtype torch.float64: _Fp8Engine serves FP8.*quantizer takes"):
+        build(model.to(torch.float64), _Fp8Engine(like))
+    in_place = _Fp8Engine(like)
+    in_place.capabilities = EngineCapabilities(writes_in_place=True, reports_quantization=True)
+    in_place.named_parameters = lambda: iter(())
+    with pytest.raises(ValueError, match="serves FP8 with 128x128 blocks but takes its weights written in "
+                                         "place.*must take its own layout as a stream"):
+        build(model.to(torch.bfloat16), in_place)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=512,
+        num_hidden_layers=1, vocab_size=256, max_position_embeddings=64))
+    with pytest.raises(ValueError, match="family='llama': no FP8 layout"):
+        build(llama, _Fp8Engine(like))
