@@ -292,8 +292,8 @@ class ReshardSync(WeightSync):
         expected = self.plan.dst.tensors(self.rank)
         handed = [0]
         fp8 = self.fp8
-        if fp8 is not None:  # full tensors, quantized and cut here ([Note: fp8 sync])
-            target = None
+        if fp8 is not None:  # full tensors, quantized and cut here
+            target = None  # ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`)
 
         def planned() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,

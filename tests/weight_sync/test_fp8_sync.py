@@ -26,8 +26,9 @@ from hybridmem.weight_sync.fp8 import Fp8Target
 transformers = pytest.importorskip("transformers")
 
 FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
-              num_hidden_layers=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+              intermediate_size=512, num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
+              tie_word_embeddings=False)
 BATCH = torch.tensor([[3, 17, 42, 99, 5, 8], [1, 2, 3, 4, 5, 6]])
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -50,10 +51,10 @@ def _cut(t: torch.Tensor, axis: int, rank: int, tp: int) -> torch.Tensor:
 
 
 def _reference(full: dict[str, torch.Tensor], *, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
-    """What vLLM's Qwen3 at TP ``tp`` (vocab 256, no padding; kv heads 2, so none replicated at TP <= 2) holds
-    on ``rank`` from the FP8 checkpoint vLLM's quantizer makes of ``full``: each part of a fused layer quantized
-    whole, cut (rows of column-parallel layers, columns of o_proj and down_proj; scales by 128-blocks) and
-    concatenated; the rest bf16."""
+    """What vLLM's Qwen3 at TP ``tp`` (vocab 256, no padding; kv heads 2, so none replicated at TP <= 2)
+    holds on ``rank`` from the FP8 checkpoint vLLM's quantizer makes of ``full``: each part of a fused layer
+    quantized whole, cut (rows of column-parallel layers, columns of o_proj and down_proj; scales by
+    128-blocks) and concatenated; the rest bf16."""
     quantize = _vllm_quantizer()
     bf16 = lambda name: full[name].to(torch.bfloat16)  # noqa: E731
     out = {"model.embed_tokens.weight": _cut(bf16("model.embed_tokens.weight"), 0, rank, tp)}
@@ -62,8 +63,8 @@ def _reference(full: dict[str, torch.Tensor], *, rank: int = 0, tp: int = 1) -> 
         for fused, parts in FUSED.items():
             axis = 1 if fused in ("self_attn.o_proj", "mlp.down_proj") else 0
             weights, scales = zip(*(quantize(full[f"{p}{part}.weight"], [128, 128]) for part in parts))
-            out[f"{p}{fused}.weight"] = torch.cat([_cut(w.view(torch.uint8), axis, rank, tp) for w in weights],
-                                                  dim=0).view(torch.float8_e4m3fn)
+            cut = [_cut(w.view(torch.uint8), axis, rank, tp) for w in weights]
+            out[f"{p}{fused}.weight"] = torch.cat(cut, dim=0).view(torch.float8_e4m3fn)
             out[f"{p}{fused}.weight_scale_inv"] = torch.cat([_cut(s, axis, rank, tp) for s in scales], dim=0)
         out.update((f"{p}{n}.weight", bf16(f"{p}{n}.weight")) for n in NORMS)
     out["model.norm.weight"] = bf16("model.norm.weight")
@@ -90,7 +91,7 @@ class _Fp8Engine:
         for name, tensor in weights:
             held = self.params[name]
             assert name not in self.written, name
-            assert (tensor.shape, tensor.dtype) == (held.shape, held.dtype), (name, tensor.shape, tensor.dtype)
+            assert (tensor.shape, tensor.dtype) == (held.shape, held.dtype), (name, tensor.dtype)
             held.copy_(tensor)
             self.written.add(name)
 
@@ -129,7 +130,8 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
 # per layer the e4m3 weights (one byte an element) of qkv [1024, 256], o [256, 512], gate_up [1024, 256] and
 # down [256, 512], their float32 scales (four bytes a 128x128 block: 8x2, 2x4, 8x2, 2x4), and four bf16
 # norms (256, 256, 128, 128); then bf16 embedding and head [256, 256] and the final norm.
-LAYER_NBYTES = (1024 * 256 + 256 * 512 + 1024 * 256 + 256 * 512) + 4 * (16 + 8 + 16 + 8) + 2 * (256 * 2 + 128 * 2)
+LAYER_NBYTES = ((1024 * 256 + 256 * 512 + 1024 * 256 + 256 * 512) + 4 * (16 + 8 + 16 + 8)
+                + 2 * (256 * 2 + 128 * 2))
 ENGINE_NBYTES = 2 * LAYER_NBYTES + 2 * (256 * 256) * 2 + 2 * 256
 
 
@@ -167,7 +169,8 @@ def test_a_rank_of_a_tp2_engine_gets_its_hand_cut_fp8_shard():
     model, config = _model(torch.bfloat16)
     full = _full(model)
     spec = ModelSpec.from_hf_config(config)
-    layout = vllm_layout(spec, ParallelLayout(tp=2), 2, convention=VLLMConvention(weight_block_size=(128, 128)))
+    fp8 = VLLMConvention(weight_block_size=(128, 128))
+    layout = vllm_layout(spec, ParallelLayout(tp=2), 2, convention=fp8)
     got = dict(Fp8Target(layout, 1, torch.bfloat16).stream(iter(full.items())))
     want = _reference(full, rank=1, tp=2)
     assert got.keys() == want.keys()
@@ -182,7 +185,7 @@ def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
         build(model, _Fp8Engine(like, {"quant_method": "awq"}))
     with pytest.raises(ValueError, match=r"weight_block_size=\[64, 64\]"):
         build(model, _Fp8Engine(like, dict(FP8, weight_block_size=[64, 64])))
-    with pytest.raises(ValueError, match=r"training dtype torch.float64: _Fp8Engine serves FP8.*quantizer takes"):
+    with pytest.raises(ValueError, match=r"training dtype torch.float64: _Fp8Engine serves FP8.*quantizer"):
         build(model.to(torch.float64), _Fp8Engine(like))
     in_place = _Fp8Engine(like)
     in_place.capabilities = EngineCapabilities(writes_in_place=True, reports_quantization=True)
