@@ -22,92 +22,11 @@ from hybridmem.reshard import ModelSpec, vllm_layout
 from hybridmem.reshard.conventions import VLLMConvention
 from hybridmem.weight_sync import ReshardRoute, ReshardSync
 from hybridmem.weight_sync.fp8 import Fp8Target
+from tests.weight_sync._fp8_engine import CONFIG, FP8, Fp8Engine, reference, same
 
 transformers = pytest.importorskip("transformers")
 
-FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-              intermediate_size=512, num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
-              tie_word_embeddings=False)
 BATCH = torch.tensor([[3, 17, 42, 99, 5, 8], [1, 2, 3, 4, 5, 6]])
-FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-         "mlp.down_proj": ("mlp.down_proj",)}
-"""vLLM's fused Qwen3 linear layers and the checkpoint weights each is made of, in order."""
-NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
-
-
-def _vllm_quantizer():
-    pytest.importorskip("vllm")
-    from vllm.utils.deep_gemm import per_block_cast_to_fp8
-
-    return per_block_cast_to_fp8._torchdynamo_orig_callable
-
-
-def _cut(t: torch.Tensor, axis: int, rank: int, tp: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``tp`` equal parts of ``t`` along ``axis``."""
-    n = t.shape[axis] // tp
-    return t.narrow(axis, rank * n, n)
-
-
-def _reference(full: dict[str, torch.Tensor], *, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
-    """What vLLM's Qwen3 at TP ``tp`` (vocab 256, no padding; kv heads 2, so none replicated at TP <= 2)
-    holds on ``rank`` from the FP8 checkpoint vLLM's quantizer makes of ``full``: each part of a fused layer
-    quantized whole, cut (rows of column-parallel layers, columns of o_proj and down_proj; scales by
-    128-blocks) and concatenated; the rest bf16."""
-    quantize = _vllm_quantizer()
-    bf16 = lambda name: full[name].to(torch.bfloat16)  # noqa: E731
-    out = {"model.embed_tokens.weight": _cut(bf16("model.embed_tokens.weight"), 0, rank, tp)}
-    for i in range(CONFIG["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        for fused, parts in FUSED.items():
-            axis = 1 if fused in ("self_attn.o_proj", "mlp.down_proj") else 0
-            weights, scales = zip(*(quantize(full[f"{p}{part}.weight"], [128, 128]) for part in parts))
-            cut = [_cut(w.view(torch.uint8), axis, rank, tp) for w in weights]
-            out[f"{p}{fused}.weight"] = torch.cat(cut, dim=0).view(torch.float8_e4m3fn)
-            out[f"{p}{fused}.weight_scale_inv"] = torch.cat([_cut(s, axis, rank, tp) for s in scales], dim=0)
-        out.update((f"{p}{n}.weight", bf16(f"{p}{n}.weight")) for n in NORMS)
-    out["model.norm.weight"] = bf16("model.norm.weight")
-    out["lm_head.weight"] = _cut(bf16("lm_head.weight"), 0, rank, tp)
-    return out
-
-
-class _Fp8Engine:
-    """Holds the reference's tensors (names, shapes, dtypes) as vLLM's FP8 Qwen3 at TP 1 does, and copies into
-    them what its layout stream gives; a tensor it does not hold, or of another shape or dtype, fails."""
-
-    capabilities = EngineCapabilities(streams_layout=True, reports_weight_coverage=True,
-                                      describes_weights=True, reports_layout=True, reports_quantization=True)
-    parallel_layout = ParallelLayout()
-    dtype = torch.bfloat16
-    vocab_size = CONFIG["vocab_size"]
-
-    def __init__(self, like: dict[str, torch.Tensor], quantization_config=FP8):
-        self.params = {n: torch.zeros_like(t) for n, t in like.items()}
-        self.quantization_config = quantization_config
-        self.written: set[str] = set()
-
-    def load_layout_weights(self, weights):
-        for name, tensor in weights:
-            held = self.params[name]
-            assert name not in self.written, name
-            assert (tensor.shape, tensor.dtype) == (held.shape, held.dtype), (name, tensor.dtype)
-            held.copy_(tensor)
-            self.written.add(name)
-
-    def unwritten_weights(self) -> list[str]:
-        return [n for n in self.params if n not in self.written]
-
-    def load_weights(self, weights):
-        raise AssertionError("an engine that streams its own layout is not handed HF tensors")
-
-    def release(self, tags):
-        if "weights" in tags:
-            self.written = set()
-
-    def resume(self, tags):
-        if "weights" in tags:
-            self.written = set()
 
 
 def _model(dtype: torch.dtype):
@@ -118,12 +37,6 @@ def _model(dtype: torch.dtype):
 
 def _full(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
-    if want.dtype == torch.float8_e4m3fn:
-        return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    return got.dtype == want.dtype and torch.equal(got, want)
 
 
 # The FP8 bytes the engine is handed, from the shapes (hidden 256, q 4x128, kv 2x128, MLP 512, vocab 256):
@@ -138,7 +51,7 @@ ENGINE_NBYTES = 2 * LAYER_NBYTES + 2 * (256 * 256) * 2 + 2 * 256
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dtype):
     model, _ = _model(dtype)
-    engine = _Fp8Engine(_reference(_full(model)))
+    engine = Fp8Engine(reference(_full(model)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"))
     sync = manager.weight_sync
@@ -148,10 +61,10 @@ def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dt
         model(BATCH, labels=BATCH).loss.backward()
         opt.step()
         opt.zero_grad()
-        want = _reference(_full(model))
+        want = reference(_full(model))
         report = manager.to_infer()
         assert engine.params.keys() == want.keys() and not engine.unwritten_weights()
-        wrong = [n for n, t in want.items() if not _same(engine.params[n], t)]
+        wrong = [n for n, t in want.items() if not same(engine.params[n], t)]
         assert not wrong, (step, wrong)
         synced = next(s for s in report.steps if s.name == "weight sync").extra
         assert synced["engine_nbytes"] == ENGINE_NBYTES == 1_838_976
@@ -172,22 +85,22 @@ def test_a_rank_of_a_tp2_engine_gets_its_hand_cut_fp8_shard():
     fp8 = VLLMConvention(weight_block_size=(128, 128))
     layout = vllm_layout(spec, ParallelLayout(tp=2), 2, convention=fp8)
     got = dict(Fp8Target(layout, 1, torch.bfloat16).stream(iter(full.items())))
-    want = _reference(full, rank=1, tp=2)
+    want = reference(full, rank=1, tp=2)
     assert got.keys() == want.keys()
-    assert not [n for n, t in want.items() if not _same(got[n], t)]
+    assert not [n for n, t in want.items() if not same(got[n], t)]
 
 
 def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
     model, _ = _model(torch.bfloat16)
-    like = _reference(_full(model))
+    like = reference(_full(model))
     build = lambda m, e: ShardingManager(m, e, config=HybridConfig(device="cpu"))  # noqa: E731
     with pytest.raises(ValueError, match="quant_method='awq'"):
-        build(model, _Fp8Engine(like, {"quant_method": "awq"}))
+        build(model, Fp8Engine(like, {"quant_method": "awq"}))
     with pytest.raises(ValueError, match=r"weight_block_size=\[64, 64\]"):
-        build(model, _Fp8Engine(like, dict(FP8, weight_block_size=[64, 64])))
-    with pytest.raises(ValueError, match=r"training dtype torch.float64: _Fp8Engine serves FP8.*quantizer"):
-        build(model.to(torch.float64), _Fp8Engine(like))
-    in_place = _Fp8Engine(like)
+        build(model, Fp8Engine(like, dict(FP8, weight_block_size=[64, 64])))
+    with pytest.raises(ValueError, match=r"training dtype torch.float64: Fp8Engine serves FP8.*quantizer"):
+        build(model.to(torch.float64), Fp8Engine(like))
+    in_place = Fp8Engine(like)
     in_place.capabilities = EngineCapabilities(writes_in_place=True, reports_quantization=True)
     in_place.named_parameters = lambda: iter(())
     with pytest.raises(ValueError, match="serves FP8 with 128x128 blocks but takes its weights written in "
@@ -197,4 +110,4 @@ def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
         hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=512,
         num_hidden_layers=1, vocab_size=256, max_position_embeddings=64))
     with pytest.raises(ValueError, match="family='llama': no FP8 layout"):
-        build(llama, _Fp8Engine(like))
+        build(llama, Fp8Engine(like))
