@@ -53,7 +53,9 @@ def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dt
     model, _ = _model(dtype)
     engine = Fp8Engine(reference(_full(model)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"))
+    # the fp32 run also compares the plan's per-slice checksums (verify_weight_sync)
+    config = HybridConfig(device="cpu", verify_weight_sync=dtype == torch.float32)
+    manager = ShardingManager(model, engine, optimizer=opt, config=config)
     sync = manager.weight_sync
     assert isinstance(sync, ReshardSync) and sync.route is ReshardRoute.LAYOUT_STREAM and sync.fp8 is not None
     for step in range(2):
