@@ -72,7 +72,9 @@ SourceFn = Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.T
 
 class ReshardRoute(Enum):
     """How a :class:`ReshardSync` hands the weights to the engine: the first its capabilities allow
-    (:meth:`of`; [Note: engine capabilities] in :mod:`hybridmem.contract.engine`)."""
+    (:meth:`of`; [Note: engine capabilities] in :mod:`hybridmem.contract.engine`); into an FP8 engine, its
+    layout streamed, the only route that carries FP8 ([Note: fp8 sync] in
+    :mod:`hybridmem.weight_sync.fp8`)."""
 
     IN_PLACE = "written in place into the engine's own tensors"
     """``writes_in_place``: the plan's vLLM-layout cells are copied into ``named_parameters()``
@@ -146,6 +148,8 @@ class ReshardSync(WeightSync):
         """How the weights reach the engine."""
         block = engine_block(engine)
         if block is not None:
+            if capabilities_of(engine).streams_layout:  # FP8 blocks are cut from full tensors, never written
+                self.route = ReshardRoute.LAYOUT_STREAM
             if self.route is not ReshardRoute.LAYOUT_STREAM:
                 raise ValueError(
                     f"{type(engine).__name__} serves FP8 with 128x128 blocks but takes its weights "

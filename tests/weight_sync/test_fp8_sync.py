@@ -108,6 +108,12 @@ def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
     with pytest.raises(ValueError, match="serves FP8 with 128x128 blocks but takes its weights written in "
                                          "place.*must take its own layout as a stream"):
         build(model.to(torch.bfloat16), in_place)
+    # an engine that could also be written in place takes FP8 as a stream
+    both = Fp8Engine(like)
+    both.capabilities = EngineCapabilities(writes_in_place=True, streams_layout=True,
+                                           reports_quantization=True)
+    both.named_parameters = lambda: iter(())
+    assert build(model, both).weight_sync.route is ReshardRoute.LAYOUT_STREAM
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=512,
         num_hidden_layers=1, vocab_size=256, max_position_embeddings=64))
