@@ -286,18 +286,17 @@ class ReshardSync(WeightSync):
                 deadline_s: float | None) -> tuple[TransferStats, set[torch.dtype], int]:
         """Stream the plan's complete destination tensors into the engine; returns the figures, the dtypes
         the engine was handed (what it holds, where it does not say; into an FP8 engine, those of the tensors
-        it does not quantize) and the bytes of weight data handed
-        (padding rows aside)."""
+        it does not quantize) and the bytes of weight data handed (padding rows aside)."""
         collected: list[TransferStats] = []
         dtypes: set[torch.dtype] = set()
         layout = self.route is ReshardRoute.LAYOUT_STREAM
-        target = self.engine.layout_target if layout and capabilities_of(self.engine).offers_layout_targets \
-            else None
+        # into an FP8 engine the plan's tensors are full ones, quantized and cut here, never the engine's
+        # ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`)
+        fp8 = self.fp8
+        offers = layout and fp8 is None and capabilities_of(self.engine).offers_layout_targets
+        target = self.engine.layout_target if offers else None
         expected = self.plan.dst.tensors(self.rank)
         handed = [0]
-        fp8 = self.fp8
-        if fp8 is not None:  # full tensors, quantized and cut here
-            target = None  # ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`)
 
         def planned() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,
