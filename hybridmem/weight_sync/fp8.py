@@ -85,10 +85,10 @@ class Fp8Target:
         return _quantized(self.layout.spec)
 
     def stream(self, full: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of every tensor of the rank, in layout order, as each completes: ``full`` (the
-        stage's HF tensors, in any order, each valid until the next is asked for) quantized where vLLM
-        quantizes, and cut; the others cast to :attr:`out_dtype` (a tensor the spec keeps in fp32 stays
-        fp32)."""
+        """``(name, tensor)`` of every tensor of the rank, as each completes: ``full`` (the stage's HF
+        tensors, in any order) quantized where vLLM quantizes, and cut; the others cast to :attr:`out_dtype`
+        (a tensor the spec keeps in fp32 stays fp32). A tensor of ``full`` is kept until every tensor cut from
+        it is made (a fused one waits for its parts), so it must not be a buffer ``full`` reuses."""
         spec = self.layout.spec
         pieceless = {n: self.out_dtype or torch.float32 for n, t in self.layout.tensors(self.rank).items()
                      if not t.pieces}
