@@ -119,3 +119,30 @@ def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
         num_hidden_layers=1, vocab_size=256, max_position_embeddings=64))
     with pytest.raises(ValueError, match="family='llama': no FP8 layout"):
         build(llama, Fp8Engine(like))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_syncs_transient_memory_stays_within_its_estimate(dtype):
+    """What one sync allocates and has not yet freed, measured by torch's profiler (each op's own
+    allocations, then the frees), never exceeds ``temp_nbytes()``, the figure the memory plan reserves; and
+    it holds at least the largest tensor handed (qkv: 1024 x 256 e4m3 bytes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = ModelSpec.from_hf_config(dict(CONFIG, model_type="qwen3"))
+    torch.manual_seed(0)
+    full = {n: torch.randn(shape, dtype=dtype) for n, shape in spec.full_shapes().items()}
+    engine = Fp8Engine(reference(full))
+    sync = ReshardSync(spec, ParallelLayout(), ParallelLayout(), None, lambda: full, engine)
+    engine.resume(["weights"])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        sync.sync()
+    frees = [(e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.name == "[memory]"]
+    allocs = [(e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+              if e.name != "[memory]" and e.self_cpu_memory_usage > 0]
+    changes = sorted(frees + allocs)
+    alive = peak = 0
+    for _, change in changes:
+        alive += change
+        peak = max(peak, alive)
+    assert not engine.unwritten_weights() and alive == 0
+    assert 1024 * 256 <= peak <= sync.temp_nbytes(), (peak, sync.temp_nbytes())
