@@ -6,8 +6,8 @@ quantized linear weight ``float8_e4m3fn`` beside its float32 ``weight_scale_inv`
 layout as a stream and refuses a tensor of another name, shape or dtype. After every training step the switch
 must leave it holding, bit for bit, what vLLM's own quantizer (``per_block_cast_to_fp8``, its eager body, as
 tests/reshard/test_vllm_fp8.py runs it) makes of the full training weights, fused and cut by hand; the switch
-report counts the FP8 bytes it handed. vLLM's own FP8 classes loading such shards at TP 1/2/4 and PP 2 are
-tests/reshard/test_vllm_fp8.py's.
+report counts the FP8 bytes it handed, and the sync's transient memory stays within its estimate. vLLM's own
+FP8 classes loading such shards at TP 1/2/4 and PP 2 are tests/reshard/test_vllm_fp8.py's.
 """
 
 from __future__ import annotations
