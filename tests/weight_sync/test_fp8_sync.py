@@ -22,7 +22,7 @@ from hybridmem.reshard import ModelSpec, vllm_layout
 from hybridmem.reshard.conventions import VLLMConvention
 from hybridmem.weight_sync import ReshardRoute, ReshardSync
 from hybridmem.weight_sync.fp8 import Fp8Target
-from tests.weight_sync._fp8_engine import CONFIG, FP8, Fp8Engine, reference, same
+from tests.weight_sync._fp8_engine import CONFIG, FP8, Fp8Engine, reference, same, vllm_quantizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,3 +146,37 @@ def test_a_syncs_transient_memory_stays_within_its_estimate(dtype):
         peak = max(peak, alive)
     assert not engine.unwritten_weights() and alive == 0
     assert 1024 * 256 <= peak <= sync.temp_nbytes(), (peak, sync.temp_nbytes())
+
+
+def test_a_qwen3_moe_rank_gets_its_experts_stacked_in_fp8_and_its_router_in_bf16():
+    """Rank 1 of a Qwen3-MoE engine at TP 2 with EP 2 (experts 2 and 3, whole): vLLM's fused-MoE tensors
+    are each expert's quantized gate and up rows stacked (w13) and its quantized down (w2), scales alike; the
+    router stays bf16. From bf16 full tensors, by hand with vLLM's quantizer (names of the fused-MoE tensors
+    as vLLM's loaders are checked to take them in tests/reshard/test_vllm_fp8.py)."""
+    quantize = vllm_quantizer()
+    config = dict(CONFIG, model_type="qwen3_moe", num_hidden_layers=1, moe_intermediate_size=256,
+                  num_experts=4, num_experts_per_tok=2)
+    spec = ModelSpec.from_hf_config(config)
+    torch.manual_seed(2)
+    full = {n: torch.randn(s).to(torch.bfloat16) for n, s in spec.full_shapes().items()}
+    layout = vllm_layout(spec, ParallelLayout(tp=2, ep=2), 2,
+                         convention=VLLMConvention(weight_block_size=(128, 128)))
+    got = dict(Fp8Target(layout, 1, torch.bfloat16).stream(iter(full.items())))
+    p = "model.layers.0.mlp."
+    parts = {(e, n): quantize(full[f"{p}experts.{e}.{n}_proj.weight"], [128, 128])
+             for e in (2, 3) for n in ("gate", "up", "down")}
+    want = {
+        "w13_weight": torch.stack([torch.cat([parts[e, "gate"][0].view(torch.uint8),
+                                              parts[e, "up"][0].view(torch.uint8)]) for e in (2, 3)]),
+        "w13_weight_scale_inv": torch.stack([torch.cat([parts[e, "gate"][1], parts[e, "up"][1]])
+                                             for e in (2, 3)]),
+        "w2_weight": torch.stack([parts[e, "down"][0].view(torch.uint8) for e in (2, 3)]),
+        "w2_weight_scale_inv": torch.stack([parts[e, "down"][1] for e in (2, 3)]),
+    }
+    for suffix, tensor in want.items():
+        name = next(n for n in got if n.startswith(p + "experts.") and n.endswith("." + suffix))
+        mine = got[name].view(torch.uint8) if got[name].dtype == torch.float8_e4m3fn else got[name]
+        assert got[name].dtype == (torch.float32 if "scale" in suffix else torch.float8_e4m3fn), name
+        assert torch.equal(mine, tensor), name
+    assert got[p + "gate.weight"].dtype == torch.bfloat16 and torch.equal(got[p + "gate.weight"],
+                                                                          full[p + "gate.weight"])
