@@ -108,6 +108,11 @@ def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
     with pytest.raises(ValueError, match="serves FP8 with 128x128 blocks but takes its weights written in "
                                          "place.*must take its own layout as a stream"):
         build(model.to(torch.bfloat16), in_place)
+    copy = Fp8Engine(like)  # a copy of the training module would be handed its names, unquantized
+    copy.capabilities = EngineCapabilities(loads_training_names=True, reports_quantization=True)
+    with pytest.raises(ValueError, match="Fp8Engine serves FP8 with 128x128 blocks, which only the "
+                                         "resharding sync makes.*the training model's own names"):
+        build(model, copy)
     # an engine that could also be written in place takes FP8 as a stream
     both = Fp8Engine(like)
     both.capabilities = EngineCapabilities(writes_in_place=True, streams_layout=True,
