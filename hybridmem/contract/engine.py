@@ -78,13 +78,14 @@ _METHODS = {
     "describes_decoder": ("spec",),
     "describes_weights": ("vocab_size", "dtype"),
     "reports_model_type": ("model_type",),
+    "reports_quantization": ("quantization_config",),
     "reports_layout": ("parallel_layout",),
     "sizes_kv_by_share": ("gpu_memory_utilization",),
     "holds_buffers": ("buffer_nbytes",),
 }
 """The members each capability promises (methods, or the attributes in :data:`_ATTRIBUTES`)."""
-_ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "parallel_layout",
-                         "gpu_memory_utilization"})
+_ATTRIBUTES = frozenset({"spec", "vocab_size", "dtype", "model_type", "quantization_config",
+                         "parallel_layout", "gpu_memory_utilization"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +137,11 @@ class EngineCapabilities:
     (named when the wire dtype differs)."""
     reports_model_type: bool = False
     """``model_type``: the HF family it serves (a training state that takes the engine's family reads it)."""
+    reports_quantization: bool = False
+    """``quantization_config``: how it holds its weights, as an HF config's ``quantization_config`` (a
+    dict; ``None``: unquantized, in ``dtype``). A resharding sync into an engine that reports FP8 with
+    128x128 blocks hands it quantized weights with their scales ([Note: fp8 sync] in
+    :mod:`hybridmem.weight_sync.fp8`); any other quantization is refused when the manager is built."""
     reports_layout: bool = False
     """``parallel_layout``: the TP/PP/EP it runs at (unset layout keys of the config are read from it)."""
     sizes_kv_by_share: bool = False

@@ -20,7 +20,9 @@ sent and received, peers (same node or not), largest staging buffer. What the st
   AdamW's two moments in the parameter dtype, shaped like the rank's shard (not padded), plus a 4-byte
   step per tensor;
 - engine weights: the destination layout's tensors of the rank (padding rows included), in the
-  inference dtype (a tensor the model keeps in fp32 counted in fp32);
+  inference dtype (a tensor the model keeps in fp32 counted in fp32); an FP8 engine (``infer_fp8``, the
+  FP8 vLLM layout, [Note: fp8 block layout] in :mod:`hybridmem.reshard.fp8`): one byte a quantized weight
+  element and four a 128x128 block's scale, the tensors vLLM does not quantize in the inference dtype;
 - KV cache: given, or vLLM's rule: ``gpu_memory_utilization`` of the device minus the engine weights;
 - an engine in its own process (``engine_process``, vLLM's ``AsyncLLM`` or ``vllm serve`` with hybridmem's
   bucket transport): its :data:`~hybridmem.contract.buckets.NUM_BUCKETS` transfer buckets on the rank's
@@ -50,6 +52,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
+import torch
+
 from hybridmem.config import ParallelLayout
 from hybridmem.contract.buckets import MIN_BUCKET_NBYTES, NUM_BUCKETS, default_bucket_nbytes
 from hybridmem.contract.engine import EngineCapabilities
@@ -63,12 +67,17 @@ from hybridmem.reshard import (
     MegatronConvention,
     ModelSpec,
     ReshardPlan,
+    VLLMConvention,
     build_plan,
+    hf_layout,
     hf_source_layout,
     megatron_layout,
+    stream_peak_nbytes,
     vllm_layout,
 )
+from hybridmem.reshard.fp8 import FP8_BLOCK, QUANTIZABLE_DTYPES, SCALE_SUFFIX
 from hybridmem.reshard.hf_source import hf_module_tensors
+from hybridmem.reshard.layouts import ShardLayout, fp8_quantized_names
 from hybridmem.switch.agreement import AgreeStep
 from hybridmem.switch.memplan import MemoryPlan, plan_switch
 from hybridmem.switch.owners import ENGINE_BUFFERS_OWNER
@@ -85,6 +94,7 @@ from hybridmem.switch.steps import (
     WeightSyncStep,
     switch_steps,
 )
+from hybridmem.weight_sync.fp8 import Fp8Target
 
 __all__ = ["AcceleratorFigures", "ACCELERATORS", "GB", "TrainingSetup", "RankPrediction", "ClusterPlan",
            "Advice", "plan_cluster", "hf_buffer_nbytes"]
@@ -330,11 +340,44 @@ class RankState:
     """Per offloaded kind, the bytes of each of its arenas (one per dtype)."""
 
 
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+"""The torch dtype of a training or inference element size, where the FP8 plan needs one."""
+
+
+def _engine_layout(spec: ModelSpec, infer: ParallelLayout, world: int, fp8: bool) -> ShardLayout:
+    """The engine's vLLM layout: FP8 with 128x128 blocks (``fp8``), else its plain one."""
+    return vllm_layout(spec, infer, world, convention=VLLMConvention(weight_block_size=FP8_BLOCK) if fp8
+                       else None)
+
+
+def _engine_tensor_nbytes(spec: ModelSpec, local, infer_bytes: int, quantized: frozenset[str]) -> int:
+    """Bytes of one engine tensor: a quantized weight one a element, its scales four, the rest
+    ``infer_bytes`` (fp32 where the model keeps a tensor in fp32)."""
+    if not local.pieces:
+        return local.numel * infer_bytes
+    hf = local.pieces[0].hf_name
+    if hf in quantized:
+        return local.numel
+    if hf.endswith(SCALE_SUFFIX):
+        return 4 * local.numel
+    return local.numel * spec.wire_itemsize(hf, infer_bytes)
+
+
+def _check_fp8(spec: ModelSpec, setup: TrainingSetup) -> None:
+    """An FP8 engine's weights are quantized from the training weights: refuse a parameter dtype the
+    quantizer cannot take (the layout refuses a family without an FP8 layout, by name)."""
+    if _DTYPES.get(setup.param_bytes) not in QUANTIZABLE_DTYPES:
+        raise ValueError(f"param_bytes={setup.param_bytes}: an FP8 engine's weights are quantized from the "
+                         "training weights, which must be bf16/fp16 (2 bytes) or fp32 (4)")
+
+
 def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, *,
-                infer_bytes: int) -> list[RankState]:
+                infer_bytes: int, infer_fp8: bool = False) -> list[RankState]:
     """Every rank's :class:`RankState`, from one build per rank group of each layout ([Note: layout parts] in
-    :mod:`hybridmem.reshard.layouts`)."""
-    src, dst = _train_layout(spec, setup, world), vllm_layout(spec, infer, world)
+    :mod:`hybridmem.reshard.layouts`); ``infer_fp8``: an FP8 engine, whose tensors vLLM does not quantize are
+    in ``infer_bytes``."""
+    src, dst = _train_layout(spec, setup, world), _engine_layout(spec, infer, world, infer_fp8)
+    quantized = frozenset(fp8_quantized_names(spec)) if infer_fp8 else frozenset()
     local, num_tensors, optimizer, weights = [0] * world, [0] * world, [0] * world, [0] * world
     for part in src.part_groups():
         for key, ranks in part.groups.items():
@@ -349,9 +392,7 @@ def rank_states(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, wo
                 optimizer[r] += share
     for part in dst.part_groups():
         for key, ranks in part.groups.items():
-            n = sum(t.numel * (spec.wire_itemsize(t.pieces[0].hf_name, infer_bytes) if t.pieces
-                               else infer_bytes)
-                    for t in part.build(key).values())
+            n = sum(_engine_tensor_nbytes(spec, t, infer_bytes, quantized) for t in part.build(key).values())
             for r in ranks:
                 weights[r] += n
     padded = _fsdp2_storage_elements(src) if setup.kind == "fsdp2" else 0  # the same on every rank
@@ -385,15 +426,29 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
                  accel: AcceleratorFigures, offload: Mapping[StateKind, bool], kv_nbytes: int | None,
                  gpu_memory_utilization: float, infer_bytes: int, bucket_nbytes: int, sleep_level: int = 2,
                  engine_process: bool = False, engine_bucket_nbytes: int | None = None,
-                 state: RankState | None = None) -> RankPrediction:
+                 state: RankState | None = None, infer_fp8: bool = False) -> RankPrediction:
     """Both switches of ``rank`` (see [Note: cluster plan]); ``state``: the rank's entry of
     :func:`rank_states` (computed when not given); ``engine_process``: the engine's transfer buckets held
-    on the device throughout (``engine_bucket_nbytes`` each, ``None``: the engine's default)."""
+    on the device throughout (``engine_bucket_nbytes`` each, ``None``: the engine's default); ``infer_fp8``:
+    an FP8 engine, synced as ``ReshardSync`` syncs one ([Note: fp8 sync] in
+    :mod:`hybridmem.weight_sync.fp8`): the stage's full tensors moved in the training dtype, quantized and
+    cut on the rank."""
     src = _train_layout(spec, setup, world)
-    dst = vllm_layout(spec, infer, world)
-    plan = build_plan(src, dst, itemsize=infer_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
+    if infer_fp8:
+        _check_fp8(spec, setup)
+        engine_layout = _engine_layout(spec, infer, world, True)
+        conv = engine_layout.convention
+        dst = hf_layout(spec, infer, world, vllm_version=conv.version, stage_layers=conv.stage_layers)
+        plan = build_plan(src, dst, itemsize=setup.param_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
+        wire = _DTYPES[setup.param_bytes]
+        temp = (plan.peak_temp_nbytes(rank) + stream_peak_nbytes(plan, rank, wire)
+                + Fp8Target(engine_layout, rank, _DTYPES.get(infer_bytes)).hold_nbytes(wire))
+    else:
+        dst = vllm_layout(spec, infer, world)
+        plan = build_plan(src, dst, itemsize=infer_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
+        temp = plan.peak_temp_nbytes(rank)
     if state is None:
-        state = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)[rank]
+        state = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes, infer_fp8=infer_fp8)[rank]
     params, grads, optimizer = (state.nbytes[k] for k in ("param", "grad", "optimizer"))
     weights = state.nbytes["engine_weights"]
     kv = (kv_nbytes if kv_nbytes is not None
@@ -409,7 +464,7 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     offloaders = {StateKind.PARAM: _Offloader(StateKind.PARAM, params),
                   StateKind.GRAD: _Offloader(StateKind.GRAD, grads),
                   StateKind.OPTIMIZER: _Offloader(StateKind.OPTIMIZER, optimizer)}
-    engine, sync = _Engine(weights, kv), _Sync(plan.peak_temp_nbytes(rank))
+    engine, sync = _Engine(weights, kv), _Sync(temp)
     walk = dict(offloaders=offloaders, offload=offload, engine=engine, sync=sync, plan=plan, rank=rank,
                 accel=accel, setup=setup, sleep_level=sleep_level)
     to_infer = _walk(Direction.TO_INFER, start, **walk)
@@ -489,14 +544,14 @@ def _elements_per_rank(layout) -> list[int]:
 
 
 def _ranks_to_plan(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, world: int, count: int,
-                   infer_bytes: int) -> list[int]:
-    """The ``count`` ranks holding the most training and engine bytes (every rank when ``count >= world``)."""
+                   infer_bytes: int, engine_nbytes: list[int] | None = None) -> list[int]:
+    """The ``count`` ranks holding the most training and engine bytes (every rank when ``count >= world``);
+    ``engine_nbytes``: each rank's engine bytes (default: its vLLM layout's elements in ``infer_bytes``)."""
     if count >= world:
         return list(range(world))
     train = _elements_per_rank(_train_layout(spec, setup, world))
-    engine = _elements_per_rank(vllm_layout(spec, infer, world))
-    size = sorted(((train[r] * setup.param_bytes + engine[r] * infer_bytes, -r) for r in range(world)),
-                  reverse=True)
+    engine = engine_nbytes or [n * infer_bytes for n in _elements_per_rank(vllm_layout(spec, infer, world))]
+    size = sorted(((train[r] * setup.param_bytes + engine[r], -r) for r in range(world)), reverse=True)
     return sorted(-r for _, r in size[:count])
 
 
@@ -505,7 +560,7 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
                  kv_nbytes: int | None = None, gpu_memory_utilization: float = 0.9, infer_bytes: int = 2,
                  bucket_nbytes: int = DEFAULT_BUCKET_NBYTES, sleep_level: int = 2, ranks: int = 4,
                  engine_process: bool = False, engine_bucket_nbytes: int | None = None,
-                 advise: bool = True) -> ClusterPlan:
+                 advise: bool = True, infer_fp8: bool = False) -> ClusterPlan:
     """Predict both switches of the ``ranks`` ranks with the most bytes (all of them when ``ranks >= world``),
     and every node's host bytes ([Note: host plan] in :mod:`hybridmem.planner.host`).
 
@@ -516,10 +571,13 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
             transfer buckets stay on every rank's device ([Note: cluster plan]).
         engine_bucket_nbytes: Bytes per bucket (``VLLMServerEngine``'s ``bucket_nbytes``); ``None``: the
             engine's default.
+        infer_fp8: The engine serves FP8 with 128x128 block scales (the tensors vLLM does not quantize in
+            ``infer_bytes``), synced from full tensors ([Note: fp8 sync] in
+            :mod:`hybridmem.weight_sync.fp8`).
 
     Raises:
-        ValueError: A layout that does not fit the model or the world (named by the layouts' checks),
-            or a bad figure.
+        ValueError: A layout that does not fit the model or the world (named by the layouts' checks; an
+            FP8 engine of a family without an FP8 layout among them), or a bad figure.
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
@@ -541,9 +599,12 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     args = dict(accel=accel, offload=offload, kv_nbytes=kv_nbytes,
                 gpu_memory_utilization=gpu_memory_utilization,
                 infer_bytes=infer_bytes, bucket_nbytes=bucket_nbytes, sleep_level=sleep_level,
-                engine_process=engine_process, engine_bucket_nbytes=engine_bucket_nbytes)
-    states = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes)
-    chosen = _ranks_to_plan(spec, setup, infer, world, ranks, infer_bytes)
+                engine_process=engine_process, engine_bucket_nbytes=engine_bucket_nbytes, infer_fp8=infer_fp8)
+    if infer_fp8:
+        _check_fp8(spec, setup)
+    states = rank_states(spec, setup, infer, world, infer_bytes=infer_bytes, infer_fp8=infer_fp8)
+    chosen = _ranks_to_plan(spec, setup, infer, world, ranks, infer_bytes,
+                            [s.nbytes["engine_weights"] for s in states] if infer_fp8 else None)
     return _plan(spec, setup, infer, world, states, chosen, args, advise=advise)
 
 

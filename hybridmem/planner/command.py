@@ -38,6 +38,7 @@ from hybridmem.planner.cluster import (
 from hybridmem.planner.host import HOST_SOURCES, SLEEP_LEVELS
 from hybridmem.planner.lora import LoraRoutePlan, LoraSetup, plan_lora, to_dicts
 from hybridmem.reshard import ModelSpec, vllm_stage_layers
+from hybridmem.reshard.fp8 import FP8_FAMILIES
 
 __all__ = ["main", "build_parser"]
 
@@ -85,7 +86,10 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--grad-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="default: fp32 for Megatron (main grads), the param dtype for fsdp2")
-    p.add_argument("--infer-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--infer-dtype", default="bf16", choices=sorted(DTYPE_BYTES),
+                   help="the engine's weights (default bf16); fp8: vLLM's block FP8, one byte a quantized "
+                        "weight element and four a 128x128 block's scale, the rest in --param-dtype, synced "
+                        f"from full tensors (families {', '.join(FP8_FAMILIES)})")
     p.add_argument("--optimizer-bytes-per-param", type=int, default=12,
                    help="Megatron (default 12: fp32 Adam)")
     p.add_argument("--no-distributed-optimizer", action="store_true",
@@ -192,6 +196,9 @@ def plan_from_args(args) -> ClusterPlan:
     """
     config = _config(args)
     spec = ModelSpec.from_hf_config(config)
+    fp8 = args.infer_dtype == "fp8"
+    if fp8:
+        _check_fp8(spec, args)
     accel = ACCELERATORS[args.accelerator]
     overrides = {"memory_nbytes": args.device_memory_gb and int(args.device_memory_gb * GB),
                  "host_link_bps": args.host_link_gbps and args.host_link_gbps * GB,
@@ -249,9 +256,21 @@ def plan_from_args(args) -> ClusterPlan:
     return plan_cluster(spec, setup, _layout(args.infer, "--infer"), args.world, accel=accel,
                         offload={k: k.value in names for k in KINDS.values()}, kv_nbytes=kv,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        infer_bytes=DTYPE_BYTES[args.infer_dtype],
+                        infer_bytes=param if fp8 else DTYPE_BYTES[args.infer_dtype],
                         bucket_nbytes=int(args.bucket_mib * 2**20), sleep_level=args.sleep_level, ranks=ranks,
-                        engine_process=args.engine_process, engine_bucket_nbytes=engine_bucket)
+                        engine_process=args.engine_process, engine_bucket_nbytes=engine_bucket,
+                        infer_fp8=fp8)
+
+
+def _check_fp8(spec: ModelSpec, args) -> None:
+    """``--infer-dtype fp8`` with a family that has an FP8 layout and a parameter dtype the quantizer takes,
+    in the command line's words."""
+    if spec.family not in FP8_FAMILIES or spec.multimodal:
+        raise ValueError(f"--infer-dtype fp8: family={spec.family!r} has no FP8 layout (vLLM's block FP8, "
+                         f"128x128 scales); the families with one are {', '.join(FP8_FAMILIES)}")
+    if args.param_dtype == "fp8":
+        raise ValueError("--infer-dtype fp8 with --param-dtype fp8: the engine's FP8 weights are quantized "
+                         "from the training weights, which must be bf16, fp16 or fp32")
 
 
 def lora_plan_from_args(args) -> list[LoraRoutePlan]:
@@ -263,6 +282,9 @@ def lora_plan_from_args(args) -> list[LoraRoutePlan]:
     if args.engine_process or args.engine_bucket_mib is not None:
         raise ValueError("--engine-process is planned without --lora-rank (a LoRA plan keeps its engine in "
                          "the trainer's process)")
+    if args.infer_dtype == "fp8":
+        raise ValueError("--infer-dtype fp8 is planned without --lora-rank (a LoRA plan's engine holds its "
+                         "base unquantized)")
     if args.world != 1 or args.infer != "1/1/1" or args.train not in ("1/1/1", "fsdp2"):
         raise ValueError("--lora-rank plans one device: give --world 1 --infer 1/1/1 (got --world "
                          f"{args.world} --train {args.train} --infer {args.infer})")

@@ -176,8 +176,8 @@ def _check(src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int
     if dst.side is not src.side and getattr(dst.convention, "weight_block_size", None) is not None:
         raise ValueError(f"destination weight_block_size={list(dst.convention.weight_block_size)}: a plan "
                          "moves slices of the training tensors, and an FP8 block is quantized whole; sync "
-                         "into an FP8 engine from full tensors (hybridmem.reshard.fp8.quantize_stream into "
-                         "iter_shard)")
+                         "into an FP8 engine from full tensors (ReshardSync does into an engine that reports "
+                         "FP8; or hybridmem.reshard.fp8.quantize_stream into iter_shard)")
     if src.world_size != dst.world_size:
         raise ValueError(f"source world_size={src.world_size} != destination world_size={dst.world_size}")
     if bucket_nbytes < itemsize:

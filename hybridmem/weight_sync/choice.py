@@ -13,6 +13,7 @@ from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.contract.training import TrainingState, training_capabilities_of
 from hybridmem.reshard import ModelSpec
 from hybridmem.weight_sync.base import WeightSync
+from hybridmem.weight_sync.fp8 import engine_block
 from hybridmem.weight_sync.resharding import ReshardSync
 from hybridmem.weight_sync.streamed import LoadWeightsSync
 
@@ -98,13 +99,20 @@ def default_weight_sync(training: Any, engine: InferenceEngine, config: Any, *, 
         group: The process group spanning both layouts (``None``: the default group).
 
     Raises:
-        ValueError: A streamed route with different layouts or sharded weights; a training state that
+        ValueError: A streamed route with different layouts or sharded weights, or into an engine that
+            reports FP8 ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`); a training state that
             reports a layout (``source_layout()``) other than ``config.train_layout``; HF-named weights with
             a ``config.train_layout`` other than tp = pp = ep = 1.
     """
     capabilities = training_capabilities_of(training)
     route, model_spec = _route(training, engine, model_spec)
     log.debug("hybridmem: weight sync: %s", route.value)
+    if route is not SyncRoute.RESHARD and engine_block(engine) is not None:
+        raise ValueError(
+            f"{type(engine).__name__} serves FP8 with 128x128 blocks, which only the resharding sync makes "
+            f"(quantized from the full tensors), but the weights would go as {route.value}, unquantized: "
+            "pass model_spec= (the model's HF config) for a family with an FP8 layout"
+        )
     if route is SyncRoute.TRAINING_NAMES:
         _require_equal_layouts(config, f"{type(engine).__name__} loads the training model's own names")
         # [Note: loaders write what they are given] in :mod:`hybridmem.weight_sync.streamed`: a copy of the

@@ -8,6 +8,7 @@ own (vLLM) layout, or streamed as full HF-named tensors of its pipeline stage.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict
@@ -47,6 +48,7 @@ from hybridmem.weight_sync.base import (
     engine_dtypes,
     engine_unwritten,
 )
+from hybridmem.weight_sync.fp8 import Fp8Target, check_quantizable, engine_block
 
 if TYPE_CHECKING:
     from hybridmem.contract.engine import InferenceEngine
@@ -70,7 +72,9 @@ SourceFn = Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.T
 
 class ReshardRoute(Enum):
     """How a :class:`ReshardSync` hands the weights to the engine: the first its capabilities allow
-    (:meth:`of`; [Note: engine capabilities] in :mod:`hybridmem.contract.engine`)."""
+    (:meth:`of`; [Note: engine capabilities] in :mod:`hybridmem.contract.engine`); into an FP8 engine, its
+    layout streamed, the only route that carries FP8 ([Note: fp8 sync] in
+    :mod:`hybridmem.weight_sync.fp8`)."""
 
     IN_PLACE = "written in place into the engine's own tensors"
     """``writes_in_place``: the plan's vLLM-layout cells are copied into ``named_parameters()``
@@ -108,7 +112,9 @@ class ReshardSync(WeightSync):
             ``(name, tensor)`` pairs, e.g. ``model.named_parameters``); called on every sync.
         engine: The engine, written the first way its capabilities allow (:class:`ReshardRoute`). An engine
             with ``check_weights(tensors, what=...)`` (the vLLM adapter) checks this rank's tensors of the
-            vLLM layout against its own parameters here, before anything moves.
+            vLLM layout against its own parameters here, before anything moves. An engine that reports FP8
+            with 128x128 blocks (``reports_quantization``) is handed its shard quantized, scales included
+            ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`).
         bucket_nbytes: Largest send+receive staging bytes per rank per bucket.
         verify: Compare per-slice checksums after each sync (raises ``WeightSyncError`` on mismatch).
         dtype: Element type on the wire, the same on every rank (see [Note: wire dtype] in
@@ -121,6 +127,11 @@ class ReshardSync(WeightSync):
         deadline_s: Seconds within which each sync's collectives must complete on this rank, else
             ``CollectiveTimeoutError`` (see [Note: collective deadlines] in :mod:`hybridmem.reshard.execute`);
             ``None``: sized from the plan, :func:`default_deadline_s`.
+
+    Raises:
+        ValueError: Into an FP8 engine ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`): another
+            quantization, a family without an FP8 layout, a shard boundary inside a 128-block, an engine that
+            does not take its own layout as a stream, a training dtype the quantizer cannot take; each named.
     """
 
     def __init__(self, spec: ModelSpec, src: ParallelLayout | HFSourceLayout, dst: ParallelLayout, group: Any,
@@ -135,6 +146,16 @@ class ReshardSync(WeightSync):
         self.verify = verify
         self.route = ReshardRoute.of(engine)
         """How the weights reach the engine."""
+        block = engine_block(engine)
+        if block is not None:
+            if capabilities_of(engine).streams_layout:  # FP8 blocks are cut from full tensors, never written
+                self.route = ReshardRoute.LAYOUT_STREAM
+            if self.route is not ReshardRoute.LAYOUT_STREAM:
+                raise ValueError(
+                    f"{type(engine).__name__} serves FP8 with 128x128 blocks but takes its weights "
+                    f"{self.route.value}: an FP8 block is quantized from the full tensor, so an FP8 engine "
+                    "must take its own layout as a stream (streams_layout, load_layout_weights)")
+            vllm = dataclasses.replace(vllm or VLLMConvention(), weight_block_size=block)
         sources = self._sources_of(source)
         if isinstance(src, ParallelLayout) and looks_hf_named(sources):
             if (src.tp, src.pp, src.ep) != (1, 1, 1):
@@ -154,17 +175,27 @@ class ReshardSync(WeightSync):
         if dtype is None:
             dtype = dominant_dtype(t for n, t in sources.items() if n in read) or torch.float32
         self.dtype = dtype
+        if block is not None:
+            check_quantizable(dtype, engine)
         streams_hf = self.route is ReshardRoute.HF_STREAM
         checks_weights = capabilities_of(engine).checks_weights
         # the engine's own layout: what it holds, and what check_weights compares
-        own = vllm_layout(spec, dst, world, convention=vllm) if checks_weights or not streams_hf else None
-        dst_layout = (hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None)
-                      if streams_hf else own)
+        own = (vllm_layout(spec, dst, world, convention=vllm)
+               if checks_weights or not streams_hf or block is not None else None)
+        if block is not None:  # the stage's full tensors, quantized and cut on this rank
+            dst_layout = hf_layout(spec, dst, world, vllm_version=own.convention.version,
+                                   stage_layers=own.convention.stage_layers)
+        else:
+            dst_layout = (hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None)
+                          if streams_hf else own)
         held = engine_dtypes(engine) if self.route is ReshardRoute.LAYOUT_STREAM else set()
         self.out_dtype: torch.dtype | None = held.pop() if held else None
         """The dtype the engine is handed its own layout in, its own (``describes_weights``; a cast the sync
         report names, [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`); ``None``: the
-        wire dtype."""
+        wire dtype. Into an FP8 engine: that of the tensors it does not quantize."""
+        self.fp8: Fp8Target | None = None if block is None else Fp8Target(own, self.rank, self.out_dtype)
+        """This rank's FP8 tensors, made from the plan's full tensors ([Note: fp8 sync] in
+        :mod:`hybridmem.weight_sync.fp8`); ``None``: the engine is not quantized."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize,
                                             bucket_nbytes=bucket_nbytes,
@@ -193,6 +224,9 @@ class ReshardSync(WeightSync):
         staging = self.plan.peak_temp_nbytes(self.rank)
         if self.route is ReshardRoute.IN_PLACE:
             return staging
+        if self.fp8 is not None:  # full tensors in the wire dtype, then what quantizing and cutting hold
+            return (staging + stream_peak_nbytes(self.plan, self.rank, self.dtype)
+                    + self.fp8.hold_nbytes(self.dtype))
         return staging + stream_peak_nbytes(self.plan, self.rank, self.out_dtype or self.dtype)
 
     def collective(self) -> tuple[Any, float] | None:
@@ -235,37 +269,52 @@ class ReshardSync(WeightSync):
             unwritten, checked = engine_unwritten(self.engine)
         if checks is not None:
             checks.compare(self.group, device=next(iter(src.values())).device, bound=bound)
+        src_dtypes = {src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src}
+        note = dtype_note(src_dtypes, dst_dtypes, self.dtype)
+        if self.fp8 is not None:
+            stats = dataclasses.replace(stats, num_tensors=len(self.fp8.layout.tensors(self.rank)))
+            note = _fp8_note(src_dtypes, dst_dtypes, self.dtype)
         return SyncStats(
             **{**asdict(stats), "seconds": time.perf_counter() - start},
             engine_nbytes=engine_nbytes,
             unwritten=unwritten,
             coverage_checked=checked,
-            dtype_note=dtype_note({src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src},
-                                  dst_dtypes, self.dtype),
+            dtype_note=note,
         )
 
     def _stream(self, src: Mapping[str, torch.Tensor], checks: CellChecksums | None,
                 deadline_s: float | None) -> tuple[TransferStats, set[torch.dtype], int]:
         """Stream the plan's complete destination tensors into the engine; returns the figures, the dtypes
-        the engine was handed (what it holds, where it does not say) and the bytes of weight data handed
-        (padding rows aside)."""
+        the engine was handed (what it holds, where it does not say; into an FP8 engine, those of the tensors
+        it does not quantize) and the bytes of weight data handed (padding rows aside)."""
         collected: list[TransferStats] = []
         dtypes: set[torch.dtype] = set()
         layout = self.route is ReshardRoute.LAYOUT_STREAM
-        target = self.engine.layout_target if layout and capabilities_of(self.engine).offers_layout_targets \
-            else None
+        # into an FP8 engine the plan's tensors are full ones, quantized and cut here, never the engine's
+        # ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`)
+        fp8 = self.fp8
+        offers = layout and fp8 is None and capabilities_of(self.engine).offers_layout_targets
+        target = self.engine.layout_target if offers else None
         expected = self.plan.dst.tensors(self.rank)
         handed = [0]
 
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        def planned() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,
-                                                    dtype=self.dtype, out_dtype=self.out_dtype,
+                                                    dtype=self.dtype,
+                                                    out_dtype=self.out_dtype if fp8 is None else None,
                                                     stats=collected, deadline_s=deadline_s, target=target,
                                                     borrow=target is not None):
                 if checks is not None:
                     checks.add_destination(name, tensor)
-                dtypes.add(tensor.dtype)
-                handed[0] += sum(p.numel for p in expected[name].pieces) * tensor.element_size()
+                yield name, tensor
+                del tensor
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in (planned() if fp8 is None else fp8.stream(planned())):
+                if fp8 is None or not fp8.quantized_tensor(name):
+                    dtypes.add(tensor.dtype)
+                handed[0] += (sum(p.numel for p in expected[name].pieces) * tensor.element_size()
+                              if fp8 is None else fp8.data_nbytes(name, tensor))
                 yield name, tensor
                 del tensor  # the stream's memory bound: gone before the next one is made
 
@@ -296,3 +345,11 @@ class ReshardSync(WeightSync):
             if local is None or written.get(name, 0) != data or data > tensor.numel():
                 out.append(name)
         return tuple(out)
+
+
+def _fp8_note(sources: set[torch.dtype], handed: set[torch.dtype], wire: torch.dtype) -> str:
+    """The sync note of an FP8 engine: the quantization, and any cast of the tensors it does not quantize
+    (``handed``: their dtypes; [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`)."""
+    rest = dtype_note(sources, handed, wire)
+    quantized = "weights quantized: trainer -> engine float8_e4m3fn, 128x128 block scales (float32)"
+    return quantized + (f"; {rest.removeprefix('weights cast: ')}" if rest else "")

@@ -1,0 +1,68 @@
+"""``hybridmem plan --infer-dtype fp8``: an engine serving vLLM's block FP8 ([Note: fp8 sync] in
+:mod:`hybridmem.weight_sync.fp8`), its weights and the sync's bytes counted by hand for a tiny Qwen3 (hidden
+256, q 4x128, kv 2x128, MLP 512, 2 layers, vocab 256, untied); the same figures the switch reports
+(tests/weight_sync/test_fp8_sync.py, tests/reshard/test_layout_stream.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridmem.planner.command import main
+
+FIELDS = ("hidden_size=256", "num_attention_heads=4", "num_key_value_heads=2", "head_dim=128",
+          "intermediate_size=512", "num_hidden_layers=2", "vocab_size=256", "tie_word_embeddings=false")
+QWEN3 = ["--family", "qwen3", *(x for kv in FIELDS for x in ("--set", kv))]
+
+
+def _plan(tmp_path, *args: str) -> dict:
+    out = tmp_path / "plan.json"
+    assert main([*QWEN3, *args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _layer(rows: int, cols: int, unquantized: int) -> int:
+    """One layer of an FP8 engine holding ``rows`` of every column-parallel weight and ``cols`` columns of the
+    row-parallel ones: e4m3 qkv [rows, 256], o [256, cols], gate_up [rows, 256], down [256, cols], one byte an
+    element; float32 scales, four bytes a 128x128 block; four norms (256, 256, 128, 128) of ``unquantized``
+    bytes an element."""
+    weights = rows * 256 + 256 * cols + rows * 256 + 256 * cols
+    blocks = (rows // 128) * 2 + 2 * (cols // 128) + (rows // 128) * 2 + 2 * (cols // 128)
+    return weights + 4 * blocks + unquantized * (256 + 256 + 128 + 128)
+
+
+@pytest.mark.parametrize("dtype,nbytes", [("bf16", 2), ("fp32", 4)])
+def test_one_engine_holds_fp8_weights_with_scales_and_the_rest_in_the_param_dtype(tmp_path, dtype, nbytes):
+    plan = _plan(tmp_path, "--world", "1", "--infer-dtype", "fp8", "--param-dtype", dtype)
+    rank = plan["ranks"][0]
+    # qkv 512 + 256 + 256 rows, gate_up 2 x 512; embedding, head [256, 256] and the final norm unquantized
+    want = 2 * _layer(1024, 512, nbytes) + (2 * 256 * 256 + 256) * nbytes
+    assert rank["state_nbytes"]["engine_weights"] == want == {2: 1_838_976, 4: 2_104_704}[nbytes]
+
+
+def test_a_megatron_tp2_trainer_into_fp8_tp2_moves_each_ranks_missing_half_of_the_full_tensors(tmp_path):
+    """Megatron TP 2 over 2 ranks holds half of every weight and the norms whole; the FP8 sync gathers the
+    stage's full tensors on every rank (bf16: the other half of 1,703,936 weight elements, 2 bytes each,
+    received and sent), and each TP 2 rank's engine holds half the FP8 rows or columns."""
+    plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "2/1/1", "--infer-dtype", "fp8")
+    weights = 2 * (512 * 256 + 2 * 256 * 256 + 256 * 512 + 3 * 512 * 256) + 2 * 256 * 256
+    assert weights == 1_703_936
+    for rank in plan["ranks"]:
+        assert rank["state_nbytes"]["engine_weights"] == 2 * _layer(512, 256, 2) + (256 * 256 + 256) * 2 \
+            == 921_280
+        assert rank["received_nbytes"] == rank["sent_nbytes"] == weights // 2 * 2
+        sync = next(s for s in rank["to_infer"] if s["name"] == "weight sync")
+        assert sync["network_nbytes"] == weights * 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--family", "llama"], "--infer-dtype fp8: family='llama' has no FP8 layout"),
+    (["--param-dtype", "fp8"], "--infer-dtype fp8 with --param-dtype fp8: the engine's FP8 weights are "
+                               "quantized from the training weights"),
+    (["--lora-rank", "8"], "--infer-dtype fp8 is planned without --lora-rank"),
+])
+def test_what_fp8_cannot_plan_is_named(capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        main([*QWEN3, "--world", "1", "--infer-dtype", "fp8", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
