@@ -42,11 +42,14 @@ SCALE_SUFFIX = "_scale_inv"
 """``X.weight`` -> ``X.weight_scale_inv``: the checkpoint's and vLLM's name of a weight's block scales."""
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Training dtypes the quantizer takes (those vLLM's quantizer reads exactly once promoted to float32)."""
-FP8_FAMILIES = ("qwen3", "qwen3_moe")
+FP8_FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 """Families whose FP8 layout is checked against vLLM's classes built with ``quantization="fp8"``."""
 QUANTIZED_VLLM_RULES = frozenset({
     "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
     "mlp.{shared}.gate_up_proj.weight", "mlp.{shared}.down_proj.weight", "<experts_w13>", "<experts_w2>",
+    # DeepSeek's multi-latent attention
+    "self_attn.fused_qkv_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.q_b_proj.weight",
+    "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight",
 })
 """The vLLM names (``LayerRule.vllm``) of the rows of :data:`hybridmem.reshard.rules.LAYER_RULES` whose
 tensors vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` hold in FP8."""

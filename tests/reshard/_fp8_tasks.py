@@ -93,3 +93,20 @@ def fp8_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dic
         except Exception as exc:  # the MoE backends' processing needs their GPU kernels
             processed = {"error": repr(exc)[:500]}
         return {"loaded": loaded, "processed": processed, "kernels": kernels}
+
+
+def fp8_build_error(ctx, model_dir: str, tp: int, pp: int, ep: int) -> str | None:
+    """What vLLM raises building this rank's model of the FP8 checkpoint in ``model_dir`` as
+    :func:`fp8_loaded_parameters` builds it (its ``ValueError``'s message); ``None``: it builds."""
+    _vllm_tasks._environment()
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    _, vllm_config = _vllm_tasks.vllm_configs(model_dir, tp, pp, ep, dtype="bfloat16")
+    with _vllm_tasks.vllm_groups(ctx, vllm_config, tp, pp):
+        try:
+            with torch.device("cpu"), _stand_in_scaled_mm_kernel():
+                _vllm_tasks._BUILT.append(initialize_model(vllm_config=vllm_config))
+        except ValueError as exc:
+            return str(exc)
+    return None
