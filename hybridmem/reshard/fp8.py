@@ -12,13 +12,19 @@ quantized checkpoint tensor, and its scale the same pieces with every box divide
 (:func:`scale_of`), exactly as vLLM's weight loaders cut the checkpoint's ``weight_scale_inv``
 (``BlockQuantScaleParameter``). A shard whose boundary falls inside a block has no such pieces (vLLM's own
 ``validate_fp8_block_shape`` refuses it too), and :func:`scale_of` refuses it naming the tensor and the rows.
+A tensor vLLM fuses from several checkpoint weights holds each one's blocks in turn, so every part but the
+last must be whole blocks: DeepSeek-V3's ``fused_qkv_a_proj`` is q_a (``q_lora_rank`` rows, 1536) then kv_a
+(``kv_lora_rank + qk_rope_head_dim``, 576: its last block partial), and a ``q_lora_rank`` that is not a
+multiple of 128 is refused by name (:func:`hybridmem.reshard.layouts.vllm_layout`).
 
 Which tensors are quantized is vLLM's: the linear layers its model classes build with the quantization config
-(:data:`QUANTIZED_VLLM_RULES`: attention q/k/v and output, the MLP's and the shared expert's projections, the
-routed experts); embeddings, norms, the head and the routers stay as vLLM holds them (an FP8 Qwen3-MoE
-checkpoint lists its routers in ``modules_to_not_convert``, for vLLM builds them as linear layers that would
-otherwise be quantized). Only the families checked against vLLM's loaders (:data:`FP8_FAMILIES`) have an FP8
-layout; tests/reshard/test_vllm_fp8.py runs vLLM's own classes with ``quantization="fp8"``.
+(:data:`QUANTIZED_VLLM_RULES`: attention q/k/v and output, MLA's projections, the MLP's and the shared
+expert's projections, the routed experts); embeddings, norms, biases, the head and the routers stay as vLLM
+holds them (an FP8 Qwen3-MoE checkpoint lists its routers in ``modules_to_not_convert``, for vLLM builds them
+as linear layers that would otherwise be quantized; GLM-4.5's and DeepSeek-V3's routers are built without the
+quantization config, GLM-4.5's in float32, beside their float32 ``e_score_correction_bias``). Only the
+families checked against vLLM's loaders (:data:`FP8_FAMILIES`) have an FP8 layout;
+tests/reshard/test_vllm_fp8.py runs vLLM's own classes with ``quantization="fp8"``.
 """
 
 from __future__ import annotations

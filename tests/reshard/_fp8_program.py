@@ -40,14 +40,17 @@ DEEPSEEK_V3 = dict(DENSE, model_type="deepseek_v3", num_key_value_heads=4, moe_i
                    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                    n_group=1, topk_group=1, topk_method="noaux_tc", q_lora_rank=256, kv_lora_rank=128,
                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "llama": dict(DENSE, model_type="llama"), "glm4_moe": GLM4_MOE,
-          "deepseek_v3": DEEPSEEK_V3, "deepseek_v3_no_q_lora": dict(DEEPSEEK_V3, q_lora_rank=None)}
-DENSE_MODELS = ("qwen3", "llama")
+MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "llama": dict(DENSE, model_type="llama"),
+          "mistral": dict(DENSE, model_type="mistral"), "glm4_moe": GLM4_MOE, "deepseek_v3": DEEPSEEK_V3,
+          "deepseek_v3_no_q_lora": dict(DEEPSEEK_V3, q_lora_rank=None)}
+"""Mistral's configs are read as Llama's (one family); vLLM builds them with its own MistralForCausalLM."""
+DENSE_MODELS = ("qwen3", "llama", "mistral")
 """Models whose every FP8 layer is a linear one: vLLM's processing after loading runs on CPU for them."""
 CASES = [(model, layout) for models, layouts in (
     (("qwen3", "llama"), ((1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1))),
     (("qwen3_moe", "glm4_moe", "deepseek_v3"), ((1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1))),
-    (("deepseek_v3_no_q_lora",), ((2, 1, 1),))) for model in models for layout in layouts]
+    (("mistral",), ((4, 1, 1),)), (("deepseek_v3_no_q_lora",), ((2, 1, 1),)))
+    for model in models for layout in layouts]
 """(model, (tp, pp, ep)) checked rank by rank."""
 REFUSED = [("deepseek_v3", (4, 1, 1), "self_attn.q_b_proj.weight")]
 """(model, (tp, pp, ep), the weight hybridmem names): a shard boundary inside a block (q_b_proj's 192 rows a
