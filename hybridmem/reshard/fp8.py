@@ -15,7 +15,8 @@ quantized checkpoint tensor, and its scale the same pieces with every box divide
 A tensor vLLM fuses from several checkpoint weights holds each one's blocks in turn, so every part but the
 last must be whole blocks: DeepSeek-V3's ``fused_qkv_a_proj`` is q_a (``q_lora_rank`` rows, 1536) then kv_a
 (``kv_lora_rank + qk_rope_head_dim``, 576: its last block partial), and a ``q_lora_rank`` that is not a
-multiple of 128 is refused by name (:func:`hybridmem.reshard.layouts.vllm_layout`).
+multiple of 128 is refused by name (:func:`hybridmem.reshard.layouts.vllm_layout`; vLLM 0.32 and 0.33 build
+such a layer and then fail loading kv_a's block scales into it).
 
 Which tensors are quantized is vLLM's: the linear layers its model classes build with the quantization config
 (:data:`QUANTIZED_VLLM_RULES`: attention q/k/v and output, MLA's projections, the MLP's and the shared

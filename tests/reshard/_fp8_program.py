@@ -11,8 +11,8 @@ quantizer over the bf16 stream (:func:`~hybridmem.reshard.fp8.quantize_stream`) 
 (:func:`~hybridmem.reshard.iter_shard`).
 The dense models' parameters after vLLM's ``process_weights_after_loading`` (the block kernels' base
 processing) must be those they loaded. Each layout of :data:`REFUSED` must be refused twice: by hybridmem's
-``vllm_layout``, naming the weight, and by vLLM building the model. Exits 1 on any difference; writes the
-report either way.
+``vllm_layout``, by name, and by vLLM building the model or loading the checkpoint. Exits 1 on any
+difference; writes the report either way.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ DEEPSEEK_V3 = dict(DENSE, model_type="deepseek_v3", num_key_value_heads=4, moe_i
                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "llama": dict(DENSE, model_type="llama"),
           "mistral": dict(DENSE, model_type="mistral"), "glm4_moe": GLM4_MOE, "deepseek_v3": DEEPSEEK_V3,
-          "deepseek_v3_no_q_lora": dict(DEEPSEEK_V3, q_lora_rank=None)}
+          "deepseek_v3_no_q_lora": dict(DEEPSEEK_V3, q_lora_rank=None),
+          "deepseek_v3_q_lora_192": dict(DEEPSEEK_V3, q_lora_rank=192)}
 """Mistral's configs are read as Llama's (one family); vLLM builds them with its own MistralForCausalLM."""
 DENSE_MODELS = ("qwen3", "llama", "mistral")
 """Models whose every FP8 layer is a linear one: vLLM's processing after loading runs on CPU for them."""
@@ -52,9 +53,11 @@ CASES = [(model, layout) for models, layouts in (
     (("mistral",), ((4, 1, 1),)), (("deepseek_v3_no_q_lora",), ((2, 1, 1),)))
     for model in models for layout in layouts]
 """(model, (tp, pp, ep)) checked rank by rank."""
-REFUSED = [("deepseek_v3", (4, 1, 1), "self_attn.q_b_proj.weight")]
-"""(model, (tp, pp, ep), the weight hybridmem names): a shard boundary inside a block (q_b_proj's 192 rows a
-rank), which vLLM's ``validate_fp8_block_shape`` refuses too."""
+REFUSED = [("deepseek_v3", (4, 1, 1), "self_attn.q_b_proj.weight"),
+           ("deepseek_v3_q_lora_192", (1, 1, 1), "q_lora_rank=192")]
+"""(model, (tp, pp, ep), what hybridmem's refusal names): a shard boundary inside a block (q_b_proj's 192 rows
+a rank), which vLLM's ``validate_fp8_block_shape`` refuses too; q_a's 192 rows in fused_qkv_a_proj, so kv_a's
+block scales start inside a block, which vLLM builds and then fails to load."""
 WORLD = 4
 KV_CACHE_SCALES = ("attn.q_scale", "attn.k_scale", "attn.v_scale", "attn.prob_scale")
 """Parameters of vLLM's ``Fp8KVCacheMethod`` on every attention layer (``attn``; MLA's ``mla_attn``): no
@@ -172,7 +175,7 @@ def main(report_path: str, models: list[str]) -> int:
                 ours = None
             except ValueError as exc:
                 ours = str(exc)
-            theirs = pool.run(_fp8_tasks.fp8_build_error, path, tp, pp, ep, world_size=WORLD)
+            theirs = pool.run(_fp8_tasks.fp8_refusal, path, tp, pp, ep, world_size=WORLD)
             refused = {"model": model, "tp": tp, "pp": pp, "ep": ep, "hybridmem": ours, "vllm": theirs}
             report["refused"].append(refused)
             print(json.dumps(refused), flush=True)
