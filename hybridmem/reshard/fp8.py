@@ -12,13 +12,20 @@ quantized checkpoint tensor, and its scale the same pieces with every box divide
 (:func:`scale_of`), exactly as vLLM's weight loaders cut the checkpoint's ``weight_scale_inv``
 (``BlockQuantScaleParameter``). A shard whose boundary falls inside a block has no such pieces (vLLM's own
 ``validate_fp8_block_shape`` refuses it too), and :func:`scale_of` refuses it naming the tensor and the rows.
+A tensor vLLM fuses from several checkpoint weights holds each one's blocks in turn, so every part but the
+last must be whole blocks: DeepSeek-V3's ``fused_qkv_a_proj`` is q_a (``q_lora_rank`` rows, 1536) then kv_a
+(``kv_lora_rank + qk_rope_head_dim``, 576: its last block partial), and a ``q_lora_rank`` that is not a
+multiple of 128 is refused by name (:func:`hybridmem.reshard.layouts.vllm_layout`; vLLM 0.32 and 0.33 build
+such a layer and then fail loading kv_a's block scales into it).
 
 Which tensors are quantized is vLLM's: the linear layers its model classes build with the quantization config
-(:data:`QUANTIZED_VLLM_RULES`: attention q/k/v and output, the MLP's and the shared expert's projections, the
-routed experts); embeddings, norms, the head and the routers stay as vLLM holds them (an FP8 Qwen3-MoE
-checkpoint lists its routers in ``modules_to_not_convert``, for vLLM builds them as linear layers that would
-otherwise be quantized). Only the families checked against vLLM's loaders (:data:`FP8_FAMILIES`) have an FP8
-layout; tests/reshard/test_vllm_fp8.py runs vLLM's own classes with ``quantization="fp8"``.
+(:data:`QUANTIZED_VLLM_RULES`: attention q/k/v and output, MLA's projections, the MLP's and the shared
+expert's projections, the routed experts); embeddings, norms, biases, the head and the routers stay as vLLM
+holds them (an FP8 Qwen3-MoE checkpoint lists its routers in ``modules_to_not_convert``, for vLLM builds them
+as linear layers that would otherwise be quantized; GLM-4.5's and DeepSeek-V3's routers are built without the
+quantization config, GLM-4.5's in float32, beside their float32 ``e_score_correction_bias``). Only the
+families checked against vLLM's loaders (:data:`FP8_FAMILIES`) have an FP8 layout;
+tests/reshard/test_vllm_fp8.py runs vLLM's own classes with ``quantization="fp8"``.
 """
 
 from __future__ import annotations
@@ -42,11 +49,14 @@ SCALE_SUFFIX = "_scale_inv"
 """``X.weight`` -> ``X.weight_scale_inv``: the checkpoint's and vLLM's name of a weight's block scales."""
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Training dtypes the quantizer takes (those vLLM's quantizer reads exactly once promoted to float32)."""
-FP8_FAMILIES = ("qwen3", "qwen3_moe")
+FP8_FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 """Families whose FP8 layout is checked against vLLM's classes built with ``quantization="fp8"``."""
 QUANTIZED_VLLM_RULES = frozenset({
     "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
     "mlp.{shared}.gate_up_proj.weight", "mlp.{shared}.down_proj.weight", "<experts_w13>", "<experts_w2>",
+    # DeepSeek's multi-latent attention
+    "self_attn.fused_qkv_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.q_b_proj.weight",
+    "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight",
 })
 """The vLLM names (``LayerRule.vllm``) of the rows of :data:`hybridmem.reshard.rules.LAYER_RULES` whose
 tensors vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` hold in FP8."""

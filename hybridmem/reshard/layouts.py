@@ -53,7 +53,14 @@ from hybridmem.reshard.conventions import (
     Side,
     VLLMConvention,
 )
-from hybridmem.reshard.fp8 import FP8_FAMILIES, QUANTIZED_VLLM_RULES, fp8_full_shapes, scale_name, scale_of
+from hybridmem.reshard.fp8 import (
+    FP8_BLOCK,
+    FP8_FAMILIES,
+    QUANTIZED_VLLM_RULES,
+    fp8_full_shapes,
+    scale_name,
+    scale_of,
+)
 from hybridmem.reshard.rules import (
     EXPERT_KINDS,
     LAYER_RULES,
@@ -532,6 +539,11 @@ def _check_fp8(layout: ShardLayout) -> None:
         raise ValueError(f"family={spec.family!r}: no FP8 layout (weight_block_size="
                          f"{list(layout.convention.weight_block_size)}); the families checked against vLLM's "
                          f"FP8 classes are {list(FP8_FAMILIES)}")
+    if spec.is_mla and spec.q_lora_rank % FP8_BLOCK[0]:
+        raise ValueError(f"q_lora_rank={spec.q_lora_rank} (family={spec.family!r}) is not a multiple of 128: "
+                         "vLLM fuses q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj, where a "
+                         "128-block would hold rows of both, each scaled by its own checkpoint block, which "
+                         "one block scale cannot hold; no FP8 layout")
     for rank in range(min(layout.world_size, layout.parallel.tp * layout.parallel.pp)):
         layout.tensors(rank)
 

@@ -93,3 +93,28 @@ def fp8_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dic
         except Exception as exc:  # the MoE backends' processing needs their GPU kernels
             processed = {"error": repr(exc)[:500]}
         return {"loaded": loaded, "processed": processed, "kernels": kernels}
+
+
+def fp8_refusal(ctx, model_dir: str, tp: int, pp: int, ep: int) -> str | None:
+    """What vLLM raises building this rank's model of the FP8 checkpoint in ``model_dir`` as
+    :func:`fp8_loaded_parameters` builds it, or else loading the checkpoint with ``load_weights``: the
+    ``ValueError``'s or ``RuntimeError``'s message, prefixed ``build:`` or ``load:``; ``None``: both
+    succeed."""
+    _vllm_tasks._environment()
+    import safetensors.torch
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    _, vllm_config = _vllm_tasks.vllm_configs(model_dir, tp, pp, ep, dtype="bfloat16")
+    with _vllm_tasks.vllm_groups(ctx, vllm_config, tp, pp):
+        step = "build"
+        try:
+            with torch.device("cpu"), _stand_in_scaled_mm_kernel():
+                model = initialize_model(vllm_config=vllm_config)
+            _vllm_tasks._BUILT.append(model)
+            step = "load"
+            weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
+            model.load_weights(iter(sorted(weights.items())))
+        except (ValueError, RuntimeError) as exc:
+            return f"{step}: {exc}"
+    return None

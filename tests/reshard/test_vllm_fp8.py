@@ -9,9 +9,11 @@
 - vLLM's own classes with ``quantization="fp8"`` (``tests/reshard/_fp8_program.py``, a program of its own
   under each supported release's Python, as tests/adapters/test_vllm_transfer_versions.py runs its program):
   after a sync from bf16 weights every parameter and scale equals what vLLM loads from the FP8 checkpoint its
-  own quantizer makes, at TP 1/2/4 and PP 2 (Qwen3) and TP 1/2, EP 2 and PP 2 (Qwen3-MoE). The installed
-  release (0.32 in CI) runs it only with ``HYBRIDMEM_TESTS_FULL=1`` (minutes); another release's Python named
-  in ``HYBRIDMEM_VLLM_PYTHONS`` runs it whenever given.
+  own quantizer makes, at TP 1/2/4 and PP 2 (Qwen3, Llama; Mistral at TP 4) and TP 1/2, EP 2 and PP 2
+  (Qwen3-MoE, GLM-4.5, DeepSeek-V3; DeepSeek-V3 without q_lora_rank at TP 2), and a layout hybridmem refuses
+  (DeepSeek-V3's q_b_proj split inside a block at TP 4; a q_lora_rank of 192) vLLM fails to build or load.
+  The installed release (0.32 in CI) runs it only with ``HYBRIDMEM_TESTS_FULL=1`` (minutes); another
+  release's Python named in ``HYBRIDMEM_VLLM_PYTHONS`` runs it whenever given.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hybridmem.reshard.layouts import fp8_quantized_names
 from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS
 from tests._full import TESTS_FULL, full_only
 from tests.adapters.test_vllm_transfer_versions import PYTHONS_VAR, ROOT, _env, _python_for
+from tests.reshard._fp8_program import MODELS
 
 DENSE = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
              intermediate_size=512, num_hidden_layers=2, vocab_size=256, tie_word_embeddings=False)
@@ -119,6 +122,32 @@ def test_fp8_layout_shapes_and_bytes_by_hand(capsys):
     assert "rank 3: fp8" in capsys.readouterr().out
 
 
+def test_mla_fp8_layout_by_hand():
+    """DeepSeek-V3 at TP 2, rank 1 (q_lora_rank 256, kv_lora_rank 128 + rope 64, 4 heads of 128 + 64 / 128):
+    fused_qkv_a_proj is q_a's 256 rows then kv_a's 192, its scales q_a's two block rows then kv_a's two (the
+    last half full); q_b_proj, kv_b_proj by rows and o_proj by columns cut whole blocks; the router and its
+    correction bias are not quantized (vLLM builds the gate without the quantization config)."""
+    spec = ModelSpec.from_hf_config(MODELS["deepseek_v3"])
+    fp8 = vllm_layout(spec, ParallelLayout(tp=2), 2, convention=FP8).tensors(1)
+    a, m = "model.layers.0.self_attn.", "model.layers.1.mlp."
+    boxes = {n: [(q.hf_name.removeprefix(a), q.src, q.dst_start) for q in fp8[a + n].pieces]
+             for n in ("fused_qkv_a_proj.weight_scale_inv", "q_b_proj.weight_scale_inv",
+                       "kv_b_proj.weight_scale_inv", "o_proj.weight_scale_inv")}
+    assert boxes == {
+        "fused_qkv_a_proj.weight_scale_inv": [
+            ("q_a_proj.weight_scale_inv", ((0, 2), (0, 2)), (0, 0)),
+            ("kv_a_proj_with_mqa.weight_scale_inv", ((0, 2), (0, 2)), (2, 0))],
+        "q_b_proj.weight_scale_inv": [("q_b_proj.weight_scale_inv", ((3, 6), (0, 2)), (0, 0))],
+        "kv_b_proj.weight_scale_inv": [("kv_b_proj.weight_scale_inv", ((4, 8), (0, 1)), (0, 0))],
+        "o_proj.weight_scale_inv": [("o_proj.weight_scale_inv", ((0, 2), (2, 4)), (0, 0))]}
+    assert fp8[a + "fused_qkv_a_proj.weight"].shape == (448, 256)
+    assert fp8[a + "fused_qkv_a_proj.weight_scale_inv"].shape == (4, 2)
+    assert {m + "gate.weight", m + "gate.e_score_correction_bias",
+            m + "shared_experts.gate_up_proj.weight_scale_inv"} <= set(fp8)
+    assert sum(n.startswith(m + "experts.") and n.endswith("_scale_inv") for n in fp8) == 2  # w13, w2
+    assert not {m + "gate.weight_scale_inv", a + "q_a_layernorm.weight_scale_inv"} & set(fp8)
+
+
 def test_bad_input_is_named():
     dense, moe = ModelSpec.from_hf_config(DENSE), ModelSpec.from_hf_config(MOE)
     with pytest.raises(ValueError, match=r"weight_block_size=\(64, 128\).*128x128 blocks only"):
@@ -140,9 +169,18 @@ def test_bad_input_is_named():
     stream = quantize_stream([(name, torch.zeros(dense.full_shapes()[name], dtype=torch.int8))], [name])
     with pytest.raises(ValueError, match=f"{name}: dtype torch.int8 cannot"):
         next(stream)
-    with pytest.raises(ValueError, match="family='llama': no FP8 layout"):
-        vllm_layout(ModelSpec.from_hf_config(dict(DENSE, model_type="llama")), ParallelLayout(), 1,
+    with pytest.raises(ValueError, match="family='qwen2': no FP8 layout"):
+        vllm_layout(ModelSpec.from_hf_config(dict(DENSE, model_type="qwen2")), ParallelLayout(), 1,
                     convention=FP8)
+    # DeepSeek-V3: q_b_proj's 768 rows over TP 4, 192 a rank (vLLM refuses it too: the program checks that).
+    with pytest.raises(ValueError, match=r"holds rows \[0, 192\) of model\.layers\.0\.self_attn\.q_b_proj\."
+                                         r"weight.*shard boundary inside a 128-block"):
+        vllm_layout(ModelSpec.from_hf_config(MODELS["deepseek_v3"]), ParallelLayout(tp=4), 4, convention=FP8)
+    # A q_lora_rank that is not whole blocks: q_a's and kv_a's rows would share a block of fused_qkv_a_proj.
+    with pytest.raises(ValueError, match=r"q_lora_rank=192 \(family='deepseek_v3'\) is not a multiple of "
+                                         r"128: vLLM fuses q_a_proj and kv_a_proj_with_mqa"):
+        vllm_layout(ModelSpec.from_hf_config(dict(MODELS["deepseek_v3"], q_lora_rank=192)), ParallelLayout(),
+                    1, convention=FP8)
     with pytest.raises(ValueError, match=r"destination weight_block_size=\[128, 128\]: a plan moves"):
         build_plan(hf_source_layout(dense, 2, shard_size=2), vllm_layout(dense, ParallelLayout(tp=2), 2,
                                                                           convention=FP8))
@@ -163,8 +201,18 @@ def test_vllm_fp8_classes_load_what_a_sync_writes(tmp_path, release):
     report = json.loads(out.read_text())
     assert ".".join(report["vllm"].split(".")[:2]) == release and not report["failures"]
     assert report["hybridmem"] == str(ROOT / "hybridmem" / "__init__.py")
-    cases = {(c["family"], c["tp"], c["pp"], c["ep"]) for c in report["cases"]}
-    assert {("qwen3", 4, 1, 1), ("qwen3", 1, 2, 1), ("qwen3_moe", 2, 1, 2)} <= cases
+    cases = {(c["model"], c["tp"], c["pp"], c["ep"]) for c in report["cases"]}
+    assert {("qwen3", 4, 1, 1), ("qwen3", 1, 2, 1), ("qwen3_moe", 2, 1, 2), ("llama", 4, 1, 1),
+            ("llama", 1, 2, 1), ("glm4_moe", 2, 1, 2), ("glm4_moe", 1, 2, 1), ("deepseek_v3", 2, 1, 2),
+            ("deepseek_v3", 1, 2, 1), ("deepseek_v3_no_q_lora", 2, 1, 1), ("mistral", 4, 1, 1)} <= cases
+    # Refused by both: hybridmem names the weight; vLLM's validate_fp8_block_shape names the partition size,
+    # and loading kv_a's block scales into fused_qkv_a_proj's grid (q_lora_rank 192) runs past its 3 rows.
+    q_b, q_lora = report["refused"]
+    assert "q_b_proj.weight holds rows [0, 192)" in q_b["hybridmem"]
+    assert q_b["vllm"] == ["build: Weight output_partition_size = 192 is not divisible by weight "
+                           "quantization block_n = 128."] * 4
+    assert q_lora["hybridmem"].startswith("q_lora_rank=192 (family='deepseek_v3') is not a multiple of 128")
+    assert q_lora["vllm"] == ["load: start (2) + length (2) exceeds dimension size (3)."] * 4
     for case in report["cases"]:
         for rank in case["ranks"]:
             assert rank["fp8_tensors"] == rank["scales"] > 0 and rank["compared"] == rank["tensors"], rank
