@@ -57,7 +57,7 @@ def test_a_megatron_tp2_trainer_into_fp8_tp2_moves_each_ranks_missing_half_of_th
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--family", "llama"], "--infer-dtype fp8: family='llama' has no FP8 layout"),
+    (["--family", "qwen2"], "--infer-dtype fp8: family='qwen2' has no FP8 layout"),
     (["--param-dtype", "fp8"], "--infer-dtype fp8 with --param-dtype fp8: the engine's FP8 weights are "
                                "quantized from the training weights"),
     (["--lora-rank", "8"], "--infer-dtype fp8 is planned without --lora-rank"),
