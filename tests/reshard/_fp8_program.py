@@ -43,16 +43,19 @@ DEEPSEEK_V3 = dict(DENSE, model_type="deepseek_v3", num_key_value_heads=4, moe_i
 MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "llama": dict(DENSE, model_type="llama"),
           "mistral": dict(DENSE, model_type="mistral"), "glm4_moe": GLM4_MOE, "deepseek_v3": DEEPSEEK_V3,
           "deepseek_v3_no_q_lora": dict(DEEPSEEK_V3, q_lora_rank=None),
-          "deepseek_v3_q_lora_192": dict(DEEPSEEK_V3, q_lora_rank=192)}
+          "deepseek_v3_q_lora_192": dict(DEEPSEEK_V3, q_lora_rank=192),
+          "qwen3_moe_wide": dict(MOE, moe_intermediate_size=512)}
 """Mistral's configs are read as Llama's (one family); vLLM builds them with its own MistralForCausalLM."""
 DENSE_MODELS = ("qwen3", "llama", "mistral")
 """Models whose every FP8 layer is a linear one: vLLM's processing after loading runs on CPU for them."""
 CASES = [(model, layout) for models, layouts in (
     (("qwen3", "llama"), ((1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1))),
     (("qwen3_moe", "glm4_moe", "deepseek_v3"), ((1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1))),
-    (("mistral",), ((4, 1, 1),)), (("deepseek_v3_no_q_lora",), ((2, 1, 1),)))
+    (("mistral",), ((4, 1, 1),)), (("deepseek_v3_no_q_lora",), ((2, 1, 1),)),
+    (("qwen3_moe_wide",), ((4, 1, 1), (4, 1, 4))))
     for model in models for layout in layouts]
-"""(model, (tp, pp, ep)) checked rank by rank."""
+"""(model, (tp, pp, ep)) checked rank by rank; ``qwen3_moe_wide``'s experts (512 rows) are whole blocks at
+TP 4 with and without expert parallelism."""
 REFUSED = [("deepseek_v3", (4, 1, 1), "self_attn.q_b_proj.weight"),
            ("deepseek_v3_q_lora_192", (1, 1, 1), "q_lora_rank=192")]
 """(model, (tp, pp, ep), what hybridmem's refusal names): a shard boundary inside a block (q_b_proj's 192 rows

@@ -10,7 +10,8 @@
   under each supported release's Python, as tests/adapters/test_vllm_transfer_versions.py runs its program):
   after a sync from bf16 weights every parameter and scale equals what vLLM loads from the FP8 checkpoint its
   own quantizer makes, at TP 1/2/4 and PP 2 (Qwen3, Llama; Mistral at TP 4) and TP 1/2, EP 2 and PP 2
-  (Qwen3-MoE, GLM-4.5, DeepSeek-V3; DeepSeek-V3 without q_lora_rank at TP 2), and a layout hybridmem refuses
+  (Qwen3-MoE, GLM-4.5, DeepSeek-V3; DeepSeek-V3 without q_lora_rank at TP 2; Qwen3-MoE with 512-row experts
+  at TP 4, with and without EP 4), and a layout hybridmem refuses
   (DeepSeek-V3's q_b_proj split inside a block at TP 4; a q_lora_rank of 192) vLLM fails to build or load.
   The installed release (0.32 in CI) runs it only with ``HYBRIDMEM_TESTS_FULL=1`` (minutes); another
   release's Python named in ``HYBRIDMEM_VLLM_PYTHONS`` runs it whenever given.
@@ -204,7 +205,8 @@ def test_vllm_fp8_classes_load_what_a_sync_writes(tmp_path, release):
     cases = {(c["model"], c["tp"], c["pp"], c["ep"]) for c in report["cases"]}
     assert {("qwen3", 4, 1, 1), ("qwen3", 1, 2, 1), ("qwen3_moe", 2, 1, 2), ("llama", 4, 1, 1),
             ("llama", 1, 2, 1), ("glm4_moe", 2, 1, 2), ("glm4_moe", 1, 2, 1), ("deepseek_v3", 2, 1, 2),
-            ("deepseek_v3", 1, 2, 1), ("deepseek_v3_no_q_lora", 2, 1, 1), ("mistral", 4, 1, 1)} <= cases
+            ("deepseek_v3", 1, 2, 1), ("deepseek_v3_no_q_lora", 2, 1, 1), ("mistral", 4, 1, 1),
+            ("qwen3_moe_wide", 4, 1, 1), ("qwen3_moe_wide", 4, 1, 4)} <= cases
     # Refused by both: hybridmem names the weight; vLLM's validate_fp8_block_shape names the partition size,
     # and loading kv_a's block scales into fused_qkv_a_proj's grid (q_lora_rank 192) runs past its 3 rows.
     q_b, q_lora = report["refused"]
