@@ -1,5 +1,5 @@
-"""The server adapter's weight transfer into vLLM's own FP8 model classes, as a program of its own: ``python -m
-tests.adapters._vllm_fp8_transfer_program OUT.json`` (from the repository root), run by
+"""The server adapter's weight transfer into vLLM's own FP8 model classes, as a program of its own:
+``python -m tests.adapters._vllm_fp8_transfer_program OUT.json`` (from the repository root), run by
 test_vllm_server_fp8.py under each vLLM release it finds.
 
 No vLLM engine runs (vLLM builds FP8 linear layers on a CPU only with its AMX kernel): a dense Qwen3 (dims
@@ -9,12 +9,12 @@ loads it (``load_weights``, then ``process_weights_after_loading``):
 
 - A, the reference, from the FP8 checkpoint vLLM's own quantizer (``per_block_cast_to_fp8``) makes of random
   bf16 weights (``tests/reshard/_fp8_program.py``);
-- B from the FP8 checkpoint of the same weights times -2 (every e4m3 value and scale differs). Hybridmem's worker-side backend
-  (``HybridmemWeightTransferEngine``) is built on B and called as vLLM's worker calls it (the in-process
-  client of ``tests/adapters/_vllm_transfer_program.py``); ``VLLMServerEngine`` drives it through two CPU
-  buckets smaller than the largest tensor, and a ``ReshardSync`` from the bf16 weights feeds it, as the
-  manager's sync does: the engine reports the served model's FP8 config, so it is handed e4m3 shards and
-  scales.
+- B from the FP8 checkpoint of the same weights times -2 (every e4m3 value and scale differs). Hybridmem's
+  worker-side backend (``HybridmemWeightTransferEngine``) is built on B and called as vLLM's worker calls it
+  (the in-process client of ``tests/adapters/_vllm_transfer_program.py``); ``VLLMServerEngine`` drives it
+  through two CPU buckets smaller than the largest tensor, and a ``ReshardSync`` from the bf16 weights feeds
+  it, as the manager's sync does: the engine reports the served model's FP8 config, so it is handed e4m3
+  shards and scales.
 
 Every parameter and buffer of B must then equal A's bit for bit (each tensor the layout writes differed
 before). The findings go to ``OUT.json``; a failed check exits non-zero.
@@ -72,7 +72,7 @@ def main(out_path: str) -> None:
     import safetensors.torch
     import torch
     import vllm
-    import vllm.v1.worker.cpu_worker  # noqa: F401 - the CPU worker's stubs of torch.accelerator
+    import vllm.v1.worker.cpu_worker  # the CPU worker's stubs of torch.accelerator
     from vllm.config import WeightTransferConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 

@@ -4,10 +4,11 @@ scales, and they reach the worker through the real buckets and channel.
 
 - In one process, without vLLM: ``VLLMServerEngine`` over a stand-in worker client that runs the worker's own
   receiving code (:func:`~hybridmem.adapters.vllm.server.receive.receive_stream` and ``StreamUpdate``, what
-  vLLM's workers run, [Note: vllm receive]) into tensors named, shaped and typed as vLLM's FP8 Qwen3 holds
-  them. After every training step the worker must hold, bit for bit, what vLLM's own quantizer
-  (``per_block_cast_to_fp8``, its eager body) makes of the trained weights, fused and cut by hand
-  (``tests/weight_sync/_fp8_engine.py``); buckets smaller than the largest tensor split the e4m3 tensors.
+  vLLM's workers run, [Note: vllm receive] in :mod:`hybridmem.adapters.vllm.server.receive`) into tensors
+  named, shaped and typed as vLLM's FP8 Qwen3 holds them. After every training step the worker must hold,
+  bit for bit, what vLLM's own quantizer (``per_block_cast_to_fp8``, its eager body) makes of the trained
+  weights, fused and cut by hand (``tests/weight_sync/_fp8_engine.py``); buckets smaller than the largest
+  tensor split the e4m3 tensors.
 - Refused by name: another quantization in the served config, a worker layout without the FP8 block form, a
   cast to or from e4m3 in the packer.
 - vLLM's own classes built with ``quantization="fp8"`` (only the GEMM kernel choice stood in, as
@@ -139,15 +140,23 @@ def _engine(dest: dict[str, torch.Tensor], directory: str, config: Any = None) -
                             staging_dir=directory, bucket_nbytes=BUCKET_NBYTES, timeout_s=30.0)
 
 
-def test_every_switch_hands_the_served_fp8_model_vllms_fp8_shard_through_the_buckets(shm_directory):
+@pytest.fixture(scope="module")
+def untrained() -> dict[str, torch.Tensor]:
+    """vLLM's FP8 shard of the untrained model: the names, shapes and dtypes of its workers' layout."""
+    return reference(_full(_model(torch.bfloat16)))
+
+
+def test_every_switch_hands_the_served_fp8_model_vllms_fp8_shard_through_the_buckets(shm_directory,
+                                                                                      untrained):
     model = _model(torch.bfloat16)
-    want = reference(_full(model))  # names, shapes, dtypes of vLLM's FP8 Qwen3 (its workers' layout)
+    want = untrained
     dest = {n: torch.zeros_like(t) for n, t in want.items()}
     engine = _engine(dest, shm_directory)
     assert engine.capabilities.reports_quantization and engine.quantization_config == FP8
     assert engine.dtype == torch.bfloat16  # of the tensors vLLM does not quantize
     largest = max(t.numel() * t.element_size() for t in want.values())
-    assert largest > BUCKET_NBYTES and dest["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert largest > BUCKET_NBYTES
+    assert dest["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     manager = ShardingManager(model, engine, optimizer=opt, config=HybridConfig(device="cpu"))
     try:
@@ -174,8 +183,8 @@ def test_every_switch_hands_the_served_fp8_model_vllms_fp8_shard_through_the_buc
         engine.close()
 
 
-def test_another_quantization_or_a_worker_without_the_fp8_form_is_refused_by_name(shm_directory):
-    want = reference(_full(_model(torch.bfloat16)))
+def test_another_quantization_or_a_worker_without_the_fp8_form_is_refused_by_name(shm_directory, untrained):
+    want = untrained
     for quant, match in [({"quant_method": "fp8", "activation_scheme": "dynamic"},
                           "serves has quantization_config quant_method='fp8' without weight_block_size"),
                          ({"quant_method": "awq"}, "serves has quantization_config quant_method='awq'")]:

@@ -121,10 +121,10 @@ scales after loading (vLLM's CPU build, DeepGEMM's scale formats) re-lays each u
 checkpoint's. Refused by name: another quantization (another method, FP8 per tensor, another block) when the
 engine is built, before it is asked anything; a worker whose load-time layout does not hold the FP8 block
 form (no scales: the server was told another ``--quantization``; a scale or weight of another dtype) once
-the workers report it (:func:`check_fp8_layout`); the rest when the sync is built, as [Note: fp8 sync]
-says. vLLM builds FP8 linear layers on a CPU only with its AMX kernel, so a ``vllm serve`` of an FP8 model
-needs a GPU (or such a CPU); ``tests/adapters/test_vllm_server_fp8.py`` checks the transport, and vLLM's
-own FP8 classes with only their GEMM kernel stood in.
+the workers report it (:func:`check_fp8_layout`); the rest when the sync is built, as [Note: fp8 sync] in
+:mod:`hybridmem.weight_sync.fp8` says. vLLM builds FP8 linear layers on a CPU only with its AMX kernel, so a
+``vllm serve`` of an FP8 model needs a GPU (or such a CPU); ``tests/adapters/test_vllm_server_fp8.py``
+checks the transport, and vLLM's own FP8 classes with only their GEMM kernel stood in.
 """
 
 from __future__ import annotations
