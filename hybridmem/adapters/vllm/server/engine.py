@@ -103,6 +103,28 @@ once (its channel closes); a ``vllm serve`` engine core that dies under a waitin
 deadline (the server keeps the call open, ``/health`` then names the death). A switch whose rollback
 calls a stalled engine again waits once more (``tests/adapters/test_vllm_server_faults.py`` measures each
 case).
+
+[Note: vllm fp8 server]
+A served model whose config has FP8 with 128x128 blocks (``quantization_config``, read with
+:func:`~hybridmem.reshard.fp8.block_from_hf_config`; an FP8 checkpoint as the Hub has them) makes the engine
+declare ``reports_quantization`` and expose that config, so the resharding sync hands
+:meth:`VLLMServerEngine.load_layout_weights` this rank's shard already quantized, scales included ([Note:
+fp8 sync] in :mod:`hybridmem.weight_sync.fp8`); :attr:`VLLMServerEngine.dtype` is then the dtype of the
+tensors vLLM does not quantize. The rest is the same stream: an e4m3 tensor travels as its bytes, one a
+element, its dtype named ``float8_e4m3fn`` in the messages, its figures read as numbers
+(:func:`~hybridmem.reshard.checksum.tensor_checksum`); the packer never casts to or from e4m3 (a cast there
+would quantize without scales). The worker writes the shard into its FP8 modules' load-time tensors
+(``weight`` in e4m3, ``weight_scale_inv`` in float32, the checkpoint's form vLLM records before its
+post-load processing) and runs their ``quant_method.process_weights_after_loading`` again ([Note: vllm
+transfer backend] in :mod:`hybridmem.adapters.vllm.server.transfer`), so a kernel that re-lays weights or
+scales after loading (vLLM's CPU build, DeepGEMM's scale formats) re-lays each update's as it did the
+checkpoint's. Refused by name: another quantization (another method, FP8 per tensor, another block) when the
+engine is built, before it is asked anything; a worker whose load-time layout does not hold the FP8 block
+form (no scales: the server was told another ``--quantization``; a scale or weight of another dtype) once
+the workers report it (:func:`check_fp8_layout`); the rest when the sync is built, as [Note: fp8 sync] in
+:mod:`hybridmem.weight_sync.fp8` says. vLLM builds FP8 linear layers on a CPU only with its AMX kernel, so a
+``vllm serve`` of an FP8 model needs a GPU (or such a CPU); ``tests/adapters/test_vllm_server_fp8.py``
+checks the transport, and vLLM's own FP8 classes with only their GEMM kernel stood in.
 """
 
 from __future__ import annotations
@@ -142,6 +164,7 @@ from hybridmem.contract.generation import GenerationOutput
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError, add_note
 from hybridmem.reshard.checksum import tensor_checksum
+from hybridmem.reshard.fp8 import FP8_DTYPE, SCALE_SUFFIX, block_from_hf_config
 
 __all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
 
@@ -218,6 +241,9 @@ class VLLMServerEngine:
                  release_now: bool = True):
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level}; expected 1 or 2")
+        self.fp8_block = _fp8_block(hf_config, client.where)
+        """The FP8 block the served model holds its weights in (``(128, 128)``), or ``None``: unquantized (see
+        [Note: vllm fp8 server])."""
         self.client = client
         self.hf_config = hf_config
         self.group = group
@@ -242,6 +268,7 @@ class VLLMServerEngine:
             offers_layout_targets=True,
             reports_weight_coverage=True, reports_residency=True, stages_weights=True, checks_weights=True,
             describes_weights=True, reports_model_type=True, reports_layout=True, holds_buffers=True,
+            reports_quantization=self.fp8_block is not None,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`."""
         self.directory = self.ranks.shared_directory(staging_dir)
@@ -256,6 +283,8 @@ class VLLMServerEngine:
                                    device=self.accel.device)
             self.listener = Listener(channel_path(self.directory, self.rank), self.rank, run=self.run)
             self.layout = self._init_workers()
+            if self.fp8_block is not None:
+                check_fp8_layout(self.layout, f"the vLLM worker of rank {self.rank} at {client.where}")
         except BaseException:
             self._close_transport()
             raise
@@ -451,10 +480,23 @@ class VLLMServerEngine:
 
     @property
     def dtype(self) -> torch.dtype | None:
-        dtypes = {dtype for _, dtype in self.layout.values()}
+        """The dtype holding most of the worker's elements; of an FP8 model, of those it does not quantize
+        (the e4m3 weights and their scales aside)."""
+        kept = {n: v for n, v in self.layout.items()
+                if self.fp8_block is None or not (v[1] == FP8_DTYPE or n.endswith(SCALE_SUFFIX))}
+        dtypes = {dtype for _, dtype in kept.values()}
         if not dtypes:
             return None
-        return max(dtypes, key=lambda d: sum(math.prod(s) for s, t in self.layout.values() if t == d))
+        return max(dtypes, key=lambda d: sum(math.prod(s) for s, t in kept.values() if t == d))
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        """The served model's ``quantization_config`` (FP8 with 128x128 blocks; ``None``: unquantized), as
+        its config has it (see [Note: vllm fp8 server])."""
+        quant = getattr(self.hf_config, "quantization_config", None)
+        if not quant:
+            return None
+        return dict(quant) if isinstance(quant, Mapping) else dict(quant.to_dict())
 
     @property
     def parallel_layout(self) -> dict[str, int]:
@@ -898,6 +940,46 @@ def _bucket_nbytes(bucket_nbytes: int | None, device: torch.device, staging_dir:
     if bucket_nbytes is None:
         bucket_nbytes = default_bucket_nbytes(device.type, free_nbytes=limit)
     return check_bucket_nbytes(bucket_nbytes, limit_nbytes=limit, what=where)
+
+
+def _fp8_block(hf_config: Any, where: str) -> tuple[int, int] | None:
+    """The FP8 block of the served model's ``quantization_config`` (``None``: none).
+
+    Raises:
+        ValueError: Another quantization (another method, FP8 per tensor, another block), named with the
+            engine (see [Note: vllm fp8 server]).
+    """
+    try:
+        return block_from_hf_config(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"the model the vLLM engine at {where} serves has {exc}") from None
+
+
+def check_fp8_layout(layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], who: str) -> None:
+    """Refuse a worker layout that does not hold FP8 blocks as [Note: fp8 block layout] in
+    :mod:`hybridmem.reshard.fp8` says: each ``X.weight_scale_inv`` float32 beside an e4m3 ``X.weight``, and
+    no e4m3 weight without one (see [Note: vllm fp8 server]).
+
+    Raises:
+        ValueError: No scales at all, or a weight or scale of another dtype or without its partner; names
+            the tensor and ``who``.
+    """
+    scales = [n for n in layout if n.endswith(SCALE_SUFFIX)]
+    if not scales:
+        raise ValueError(f"{who} holds no weight{SCALE_SUFFIX} although the model's config says FP8 with "
+                         f"128x128 blocks: the server quantizes otherwise (a --quantization flag of another "
+                         f"method?); serve the FP8 checkpoint as its config says")
+    for scale in scales:
+        weight = scale.removesuffix(SCALE_SUFFIX)
+        if layout[scale][1] != torch.float32:
+            raise ValueError(f"{who} holds {scale} in {layout[scale][1]}; FP8 block scales are float32")
+        if weight not in layout or layout[weight][1] != FP8_DTYPE:
+            has = "nothing" if weight not in layout else str(layout[weight][1])
+            raise ValueError(f"{who} holds {scale} beside {has} as {weight}; expected {FP8_DTYPE}")
+    for name, (_, dtype) in layout.items():
+        if dtype == FP8_DTYPE and name + SCALE_SUFFIX not in layout:
+            raise ValueError(f"{who} holds {name} in {FP8_DTYPE} without {name + SCALE_SUFFIX}: not FP8 "
+                             f"with 128x128 blocks")
 
 
 def _config_of(model: str) -> Any:

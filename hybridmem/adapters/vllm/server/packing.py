@@ -11,8 +11,9 @@ both are with the worker, for the acknowledgement the worker sends once it copie
 So the trainer holds at most two buckets and the tensors in flight, whatever the model's size.
 
 A tensor is checked against the worker's load-time layout (name, shape) before any byte of it is written,
-and cast to the layout's dtype where the stream's differs. The stream may build a tensor in its bucket
-right away (:meth:`BucketWriter.reserve`: the next tensor's bytes, whole, in one bucket); its
+and cast to the layout's dtype where the stream's differs (never to or from e4m3: refused,
+[Note: vllm fp8 server] in :mod:`hybridmem.adapters.vllm.server.engine`). The stream may build a tensor in
+its bucket right away (:meth:`BucketWriter.reserve`: the next tensor's bytes, whole, in one bucket); its
 :meth:`BucketWriter.put` then records it where it lies, with no copy. A tensor larger than a bucket, or
 of another dtype, is never reserved. With ``verify``, its figures (the one checksum,
 :func:`hybridmem.reshard.checksum.tensor_checksum`) are taken on the trainer's device from the tensor as it
@@ -148,6 +149,9 @@ class BucketWriter:
         if reserved is not None and reserved[0] != name:
             raise RuntimeError(f"the stream reserved bucket bytes for {reserved[0]} and then gave {name} "
                                f"(internal error: a reserved tensor is given next)")
+        if tensor.dtype != dtype and torch.float8_e4m3fn in (tensor.dtype, dtype):
+            raise ValueError(f"{name}: the stream gives {tensor.dtype}, the worker's layout holds {dtype}; "
+                             f"an FP8 tensor is never cast (a cast would quantize without scales)")
         flat = tensor.detach().to(dtype).reshape(-1)
         in_place = reserved is not None and flat.data_ptr() == reserved[1].data_ptr() and \
             flat.numel() == reserved[1].numel()
