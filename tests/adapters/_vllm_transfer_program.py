@@ -33,7 +33,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 from typing import Any
 
 from tests.reshard import _vllm_tasks
@@ -71,30 +70,12 @@ def build(vllm_config: Any, weights: dict) -> Any:
 def worker_client(transfer_engine: Any) -> Any:
     """A :class:`~hybridmem.adapters.vllm.server.client.VLLMClient` whose engine is ``transfer_engine`` in
     this process, called as vLLM's worker calls its weight-transfer backend."""
-    from hybridmem.adapters.vllm.server.client import VLLMClient
-    from hybridmem.errors import EngineFault
+    from tests.adapters._transport import LocalWorker
 
-    class InProcessWorker(VLLMClient):
-        where = "an in-process vLLM worker"
-        timeout_s = 60.0
-        generate_timeout_s = 60.0
-
+    class InProcessWorker(LocalWorker):
         def __init__(self) -> None:
+            super().__init__()
             self.active = False
-            self.version = "initial"
-            self.calls: list[str] = []
-
-        def _call(self, name: str, *args: Any, timeout_s: float | None = None) -> Any:
-            start = time.monotonic()
-            self.calls.append(name)
-            try:
-                return getattr(self, f"_{name}")(*args)
-            except Exception as exc:
-                raise self._failure(name, start=start, deadline_s=self.timeout_s, cause=str(exc),
-                                    fault=EngineFault.REFUSED) from exc
-
-        def _world_size(self) -> int:
-            return 1
 
         def _init_weight_transfer_engine(self, init_info: dict) -> None:
             transfer_engine.init_transfer_engine(transfer_engine.parse_init_info(init_info))
@@ -122,21 +103,6 @@ def worker_client(transfer_engine: Any) -> Any:
             self.active = False
             if version is not None:
                 self.version = version
-
-        def _reset_prefix_cache(self) -> None:
-            pass
-
-        def _weight_version(self) -> str:
-            return self.version
-
-        def _gone(self) -> bool:
-            return False
-
-        def generate(self, prompt_ids: Any, params: Any) -> Any:
-            raise NotImplementedError("this worker has no engine to generate with")
-
-        async def agenerate(self, prompt_ids: Any, params: Any, *, index: int = 0) -> Any:
-            raise NotImplementedError("this worker has no engine to generate with")
 
     return InProcessWorker()
 

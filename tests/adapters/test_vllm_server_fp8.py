@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -34,15 +33,13 @@ from hybridmem import HybridConfig, ShardingManager
 from hybridmem.adapters.vllm.server import VLLMServerEngine
 from hybridmem.adapters.vllm.server.buckets import dtype_name, open_buckets
 from hybridmem.adapters.vllm.server.channel import WorkerChannel
-from hybridmem.adapters.vllm.server.client import VLLMClient
 from hybridmem.adapters.vllm.server.engine import check_fp8_layout
 from hybridmem.adapters.vllm.server.packing import BucketWriter
 from hybridmem.adapters.vllm.server.receive import StreamUpdate, receive_stream
-from hybridmem.errors import EngineFault
 from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS
 from hybridmem.weight_sync import ReshardRoute, ReshardSync
 from tests._full import TESTS_FULL
-from tests.adapters._transport import start_transport
+from tests.adapters._transport import LocalWorker, start_transport
 from tests.weight_sync._fp8_engine import CONFIG, FP8, reference, same
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +49,7 @@ BUCKET_NBYTES = 64 << 10
 """Smaller than the fused q/k/v and gate/up weights in e4m3 (1024 x 256: 256 KiB): split over buckets."""
 
 
-class StandInWorker(VLLMClient):
+class StandInWorker(LocalWorker):
     """One vLLM worker's side of the RL API in this process: its weight-transfer backend's receiving code
     (``receive_stream`` into ``StreamUpdate``) writing into ``dest``, whose names, shapes and dtypes are the
     worker's layout; generation is not offered."""
@@ -62,22 +59,11 @@ class StandInWorker(VLLMClient):
     generate_timeout_s = 30.0
 
     def __init__(self, dest: dict[str, torch.Tensor]):
+        super().__init__()
         self.dest = dest
         self.layout = {n: (tuple(t.shape), t.dtype) for n, t in dest.items()}
         self.info: dict[str, Any] = {}
         self.views: list[torch.Tensor] = []
-        self.version = "initial"
-
-    def _call(self, name: str, *args: Any, timeout_s: float | None = None) -> Any:
-        start = time.monotonic()
-        try:
-            return getattr(self, f"_{name}")(*args)
-        except Exception as exc:
-            raise self._failure(name, start=start, deadline_s=self.timeout_s, cause=str(exc),
-                                fault=EngineFault.REFUSED) from exc
-
-    def _world_size(self) -> int:
-        return 1
 
     def _init_weight_transfer_engine(self, info: dict[str, Any]) -> None:
         self.info = info
@@ -97,13 +83,7 @@ class StandInWorker(VLLMClient):
     def _finish_weight_update(self, version: str | None) -> None:
         self.version = self.version if version is None else version
 
-    def _weight_version(self) -> str:
-        return self.version
-
     def _start_weight_update(self) -> None:
-        pass
-
-    def _reset_prefix_cache(self) -> None:
         pass
 
     def _pause(self, mode: str) -> None:
@@ -111,15 +91,6 @@ class StandInWorker(VLLMClient):
 
     def _resume(self) -> None:
         pass
-
-    def _gone(self) -> bool:
-        return False
-
-    def generate(self, prompt_ids: Any, params: Any) -> Any:
-        raise NotImplementedError("a stand-in worker does not generate")
-
-    async def agenerate(self, prompt_ids: Any, params: Any, *, index: int = 0) -> Any:
-        raise NotImplementedError("a stand-in worker does not generate")
 
 
 def _model(dtype: torch.dtype):
