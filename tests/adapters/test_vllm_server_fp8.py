@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -38,7 +36,6 @@ from hybridmem.adapters.vllm.server.packing import BucketWriter
 from hybridmem.adapters.vllm.server.receive import StreamUpdate, receive_stream
 from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS
 from hybridmem.weight_sync import ReshardRoute, ReshardSync
-from tests._full import TESTS_FULL
 from tests.adapters._transport import LocalWorker, start_transport
 from tests.weight_sync._fp8_engine import CONFIG, FP8, reference, same
 
@@ -200,20 +197,11 @@ def test_the_packer_never_casts_to_or_from_e4m3(shm_directory):
 @pytest.mark.slow
 @pytest.mark.parametrize("release", SUPPORTED_VLLM_VERSIONS)
 def test_vllm_fp8_classes_take_a_sync_through_the_worker_backend(tmp_path, release):
-    from tests.adapters.test_vllm_transfer_versions import PYTHONS_VAR, ROOT, _env, _python_for
+    from tests.adapters.test_vllm_transfer_versions import release_program
 
-    python = _python_for(release)
-    if python is None:
-        pytest.skip(f"no Python with vLLM {release} here; name one in {PYTHONS_VAR}")
-    if python == sys.executable and not TESTS_FULL:
-        pytest.skip("the installed vLLM's run takes a minute; HYBRIDMEM_TESTS_FULL=1 runs it")
-    out = tmp_path / "report.json"
-    done = subprocess.run([python, "-m", "tests.adapters._vllm_fp8_transfer_program", str(out)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    report = json.loads(out.read_text())
-    assert ".".join(report["vllm"].split(".")[:2]) == release
-    assert report["hybridmem"] == str(ROOT / "hybridmem" / "__init__.py")
+    report = release_program(release, "tests.adapters._vllm_fp8_transfer_program",
+                             out=tmp_path / "report.json", timeout_s=1200,
+                             installed_only_when_full="the installed vLLM's run takes a minute")
     assert report["fp8_tensors"] == report["scales"] > 0 and report["differ"] == []
     assert report["compared"] >= report["layout_tensors"] and report["unwritten"] == []
     assert report["stream_nbytes"] < report["bf16_nbytes"]

@@ -71,6 +71,29 @@ def _python_for(release: str) -> str | None:
     return next((p for p in [sys.executable, *others] if _release_of(p) == release), None)
 
 
+def release_program(release: str, module: str, *args: str, out: Path, timeout_s: float,
+                    installed_only_when_full: str | None = None) -> dict:
+    """Run ``python -m module *args out`` under the Python that has vLLM ``release`` (skipped where none is
+    here; the installed one skipped with ``installed_only_when_full`` as reason unless
+    ``HYBRIDMEM_TESTS_FULL`` is set) and return the report it wrote to ``out``, checked to come from that
+    release and from this checkout's hybridmem."""
+    from tests._full import TESTS_FULL
+
+    python = _python_for(release)
+    if python is None:
+        pytest.skip(f"no Python with vLLM {release} here: this one has {installed_vllm_version()}; name the "
+                    f"interpreter of an environment with vLLM {release} in {PYTHONS_VAR}")
+    if python == sys.executable and installed_only_when_full and not TESTS_FULL:
+        pytest.skip(f"{installed_only_when_full}; HYBRIDMEM_TESTS_FULL=1 runs it")
+    done = subprocess.run([python, "-m", module, *args, str(out)], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert _series(report["vllm"]) == release, report["vllm"]
+    assert report["hybridmem"] == str(ROOT / "hybridmem" / "__init__.py"), "the checkout's hybridmem ran"
+    return report
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """``{model id: dir}``: transformers' tiny checkpoint of each case, every value distinct (1..N)."""
@@ -92,17 +115,8 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("model_id", CASES)
 @pytest.mark.parametrize("release", SUPPORTED_VLLM_VERSIONS)
 def test_worker_backend_writes_what_vllm_loads(checkpoints, tmp_path, release, model_id):
-    python = _python_for(release)
-    if python is None:
-        pytest.skip(f"no Python with vLLM {release} here: this one has {installed_vllm_version()}; name the "
-                    f"interpreter of an environment with vLLM {release} in {PYTHONS_VAR}")
-    out = tmp_path / "report.json"
-    done = subprocess.run([python, "-m", "tests.adapters._vllm_transfer_program", checkpoints[model_id],
-                           str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    report = json.loads(out.read_text())
-    assert _series(report["vllm"]) == release
-    assert report["hybridmem"] == str(ROOT / "hybridmem" / "__init__.py"), "the checkout's hybridmem ran"
+    report = release_program(release, "tests.adapters._vllm_transfer_program", checkpoints[model_id],
+                             out=tmp_path / "report.json", timeout_s=900)
     # The damaged bucket: refused by the worker's figures of that tensor, the model partly written.
     assert ("staged tensor model.layers.1.mlp.down_proj.weight reads (sum, weighted)"
             in report["corrupted_error"]), report["corrupted_error"]

@@ -19,10 +19,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -32,8 +28,8 @@ from hybridmem.reshard.conventions import VLLMConvention
 from hybridmem.reshard.fp8 import block_from_hf_config, quantize_block_fp8, quantize_stream
 from hybridmem.reshard.layouts import fp8_quantized_names
 from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS
-from tests._full import TESTS_FULL, full_only
-from tests.adapters.test_vllm_transfer_versions import PYTHONS_VAR, ROOT, _env, _python_for
+from tests._full import full_only
+from tests.adapters.test_vllm_transfer_versions import release_program
 from tests.reshard._fp8_program import MODELS
 
 DENSE = dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
@@ -190,18 +186,10 @@ def test_bad_input_is_named():
 @pytest.mark.slow
 @pytest.mark.parametrize("release", SUPPORTED_VLLM_VERSIONS)
 def test_vllm_fp8_classes_load_what_a_sync_writes(tmp_path, release):
-    python = _python_for(release)
-    if python is None:
-        pytest.skip(f"no Python with vLLM {release} here; name one in {PYTHONS_VAR}")
-    if python == sys.executable and not TESTS_FULL:
-        pytest.skip("the installed vLLM's FP8 run takes minutes; HYBRIDMEM_TESTS_FULL=1 runs it")
-    out = tmp_path / "report.json"
-    done = subprocess.run([python, "-m", "tests.reshard._fp8_program", str(out)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    report = json.loads(out.read_text())
-    assert ".".join(report["vllm"].split(".")[:2]) == release and not report["failures"]
-    assert report["hybridmem"] == str(ROOT / "hybridmem" / "__init__.py")
+    report = release_program(release, "tests.reshard._fp8_program", out=tmp_path / "report.json",
+                             timeout_s=1800,
+                             installed_only_when_full="the installed vLLM's FP8 run takes minutes")
+    assert not report["failures"]
     cases = {(c["model"], c["tp"], c["pp"], c["ep"]) for c in report["cases"]}
     assert {("qwen3", 4, 1, 1), ("qwen3", 1, 2, 1), ("qwen3_moe", 2, 1, 2), ("llama", 4, 1, 1),
             ("llama", 1, 2, 1), ("glm4_moe", 2, 1, 2), ("glm4_moe", 1, 2, 1), ("deepseek_v3", 2, 1, 2),
