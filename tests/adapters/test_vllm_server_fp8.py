@@ -37,11 +37,10 @@ from hybridmem.adapters.vllm.server.receive import StreamUpdate, receive_stream
 from hybridmem.reshard.vllm_versions import SUPPORTED_VLLM_VERSIONS
 from hybridmem.weight_sync import ReshardRoute, ReshardSync
 from tests.adapters._transport import LocalWorker, start_transport
-from tests.weight_sync._fp8_engine import CONFIG, FP8, reference, same
+from tests.weight_sync._fp8_engine import CONFIG, FP8, full_weights, reference, same, train_step
 
 transformers = pytest.importorskip("transformers")
 
-BATCH = torch.tensor([[3, 17, 42, 99, 5, 8], [1, 2, 3, 4, 5, 6]])
 BUCKET_NBYTES = 64 << 10
 """Smaller than the fused q/k/v and gate/up weights in e4m3 (1024 x 256: 256 KiB): split over buckets."""
 
@@ -95,10 +94,6 @@ def _model(dtype: torch.dtype):
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIG)).to(dtype)
 
 
-def _full(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _served_config(quantization_config: Any = FP8) -> Any:
     return transformers.Qwen3Config(**CONFIG, quantization_config=quantization_config)
 
@@ -111,7 +106,7 @@ def _engine(dest: dict[str, torch.Tensor], directory: str, config: Any = None) -
 @pytest.fixture(scope="module")
 def untrained() -> dict[str, torch.Tensor]:
     """vLLM's FP8 shard of the untrained model: the names, shapes and dtypes of its workers' layout."""
-    return reference(_full(_model(torch.bfloat16)))
+    return reference(full_weights(_model(torch.bfloat16)))
 
 
 def test_every_switch_hands_the_served_fp8_model_vllms_fp8_shard_through_the_buckets(shm_directory,
@@ -132,11 +127,7 @@ def test_every_switch_hands_the_served_fp8_model_vllms_fp8_shard_through_the_buc
         assert isinstance(sync, ReshardSync) and sync.route is ReshardRoute.LAYOUT_STREAM
         assert sync.fp8 is not None
         for step in range(2):
-            model.train()
-            model(BATCH, labels=BATCH).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            want = reference(_full(model))
+            want = train_step(model, opt)
             manager.to_infer()
             wrong = [n for n, t in want.items() if not same(dest[n], t)]
             assert not wrong, (step, wrong)

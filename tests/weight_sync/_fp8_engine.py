@@ -14,6 +14,8 @@ from hybridmem.reshard import ModelSpec
 from hybridmem.weight_sync import ReshardSync
 from tests.reshard.reference import megatron_shard
 
+BATCH = torch.tensor([[3, 17, 42, 99, 5, 8], [1, 2, 3, 4, 5, 6]])
+"""The token ids of the training steps the FP8 switch tests take."""
 FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               intermediate_size=512, num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
@@ -96,6 +98,21 @@ class Fp8Engine:
     def resume(self, tags):
         if "weights" in tags:
             self.written = set()
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """The training model's full weights by name, cloned."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_step(model, opt) -> dict[str, torch.Tensor]:
+    """One likelihood step of ``model`` on :data:`BATCH`; returns :func:`reference` of the weights it left,
+    what an FP8 engine must hold after the next sync."""
+    model.train()
+    model(BATCH, labels=BATCH).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return reference(full_weights(model))
 
 
 def same(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -22,21 +22,25 @@ from hybridmem.reshard import ModelSpec, vllm_layout
 from hybridmem.reshard.conventions import VLLMConvention
 from hybridmem.weight_sync import ReshardRoute, ReshardSync
 from hybridmem.weight_sync.fp8 import Fp8Target
-from tests.weight_sync._fp8_engine import CONFIG, FP8, Fp8Engine, reference, same, vllm_quantizer
+from tests.weight_sync._fp8_engine import (
+    CONFIG,
+    FP8,
+    Fp8Engine,
+    full_weights,
+    reference,
+    same,
+    train_step,
+    vllm_quantizer,
+)
 
 transformers = pytest.importorskip("transformers")
 
-BATCH = torch.tensor([[3, 17, 42, 99, 5, 8], [1, 2, 3, 4, 5, 6]])
 
 
 def _model(dtype: torch.dtype):
     torch.manual_seed(0)
     config = transformers.Qwen3Config(**CONFIG)
     return transformers.Qwen3ForCausalLM(config).to(dtype), config
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 # The FP8 bytes the engine is handed, from the shapes (hidden 256, q 4x128, kv 2x128, MLP 512, vocab 256):
@@ -51,7 +55,7 @@ ENGINE_NBYTES = 2 * LAYER_NBYTES + 2 * (256 * 256) * 2 + 2 * 256
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dtype):
     model, _ = _model(dtype)
-    engine = Fp8Engine(reference(_full(model)))
+    engine = Fp8Engine(reference(full_weights(model)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # the fp32 run also compares the plan's per-slice checksums (verify_weight_sync)
     config = HybridConfig(device="cpu", verify_weight_sync=dtype == torch.float32)
@@ -59,11 +63,7 @@ def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dt
     sync = manager.weight_sync
     assert isinstance(sync, ReshardSync) and sync.route is ReshardRoute.LAYOUT_STREAM and sync.fp8 is not None
     for step in range(2):
-        model.train()
-        model(BATCH, labels=BATCH).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want = reference(_full(model))
+        want = train_step(model, opt)
         report = manager.to_infer()
         assert engine.params.keys() == want.keys() and not engine.unwritten_weights()
         wrong = [n for n, t in want.items() if not same(engine.params[n], t)]
@@ -82,7 +82,7 @@ def test_a_rank_of_a_tp2_engine_gets_its_hand_cut_fp8_shard():
     """The quantize-and-cut part on rank 1 of TP 2 (each rank's shard of every weight is whole blocks): from
     the stage's full tensors, the rank's tensors equal vLLM's quantizer's full tensors cut by hand."""
     model, config = _model(torch.bfloat16)
-    full = _full(model)
+    full = full_weights(model)
     spec = ModelSpec.from_hf_config(config)
     fp8 = VLLMConvention(weight_block_size=(128, 128))
     layout = vllm_layout(spec, ParallelLayout(tp=2), 2, convention=fp8)
@@ -94,7 +94,7 @@ def test_a_rank_of_a_tp2_engine_gets_its_hand_cut_fp8_shard():
 
 def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
     model, _ = _model(torch.bfloat16)
-    like = reference(_full(model))
+    like = reference(full_weights(model))
     build = lambda m, e: ShardingManager(m, e, config=HybridConfig(device="cpu"))  # noqa: E731
     with pytest.raises(ValueError, match="quant_method='awq'"):
         build(model, Fp8Engine(like, {"quant_method": "awq"}))
