@@ -22,7 +22,6 @@ before). The findings go to ``OUT.json``; a failed check exits non-zero.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -59,13 +58,6 @@ def build(model_dir: str, weights: dict) -> tuple[Any, Any]:
     return vllm_config, model
 
 
-def tensors(model: Any) -> dict:
-    """Every parameter and buffer of ``model`` by name, cloned."""
-    out = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
-    out.update((f"buffer:{n}", b.detach().clone()) for n, b in model.named_buffers())
-    return out
-
-
 def main(out_path: str) -> None:
     _vllm_tasks._environment()
     os.environ["VLLM_DIST_IDENT"] = f"hybridmem-fp8-transfer-{os.getpid()}"
@@ -74,7 +66,6 @@ def main(out_path: str) -> None:
     import vllm
     import vllm.v1.worker.cpu_worker  # the CPU worker's stubs of torch.accelerator
     from vllm.config import WeightTransferConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
 
     import hybridmem
     from hybridmem.adapters.vllm.server import VLLMServerEngine
@@ -82,7 +73,7 @@ def main(out_path: str) -> None:
     from hybridmem.config import ParallelLayout
     from hybridmem.reshard import ModelSpec
     from hybridmem.weight_sync import ReshardRoute, ReshardSync
-    from tests.adapters._vllm_transfer_program import worker_client
+    from tests.adapters._vllm_transfer_program import one_process_groups, tensors, worker_client
 
     root = tempfile.mkdtemp(prefix="hybridmem-fp8-transfer-")
     model_dir, bf16, quantized = _fp8_program._checkpoint(root, _fp8_program.DENSE)
@@ -91,56 +82,49 @@ def main(out_path: str) -> None:
     with open(os.path.join(model_dir, "config.json")) as f:
         spec = ModelSpec.from_hf_config(json.load(f))
     report: dict[str, Any] = {"vllm": vllm.__version__, "hybridmem": os.path.abspath(hybridmem.__file__)}
-    init_file = tempfile.mktemp(prefix="hybridmem-fp8-transfer-dist-")
     _, first = _vllm_tasks.vllm_configs(model_dir, 1, 1, 1, dtype="bfloat16")
-    with set_current_vllm_config(first):
-        parallel_state.init_distributed_environment(1, 0, f"file://{init_file}", 0, backend="gloo")
-        parallel_state.initialize_model_parallel(1, 1)
     try:
-        _, reference = build(model_dir, checkpoint)
-        vllm_config, model = build(model_dir, other)
-        want, before = tensors(reference), tensors(model)
-        assert list(before) == list(want), "A and B are the same model"
-        transfer = HybridmemWeightTransferEngine(WeightTransferConfig(backend="hybridmem"), vllm_config,
-                                                 torch.device("cpu"), model)
-        client = worker_client(transfer)
-        with set_current_vllm_config(vllm_config):
-            engine = VLLMServerEngine(client, hf_config=vllm_config.model_config.hf_config,
-                                      bucket_nbytes=BUCKET_NBYTES, accel="cpu", release_now=False,
-                                      timeout_s=60.0)
-            try:
-                layout = engine.layout
-                assert engine.capabilities.reports_quantization, engine.capabilities
-                assert max(math.prod(s) * d.itemsize for s, d in layout.values()) > BUCKET_NBYTES
-                assert all(not torch.equal(_bits(before[f"param:{n}"]), _bits(want[f"param:{n}"]))
-                           for n in layout), "every tensor the update writes starts other than A's"
-                sync = ReshardSync(spec, ParallelLayout(), ParallelLayout(), None, lambda: bf16, engine)
-                assert sync.route is ReshardRoute.LAYOUT_STREAM and sync.fp8 is not None
-                stats = sync.sync()
-                commit = engine.commit_weights()
-                report.update(
-                    commit=commit, layout_tensors=len(layout), unwritten=list(stats.unwritten),
-                    engine_dtype=str(engine.dtype), stream_nbytes=engine.last_stream.nbytes,
-                    sync_engine_nbytes=stats.engine_nbytes,
-                    fp8_tensors=sum(d == torch.float8_e4m3fn for _, d in layout.values()),
-                    scales=sum(n.endswith("_scale_inv") for n in layout),
-                    bf16_nbytes=sum(math.prod(s) * 2 for n, (s, _) in layout.items()
-                                    if not n.endswith("_scale_inv")),
-                    damaged=transfer.damaged)
-            finally:
-                engine.close()
-        got = tensors(model)
-        assert list(got) == list(want), f"B's tensors are named otherwise: {sorted(set(got) ^ set(want))[:6]}"
-        differ = [n for n in want if got[n].dtype != want[n].dtype
-                  or not torch.equal(_bits(got[n]), _bits(want[n]))]
-        report.update(differ=differ, compared=len(want))
-        assert not differ, f"B differs from A at {differ[:5]}"
+        with one_process_groups(first, "hybridmem-fp8-transfer-dist-"):
+            _, reference = build(model_dir, checkpoint)
+            vllm_config, model = build(model_dir, other)
+            want, before = tensors(reference), tensors(model)
+            assert list(before) == list(want), "A and B are the same model"
+            transfer = HybridmemWeightTransferEngine(WeightTransferConfig(backend="hybridmem"), vllm_config,
+                                                     torch.device("cpu"), model)
+            client = worker_client(transfer)
+            with set_current_vllm_config(vllm_config):
+                engine = VLLMServerEngine(client, hf_config=vllm_config.model_config.hf_config,
+                                          bucket_nbytes=BUCKET_NBYTES, accel="cpu", release_now=False,
+                                          timeout_s=60.0)
+                try:
+                    layout = engine.layout
+                    assert engine.capabilities.reports_quantization, engine.capabilities
+                    assert max(math.prod(s) * d.itemsize for s, d in layout.values()) > BUCKET_NBYTES
+                    assert all(not torch.equal(_bits(before[f"param:{n}"]), _bits(want[f"param:{n}"]))
+                               for n in layout), "every tensor the update writes starts other than A's"
+                    sync = ReshardSync(spec, ParallelLayout(), ParallelLayout(), None, lambda: bf16, engine)
+                    assert sync.route is ReshardRoute.LAYOUT_STREAM and sync.fp8 is not None
+                    stats = sync.sync()
+                    commit = engine.commit_weights()
+                    report.update(
+                        commit=commit, layout_tensors=len(layout), unwritten=list(stats.unwritten),
+                        engine_dtype=str(engine.dtype), stream_nbytes=engine.last_stream.nbytes,
+                        sync_engine_nbytes=stats.engine_nbytes,
+                        fp8_tensors=sum(d == torch.float8_e4m3fn for _, d in layout.values()),
+                        scales=sum(n.endswith("_scale_inv") for n in layout),
+                        bf16_nbytes=sum(math.prod(s) * 2 for n, (s, _) in layout.items()
+                                        if not n.endswith("_scale_inv")),
+                        damaged=transfer.damaged)
+                finally:
+                    engine.close()
+            got = tensors(model)
+            assert list(got) == list(want), (f"B's tensors are named otherwise: "
+                                             f"{sorted(set(got) ^ set(want))[:6]}")
+            differ = [n for n in want if got[n].dtype != want[n].dtype
+                      or not torch.equal(_bits(got[n]), _bits(want[n]))]
+            report.update(differ=differ, compared=len(want))
+            assert not differ, f"B differs from A at {differ[:5]}"
     finally:
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
-        _vllm_tasks._unlink_segments(os.environ["VLLM_DIST_IDENT"])
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(init_file)
         with open(out_path, "w") as f:
             json.dump(report, f)
 

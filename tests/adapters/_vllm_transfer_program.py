@@ -107,6 +107,28 @@ def worker_client(transfer_engine: Any) -> Any:
     return InProcessWorker()
 
 
+@contextlib.contextmanager
+def one_process_groups(vllm_config: Any, prefix: str):
+    """vLLM's distributed environment and tp/pp groups for this one process (gloo over a file), built under
+    ``vllm_config``; on the way out they are destroyed and the files they made removed: the shared-memory
+    files vLLM's CPU communicator made (named after ``VLLM_DIST_IDENT``) and the init file."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    init_file = tempfile.mktemp(prefix=prefix)
+    with set_current_vllm_config(vllm_config):
+        parallel_state.init_distributed_environment(1, 0, f"file://{init_file}", 0, backend="gloo")
+        parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+        _vllm_tasks._unlink_segments(os.environ["VLLM_DIST_IDENT"])
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(init_file)
+
+
 def tensors(model: Any) -> dict:
     """Every parameter and buffer of ``model`` by name, cloned."""
     out = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
@@ -152,7 +174,6 @@ def main(model_dir: str, out_path: str) -> None:
     import vllm
     import vllm.v1.worker.cpu_worker
     from vllm.config import WeightTransferConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
     from vllm.model_executor.models import registry
 
     import hybridmem
@@ -166,80 +187,70 @@ def main(model_dir: str, out_path: str) -> None:
     vllm_config = vllm_config_of(model_dir)  # B's, the model the backend writes
     weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
     report: dict[str, Any] = {"vllm": vllm.__version__, "hybridmem": os.path.abspath(hybridmem.__file__)}
-    init_file = tempfile.mktemp(prefix="hybridmem-transfer-dist-")
-    with set_current_vllm_config(vllm_config):
-        parallel_state.init_distributed_environment(1, 0, f"file://{init_file}", 0, backend="gloo")
-        parallel_state.initialize_model_parallel(1, 1)
+    with set_current_vllm_config(vllm_config), one_process_groups(vllm_config, "hybridmem-transfer-dist-"):
+        reference = build(vllm_config_of(model_dir), weights)
+        model = build(vllm_config, {n: -t for n, t in weights.items()})
+        want, want_out = tensors(reference), linear_outputs(reference)
+        before, before_out = tensors(model), linear_outputs(model)
+        assert list(before) == list(want), "A and B are the same model"
+
+        transfer = HybridmemWeightTransferEngine(WeightTransferConfig(backend="hybridmem"), vllm_config,
+                                                 torch.device("cpu"), model)
+        client = worker_client(transfer)
+        engine = VLLMServerEngine(client, hf_config=vllm_config.model_config.hf_config,
+                                  bucket_nbytes=BUCKET_NBYTES, accel="cpu", release_now=False,
+                                  timeout_s=60.0)
         try:
-            reference = build(vllm_config_of(model_dir), weights)
-            model = build(vllm_config, {n: -t for n, t in weights.items()})
-            want, want_out = tensors(reference), linear_outputs(reference)
-            before, before_out = tensors(model), linear_outputs(model)
-            assert list(before) == list(want), "A and B are the same model"
+            layout = engine.layout
+            largest = max(math.prod(s) * d.itemsize for s, d in layout.values())
+            assert largest > engine.bucket_nbytes, (largest, engine.bucket_nbytes)
+            # Every tensor the update writes that the model still shows starts other than A's (the
+            # repacked ones: their layers' outputs, checked at the end).
+            shown = [n for n in layout if want[f"param:{n}"].numel()]
+            assert all(not torch.equal(before[f"param:{n}"], want[f"param:{n}"]) for n in shown)
 
-            transfer = HybridmemWeightTransferEngine(WeightTransferConfig(backend="hybridmem"), vllm_config,
-                                                     torch.device("cpu"), model)
-            client = worker_client(transfer)
-            engine = VLLMServerEngine(client, hf_config=vllm_config.model_config.hf_config,
-                                      bucket_nbytes=BUCKET_NBYTES, accel="cpu", release_now=False,
-                                      timeout_s=60.0)
+            # A bucket damaged after its figures were taken: the worker refuses it, naming the tensor.
+            original = BucketWriter._hand_over
+
+            def hand_over(writer: BucketWriter) -> None:
+                entry = next((e for e in writer._entries if e["name"] == CORRUPTED and e["start"] == 0),
+                             None)
+                if entry is not None:  # float32, little-endian: byte 3 holds the sign and exponent
+                    writer.buckets.views[writer._current][entry["offset"] + 3] ^= 0x40
+                return original(writer)
+
+            BucketWriter._hand_over = hand_over
             try:
-                layout = engine.layout
-                largest = max(math.prod(s) * d.itemsize for s, d in layout.values())
-                assert largest > engine.bucket_nbytes, (largest, engine.bucket_nbytes)
-                # Every tensor the update writes that the model still shows starts other than A's (the
-                # repacked ones: their layers' outputs, checked at the end).
-                shown = [n for n in layout if want[f"param:{n}"].numel()]
-                assert all(not torch.equal(before[f"param:{n}"], want[f"param:{n}"]) for n in shown)
-
-                # A bucket damaged after its figures were taken: the worker refuses it, naming the tensor.
-                original = BucketWriter._hand_over
-
-                def hand_over(writer: BucketWriter) -> None:
-                    entry = next((e for e in writer._entries if e["name"] == CORRUPTED and e["start"] == 0),
-                                 None)
-                    if entry is not None:  # float32, little-endian: byte 3 holds the sign and exponent
-                        writer.buckets.views[writer._current][entry["offset"] + 3] ^= 0x40
-                    return original(writer)
-
-                BucketWriter._hand_over = hand_over
-                try:
-                    engine.load_layout_weights(layout_stream(model_dir, weights))
-                except EngineProcessError as exc:
-                    report["corrupted_error"] = str(exc)
-                else:
-                    raise AssertionError("the damaged bucket was taken")
-                finally:
-                    BucketWriter._hand_over = original
-                report["damaged_after_refusal"] = transfer.damaged
-
                 engine.load_layout_weights(layout_stream(model_dir, weights))
-                commit = engine.commit_weights()
-                report.update(commit=commit, worker_version=client.version, calls=client.calls,
-                              damaged_after_update=transfer.damaged, layout_tensors=len(layout),
-                              streamed=engine.last_stream.num_tensors, largest_nbytes=largest,
-                              bucket_nbytes=engine.bucket_nbytes, unwritten=engine.unwritten_weights())
+            except EngineProcessError as exc:
+                report["corrupted_error"] = str(exc)
+            else:
+                raise AssertionError("the damaged bucket was taken")
             finally:
-                engine.close()
+                BucketWriter._hand_over = original
+            report["damaged_after_refusal"] = transfer.damaged
 
-            got, got_out = tensors(model), linear_outputs(model)
-            assert list(got) == list(want), (f"B's tensors are named otherwise: "
-                                             f"{sorted(set(got) ^ set(want))[:6]}")
-            differ = [n for n in want if not torch.equal(got[n], want[n])]
-            assert not differ, f"B differs from A at {differ[:5]}"
-            report["compared"] = len(want)
-            report["params_shown"] = len(shown)
-            assert list(got_out) == list(want_out) and want_out
-            differ = [n for n in want_out if not torch.equal(got_out[n], want_out[n])]
-            assert not differ, f"B's linear layers compute otherwise than A's at {differ[:5]}"
-            assert all(not torch.equal(before_out[n], want_out[n]) for n in want_out), "B started as A"
-            report["linear_outputs"] = len(want_out)
+            engine.load_layout_weights(layout_stream(model_dir, weights))
+            commit = engine.commit_weights()
+            report.update(commit=commit, worker_version=client.version, calls=client.calls,
+                          damaged_after_update=transfer.damaged, layout_tensors=len(layout),
+                          streamed=engine.last_stream.num_tensors, largest_nbytes=largest,
+                          bucket_nbytes=engine.bucket_nbytes, unwritten=engine.unwritten_weights())
         finally:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
-            _vllm_tasks._unlink_segments(os.environ["VLLM_DIST_IDENT"])
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(init_file)
+            engine.close()
+
+        got, got_out = tensors(model), linear_outputs(model)
+        assert list(got) == list(want), (f"B's tensors are named otherwise: "
+                                         f"{sorted(set(got) ^ set(want))[:6]}")
+        differ = [n for n in want if not torch.equal(got[n], want[n])]
+        assert not differ, f"B differs from A at {differ[:5]}"
+        report["compared"] = len(want)
+        report["params_shown"] = len(shown)
+        assert list(got_out) == list(want_out) and want_out
+        differ = [n for n in want_out if not torch.equal(got_out[n], want_out[n])]
+        assert not differ, f"B's linear layers compute otherwise than A's at {differ[:5]}"
+        assert all(not torch.equal(before_out[n], want_out[n]) for n in want_out), "B started as A"
+        report["linear_outputs"] = len(want_out)
     with open(out_path, "w") as f:
         json.dump(report, f)
 
