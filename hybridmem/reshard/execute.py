@@ -69,9 +69,11 @@ from hybridmem.reshard.deadline import (
     wait_all,
 )
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
+from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import piece_view
 
-__all__ = ["run_plan", "iter_layout_tensors", "iter_full_tensors", "stream_peak_nbytes", "TransferStats"]
+__all__ = ["run_plan", "iter_layout_tensors", "iter_full_tensors", "stream_peak_nbytes", "TransferStats",
+           "held_dtype"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +242,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
     if dst is None:
-        dst = {name: torch.zeros(local.shape, dtype=_dst_dtype(plan, local, dtype), device=device)
+        dst = {name: torch.zeros(local.shape, dtype=held_dtype(plan.src.spec, local, dtype), device=device)
                for name, local in expected.items()}
     else:
         for name, local in expected.items():
@@ -275,10 +277,10 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     )
 
 
-def _dst_dtype(plan: ReshardPlan, local: Any, dtype: torch.dtype) -> torch.dtype:
-    """dtype of an allocated destination tensor held in ``dtype`` (the wire's, or the engine's): fp32 for a
-    tensor the spec keeps in fp32 where ``dtype`` is narrower (see [Note: wire dtype])."""
-    if local.pieces and plan.src.spec.wire_itemsize(local.pieces[0].hf_name, dtype.itemsize) > dtype.itemsize:
+def held_dtype(spec: ModelSpec, local: Any, dtype: torch.dtype) -> torch.dtype:
+    """dtype of a layout tensor ``local`` held in ``dtype`` (the wire's, or the engine's): fp32 for a tensor
+    ``spec`` keeps in fp32 where ``dtype`` is narrower (see [Note: wire dtype])."""
+    if local.pieces and spec.wire_itemsize(local.pieces[0].hf_name, dtype.itemsize) > dtype.itemsize:
         return torch.float32
     return dtype
 
@@ -325,7 +327,8 @@ def stream_peak_nbytes(plan: ReshardPlan, rank: int, dtype: torch.dtype) -> int:
     yielded included), in ``dtype`` (its ``out_dtype``, else the wire's): the largest tensor made of local
     cells alone, or the tensors open across one bucket, whichever is more ([Note: layout streams])."""
     expected = plan.dst.tensors(rank)
-    nbytes = {name: local.numel * _dst_dtype(plan, local, dtype).itemsize for name, local in expected.items()}
+    nbytes = {name: local.numel * held_dtype(plan.src.spec, local, dtype).itemsize
+              for name, local in expected.items()}
     spans = _received_spans(plan, rank)
     peak = max((n for name, n in nbytes.items() if name not in spans), default=0)
     opened = [0] * (len(plan.buckets) + 1)
@@ -394,7 +397,7 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
     def first_touch(name: str, into: TargetFn | None = None, lend: bool = False) -> torch.Tensor:
         local = expected[name]
         padded = remaining[name] < local.numel
-        out_dtype = _dst_dtype(plan, local, held)
+        out_dtype = held_dtype(plan.src.spec, local, held)
         tensor = None if into is None else into(name, tuple(local.shape), out_dtype)
         if tensor is None and lend and not padded:
             tensor = _lent(plan, cells.get(name, ()), local.shape, src, dtype, out_dtype)

@@ -24,6 +24,7 @@ loads only HF tensors is not checked), and a training dtype the quantizer cannot
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 
 from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.reshard import ModelSpec, iter_shard
+from hybridmem.reshard.execute import held_dtype
 from hybridmem.reshard.fp8 import QUANTIZABLE_DTYPES, SCALE_SUFFIX, block_from_hf_config, quantize_stream
 from hybridmem.reshard.layouts import ShardLayout, fp8_quantized_names, layout_full_shapes
 
@@ -96,7 +98,7 @@ class Fp8Target:
                                        dtypes=pieceless):
             out = self.out_dtype
             if out is not None and not self.quantized_tensor(name) and tensor.dtype != out:
-                tensor = tensor.to(_kept(spec, self.layout.tensors(self.rank)[name], out))
+                tensor = tensor.to(held_dtype(spec, self.layout.tensors(self.rank)[name], out))
             yield name, tensor
 
     def quantized_tensor(self, name: str) -> bool:
@@ -105,10 +107,6 @@ class Fp8Target:
         return bool(local.pieces) and (local.pieces[0].hf_name in self.quantized
                                        or name.endswith(SCALE_SUFFIX))
 
-    def data_nbytes(self, name: str, tensor: torch.Tensor) -> int:
-        """Bytes of data in a tensor of the rank as :meth:`stream` yields it (padding rows aside)."""
-        return sum(p.numel for p in self.layout.tensors(self.rank)[name].pieces) * tensor.element_size()
-
     def hold_nbytes(self, wire: torch.dtype) -> int:
         """The most bytes :meth:`stream` holds beyond the full tensor it is handed: the quantizer's working
         tensors for the largest quantized weight (its padded copy in ``wire``, two float32 copies, the e4m3
@@ -116,19 +114,19 @@ class Fp8Target:
         from (the stage's tensors come layer by layer), and the largest tensor cut."""
         shapes = layout_full_shapes(self.layout)
         quantized = set(self.quantized)
-        largest = max((_numel(shapes[n]) for n in quantized), default=0)
+        largest = max((math.prod(shapes[n]) for n in quantized), default=0)
         per_layer: dict[int, int] = {}
         for name in quantized:
             m = _LAYER.match(name)
             layer = int(m[1]) if m else -1
-            per_layer[layer] = per_layer.get(layer, 0) + _numel(shapes[name]) + 4 * _numel(
+            per_layer[layer] = per_layer.get(layer, 0) + math.prod(shapes[name]) + 4 * math.prod(
                 shapes[name + SCALE_SUFFIX])
         out = self.out_dtype or wire
         cut = 0
         for local in self.layout.tensors(self.rank).values():
             hf = local.pieces[0].hf_name if local.pieces else ""
             itemsize = (1 if hf in quantized else 4 if hf.endswith(SCALE_SUFFIX)
-                        else _kept(self.layout.spec, local, out).itemsize)
+                        else held_dtype(self.layout.spec, local, out).itemsize)
             cut = max(cut, local.numel * itemsize)
         return largest * (wire.itemsize + 4 + 4 + 1) + max(per_layer.values(), default=0) + cut
 
@@ -138,16 +136,3 @@ def _quantized(spec: ModelSpec) -> frozenset[str]:
     return frozenset(fp8_quantized_names(spec))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _kept(spec: ModelSpec, local: object, dtype: torch.dtype) -> torch.dtype:
-    """fp32 for a tensor the spec keeps in fp32 where ``dtype`` is narrower, else ``dtype``."""
-    pieces = getattr(local, "pieces", ())
-    if pieces and spec.wire_itemsize(pieces[0].hf_name, dtype.itemsize) > dtype.itemsize:
-        return torch.float32
-    return dtype

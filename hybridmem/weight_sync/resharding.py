@@ -295,7 +295,8 @@ class ReshardSync(WeightSync):
         fp8 = self.fp8
         offers = layout and fp8 is None and capabilities_of(self.engine).offers_layout_targets
         target = self.engine.layout_target if offers else None
-        expected = self.plan.dst.tensors(self.rank)
+        # the rank's tensors as the engine is handed them: of the plan, or of the FP8 layout they are cut to
+        expected = (self.plan.dst if fp8 is None else fp8.layout).tensors(self.rank)
         handed = [0]
 
         def planned() -> Iterator[tuple[str, torch.Tensor]]:
@@ -313,8 +314,7 @@ class ReshardSync(WeightSync):
             for name, tensor in (planned() if fp8 is None else fp8.stream(planned())):
                 if fp8 is None or not fp8.quantized_tensor(name):
                     dtypes.add(tensor.dtype)
-                handed[0] += (sum(p.numel for p in expected[name].pieces) * tensor.element_size()
-                              if fp8 is None else fp8.data_nbytes(name, tensor))
+                handed[0] += sum(p.numel for p in expected[name].pieces) * tensor.element_size()
                 yield name, tensor
                 del tensor  # the stream's memory bound: gone before the next one is made
 
