@@ -69,10 +69,8 @@ from hybridmem.reshard import (
     ReshardPlan,
     VLLMConvention,
     build_plan,
-    hf_layout,
     hf_source_layout,
     megatron_layout,
-    stream_peak_nbytes,
     vllm_layout,
 )
 from hybridmem.reshard.fp8 import FP8_BLOCK, QUANTIZABLE_DTYPES, SCALE_SUFFIX
@@ -436,13 +434,10 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     src = _train_layout(spec, setup, world)
     if infer_fp8:
         _check_fp8(spec, setup)
-        engine_layout = _engine_layout(spec, infer, world, True)
-        conv = engine_layout.convention
-        dst = hf_layout(spec, infer, world, vllm_version=conv.version, stage_layers=conv.stage_layers)
-        plan = build_plan(src, dst, itemsize=setup.param_bytes, bucket_nbytes=bucket_nbytes, rank=rank)
-        wire = _DTYPES[setup.param_bytes]
-        temp = (plan.peak_temp_nbytes(rank) + stream_peak_nbytes(plan, rank, wire)
-                + Fp8Target(engine_layout, rank, _DTYPES.get(infer_bytes)).hold_nbytes(wire))
+        target = Fp8Target(_engine_layout(spec, infer, world, True), rank, _DTYPES.get(infer_bytes))
+        plan = build_plan(src, target.stage_layout(infer), itemsize=setup.param_bytes,
+                          bucket_nbytes=bucket_nbytes, rank=rank)
+        temp = target.sync_temp_nbytes(plan, _DTYPES[setup.param_bytes])
     else:
         dst = vllm_layout(spec, infer, world)
         plan = build_plan(src, dst, itemsize=infer_bytes, bucket_nbytes=bucket_nbytes, rank=rank)

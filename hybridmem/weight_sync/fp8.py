@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmem.config import ParallelLayout
 from hybridmem.contract.engine import InferenceEngine, capabilities_of
-from hybridmem.reshard import ModelSpec, iter_shard
+from hybridmem.reshard import ModelSpec, ReshardPlan, hf_layout, iter_shard, stream_peak_nbytes
 from hybridmem.reshard.execute import held_dtype
 from hybridmem.reshard.fp8 import QUANTIZABLE_DTYPES, SCALE_SUFFIX, block_from_hf_config, quantize_stream
 from hybridmem.reshard.layouts import ShardLayout, fp8_quantized_names, layout_full_shapes
@@ -106,6 +107,20 @@ class Fp8Target:
         local = self.layout.tensors(self.rank)[name]
         return bool(local.pieces) and (local.pieces[0].hf_name in self.quantized
                                        or name.endswith(SCALE_SUFFIX))
+
+    def stage_layout(self, dst: ParallelLayout) -> ShardLayout:
+        """What an FP8 sync plans into: the full HF tensors of each engine rank's pipeline stage (``dst``:
+        the engine's parallel layout), stages as :attr:`layout` cuts them."""
+        conv = self.layout.convention
+        return hf_layout(self.layout.spec, dst, self.layout.world_size, vllm_version=conv.version,
+                         stage_layers=conv.stage_layers)
+
+    def sync_temp_nbytes(self, plan: ReshardPlan, wire: torch.dtype) -> int:
+        """The rank's peak transient bytes of an FP8 sync over ``plan`` (into :meth:`stage_layout`): the
+        plan's staging, its full tensors in flight in the ``wire`` dtype, and what quantizing and cutting
+        hold (:meth:`hold_nbytes`)."""
+        return (plan.peak_temp_nbytes(self.rank) + stream_peak_nbytes(plan, self.rank, wire)
+                + self.hold_nbytes(wire))
 
     def hold_nbytes(self, wire: torch.dtype) -> int:
         """The most bytes :meth:`stream` holds beyond the full tensor it is handed: the quantizer's working

@@ -182,12 +182,6 @@ class ReshardSync(WeightSync):
         # the engine's own layout: what it holds, and what check_weights compares
         own = (vllm_layout(spec, dst, world, convention=vllm)
                if checks_weights or not streams_hf or block is not None else None)
-        if block is not None:  # the stage's full tensors, quantized and cut on this rank
-            dst_layout = hf_layout(spec, dst, world, vllm_version=own.convention.version,
-                                   stage_layers=own.convention.stage_layers)
-        else:
-            dst_layout = (hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None)
-                          if streams_hf else own)
         held = engine_dtypes(engine) if self.route is ReshardRoute.LAYOUT_STREAM else set()
         self.out_dtype: torch.dtype | None = held.pop() if held else None
         """The dtype the engine is handed its own layout in, its own (``describes_weights``; a cast the sync
@@ -196,6 +190,11 @@ class ReshardSync(WeightSync):
         self.fp8: Fp8Target | None = None if block is None else Fp8Target(own, self.rank, self.out_dtype)
         """This rank's FP8 tensors, made from the plan's full tensors ([Note: fp8 sync] in
         :mod:`hybridmem.weight_sync.fp8`); ``None``: the engine is not quantized."""
+        if self.fp8 is not None:  # the stage's full tensors, quantized and cut on this rank
+            dst_layout = self.fp8.stage_layout(dst)
+        else:
+            dst_layout = (hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None)
+                          if streams_hf else own)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize,
                                             bucket_nbytes=bucket_nbytes,
@@ -224,9 +223,8 @@ class ReshardSync(WeightSync):
         staging = self.plan.peak_temp_nbytes(self.rank)
         if self.route is ReshardRoute.IN_PLACE:
             return staging
-        if self.fp8 is not None:  # full tensors in the wire dtype, then what quantizing and cutting hold
-            return (staging + stream_peak_nbytes(self.plan, self.rank, self.dtype)
-                    + self.fp8.hold_nbytes(self.dtype))
+        if self.fp8 is not None:
+            return self.fp8.sync_temp_nbytes(self.plan, self.dtype)
         return staging + stream_peak_nbytes(self.plan, self.rank, self.out_dtype or self.dtype)
 
     def collective(self) -> tuple[Any, float] | None:
