@@ -343,7 +343,6 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     )
     from hybridmem.adapters.vllm.server.channel import ChannelError, Listener, channel_path
     from hybridmem.adapters.vllm.server.packing import BucketWriter
-    from hybridmem.reshard.checksum import tensor_checksum
 
     start = time.perf_counter()
     model = MODELS[(args.device, args.quick)]
@@ -406,7 +405,7 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
             worker.send(f"{generation} {int(verify)}")
             conn = listener.accept(timeout_s=WAIT_S, watch=worker.watch)
             writer = BucketWriter(buckets, conn, layout, run=run,
-                                  checksum=tensor_checksum if verify else None, ack_timeout_s=WAIT_S,
+                                  verify=verify, ack_timeout_s=WAIT_S,
                                   watch=worker.watch)
             try:
                 for name, t in sources.items():

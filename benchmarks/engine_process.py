@@ -15,7 +15,8 @@ and environment):
     python benchmarks/engine_process.py --hidden 512 --layers 4 --vocab 8192 --switches 10
 
 Prints, per engine, the median TRAIN->INFER switch, its weight-sync step (for the engines in their own
-process: of which the streaming through the buckets, and the figures taken on each side), the control
+process: of which the streaming through the buckets, the trainer's figures read apart from a copy, the
+worker's copies out of the buckets that take its figures, and figures it read apart), the control
 calls of both directions (start, update's answer, finish, prefix-cache reset; pause, resume, sleep and
 wake where made), INFER->TRAIN, and the bytes each rank moves into the engine per switch. The greedy
 tokens of every switch are checked equal across the three engines. With ``--sizes small,large`` (30.5 MiB
@@ -118,6 +119,7 @@ def child(kind: str, model_dir: str, switches: int) -> dict:
                          "stream_s": sync.extra.get("engine_stream_s"),
                          "checksum_s": sync.extra.get("engine_checksum_s"),
                          "worker_checksum_s": sync.extra.get("engine_worker_checksum_s"),
+                         "worker_copy_s": sync.extra.get("engine_worker_copy_s"),
                          "control_in_s": control_in, "control_out_s": control_out})
         manager.close()
     finally:
@@ -155,10 +157,11 @@ def table(results: list[dict]) -> str:
     """Per engine, medians over the switches."""
     med = statistics.median
     head = ("| engine | start s | TRAIN->INFER ms | weight sync ms | of which streaming ms | "
-            "of which figures ms (trainer) | worker's figures ms | "
+            "of which figures read apart ms (trainer) | worker's copies with figures ms | "
+            "worker's figures read apart ms | "
             "control calls ms (TRAIN->INFER + INFER->TRAIN) | bytes per rank into the engine | sync GB/s | "
             "INFER->TRAIN ms |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         runs = r["runs"]
         sync_s = med(x["sync_s"] for x in runs)
@@ -167,6 +170,7 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {r['engine']} | {r['start_s']:.1f} | "
                      f"{med(x['to_infer_s'] for x in runs) * 1e3:.0f} | {sync_s * 1e3:.0f} | "
                      f"{_ms([x['stream_s'] for x in runs])} | {_ms([x['checksum_s'] for x in runs])} | "
+                     f"{_ms([x['worker_copy_s'] for x in runs])} | "
                      f"{_ms([x['worker_checksum_s'] for x in runs])} | {_ms(control)} | {nbytes:,} | "
                      f"{nbytes / sync_s / 1e9:.2f} | {med(x['to_train_s'] for x in runs) * 1e3:.0f} |")
     return "\n".join(lines)

@@ -24,7 +24,9 @@ the whole tensor in float64; 6x the copy's time for fp32, 12x for bf16); ``chunk
 weight. What is left is mostly the cast (one float64 element written per element read): the whole
 checksum of a 100 MB tensor takes about 1.2x a plain copy of it for fp32 and 2x for bf16 on cpu-2c
 (``benchmarks/checksum.py``). Float64 accumulation throughout, so the figures agree to float64
-rounding whatever the chunking or the thread count.
+rounding whatever the chunking or the thread count. On a CPU with numba, a contiguous tensor is read
+by one kernel instead, and a copy can take the figures of what it writes ([Note: fused figures] in
+:mod:`hybridmem.reshard.fused_checksum`).
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ import torch.distributed as dist
 
 from hybridmem.errors import WeightSyncError
 from hybridmem.reshard.deadline import Bound, exchange, global_rank, wait_all
+from hybridmem.reshard.fused_checksum import fused_figures
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import Box, piece_view
 
-__all__ = ["box_checksum", "CellChecksums", "tensor_checksum", "verify_offline"]
+__all__ = [
+    "box_checksum", "CellChecksums", "copy_checksum", "range_checksum", "tensor_checksum", "verify_offline",
+]
 
 _CHUNK_NUMEL = 1 << 18
 """Float64 elements of the one cast buffer on a CPU: 2 MiB, so each thread's half of a chunk stays in
@@ -150,6 +155,11 @@ def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
     t = t.detach()
     if t.is_complex():
         raise TypeError(f"tensor_checksum takes real tensors, got {t.dtype}")
+    if t.is_contiguous():  # one pass of the CPU kernel where it serves, see copy_checksum
+        cols, rp, cp = _grid(t.shape)
+        figures = fused_figures(t.view(-1), None, 0, cols, rp, cp)
+        if figures is not None:
+            return figures
     if t.dim() <= 1:
         return box_checksum(t.reshape(-1), ((0, t.numel()),))
     if t.numel() == 0:
@@ -159,6 +169,52 @@ def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
         figures = _figures(rows, row_lo, 61, 0, 53)
         total, weighted = total + figures[0], weighted + figures[1]
     return total, weighted
+
+
+def _grid(shape: Sequence[int]) -> tuple[int, int, int]:
+    """``(cols, row period, column period)`` of :func:`tensor_checksum`'s numbering of a tensor of ``shape``:
+    rows of its last dim weighted mod 61 and 53; a 0-D or 1-D one as one row weighted mod 61."""
+    if len(shape) <= 1:
+        return max(math.prod(shape), 1), 1, 61
+    return max(shape[-1], 1), 61, 53
+
+
+def range_checksum(x: torch.Tensor, lo: int, shape: Sequence[int]) -> tuple[float, float]:
+    """The figures of ``x``, 1-D, as the elements ``lo, lo + 1, ...`` of a tensor of ``shape`` (flat,
+    row-major): the ranges of a tensor, summed, give its :func:`tensor_checksum` (to float64 rounding).
+    Read with torch in chunks, as :func:`tensor_checksum` (a partial first and last row apart)."""
+    x = x.detach()
+    if x.is_complex():
+        raise TypeError(f"range_checksum takes real tensors, got {x.dtype}")
+    cols, rp, cp = _grid(shape)
+    figures = fused_figures(x, None, lo, cols, rp, cp)
+    if figures is not None:
+        return figures
+    total = weighted = 0.0
+    k, n = 0, x.numel()
+    while k < n:
+        row, col = divmod(lo + k, cols)
+        if col or n - k < cols:  # a part of one row
+            count = min(cols - col, n - k)
+            figures = _figures(x[k:k + count][None], row, rp, col, cp)
+        else:  # whole rows
+            count = (n - k) // cols * cols
+            figures = _figures(x[k:k + count].view(-1, cols), row, rp, 0, cp)
+        total, weighted = total + figures[0], weighted + figures[1]
+        k += count
+    return total, weighted
+
+
+def copy_checksum(dst: torch.Tensor, src: torch.Tensor, lo: int, shape: Sequence[int]) -> tuple[float, float]:
+    """``dst.copy_(src)`` (1-D, as many elements) and :func:`range_checksum` of what it wrote, as the
+    elements ``lo, ...`` of a tensor of ``shape``: in one pass where a CPU kernel serves the dtype ([Note:
+    fused figures] in :mod:`hybridmem.reshard.fused_checksum`), else a copy and then a read."""
+    cols, rp, cp = _grid(shape)
+    fused = fused_figures(src, dst, lo, cols, rp, cp)
+    if fused is not None:
+        return fused
+    dst.copy_(src)
+    return range_checksum(dst, lo, shape)
 
 
 @functools.lru_cache(maxsize=16)

@@ -17,7 +17,6 @@ import torch
 from hybridmem.adapters.vllm.server.packing import BucketWriter
 from hybridmem.config import ParallelLayout
 from hybridmem.reshard import ModelSpec, build_plan, megatron_layout, vllm_layout
-from hybridmem.reshard.checksum import tensor_checksum
 from hybridmem.reshard.execute import iter_layout_tensors
 from tests.adapters._transport import start_transport
 from tests.reshard.reference import megatron_shard, random_full, vllm_shard
@@ -45,7 +44,7 @@ def test_tensors_built_in_their_bucket_reach_the_worker_as_the_reference_shard(s
     buckets, raised = transport.buckets, transport.raised
     try:
         conn = transport.listener.accept(timeout_s=WAIT_S)
-        writer = BucketWriter(buckets, conn, layout, run=RUN, checksum=tensor_checksum, ack_timeout_s=WAIT_S)
+        writer = BucketWriter(buckets, conn, layout, run=RUN, verify=True, ack_timeout_s=WAIT_S)
         yielded = {}
         for name, tensor in iter_layout_tensors(plan, rank=0, src=src, target=writer.reserve, borrow=True):
             yielded[name] = tensor.data_ptr()
@@ -75,7 +74,7 @@ def test_a_reserved_tensor_must_be_the_next_one_given(shm_directory):
                                 wait_s=WAIT_S)
     try:
         conn = transport.listener.accept(timeout_s=WAIT_S)
-        writer = BucketWriter(transport.buckets, conn, layout, run=RUN, checksum=None, ack_timeout_s=WAIT_S)
+        writer = BucketWriter(transport.buckets, conn, layout, run=RUN, verify=False, ack_timeout_s=WAIT_S)
         assert writer.reserve("a", (8,), torch.float64) is None  # another dtype: built elsewhere
         assert writer.reserve("a", (9,), torch.float32) is None  # another shape
         assert writer.reserve("c", (8,), torch.float32) is None  # not in the layout

@@ -74,10 +74,12 @@ def test_the_weights_travel_through_two_buckets_smaller_than_a_tensor(async_tp1)
         assert s["shm_samples"] >= 3, f"step {i}: the sampler ran {s['shm_samples']} times during the switch"
         assert 0 < s["shm_peak_nbytes"] <= 2 * bucket, (i, s["shm_peak_nbytes"], bucket)
         assert s["sync"]["engine_buckets_handed"] >= LAYOUT_NBYTES // bucket, s["sync"]
-        # the report gives the figures' time on both sides beside the streaming's
+        # the report gives the figures' time on both sides beside the streaming's: the trainer's reads of
+        # tensors built in their bucket, the worker's copies that take them (and reads where no kernel serves)
         sync = s["sync"]
         assert 0 < sync["engine_checksum_s"] < sync["engine_stream_s"] <= sync["engine_update_s"], sync
-        assert sync["engine_worker_checksum_s"] > 0, sync
+        assert 0 < sync["engine_worker_copy_s"] < sync["engine_stream_s"], sync
+        assert sync["engine_worker_checksum_s"] >= 0, sync
 
 
 def test_a_bucket_size_the_engine_cannot_take_is_one_named_error_before_it_asks_the_engine(async_tp1):

@@ -172,7 +172,7 @@ def test_the_packer_never_casts_to_or_from_e4m3(shm_directory):
     transport = start_transport(shm_directory, layout, dest, run=run, bucket_nbytes=4096, wait_s=20.0)
     try:
         writer = BucketWriter(transport.buckets, transport.listener.accept(timeout_s=20.0), layout, run=run,
-                              checksum=None, ack_timeout_s=20.0)
+                              verify=False, ack_timeout_s=20.0)
         with pytest.raises(ValueError, match=r"w: the stream gives torch.bfloat16, the worker's layout holds "
                                              r"torch.float8_e4m3fn; an FP8 tensor is never cast"):
             writer.put("w", torch.ones(4, 4, dtype=torch.bfloat16))

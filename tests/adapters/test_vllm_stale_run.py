@@ -15,7 +15,6 @@ import torch
 
 from hybridmem.adapters.vllm.server.channel import ChannelError
 from hybridmem.adapters.vllm.server.packing import BucketWriter
-from hybridmem.reshard.checksum import tensor_checksum
 from tests.adapters._transport import start_transport
 
 RUN = "hybridmem-run-now"
@@ -34,7 +33,7 @@ def test_a_bucket_message_of_a_previous_run_is_refused_naming_both_runs_and_noth
     update, thread, raised = transport.update, transport.thread, transport.raised
     try:
         conn = transport.listener.accept(timeout_s=WAIT_S)
-        writer = BucketWriter(transport.buckets, conn, LAYOUT, run=STALE, checksum=tensor_checksum,
+        writer = BucketWriter(transport.buckets, conn, LAYOUT, run=STALE, verify=True,
                               ack_timeout_s=WAIT_S)
         with pytest.raises(ChannelError) as trainer_side:
             for name, (shape, dtype) in LAYOUT.items():

@@ -322,7 +322,6 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
         layout_file,
     )
     from hybridmem.adapters.vllm.worker import persistent_buffers
-    from hybridmem.reshard.checksum import tensor_checksum
 
     if hasattr(registry, "_run_in_subprocess"):
         registry._run_in_subprocess = _call
@@ -365,7 +364,7 @@ def server_worker_update(ctx, model_dir: str, tp: int, staged_path: str) -> dict
 
             def trainer() -> None:
                 writer = BucketWriter(buckets, listener.accept(timeout_s=60.0), shapes, run=run,
-                                      checksum=tensor_checksum, ack_timeout_s=60.0)
+                                      verify=True, ack_timeout_s=60.0)
                 for name in shapes:
                     writer.put(name, staged[f"{ctx.rank}/{name}"])
                 sent.append(writer.finish())

@@ -18,12 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hybridmem import HybridConfig, Phase, ShardingManager, WeightSyncError
-from hybridmem.adapters.vllm.server import engine, receive
+from hybridmem.adapters.vllm.server import packing, receive
 from hybridmem.engines import ENGINE_TAGS, ReferenceEngine
 from hybridmem.engines.nn.config import hf_config_dict
 from hybridmem.engines.nn.gpt import MegatronLayoutGPT, init_hf_weights
-from hybridmem.reshard import checksum, megatron_layout, shard
-from hybridmem.reshard.checksum import box_checksum, tensor_checksum
+from hybridmem.reshard import checksum, fused_checksum, megatron_layout, shard
+from hybridmem.reshard.checksum import box_checksum, copy_checksum, range_checksum, tensor_checksum
 from hybridmem.reshard.spec import ModelSpec
 
 CFG = ModelSpec(family="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -86,9 +86,57 @@ def test_tensor_checksum_is_the_box_checksum_of_its_2d_view(dtype, shape):
     box = ((0, view.shape[0]),) if view.dim() == 1 else ((0, view.shape[0]), (0, view.shape[1]))
     got = tensor_checksum(t)
     assert _agree(got, _reference(view, box)), f"{shape} {dtype}: {got} vs {_reference(view, box)}"
-    assert got == box_checksum(view, box)
+    assert _agree(got, box_checksum(view, box))  # the CPU kernel where it serves, else this same read
     # one implementation: the engine-process transport's both ends take these figures
-    assert receive.tensor_checksum is tensor_checksum and engine.tensor_checksum is tensor_checksum
+    assert receive.tensor_checksum is tensor_checksum and packing.tensor_checksum is tensor_checksum
+    assert receive.copy_checksum is copy_checksum and packing.copy_checksum is copy_checksum
+
+
+def _ranges(numel: int, seed: int) -> list[tuple[int, int]]:
+    """Cuts of ``range(numel)`` at random places (inside rows, on row ends, a range of whole rows)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted({0, numel, *torch.randint(0, max(numel, 1), (4,), generator=g).tolist()})
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-pass", "copy-then-read"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.float8_e4m3fn, torch.float8_e5m2, torch.int32])
+@pytest.mark.parametrize("shape", [(), (5000,), (300, 37), (3, 40, 129)])
+def test_copy_checksum_of_ranges_adds_up_to_the_definition(monkeypatch, fused, dtype, shape):
+    """A tensor copied range by range (as the buckets split it): the bytes land, and the ranges' figures add
+    up to the whole tensor's by the formula, with and without the one-pass kernel."""
+    if fused:
+        pytest.importorskip("numba")
+    else:
+        monkeypatch.setattr(fused_checksum, "_kernel", lambda: None)
+    t = (_randn(*shape, seed=5) * 8).to(dtype)
+    flat, dst = t.reshape(-1), torch.empty(t.numel(), dtype=dtype)
+    view = t.reshape(-1) if t.dim() <= 1 else t.reshape(-1, t.shape[-1])
+    box = ((0, view.shape[0]),) if view.dim() == 1 else ((0, view.shape[0]), (0, view.shape[1]))
+    total = weighted = 0.0
+    for a, b in _ranges(flat.numel(), seed=len(shape)):
+        part = copy_checksum(dst[a:b], flat[a:b], a, shape)
+        total, weighted = total + part[0], weighted + part[1]
+        assert _agree(range_checksum(dst[a:b], a, shape), part)
+    assert torch.equal(dst.view(torch.uint8), flat.view(torch.uint8))
+    assert _agree((total, weighted), _reference(view, box)), f"{(total, weighted)} vs {_reference(view, box)}"
+    one_pass = fused_checksum.fused_figures(flat[:4], dst[:4], 0, 4, 1, 61)
+    assert (one_pass is not None) == (fused and dtype != torch.int32)
+
+
+def test_copy_checksum_sees_a_range_written_at_another_place():
+    """The figures belong to the place a range is written at: the same bytes one row further read
+    otherwise, and two rows exchanged while copying change the weighted figure."""
+    t = torch.randint(-50, 50, (6, 40), generator=torch.Generator().manual_seed(2)).to(torch.float32)
+    flat, dst = t.reshape(-1), torch.empty(240)
+    right = copy_checksum(dst[40:80], flat[40:80], 40, (6, 40))
+    shifted = copy_checksum(dst[80:120], flat[40:80], 80, (6, 40))
+    assert right[0] == shifted[0] and not _agree(right, shifted)
+    swapped = t.clone()
+    _swap_rows(swapped, 1, 2)
+    whole = copy_checksum(dst, swapped.reshape(-1), 0, (6, 40))
+    assert whole[0] == tensor_checksum(t)[0] and not _agree(whole, tensor_checksum(t))
 
 
 def test_tensor_checksum_of_views_no_reshape_can_merge(monkeypatch):

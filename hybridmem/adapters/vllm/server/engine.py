@@ -153,6 +153,7 @@ from hybridmem.adapters.vllm.server.buckets import (
     check_bucket_nbytes,
     default_bucket_nbytes,
     dtype_of,
+    one_thread,
 )
 from hybridmem.adapters.vllm.server.channel import POLL_S, ChannelError, Listener, channel_path, send_abort
 from hybridmem.adapters.vllm.server.client import VLLMClient
@@ -163,7 +164,6 @@ from hybridmem.contract.engine import EngineCapabilities, check_tags
 from hybridmem.contract.generation import GenerationOutput
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError, add_note
-from hybridmem.reshard.checksum import tensor_checksum
 from hybridmem.reshard.fp8 import FP8_DTYPE, SCALE_SUFFIX, block_from_hf_config
 
 __all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
@@ -567,11 +567,12 @@ class VLLMServerEngine:
             watch = call.watch if call is not None else None
             conn = self.listener.accept(timeout_s=self._deadline_s("connect"), watch=watch)
             writer = BucketWriter(self.buckets, conn, self.layout, run=self.run,
-                                  checksum=tensor_checksum if self.verify else None,
+                                  verify=self.verify,
                                   ack_timeout_s=self._deadline_s("acknowledge"), watch=watch)
             self._writer = writer
-            for name, tensor in stream:
-                writer.put(name, tensor)
+            with one_thread(self.buckets.device):
+                for name, tensor in stream:
+                    writer.put(name, tensor)
             stats = writer.finish()
             conn.close()
             if call is not None:
@@ -613,8 +614,10 @@ class VLLMServerEngine:
             What the switch report shows: ``engine_update_nbytes`` (this rank's streamed bytes, what its
             worker took), ``engine_update_s``, ``weight_version``, ``engine_buckets_handed``,
             ``engine_stream_s`` (packing until the worker took the last bucket), of which
-            ``engine_checksum_s`` (the figures, trainer side), and ``engine_worker_checksum_s`` (the worker's
-            checks, its own clock); ``engine_log``, the server's log file, where the engine knows it.
+            ``engine_checksum_s`` (the figures read apart from a copy, trainer side: tensors built in their
+            bucket), and on the worker's own clock ``engine_worker_copy_s`` (its copies out of the buckets,
+            the figures taken on the way) and ``engine_worker_checksum_s`` (figures read apart from them);
+            ``engine_log``, the server's log file, where the engine knows it.
 
         Raises:
             RuntimeError: No complete stream since the weights were resumed.
@@ -646,7 +649,8 @@ class VLLMServerEngine:
                 "engine_buckets_handed": self.last_stream.num_handed,
                 "engine_stream_s": self.last_stream.seconds,
                 "engine_checksum_s": self.last_stream.checksum_s,
-                "engine_worker_checksum_s": self.last_stream.worker_checksum_s}
+                "engine_worker_checksum_s": self.last_stream.worker_checksum_s,
+                "engine_worker_copy_s": self.last_stream.worker_copy_s}
 
     def unwritten_weights(self) -> list[str]:
         """The tensors of this rank's layout the last :meth:`load_layout_weights` did not write ([Note: weight

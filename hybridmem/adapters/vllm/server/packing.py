@@ -8,7 +8,10 @@ offsets; a tensor larger than what is left is split at element boundaries and go
 A full bucket is handed to the worker ([Note: vllm channel] in
 :mod:`hybridmem.adapters.vllm.server.channel`) and the writer goes on in the other one; it waits only when
 both are with the worker, for the acknowledgement the worker sends once it copied a bucket's bytes out.
-So the trainer holds at most two buckets and the tensors in flight, whatever the model's size.
+So the trainer holds at most two buckets and the tensors in flight, whatever the model's size. On a CPU the
+stream runs on one torch thread (:func:`~hybridmem.adapters.vllm.server.buckets.one_thread`, in
+:meth:`~hybridmem.adapters.vllm.server.VLLMServerEngine.load_layout_weights`): the worker copies out of the
+other bucket meanwhile on its own, and a trainer copying on every core would take the worker's.
 
 A tensor is checked against the worker's load-time layout (name, shape) before any byte of it is written,
 and cast to the layout's dtype where the stream's differs (never to or from e4m3: refused,
@@ -17,8 +20,10 @@ its bucket right away (:meth:`BucketWriter.reserve`: the next tensor's bytes, wh
 :meth:`BucketWriter.put` then records it where it lies, with no copy. A tensor larger than a bucket, or
 of another dtype, is never reserved. With ``verify``, its figures (the one checksum,
 :func:`hybridmem.reshard.checksum.tensor_checksum`) are taken on the trainer's device from the tensor as it
-is packed, and sent with the bucket that completes it. On CUDA the copies into a bucket are complete (an
-event the host waits for) before the bucket's message leaves.
+is packed, and sent with the bucket that completes it: while it is copied into its buckets
+(:func:`~hybridmem.reshard.checksum.copy_checksum`, one pass on a CPU: [Note: fused figures] in
+:mod:`hybridmem.reshard.fused_checksum`), or by one read of a tensor built in its bucket. On CUDA the
+copies into a bucket are complete (an event the host waits for) before the bucket's message leaves.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from hybridmem.adapters.vllm.server.buckets import (
     one_thread,
 )
 from hybridmem.adapters.vllm.server.channel import ChannelError, Connection
+from hybridmem.reshard.checksum import copy_checksum, tensor_checksum
 
 __all__ = ["BucketWriter", "StreamStats"]
 
@@ -55,9 +61,13 @@ class StreamStats:
     """Buckets handed to the worker."""
     seconds: float
     checksum_s: float = 0.0
-    """Of :attr:`seconds`, taking the figures on the trainer's side."""
+    """Of :attr:`seconds`, reading figures apart from a copy on the trainer's side (tensors built in their
+    bucket; the others' are taken while they are copied)."""
     worker_checksum_s: float = 0.0
-    """The worker's time checking them (its own clock; overlaps the trainer's packing)."""
+    """The worker's time reading figures apart from its copies (its own clock; overlaps the trainer's
+    packing)."""
+    worker_copy_s: float = 0.0
+    """The worker's time copying out of the buckets, the figures taken on the way (its own clock)."""
     num_in_place: int = 0
     """Of :attr:`num_tensors`, those the stream built in their bucket (no copy into it)."""
 
@@ -70,14 +80,14 @@ class BucketWriter:
         conn: The connection to this rank's worker.
         layout: The worker's load-time layout: name -> (shape, dtype).
         run: The engine's run id (in every message).
-        checksum: Figures of a complete tensor; ``None``: send none.
+        verify: Send each tensor's figures (taken while it is copied into its buckets).
         ack_timeout_s: The longest wait for one acknowledgement (or the final answer).
         watch: Runs while waiting and raises once the update is known to have failed elsewhere.
     """
 
     def __init__(self, buckets: Buckets, conn: Connection,
                  layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *, run: str,
-                 checksum: Callable[[torch.Tensor], tuple[float, float]] | None, ack_timeout_s: float,
+                 verify: bool, ack_timeout_s: float,
                  watch: Callable[[], None] | None = None):
         if any(s is not BucketState.FREE for s in buckets.states):
             raise RuntimeError(f"buckets {buckets.states} are not all free at the start of a switch "
@@ -86,14 +96,14 @@ class BucketWriter:
         self.conn = conn
         self.layout = layout
         self.run = run
-        self.checksum = checksum
+        self.verify = verify
         self.ack_timeout_s = float(ack_timeout_s)
         self.watch = watch
         self.written: list[str] = []
         """Names of the tensors packed so far, in order."""
         self.nbytes = 0
         self.checksum_s = 0.0
-        """Seconds spent taking figures so far."""
+        """Seconds spent reading figures apart from a copy so far (a tensor built in its bucket)."""
         self._start = time.perf_counter()
         self._current = 0
         self._fill = 0
@@ -156,11 +166,13 @@ class BucketWriter:
         in_place = reserved is not None and flat.data_ptr() == reserved[1].data_ptr() and \
             flat.numel() == reserved[1].numel()
         figures = None
-        if self.checksum is not None:
+        if self.verify and in_place:  # no copy to take them in: one read
             start = time.perf_counter()
             with one_thread(flat.device):
-                figures = self.checksum(flat.view(shape))
+                figures = tensor_checksum(flat.view(shape))
             self.checksum_s += time.perf_counter() - start
+        elif self.verify:
+            figures = (0.0, 0.0)
         size = flat.element_size()
         numel, done = flat.numel(), 0
         while True:
@@ -174,8 +186,13 @@ class BucketWriter:
                     self._current].data_ptr()):
                 raise RuntimeError(f"{name}: its reserved bucket bytes moved (internal error)")
             if not in_place:
-                view = self.buckets.views[self._current][offset:offset + count * size]
-                view.view(dtype).copy_(flat[done:done + count])
+                view = self.buckets.views[self._current][offset:offset + count * size].view(dtype)
+                if figures is None:
+                    view.copy_(flat[done:done + count])
+                else:
+                    with one_thread(flat.device):
+                        part = copy_checksum(view, flat[done:done + count], done, shape)
+                    figures = (figures[0] + part[0], figures[1] + part[1])
             self._entries.append({"name": name, "dtype": dtype_name(dtype), "shape": list(shape),
                                   "start": done * size, "end": (done + count) * size, "offset": offset})
             self._fill = offset + count * size
@@ -236,12 +253,10 @@ class BucketWriter:
         if message.get("end") is not True or message.get("tensors") != len(self.written):
             raise ChannelError("error", f"the worker answered the end of the stream with {message}, expected "
                                f"{{'end': True, 'tensors': {len(self.written)}}}")
-        worker_checksum_s = message.get("checksum_s", 0.0)
         return StreamStats(num_tensors=len(self.written), nbytes=self.nbytes, num_handed=self._handed,
                            seconds=time.perf_counter() - self._start, checksum_s=self.checksum_s,
-                           num_in_place=self.num_in_place,
-                           worker_checksum_s=float(worker_checksum_s)
-                           if isinstance(worker_checksum_s, (int, float)) else 0.0)
+                           num_in_place=self.num_in_place, worker_checksum_s=_seconds(message, "checksum_s"),
+                           worker_copy_s=_seconds(message, "copy_s"))
 
     def holding(self) -> list[int]:
         """The buckets with the worker now, in the order it took them."""
@@ -253,6 +268,12 @@ class BucketWriter:
         self.conn.close()
         self._reserved = None
         self.buckets.states = [BucketState.FREE] * self.buckets.num_buckets
+
+
+def _seconds(message: dict[str, Any], field: str) -> float:
+    """A time the worker's answer gives (0 where it gives none)."""
+    value = message.get(field, 0.0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 assert ALIGN % 16 == 0, "a range's offset must suit every dtype's element"

@@ -1,5 +1,7 @@
 """The receiving end of one rank's bucket stream, without vLLM: check each message, copy its ranges out of the
-opened buckets into their tensors, acknowledge, check the figures, and take the end of the stream.
+opened buckets into their tensors (taking their figures on the way: one pass over the bytes on a CPU,
+[Note: fused figures] in :mod:`hybridmem.reshard.fused_checksum`), acknowledge, check the figures, and take
+the end of the stream.
 
 [Note: vllm receive]
 This module imports no vLLM, and nothing that does: it is the part of the worker side of [Note: vllm
@@ -24,7 +26,7 @@ import torch
 
 from hybridmem.adapters.vllm.server.buckets import dtype_name, dtype_of, one_thread
 from hybridmem.adapters.vllm.server.channel import ChannelError, Connection
-from hybridmem.reshard.checksum import tensor_checksum
+from hybridmem.reshard.checksum import copy_checksum, tensor_checksum
 
 __all__ = ["StreamUpdate", "receive_stream", "check_bucket_message", "check_fields"]
 
@@ -140,7 +142,14 @@ class StreamUpdate:
         self.touched = False
         """Whether a byte of the destination was written (a failure then leaves it partly updated)."""
         self.checksum_s = 0.0
-        """Seconds spent on the figures of complete tensors."""
+        """Seconds spent reading the figures of complete tensors apart from their copies (see
+        :meth:`copy`)."""
+        self.copy_s = 0.0
+        """Seconds spent copying ranges out of buckets, their figures taken on the way."""
+        self._figures: dict[str, tuple[float, float]] = {}
+        """Figures of each tensor's ranges, taken while they were copied."""
+        self._copied_into: dict[str, int] = {}
+        """The address each tensor's ranges were copied into."""
 
     def target(self, name: str) -> torch.Tensor:
         """The tensor ``name``'s bytes go into."""
@@ -157,15 +166,28 @@ class StreamUpdate:
         """The update failed: put what it opened back (nothing here)."""
 
     def copy(self, bucket: torch.Tensor, entries: list[dict[str, Any]]) -> None:
-        """Step 2: the ranges of one bucket into their tensors (the bucket is free once this returns)."""
+        """Step 2: the ranges of one bucket into their tensors (the bucket is free once this returns); with
+        ``verify``, each range's figures taken as it is copied
+        (:func:`~hybridmem.reshard.checksum.copy_checksum`)."""
+        start = time.perf_counter()
         for entry in entries:
+            name = entry["name"]
             dtype = dtype_of(entry["dtype"])
             size = dtype.itemsize
-            target = self.target(entry["name"]).data.view(-1)
+            target = self.target(name).data.view(-1)
             source = bucket[entry["offset"]:entry["offset"] + entry["end"] - entry["start"]].view(dtype)
             self.touched = True
-            target[entry["start"] // size:entry["end"] // size].copy_(source)
-            self.received[entry["name"]] = entry["end"]
+            into = target[entry["start"] // size:entry["end"] // size]
+            if self.verify:
+                with one_thread(into.device):
+                    part = copy_checksum(into, source, entry["start"] // size, self.layout[name][0])
+                before = self._figures.get(name, (0.0, 0.0))
+                self._figures[name] = (before[0] + part[0], before[1] + part[1])
+                self._copied_into[name] = target.data_ptr()
+            else:
+                into.copy_(source)
+            self.received[name] = entry["end"]
+        self.copy_s += time.perf_counter() - start
         if bucket.device.type == "cuda":  # copied out before the trainer may write the bucket again
             torch.cuda.current_stream(bucket.device).synchronize()
 
@@ -183,11 +205,14 @@ class StreamUpdate:
             if self.verify:
                 if name not in figures:
                     raise ValueError(f"{self.who}: the bucket completing {name} carries no figures")
-                start = time.perf_counter()
                 held = self.held(name).view(shape)
-                with one_thread(held.device):
-                    got = tensor_checksum(held)
-                self.checksum_s += time.perf_counter() - start
+                got = self._figures.get(name)
+                if got is None or held.data_ptr() != self._copied_into.get(name):
+                    # the module holds other memory than the copies wrote into: read what it holds
+                    start = time.perf_counter()
+                    with one_thread(held.device):
+                        got = tensor_checksum(held)
+                    self.checksum_s += time.perf_counter() - start
                 want = figures[name]
                 if not (_close(got[0], want[0]) and _close(got[1], want[1])):
                     raise ValueError(f"{self.who}: staged tensor {name} reads (sum, weighted) {got}, the "
@@ -241,7 +266,8 @@ def receive_stream(channel: Connection, buckets: Sequence[torch.Tensor], update:
             message = channel.receive(timeout_s=wait_s)
             if "end" in message:
                 update.end(message)
-                channel.send({"end": True, "tensors": len(update.complete), "checksum_s": update.checksum_s})
+                channel.send({"end": True, "tensors": len(update.complete), "checksum_s": update.checksum_s,
+                              "copy_s": update.copy_s})
                 break
             entries = check_bucket_message(message, run=update.run, num_buckets=len(buckets),
                                            bucket_nbytes=buckets[0].numel(), layout=update.layout,

@@ -26,9 +26,11 @@ stream to its end:
    into its live tensors; a module with one (linear layers, embeddings) is put back into its load-time form
    on its first range (vLLM's ``restore_layer_on_meta`` + ``materialize_layer``) and takes them into its
    load-time tensors;
-3. a tensor complete is checked against the trainer's figures
-   (:func:`~hybridmem.reshard.checksum.tensor_checksum` on the tensor as the worker holds it: the
-   load-time tensor before processing, the live one for a plain module); a module with a quantization
+3. a tensor complete is checked against the trainer's figures (those of
+   :func:`~hybridmem.reshard.checksum.tensor_checksum`), taken while its ranges were copied into the tensor
+   as the worker holds it (:func:`~hybridmem.reshard.checksum.copy_checksum`: the load-time tensor before
+   processing, the live one for a plain module; read again from what the module holds should that be
+   other memory than the copies wrote into); a module with a quantization
    method whose every load-time tensor is complete is processed again by its
    ``quant_method.process_weights_after_loading`` and its processed tensors copied into the kernel tensors
    the model runs with (their addresses kept). This is vLLM's own layerwise-reload sequence
