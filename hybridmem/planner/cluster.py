@@ -429,13 +429,13 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     :func:`rank_states` (computed when not given); ``engine_process``: the engine's transfer buckets held
     on the device throughout (``engine_bucket_nbytes`` each, ``None``: the engine's default); ``infer_fp8``:
     an FP8 engine, synced as ``ReshardSync`` syncs one ([Note: fp8 sync] in
-    :mod:`hybridmem.weight_sync.fp8`): the stage's full tensors moved in the training dtype, quantized and
-    cut on the rank."""
+    :mod:`hybridmem.weight_sync.fp8`): the rank's unquantized shards moved in the training dtype (the plan's
+    minimum), quantized on the rank."""
     src = _train_layout(spec, setup, world)
     if infer_fp8:
         _check_fp8(spec, setup)
         target = Fp8Target(_engine_layout(spec, infer, world, True), rank, _DTYPES.get(infer_bytes))
-        plan = build_plan(src, target.stage_layout(infer), itemsize=setup.param_bytes,
+        plan = build_plan(src, target.plan_layout(), itemsize=setup.param_bytes,
                           bucket_nbytes=bucket_nbytes, rank=rank)
         temp = target.sync_temp_nbytes(plan, _DTYPES[setup.param_bytes])
     else:
@@ -567,7 +567,7 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
         engine_bucket_nbytes: Bytes per bucket (``VLLMServerEngine``'s ``bucket_nbytes``); ``None``: the
             engine's default.
         infer_fp8: The engine serves FP8 with 128x128 block scales (the tensors vLLM does not quantize in
-            ``infer_bytes``), synced from full tensors ([Note: fp8 sync] in
+            ``infer_bytes``), synced from the ranks' unquantized shards ([Note: fp8 sync] in
             :mod:`hybridmem.weight_sync.fp8`).
 
     Raises:

@@ -89,7 +89,8 @@ def build_parser() -> OneLineErrorParser:
     p.add_argument("--infer-dtype", default="bf16", choices=sorted(DTYPE_BYTES),
                    help="the engine's weights (default bf16); fp8: vLLM's block FP8, one byte a quantized "
                         "weight element and four a 128x128 block's scale, the rest in --param-dtype, synced "
-                        f"from full tensors (families {', '.join(FP8_FAMILIES)})")
+                        "as unquantized shards, quantized on each rank (families "
+                        f"{', '.join(FP8_FAMILIES)})")
     p.add_argument("--optimizer-bytes-per-param", type=int, default=12,
                    help="Megatron (default 12: fp32 Adam)")
     p.add_argument("--no-distributed-optimizer", action="store_true",

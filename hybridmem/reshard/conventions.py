@@ -80,6 +80,11 @@ class VLLMConvention:
         if self.version is not None:
             resolve_vllm_version(self.version)
 
+    def padded_vocab(self, vocab_size: int) -> int:
+        """``vocab_size`` rounded up to a multiple of :attr:`vocab_padding`, the rows a
+        ``VocabParallelEmbedding`` (or its head) of that vocabulary holds over all ranks."""
+        return -(-vocab_size // self.vocab_padding) * self.vocab_padding
+
     @property
     def names(self) -> VLLMNames:
         """The release's name table (the version must be set)."""

@@ -337,7 +337,7 @@ def _per_layer_inputs(spec: ModelSpec, conv: VLLMConvention, c: RankCoords) -> d
     ``ColumnParallelLinear``), the norm whole."""
     shapes = spec.per_layer_input_shapes()
     embed, projection, norm = shapes
-    padded = -(-spec.vocab_size_per_layer_input // conv.vocab_padding) * conv.vocab_padding
+    padded = conv.padded_vocab(spec.vocab_size_per_layer_input)
     return {embed: pad_rows(embed, shapes[embed], padded_rows=padded, rank=c.tp_rank, num=c.tp),
             projection: split(projection, shapes[projection], axis=0, rank=c.tp_rank, num=c.tp),
             norm: replicate(norm, shapes[norm])}
@@ -498,7 +498,7 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     # the environment cannot move it.
     conv = dataclasses.replace(conv, stage_layers=engine_stage_layers(conv.stage_layers,
                                                                       spec.num_hidden_layers, pp))
-    padded = -(-spec.vocab_size // conv.vocab_padding) * conv.vocab_padding
+    padded = conv.padded_vocab(spec.vocab_size)
     if padded % tp:
         raise ValueError(f"inference tp={tp} does not divide the padded vocab {padded} "
                          f"(vocab_size={spec.vocab_size})")
@@ -507,7 +507,7 @@ def vllm_layout(spec: ModelSpec, parallel: ParallelLayout, world_size: int, *,
     if spec.per_layer_inputs_size % tp:
         raise ValueError(f"inference tp={tp} does not divide num_hidden_layers * hidden_size_per_layer_input="
                          f"{spec.per_layer_inputs_size} (vLLM splits per_layer_model_projection by rows)")
-    padded = -(-spec.vocab_size_per_layer_input // conv.vocab_padding) * conv.vocab_padding
+    padded = conv.padded_vocab(spec.vocab_size_per_layer_input)
     if padded % tp:
         raise ValueError(f"inference tp={tp} does not divide the padded per-layer input vocab {padded} "
                          f"(vocab_size_per_layer_input={spec.vocab_size_per_layer_input})")

@@ -356,10 +356,9 @@ def vocab_rows(side: Side, spec: ModelSpec, conv: MegatronConvention | VLLMConve
                 f"divisible by tp={c.tp}"
             )
         return conv.padded_vocab_size
-    if side is Side.MEGATRON:
-        multiple = conv.make_vocab_size_divisible_by * c.tp
-    else:
-        multiple = conv.vocab_padding
+    if side is not Side.MEGATRON:
+        return conv.padded_vocab(v)
+    multiple = conv.make_vocab_size_divisible_by * c.tp
     return -(-v // multiple) * multiple
 
 

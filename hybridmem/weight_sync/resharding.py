@@ -148,13 +148,14 @@ class ReshardSync(WeightSync):
         """How the weights reach the engine."""
         block = engine_block(engine)
         if block is not None:
-            if capabilities_of(engine).streams_layout:  # FP8 blocks are cut from full tensors, never written
+            if capabilities_of(engine).streams_layout:  # FP8 is made on the rank from its shards, streamed
                 self.route = ReshardRoute.LAYOUT_STREAM
             if self.route is not ReshardRoute.LAYOUT_STREAM:
                 raise ValueError(
                     f"{type(engine).__name__} serves FP8 with 128x128 blocks but takes its weights "
-                    f"{self.route.value}: an FP8 block is quantized from the full tensor, so an FP8 engine "
-                    "must take its own layout as a stream (streams_layout, load_layout_weights)")
+                    f"{self.route.value}: its FP8 weights and block scales are made on each rank from the "
+                    "rank's unquantized shards, so an FP8 engine must take its own layout as a stream "
+                    "(streams_layout, load_layout_weights)")
             vllm = dataclasses.replace(vllm or VLLMConvention(), weight_block_size=block)
         sources = self._sources_of(source)
         if isinstance(src, ParallelLayout) and looks_hf_named(sources):
@@ -188,10 +189,10 @@ class ReshardSync(WeightSync):
         report names, [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`); ``None``: the
         wire dtype. Into an FP8 engine: that of the tensors it does not quantize."""
         self.fp8: Fp8Target | None = None if block is None else Fp8Target(own, self.rank, self.out_dtype)
-        """This rank's FP8 tensors, made from the plan's full tensors ([Note: fp8 sync] in
+        """This rank's FP8 tensors, quantized from the plan's tensors ([Note: fp8 sync] in
         :mod:`hybridmem.weight_sync.fp8`); ``None``: the engine is not quantized."""
-        if self.fp8 is not None:  # the stage's full tensors, quantized and cut on this rank
-            dst_layout = self.fp8.stage_layout(dst)
+        if self.fp8 is not None:  # the rank's own shards unquantized, quantized on this rank
+            dst_layout = self.fp8.plan_layout()
         else:
             dst_layout = (hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None)
                           if streams_hf else own)
@@ -288,12 +289,12 @@ class ReshardSync(WeightSync):
         collected: list[TransferStats] = []
         dtypes: set[torch.dtype] = set()
         layout = self.route is ReshardRoute.LAYOUT_STREAM
-        # into an FP8 engine the plan's tensors are full ones, quantized and cut here, never the engine's
-        # ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`)
+        # into an FP8 engine the plan's tensors are the unquantized layout's, quantized here, never built in
+        # the engine's memory ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`)
         fp8 = self.fp8
         offers = layout and fp8 is None and capabilities_of(self.engine).offers_layout_targets
         target = self.engine.layout_target if offers else None
-        # the rank's tensors as the engine is handed them: of the plan, or of the FP8 layout they are cut to
+        # the rank's tensors as the engine is handed them: of the plan, or of the FP8 layout they are made in
         expected = (self.plan.dst if fp8 is None else fp8.layout).tensors(self.rank)
         handed = [0]
 

@@ -41,19 +41,34 @@ def test_one_engine_holds_fp8_weights_with_scales_and_the_rest_in_the_param_dtyp
     assert rank["state_nbytes"]["engine_weights"] == want == {2: 1_838_976, 4: 2_104_704}[nbytes]
 
 
-def test_a_megatron_tp2_trainer_into_fp8_tp2_moves_each_ranks_missing_half_of_the_full_tensors(tmp_path):
-    """Megatron TP 2 over 2 ranks holds half of every weight and the norms whole; the FP8 sync gathers the
-    stage's full tensors on every rank (bf16: the other half of 1,703,936 weight elements, 2 bytes each,
-    received and sent), and each TP 2 rank's engine holds half the FP8 rows or columns."""
+# The weight elements of the tiny Qwen3, by hand: per layer q [512, 256], k and v [256, 256], o [256, 512],
+# gate, up and down 3 x [512, 256]; two layers; embedding and head [256, 256].
+WEIGHTS = 2 * (512 * 256 + 2 * 256 * 256 + 256 * 512 + 3 * 512 * 256) + 2 * 256 * 256
+
+
+def test_a_megatron_tp2_trainer_into_fp8_tp2_moves_nothing_between_ranks(tmp_path):
+    """Megatron TP 2 over 2 ranks holds half of every weight (whole 128-blocks) and the norms whole, which is
+    each TP 2 engine rank's unquantized shard: the FP8 sync quantizes it where it lies, and each rank's engine
+    holds half the FP8 rows or columns."""
     plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "2/1/1", "--infer-dtype", "fp8")
-    weights = 2 * (512 * 256 + 2 * 256 * 256 + 256 * 512 + 3 * 512 * 256) + 2 * 256 * 256
-    assert weights == 1_703_936
+    assert WEIGHTS == 1_703_936
     for rank in plan["ranks"]:
         assert rank["state_nbytes"]["engine_weights"] == 2 * _layer(512, 256, 2) + (256 * 256 + 256) * 2 \
             == 921_280
-        assert rank["received_nbytes"] == rank["sent_nbytes"] == weights // 2 * 2
+        assert rank["received_nbytes"] == rank["sent_nbytes"] == 0
         sync = next(s for s in rank["to_infer"] if s["name"] == "weight sync")
-        assert sync["network_nbytes"] == weights * 2
+        assert sync["network_nbytes"] == 0
+
+
+def test_a_megatron_tp2_trainer_into_fp8_tp1_engines_moves_each_ranks_missing_half(tmp_path):
+    """Into two TP 1 engines (one a rank) each engine rank needs every weight: it receives the half its
+    Megatron shard lacks, in bf16 (2 bytes an element), and sends its own half to the other."""
+    plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "1/1/1", "--infer-dtype", "fp8")
+    for rank in plan["ranks"]:
+        assert rank["state_nbytes"]["engine_weights"] == 2 * _layer(1024, 512, 2) + (2 * 256 * 256 + 256) * 2
+        assert rank["received_nbytes"] == rank["sent_nbytes"] == WEIGHTS // 2 * 2
+        sync = next(s for s in rank["to_infer"] if s["name"] == "weight sync")
+        assert sync["network_nbytes"] == WEIGHTS * 2
 
 
 @pytest.mark.parametrize("args,message", [

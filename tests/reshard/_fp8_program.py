@@ -6,9 +6,10 @@ values, transformers' ``save_pretrained`` names), vLLM's own block quantizer (``
 the FP8 checkpoint, with ``quantization_config`` as the Hub's FP8 checkpoints have it; four workers build the
 model with vLLM's classes and ``quantization="fp8"`` (:mod:`tests.reshard._fp8_tasks`: only the ScaledMM
 kernel choice is a stand-in) at each (tp, pp, ep) of :data:`CASES` and load it with ``load_weights``. Every
-rank's parameters must equal, bit for bit, what a sync from the bf16 weights gives that rank: hybridmem's
-quantizer over the bf16 stream (:func:`~hybridmem.reshard.fp8.quantize_stream`) cut by the FP8 vLLM layout
-(:func:`~hybridmem.reshard.iter_shard`).
+rank's parameters must equal, bit for bit, what a sync from the bf16 weights gives that rank
+(:class:`~hybridmem.weight_sync.fp8.Fp8Target`: the rank's unquantized shards quantized piece by piece), and
+what hybridmem's quantizer over the bf16 stream (:func:`~hybridmem.reshard.fp8.quantize_stream`) cut by the
+FP8 vLLM layout (:func:`~hybridmem.reshard.iter_shard`) gives offline.
 The dense models' parameters after vLLM's ``process_weights_after_loading`` (the block kernels' base
 processing) must be those they loaded. Each layout of :data:`REFUSED` must be refused twice: by hybridmem's
 ``vllm_layout``, by name, and by vLLM building the model or loading the checkpoint. Exits 1 on any
@@ -113,6 +114,7 @@ def main(report_path: str, models: list[str]) -> int:
     from hybridmem.reshard.conventions import VLLMConvention
     from hybridmem.reshard.fp8 import block_from_hf_config, quantize_stream
     from hybridmem.testing.workers import WorkerPool
+    from hybridmem.weight_sync.fp8 import Fp8Target
     from tests.reshard import _fp8_tasks
 
     report: dict = {"vllm": vllm.__version__, "hybridmem": hybridmem.__file__, "cases": [], "refused": [],
@@ -137,6 +139,9 @@ def main(report_path: str, models: list[str]) -> int:
             for rank in range(WORLD):
                 theirs = got[rank]["loaded"]
                 ours = dict(iter_shard(quantize_stream(bf16.items(), quantized), layout, rank))
+                # what a sync hands the engine: the rank's unquantized shards, quantized piece by piece
+                target = Fp8Target(layout, rank)
+                handed = dict(target.stream(iter_shard(bf16.items(), target.plan_layout(), rank)))
                 synced = {n: t for n, t in theirs.items() if not n.endswith(KV_CACHE_SCALES)}
                 bad = sorted(set(ours) ^ set(synced))
                 for name, tensor in synced.items():
@@ -148,6 +153,9 @@ def main(report_path: str, models: list[str]) -> int:
                     if mine.shape != tensor.shape or mine.dtype != tensor.dtype or not torch.equal(
                             _bits(mine), _bits(tensor)):
                         bad.append(name)
+                bad += [f"synced: {n}" for n in sorted(set(ours) ^ set(handed))]
+                bad += [f"synced: {n}" for n, t in handed.items() if n in ours and (
+                    t.dtype != ours[n].dtype or not torch.equal(_bits(t), _bits(ours[n])))]
                 kv = [n for n in theirs if n.endswith(KV_CACHE_SCALES)]
                 if any(float(theirs[n]) != -1.0 for n in kv):
                     bad.append("kv-cache scales not at vLLM's 'not loaded' -1")

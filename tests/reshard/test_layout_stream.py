@@ -156,7 +156,9 @@ def test_a_megatron_tp2_trainer_syncs_into_an_fp8_tp2_engine(pool):
     shards at TP 2: each rank's engine holds, bit for bit, vLLM's quantizer's full tensors cut by hand for it
     (tests/weight_sync/_fp8_engine.py), and the sync counts its FP8 bytes: per layer e4m3 qkv [512, 256],
     o [256, 256], gate_up [512, 256] and down [256, 256], float32 scales of 4x2, 2x2, 4x2 and 2x2 blocks and
-    bf16 norms of 256, 256, 128 and 128; then half the bf16 embedding and head rows and the final norm."""
+    bf16 norms of 256, 256, 128 and 128; then half the bf16 embedding and head rows and the final norm. Each
+    rank's Megatron shard is whole 128-blocks of its engine shard, which it quantizes itself: no byte moves
+    between the ranks (the sync gathered the full tensors on each rank before, half of them received)."""
     fp8 = pytest.importorskip("tests.weight_sync._fp8_engine")
     spec = ModelSpec.from_hf_config(dict(fp8.CONFIG, model_type="qwen3"))
     torch.manual_seed(3)
@@ -164,7 +166,8 @@ def test_a_megatron_tp2_trainer_syncs_into_an_fp8_tp2_engine(pool):
     want = [fp8.reference(full, rank=r, tp=2) for r in range(2)]
     results = pool.run(fp8.sync_task, full, want, 2, world_size=2)
     layer = (512 * 256 + 256 * 256 + 512 * 256 + 256 * 256) + 4 * (8 + 4 + 8 + 4) + 2 * (256 * 2 + 128 * 2)
-    for rank, (held, engine_nbytes) in enumerate(results):
+    for rank, (held, engine_nbytes, sent, received) in enumerate(results):
         assert held.keys() == want[rank].keys()
         assert not [n for n, t in want[rank].items() if not fp8.same(held[n], t)], rank
         assert engine_nbytes == 2 * layer + 2 * (128 * 256) * 2 + 2 * 256 == 921_280
+        assert sent == received == 0, (rank, sent, received)

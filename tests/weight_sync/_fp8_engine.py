@@ -125,7 +125,8 @@ def same(got: torch.Tensor, want: torch.Tensor) -> bool:
 def sync_task(ctx, full: dict[str, torch.Tensor], likes: list[dict[str, torch.Tensor]], tp: int):
     """Per rank: the training weights ``full`` sharded as Megatron-core at TP ``tp`` (the reference's
     shards), synced by a ReshardSync into an :class:`Fp8Engine` at TP ``tp`` holding tensors like
-    ``likes[rank]`` (the rank's reference); returns what the engine holds and the sync's engine bytes."""
+    ``likes[rank]`` (the rank's reference); returns what the engine holds, the sync's engine bytes and the
+    bytes the rank sent to and received from the others."""
     spec = ModelSpec.from_hf_config(dict(CONFIG, model_type="qwen3"))
     train = megatron_shard(full, spec, tp=tp, pp=1, ep=1, world=ctx.world_size, rank=ctx.rank)
     engine = Fp8Engine(likes[ctx.rank], tp=tp)
@@ -133,4 +134,4 @@ def sync_task(ctx, full: dict[str, torch.Tensor], likes: list[dict[str, torch.Te
     engine.resume(["weights"])
     stats = sync.sync()
     assert not stats.unwritten and stats.coverage_checked
-    return engine.params, stats.engine_nbytes
+    return engine.params, stats.engine_nbytes, stats.sent_nbytes, stats.received_nbytes

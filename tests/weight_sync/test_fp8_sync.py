@@ -18,7 +18,7 @@ import torch
 from hybridmem import HybridConfig, ShardingManager
 from hybridmem.config import ParallelLayout
 from hybridmem.contract.engine import EngineCapabilities
-from hybridmem.reshard import ModelSpec, vllm_layout
+from hybridmem.reshard import ModelSpec, iter_shard, vllm_layout
 from hybridmem.reshard.conventions import VLLMConvention
 from hybridmem.weight_sync import ReshardRoute, ReshardSync
 from hybridmem.weight_sync.fp8 import Fp8Target
@@ -79,14 +79,15 @@ def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dt
 
 
 def test_a_rank_of_a_tp2_engine_gets_its_hand_cut_fp8_shard():
-    """The quantize-and-cut part on rank 1 of TP 2 (each rank's shard of every weight is whole blocks): from
-    the stage's full tensors, the rank's tensors equal vLLM's quantizer's full tensors cut by hand."""
+    """The quantizing part on rank 1 of TP 2 (each rank's shard of every weight is whole blocks): from the
+    rank's unquantized shards, the rank's tensors equal vLLM's quantizer's full tensors cut by hand."""
     model, config = _model(torch.bfloat16)
     full = full_weights(model)
     spec = ModelSpec.from_hf_config(config)
     fp8 = VLLMConvention(weight_block_size=(128, 128))
     layout = vllm_layout(spec, ParallelLayout(tp=2), 2, convention=fp8)
-    got = dict(Fp8Target(layout, 1, torch.bfloat16).stream(iter(full.items())))
+    target = Fp8Target(layout, 1, torch.bfloat16)
+    got = dict(target.stream(iter_shard(full.items(), target.plan_layout(), 1)))
     want = reference(full, rank=1, tp=2)
     assert got.keys() == want.keys()
     assert not [n for n, t in want.items() if not same(got[n], t)]
@@ -166,7 +167,8 @@ def test_a_qwen3_moe_rank_gets_its_experts_stacked_in_fp8_and_its_router_in_bf16
     full = {n: torch.randn(s).to(torch.bfloat16) for n, s in spec.full_shapes().items()}
     layout = vllm_layout(spec, ParallelLayout(tp=2, ep=2), 2,
                          convention=VLLMConvention(weight_block_size=(128, 128)))
-    got = dict(Fp8Target(layout, 1, torch.bfloat16).stream(iter(full.items())))
+    target = Fp8Target(layout, 1, torch.bfloat16)
+    got = dict(target.stream(iter_shard(full.items(), target.plan_layout(), 1)))
     p = "model.layers.0.mlp."
     parts = {(e, n): quantize(full[f"{p}experts.{e}.{n}_proj.weight"], [128, 128])
              for e in (2, 3) for n in ("gate", "up", "down")}
