@@ -27,6 +27,7 @@ caches it (about 0.3 s each the first time). ``HYBRIDMEM_FUSED_CHECKSUM=0`` turn
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,11 +36,17 @@ import torch
 
 __all__ = ["fused_figures"]
 
+log = logging.getLogger(__name__)
+
 _BITS: dict[torch.dtype, torch.dtype] = {torch.float32: torch.float32, torch.float64: torch.float64,
                                         torch.bfloat16: torch.int16, torch.float16: torch.uint16,
                                         torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 """The dtype each supported element type is handed to the kernel as (its own, or its bits: the kernel
 tells bfloat16 from float16 by int16 against uint16)."""
+
+
+_REFUSED: set[torch.dtype] = set()
+"""Element types the kernel failed to take in this process (read with torch from then on)."""
 
 
 @functools.cache
@@ -50,6 +57,10 @@ def _kernel() -> Callable[..., tuple[float, float]] | None:
     try:
         from hybridmem.reshard.fused_kernels import copy_figures  # noqa: PLC0415 - numba is optional
     except ImportError:
+        return None
+    except Exception as exc:  # a numba that cannot cache or build here: torch reads instead
+        log.warning("hybridmem: the one-pass checksum kernel is unavailable (%s: %s); figures are read with "
+                    "torch", type(exc).__name__, exc)
         return None
     return copy_figures
 
@@ -84,8 +95,8 @@ def fused_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: in
         cp: The column weights' period.
     """
     kernel = _kernel()
-    if (kernel is None or src.dtype not in _BITS or src.device.type != "cpu" or src.dim() != 1
-            or not src.is_contiguous()):
+    if (kernel is None or src.dtype not in _BITS or src.dtype in _REFUSED or src.device.type != "cpu"
+            or src.dim() != 1 or not src.is_contiguous()):
         return None
     if dst is not None and (dst.dtype != src.dtype or dst.device.type != "cpu" or dst.dim() != 1
                             or dst.numel() != src.numel() or not dst.is_contiguous()
@@ -94,7 +105,13 @@ def fused_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: in
     if src.numel() == 0:
         return 0.0, 0.0
     bits = _BITS[src.dtype]
-    s = src.detach().view(bits).numpy()
-    d = s if dst is None else dst.detach().view(bits).numpy()
-    total, weighted = kernel(s, d, dst is not None, lo, cols, rp, cp, _vtab(cp), _table(src.dtype))
+    try:  # typing and compiling come before the kernel's first write
+        s = src.detach().view(bits).numpy()
+        d = s if dst is None else dst.detach().view(bits).numpy()
+        total, weighted = kernel(s, d, dst is not None, lo, cols, rp, cp, _vtab(cp), _table(src.dtype))
+    except Exception as exc:  # numpy or numba cannot take this dtype here: torch reads it from now on
+        _REFUSED.add(src.dtype)
+        log.warning("hybridmem: the one-pass checksum kernel cannot take %s (%s: %s); its figures are read "
+                    "with torch", src.dtype, type(exc).__name__, exc)
+        return None
     return float(total), float(weighted)

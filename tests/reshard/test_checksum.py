@@ -125,6 +125,26 @@ def test_copy_checksum_of_ranges_adds_up_to_the_definition(monkeypatch, fused, d
     assert (one_pass is not None) == (fused and dtype != torch.int32)
 
 
+def test_a_kernel_that_cannot_take_a_dtype_leaves_it_to_torch(monkeypatch, caplog):
+    """A numba that fails to type or build the kernel for a dtype (before any write): the copy and its figures
+    are torch's, the dtype is read with torch from then on, and a warning names it once."""
+    calls = []
+
+    def refusing(*args):
+        calls.append(args)
+        raise TypeError("no implementation for these arguments")
+
+    monkeypatch.setattr(fused_checksum, "_kernel", lambda: refusing)
+    monkeypatch.setattr(fused_checksum, "_REFUSED", set())
+    t = _randn(30, 40, dtype=torch.bfloat16)
+    for _ in range(2):
+        dst = torch.empty(1200, dtype=torch.bfloat16)
+        got = copy_checksum(dst, t.reshape(-1), 0, (30, 40))
+        assert torch.equal(dst, t.reshape(-1)) and _agree(got, _reference(t, ((0, 30), (0, 40))))
+    assert len(calls) == 1 and fused_checksum._REFUSED == {torch.bfloat16}
+    assert [r.getMessage() for r in caplog.records if "cannot take torch.bfloat16" in r.getMessage()]
+
+
 def test_copy_checksum_sees_a_range_written_at_another_place():
     """The figures belong to the place a range is written at: the same bytes one row further read
     otherwise, and two rows exchanged while copying change the weighted figure."""
