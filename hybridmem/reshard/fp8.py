@@ -20,10 +20,12 @@ such a layer and then fail loading kv_a's block scales into it).
 
 Which tensors are quantized is vLLM's: the linear layers its model classes build with the quantization config
 (:data:`QUANTIZED_VLLM_RULES`: attention q/k/v and output, MLA's projections, the MLP's and the shared
-expert's projections, the routed experts); embeddings, norms, biases, the head and the routers stay as vLLM
-holds them (an FP8 Qwen3-MoE checkpoint lists its routers in ``modules_to_not_convert``, for vLLM builds them
-as linear layers that would otherwise be quantized; GLM-4.5's and DeepSeek-V3's routers are built without the
-quantization config, GLM-4.5's in float32, beside their float32 ``e_score_correction_bias``). Only the
+expert's projections, the routed experts, the sparse-attention indexer's ``wq_b``); embeddings, norms,
+biases, the head and the routers stay as vLLM holds them (an FP8 Qwen3-MoE checkpoint lists its routers in
+``modules_to_not_convert``, for vLLM builds them as linear layers that would otherwise be quantized;
+GLM-4.5's and DeepSeek-V3's routers are built without the quantization config, GLM-4.5's in float32, beside
+their float32 ``e_score_correction_bias``; the indexer's ``wk`` and ``weights_proj``, which vLLM fuses into a
+``wk_weights_proj`` built without it, stay bf16). Only the
 families checked against vLLM's loaders (:data:`FP8_FAMILIES`) have an FP8 layout;
 tests/reshard/test_vllm_fp8.py runs vLLM's own classes with ``quantization="fp8"``.
 """
@@ -49,7 +51,7 @@ SCALE_SUFFIX = "_scale_inv"
 """``X.weight`` -> ``X.weight_scale_inv``: the checkpoint's and vLLM's name of a weight's block scales."""
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Training dtypes the quantizer takes (those vLLM's quantizer reads exactly once promoted to float32)."""
-FP8_FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
+FP8_FAMILIES = ("llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 """Families whose FP8 layout is checked against vLLM's classes built with ``quantization="fp8"``."""
 QUANTIZED_VLLM_RULES = frozenset({
     "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
@@ -57,6 +59,9 @@ QUANTIZED_VLLM_RULES = frozenset({
     # DeepSeek's multi-latent attention
     "self_attn.fused_qkv_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.q_b_proj.weight",
     "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight",
+    # DeepSeek sparse attention's indexer: wq_b is a quantized ReplicatedLinear; vLLM builds the fused
+    # wk_weights_proj without the quantization config (an FP8 checkpoint's wk is dequantized into it)
+    "self_attn.indexer.wq_b.weight",
 })
 """The vLLM names (``LayerRule.vllm``) of the rows of :data:`hybridmem.reshard.rules.LAYER_RULES` whose
 tensors vLLM's ``Fp8LinearMethod`` / ``Fp8MoEMethod`` hold in FP8."""

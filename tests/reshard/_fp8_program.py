@@ -41,11 +41,15 @@ DEEPSEEK_V3 = dict(DENSE, model_type="deepseek_v3", num_key_value_heads=4, moe_i
                    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                    n_group=1, topk_group=1, topk_method="noaux_tc", q_lora_rank=256, kv_lora_rank=128,
                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+# DeepSeek-V3.2: DeepSeek-V3's MLA and MoE with an indexer in every layer; its wq_b [2 x 128, 256] quantized,
+# wk and weights_proj (fused by vLLM, unquantized) and k_norm not. GLM-5: the same under GLM's names.
+DEEPSEEK_V32 = dict(DEEPSEEK_V3, model_type="deepseek_v32", index_n_heads=2, index_head_dim=128, index_topk=8)
 MODELS = {"qwen3": DENSE, "qwen3_moe": MOE, "llama": dict(DENSE, model_type="llama"),
           "mistral": dict(DENSE, model_type="mistral"), "glm4_moe": GLM4_MOE, "deepseek_v3": DEEPSEEK_V3,
           "deepseek_v3_no_q_lora": dict(DEEPSEEK_V3, q_lora_rank=None),
           "deepseek_v3_q_lora_192": dict(DEEPSEEK_V3, q_lora_rank=192),
-          "qwen3_moe_wide": dict(MOE, moe_intermediate_size=512)}
+          "qwen3_moe_wide": dict(MOE, moe_intermediate_size=512), "deepseek_v32": DEEPSEEK_V32,
+          "glm5": dict(DEEPSEEK_V32, model_type="glm_moe_dsa")}
 """Mistral's configs are read as Llama's (one family); vLLM builds them with its own MistralForCausalLM."""
 DENSE_MODELS = ("qwen3", "llama", "mistral")
 """Models whose every FP8 layer is a linear one: vLLM's processing after loading runs on CPU for them."""
@@ -53,7 +57,8 @@ CASES = [(model, layout) for models, layouts in (
     (("qwen3", "llama"), ((1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1))),
     (("qwen3_moe", "glm4_moe", "deepseek_v3"), ((1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1))),
     (("mistral",), ((4, 1, 1),)), (("deepseek_v3_no_q_lora",), ((2, 1, 1),)),
-    (("qwen3_moe_wide",), ((4, 1, 1), (4, 1, 4))))
+    (("qwen3_moe_wide",), ((4, 1, 1), (4, 1, 4))), (("deepseek_v32",), ((2, 1, 1), (2, 1, 2), (1, 2, 1))),
+    (("glm5",), ((2, 1, 2),)))
     for model in models for layout in layouts]
 """(model, (tp, pp, ep)) checked rank by rank; ``qwen3_moe_wide``'s experts (512 rows) are whole blocks at
 TP 4 with and without expert parallelism."""

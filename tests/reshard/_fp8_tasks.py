@@ -75,7 +75,8 @@ def fp8_loaded_parameters(ctx, model_dir: str, tp: int, pp: int, ep: int) -> dic
     assert model_config.quantization == "fp8", model_config.quantization
     weights = safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors"))
     with _vllm_tasks.vllm_groups(ctx, vllm_config, tp, pp):
-        with torch.device("cpu"), _stand_in_scaled_mm_kernel():
+        with (torch.device("cpu"), _stand_in_scaled_mm_kernel(),
+              _vllm_tasks._sparse_attention_builds_on_cpu(model_config.hf_config)):
             model = initialize_model(vllm_config=vllm_config)
         _vllm_tasks._BUILT.append(model)
         model.load_weights(iter(sorted(weights.items())))

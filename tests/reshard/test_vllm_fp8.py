@@ -194,7 +194,8 @@ def test_vllm_fp8_classes_load_what_a_sync_writes(tmp_path, release):
     assert {("qwen3", 4, 1, 1), ("qwen3", 1, 2, 1), ("qwen3_moe", 2, 1, 2), ("llama", 4, 1, 1),
             ("llama", 1, 2, 1), ("glm4_moe", 2, 1, 2), ("glm4_moe", 1, 2, 1), ("deepseek_v3", 2, 1, 2),
             ("deepseek_v3", 1, 2, 1), ("deepseek_v3_no_q_lora", 2, 1, 1), ("mistral", 4, 1, 1),
-            ("qwen3_moe_wide", 4, 1, 1), ("qwen3_moe_wide", 4, 1, 4)} <= cases
+            ("qwen3_moe_wide", 4, 1, 1), ("qwen3_moe_wide", 4, 1, 4), ("deepseek_v32", 2, 1, 1),
+            ("deepseek_v32", 2, 1, 2), ("deepseek_v32", 1, 2, 1), ("glm5", 2, 1, 2)} <= cases
     # Refused by both: hybridmem names the weight; vLLM's validate_fp8_block_shape names the partition size,
     # and loading kv_a's block scales into fused_qkv_a_proj's grid (q_lora_rank 192) runs past its 3 rows.
     q_b, q_lora = report["refused"]
