@@ -155,11 +155,8 @@ def tensor_checksum(t: torch.Tensor) -> tuple[float, float]:
     t = t.detach()
     if t.is_complex():
         raise TypeError(f"tensor_checksum takes real tensors, got {t.dtype}")
-    if t.is_contiguous():  # one pass of the CPU kernel where it serves, see copy_checksum
-        cols, rp, cp = _grid(t.shape)
-        figures = fused_figures(t.view(-1), None, 0, cols, rp, cp)
-        if figures is not None:
-            return figures
+    if t.is_contiguous():  # the whole tensor as one range (one pass of the CPU kernel where it serves)
+        return range_checksum(t.view(-1), 0, t.shape)
     if t.dim() <= 1:
         return box_checksum(t.reshape(-1), ((0, t.numel()),))
     if t.numel() == 0:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmem.contract.engine import InferenceEngine, capabilities_of
-from hybridmem.reshard import ModelSpec, ReshardPlan, stream_peak_nbytes, vllm_layout
+from hybridmem.reshard import ReshardPlan, stream_peak_nbytes, vllm_layout
 from hybridmem.reshard.execute import held_dtype
 from hybridmem.reshard.fp8 import (
     FP8_BLOCK,
@@ -45,7 +45,7 @@ from hybridmem.reshard.fp8 import (
     quantize_block_fp8,
     scale_name,
 )
-from hybridmem.reshard.layouts import ShardLayout, fp8_quantized_names
+from hybridmem.reshard.layouts import ShardLayout
 from hybridmem.reshard.transforms import LocalTensor, Piece, piece_view
 
 __all__ = ["engine_block", "Fp8Target", "check_quantizable"]
@@ -90,11 +90,6 @@ class Fp8Target:
     layout: ShardLayout
     rank: int
     out_dtype: torch.dtype | None = None
-
-    @property
-    def quantized(self) -> frozenset[str]:
-        """The checkpoint tensors quantized (:func:`~hybridmem.reshard.layouts.fp8_quantized_names`)."""
-        return _quantized(self.layout.spec)
 
     def plan_layout(self) -> ShardLayout:
         """What an FP8 sync plans into: :attr:`layout` unquantized (each rank's tensors, without scales)."""
@@ -183,10 +178,5 @@ def _quantize_pieces(name: str, tensor: torch.Tensor, weight: LocalTensor,
 def _unquantized(layout: ShardLayout) -> ShardLayout:
     conv = dataclasses.replace(layout.convention, weight_block_size=None)
     return vllm_layout(layout.spec, layout.parallel, layout.world_size, convention=conv)
-
-
-@functools.lru_cache(maxsize=8)
-def _quantized(spec: ModelSpec) -> frozenset[str]:
-    return frozenset(fp8_quantized_names(spec))
 
 
