@@ -429,14 +429,15 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     :func:`rank_states` (computed when not given); ``engine_process``: the engine's transfer buckets held
     on the device throughout (``engine_bucket_nbytes`` each, ``None``: the engine's default); ``infer_fp8``:
     an FP8 engine, synced as ``ReshardSync`` syncs one ([Note: fp8 sync] in
-    :mod:`hybridmem.weight_sync.fp8`): the rank's unquantized shards moved in the training dtype (the plan's
-    minimum), quantized on the rank."""
+    :mod:`hybridmem.weight_sync.fp8`): the plan into the rank's unquantized shards, each cell of a weight vLLM
+    quantizes that is whole blocks moved as e4m3 bytes and block scales, the others in the training dtype
+    ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`)."""
     src = _train_layout(spec, setup, world)
     if infer_fp8:
         _check_fp8(spec, setup)
         target = Fp8Target(_engine_layout(spec, infer, world, True), rank, _DTYPES.get(infer_bytes))
         plan = build_plan(src, target.plan_layout(), itemsize=setup.param_bytes,
-                          bucket_nbytes=bucket_nbytes, rank=rank)
+                          bucket_nbytes=bucket_nbytes, rank=rank, quantized=target.quantized_names())
         temp = target.sync_temp_nbytes(plan, _DTYPES[setup.param_bytes])
     else:
         dst = vllm_layout(spec, infer, world)

@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 from hybridmem.errors import WeightSyncError
 from hybridmem.reshard.deadline import Bound, exchange, global_rank, wait_all
+from hybridmem.reshard.execute import pack_cell
+from hybridmem.reshard.fp8 import dequantize_block_fp8
 from hybridmem.reshard.fused_checksum import fused_figures
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import Box, piece_view
@@ -241,12 +243,16 @@ class CellChecksums:
 
     def add_source(self, src: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
         """Figures of the cells this rank sends (or copies locally), from its source tensors as cast to
-        the wire ``dtype`` (see [Note: wire dtype] in :mod:`hybridmem.reshard.execute`)."""
+        the wire ``dtype`` (see [Note: wire dtype] in :mod:`hybridmem.reshard.execute`); of a cell that
+        travels quantized, of the float32 values its e4m3 values and block scales stand for ([Note: fp8
+        assembly] in :mod:`hybridmem.reshard.fp8_stream`)."""
         cells = _cells(self.plan, self.rank)
         for i in self._src:
             t = cells[i]
             piece = piece_view(src[t.src_name], t.src_piece, t.box)
-            if dtype is not None:
+            if self.plan.quantizes(t):
+                piece = dequantize_block_fp8(*pack_cell(self.plan, t, src, dtype or piece.dtype))
+            elif dtype is not None:
                 piece = piece.to(cell_dtype(self.plan, t.hf_name, dtype))
             self._figures[0, i] = torch.tensor(box_checksum(piece, t.box))
 

@@ -68,9 +68,10 @@ from hybridmem.reshard.deadline import (
     global_rank,
     wait_all,
 )
+from hybridmem.reshard.fp8 import FP8_DTYPE, quantize_block_fp8, scale_box
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.spec import ModelSpec
-from hybridmem.reshard.transforms import piece_view
+from hybridmem.reshard.transforms import box_numel, piece_view
 
 __all__ = ["run_plan", "iter_layout_tensors", "iter_full_tensors", "stream_peak_nbytes", "TransferStats",
            "held_dtype"]
@@ -131,63 +132,97 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
     return dtype, first.device
 
 
+Arrival = tuple[Transfer, tuple[torch.Tensor, ...]]
+"""A received cell and its parts ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`): its values
+shaped like its box in its wire dtype; or, quantized, its e4m3 values shaped like its box and its float32
+block scales shaped like their box."""
+
+
+def _parts(plan: ReshardPlan, t: Transfer, dtype: torch.dtype) -> tuple[tuple[torch.dtype, int], ...]:
+    """``(dtype on the wire, elements)`` of each part cell ``t`` travels in."""
+    if plan.quantizes(t):
+        return (torch.uint8, t.numel), (torch.float32, box_numel(scale_box(t.box)))
+    return ((cell_dtype(plan, t.hf_name, dtype), t.numel),)
+
+
+def pack_cell(plan: ReshardPlan, t: Transfer, src: Mapping[str, torch.Tensor],
+              dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The parts of cell ``t`` as its sender makes them from its source tensors (shaped as :data:`Arrival`
+    says): cast to the cell's wire dtype, and, where the plan quantizes it, quantized from that cast."""
+    piece = piece_view(src[t.src_name], t.src_piece, t.box).to(cell_dtype(plan, t.hf_name, dtype))
+    if not plan.quantizes(t):
+        return (piece,)
+    values, scales = quantize_block_fp8(piece.reshape(_box_shape(t)), name=f"{t.hf_name} {list(t.box)}")
+    return values, scales
+
+
 def _exchange(plan: ReshardPlan, rank: int, index: int, src: Mapping[str, torch.Tensor], group: Any,
               dtype: torch.dtype, device: torch.device, deadline: Bound | None
-              ) -> tuple[dict[tuple[int, torch.dtype], list[Transfer]],
-                         dict[tuple[int, torch.dtype], torch.Tensor], int, int]:
-    """Post and wait for the sends and receives of bucket ``index``; returns what arrived, per (peer, dtype).
+              ) -> tuple[list[Arrival], int, int]:
+    """Post and wait for the sends and receives of bucket ``index``; returns what arrived, cell by cell in the
+    bucket's order, and the bytes sent and received.
 
-    Each peer gets one buffer per dtype on the wire (see [Note: wire dtype]), posted in the same order
-    on both sides.
+    Each peer gets one buffer per dtype on the wire (see [Note: wire dtype]; a quantized cell's values and
+    scales go in two, [Note: quantized cells] in :mod:`hybridmem.reshard.plan`), posted in the same order on
+    both sides, each holding its cells' parts in the bucket's order.
     """
-    sends: dict[tuple[int, torch.dtype], list[Transfer]] = defaultdict(list)
-    recvs: dict[tuple[int, torch.dtype], list[Transfer]] = defaultdict(list)
+    sends: dict[tuple[int, str], list[torch.Tensor]] = defaultdict(list)
+    recvs: dict[tuple[int, str], int] = defaultdict(int)
+    arriving: list[tuple[Transfer, list[tuple[tuple[int, str], int, int, torch.dtype]]]] = []
     for t in plan.buckets[index]:
-        wire = cell_dtype(plan, t.hf_name, dtype)
         if t.src_rank == rank:
-            sends[t.dst_rank, wire].append(t)
+            for part in pack_cell(plan, t, src, dtype):
+                wire = torch.uint8 if part.dtype == FP8_DTYPE else part.dtype
+                sends[t.dst_rank, str(wire)].append(part.reshape(-1).view(wire))
         if t.dst_rank == rank:
-            recvs[t.src_rank, wire].append(t)
+            spans = []
+            for wire, n in _parts(plan, t, dtype):
+                key = (t.src_rank, str(wire))
+                spans.append((key, recvs[key], n, wire))
+                recvs[key] += n
+            arriving.append((t, spans))
     ops, peers = [], []
     send_bufs = {}
-    for key in sorted(sends, key=_order):
-        peer, wire = key
-        buf = torch.cat([piece_view(src[t.src_name], t.src_piece, t.box).reshape(-1).to(wire)
-                         for t in sends[key]])
-        send_bufs[key] = buf
-        ops.append(dist.P2POp(dist.isend, buf, global_rank(group, peer), group))
-        peers.append(peer)
+    for key in sorted(sends):
+        send_bufs[key] = buf = torch.cat(sends[key])
+        ops.append(dist.P2POp(dist.isend, buf, global_rank(group, key[0]), group))
+        peers.append(key[0])
+    wires = {str(w): w for _, spans in arriving for _, _, _, w in spans}
     recv_bufs = {}
-    for key in sorted(recvs, key=_order):
-        peer, wire = key
-        buf = torch.empty(sum(t.numel for t in recvs[key]), dtype=wire, device=device)
-        recv_bufs[key] = buf
-        ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, peer), group))
-        peers.append(peer)
+    for key in sorted(recvs):
+        recv_bufs[key] = buf = torch.empty(recvs[key], dtype=wires[key[1]], device=device)
+        ops.append(dist.P2POp(dist.irecv, buf, global_rank(group, key[0]), group))
+        peers.append(key[0])
     exchange(ops, peers, deadline, f"rank {rank}: bucket {index + 1} of {len(plan.buckets)} of the "
                                    "resharding plan")
     sent = sum(b.numel() * b.element_size() for b in send_bufs.values())
     received = sum(b.numel() * b.element_size() for b in recv_bufs.values())
-    return recvs, recv_bufs, sent, received
+    arrived = []
+    for t, spans in arriving:
+        parts = [recv_bufs[key][offset:offset + n] for key, offset, n, _ in spans]
+        if len(parts) == 2:
+            parts = [parts[0].view(FP8_DTYPE).view(_box_shape(t)),
+                     parts[1].view(tuple(b - a for a, b in scale_box(t.box)))]
+        else:
+            parts = [parts[0].view(_box_shape(t))]
+        arrived.append((t, tuple(parts)))
+    return arrived, sent, received
 
 
-def _order(key: tuple[int, torch.dtype]) -> tuple[int, int]:
-    """Peer, then the wire dtype before fp32 kept tensors: the same order on sender and receiver."""
-    return key[0], key[1] == torch.float32
+def _unpack(arrived: Iterable[Arrival], dst: MutableMapping[str, torch.Tensor],
+            written: dict[str, int] | None = None) -> None:
+    for t, (values,) in arrived:
+        target = piece_view(dst[t.dst_name], t.dst_piece, t.box)
+        target.copy_(values)
+        if written is not None:
+            written[t.dst_name] = written.get(t.dst_name, 0) + target.numel()
 
 
-def _unpack(recvs: dict[tuple[int, torch.dtype], list[Transfer]],
-            bufs: dict[tuple[int, torch.dtype], torch.Tensor],
-            dst: MutableMapping[str, torch.Tensor], written: dict[str, int] | None = None) -> None:
-    for key, ts in recvs.items():
-        offset = 0
-        for t in ts:
-            n = t.numel
-            target = piece_view(dst[t.dst_name], t.dst_piece, t.box)
-            target.copy_(bufs[key][offset:offset + n].view(_box_shape(t)))
-            if written is not None:
-                written[t.dst_name] = written.get(t.dst_name, 0) + target.numel()
-            offset += n
+def _plain(plan: ReshardPlan, what: str) -> None:
+    """Refuse a plan whose cells travel quantized where every cell must arrive as values."""
+    if plan.quantized:
+        raise ValueError(f"{what} writes unquantized tensors; a plan that moves FP8-quantized cells "
+                         "(quantized=...) runs through hybridmem.reshard.fp8_stream.iter_fp8_layout_tensors")
 
 
 def _copy_local(plan: ReshardPlan, cells: Iterable[Transfer], src: Mapping[str, torch.Tensor],
@@ -238,6 +273,7 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
         CollectiveTimeoutError: A peer did not complete a bucket within ``deadline_s`` (stuck or dead).
     """
     start = time.perf_counter()
+    _plain(plan, "run_plan")
     bound = deadline_bound(deadline_s)
     dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
@@ -261,10 +297,10 @@ def run_plan(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch.Tensor], g
     with torch.no_grad(), accel.on_side_stream(side):
         _copy_local(plan, plan.local[rank], src, dst, dtype, written)
         for i in range(len(plan.buckets)):
-            recvs, bufs, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
-            _unpack(recvs, bufs, dst, written)
+            arrived, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
+            _unpack(arrived, dst, written)
             sent, received, peak = sent + s, received + r, max(peak, s + r)
-            del bufs
+            del arrived
     accel.current_stream().wait_stream(side)
     accel.synchronize()  # so ``seconds`` is the time to completion
     return dict(dst), TransferStats(
@@ -381,6 +417,7 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
         RuntimeError: The plan left a destination tensor incomplete (a bug in a plan; names the tensor).
     """
     start = time.perf_counter()
+    _plain(plan, "iter_layout_tensors")
     bound = deadline_bound(deadline_s)
     dtype, device = _check_sources(plan, rank, src, dtype)
     held = dtype if out_dtype is None else out_dtype
@@ -425,16 +462,15 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
                 yield name, tensor
                 del tensor  # before the next one is allocated
         for i in range(len(plan.buckets)):
-            recvs, bufs, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
-            touched = {t.dst_name for ts in recvs.values() for t in ts}
+            arrived, s, r = _exchange(plan, rank, i, src, group, dtype, device, bound)
+            touched = {t.dst_name for t, _ in arrived}
             for name in touched - in_flight.keys():
                 in_flight[name] = first_touch(name)
-            _unpack(recvs, bufs, in_flight)
-            del bufs
+            _unpack(arrived, in_flight)
             sent, received, peak = sent + s, received + r, max(peak, s + r)
-            for ts in recvs.values():
-                for t in ts:
-                    remaining[t.dst_name] -= t.numel
+            for t, _ in arrived:
+                remaining[t.dst_name] -= t.numel
+            del arrived
             for name in sorted(touched, key=order.__getitem__):
                 if remaining[name] == 0:
                     yield name, in_flight.pop(name)

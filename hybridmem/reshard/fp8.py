@@ -41,7 +41,8 @@ from hybridmem.reshard.transforms import LocalTensor, Piece
 
 __all__ = ["FP8_BLOCK", "FP8_FAMILIES", "QUANTIZED_VLLM_RULES", "FP8_DTYPE", "SCALE_SUFFIX",
            "QUANTIZABLE_DTYPES", "check_block", "block_from_hf_config", "quantize_block_fp8", "scale_name",
-           "scale_of", "quantize_stream", "fp8_full_shapes"]
+           "scale_of", "quantize_stream", "fp8_full_shapes", "whole_blocks", "block_cover", "scale_box",
+           "dequantize_block_fp8"]
 
 FP8_BLOCK = (128, 128)
 """The one block shape hybridmem quantizes in (rows, columns): vLLM's ``weight_block_size=[128, 128]``."""
@@ -142,6 +143,32 @@ def quantize_block_fp8(weight: torch.Tensor, *, name: str = "weight") -> tuple[t
     scale = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(_AMAX_FLOOR) / _FP8_MAX
     quantized = (blocks * (1.0 / scale)).to(FP8_DTYPE).view(grid_r * br, grid_c * bc)
     return quantized[:rows, :cols].contiguous(), scale.view(grid_r, grid_c)
+
+
+def dequantize_block_fp8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 values a 2-D e4m3 tensor and its 128x128 block scales stand for (each element times its
+    block's scale): what two ranks holding the same quantized blocks both compute bit for bit."""
+    rows, cols = values.shape
+    grid = scales.repeat_interleave(FP8_BLOCK[0], 0).repeat_interleave(FP8_BLOCK[1], 1)
+    return values.float() * grid[:rows, :cols]
+
+
+def whole_blocks(box: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the 2-D ``box`` of a weight of ``shape`` is whole 128x128 blocks of it: each range starts on a
+    block edge and ends on one or where the weight ends (its blocks quantize alone to the whole's)."""
+    return len(box) == 2 and all(a % blk == 0 and (b % blk == 0 or b == n)
+                                 for (a, b), blk, n in zip(box, FP8_BLOCK, shape))
+
+
+def block_cover(box: Any, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The whole blocks of a weight of ``shape`` that the 2-D ``box`` touches, as a box of it."""
+    return tuple((a // blk * blk, min(n, _blocks(b, blk) * blk))  # type: ignore[return-value]
+                 for (a, b), blk, n in zip(box, FP8_BLOCK, shape))
+
+
+def scale_box(box: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The box of a weight's ``weight_scale_inv`` whose blocks the 2-D ``box`` of the weight touches."""
+    return tuple((a // blk, _blocks(b, blk)) for (a, b), blk in zip(box, FP8_BLOCK))  # type: ignore[return-value]
 
 
 def scale_name(weight_name: str) -> str:

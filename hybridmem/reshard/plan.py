@@ -18,6 +18,19 @@ schedule] in :mod:`hybridmem.reshard.schedule`), in which no rank sends plus rec
 Both rules depend only on who holds and who wants each box, so ``build_plan(src, dst, rank=r)``
 computes rank r's share alone, from the layouts' rank groups (:mod:`hybridmem.reshard.holders`), equal
 to rank r's part of the whole plan (tests/reshard/test_rank_plan.py).
+
+[Note: quantized cells]
+A plan into an FP8 engine (``quantized``: the checkpoint weights vLLM holds in e4m3 with 128x128 block
+scales, [Note: fp8 block layout] in :mod:`hybridmem.reshard.fp8`) is a plan into the engine's unquantized
+layout whose cells of those weights travel quantized wherever they can: a cell that is whole blocks of its
+weight (:func:`~hybridmem.reshard.fp8.whole_blocks`; every block of it lies in it) is quantized by its
+sender, and its e4m3 values (one byte an element) and float32 block scales (four bytes a block) are what
+moves (:meth:`ReshardPlan.quantizes`, :meth:`ReshardPlan.cell_nbytes`); a block depends on its own elements
+alone, so those are the blocks of the quantized whole. A cell cut inside a block (a training shard boundary
+inside one, e.g. Megatron's 64-row k heads) travels in the wire dtype, and the receiver quantizes the blocks
+it touches once they are complete: they hold no element of a quantized cell, since a quantized cell is made
+of whole blocks. Sender and receiver decide from the cell alone, so they agree without a word. The
+buckets are sized by the wire dtype (a quantized cell takes less); the byte figures count what moves.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmem.reshard.fp8 import scale_box, whole_blocks
 from hybridmem.reshard.holders import holders_of, sender_of, served_by
 from hybridmem.reshard.layouts import ShardLayout
 from hybridmem.reshard.schedule import StepKey, model_offsets, schedule, transfer_key
@@ -83,14 +97,18 @@ class ReshardPlan:
         buckets: Per step, the transfers between different ranks (a share: those of its rank).
         keys: Per step, its ``(window, shift, chunk)`` key ([Note: plan schedule] in
             :mod:`hybridmem.reshard.schedule`).
+        quantized: The HF weights whose cells travel FP8-quantized where they are whole blocks ([Note:
+            quantized cells]); empty: none.
     """
 
     def __init__(self, src: ShardLayout, dst: ShardLayout, itemsize: int, bucket_nbytes: int,
                  local: tuple[tuple[Transfer, ...], ...] | Mapping[int, tuple[Transfer, ...]],
                  buckets: tuple[tuple[Transfer, ...], ...], *, keys: tuple[StepKey, ...] = (),
-                 rank: int | None = None):
+                 rank: int | None = None, quantized: frozenset[str] = frozenset()):
         self.src, self.dst, self.itemsize, self.bucket_nbytes = src, dst, itemsize, bucket_nbytes
         self.rank = rank
+        self.quantized = quantized
+        self._shapes = src.spec.full_shapes() if quantized else {}
         self.local = local
         self.buckets = buckets
         self.keys = keys
@@ -101,7 +119,7 @@ class ReshardPlan:
         for bucket in buckets:
             per: dict[int, int] = {}
             for t in bucket:
-                n = t.numel * self.cell_itemsize(t.hf_name)
+                n = self.cell_nbytes(t)
                 for r, mine in ((t.dst_rank, self._recv), (t.src_rank, self._send)):
                     if r in mine:
                         mine[r] += n
@@ -118,6 +136,17 @@ class ReshardPlan:
         """Bytes per element of ``hf_name`` on the wire: ``itemsize``, or 4 for a tensor the spec keeps in
         fp32 when ``itemsize`` is smaller (see :func:`cell_dtype`)."""
         return self.src.spec.wire_itemsize(hf_name, self.itemsize)
+
+    def quantizes(self, t: Transfer) -> bool:
+        """Whether cell ``t`` travels as e4m3 values and block scales ([Note: quantized cells])."""
+        return t.hf_name in self.quantized and whole_blocks(t.box, self._shapes[t.hf_name])
+
+    def cell_nbytes(self, t: Transfer) -> int:
+        """Bytes cell ``t`` moves: its elements in the wire dtype, or, quantized, one byte an element and four
+        a block scale."""
+        if self.quantizes(t):
+            return t.numel + 4 * box_numel(scale_box(t.box))
+        return t.numel * self.cell_itemsize(t.hf_name)
 
     def _mine(self, rank: int) -> int:
         if self.rank is not None and rank != self.rank:
@@ -137,9 +166,15 @@ class ReshardPlan:
                 held_by_name[p.hf_name].append(p.src)
         for local in self.dst.tensors(rank).values():
             for p in local.pieces:
-                held = sum(box_numel(i) for b in held_by_name.get(p.hf_name, ())
-                           if (i := box_intersection(p.src, b)) is not None)
-                need += (p.numel - held) * self.cell_itemsize(p.hf_name)
+                held = [i for b in held_by_name.get(p.hf_name, ())
+                        if (i := box_intersection(p.src, b)) is not None]
+                missing = p.numel - sum(box_numel(i) for i in held)
+                if p.hf_name in self.quantized and missing:  # a byte an element, four a block not held whole
+                    blocks = box_numel(scale_box(p.src)) - sum(
+                        box_numel(scale_box(i)) for i in held if whole_blocks(i, self._shapes[p.hf_name]))
+                    need += missing + 4 * blocks
+                else:
+                    need += missing * self.cell_itemsize(p.hf_name)
         return need
 
     def min_recv_nbytes(self, rank: int) -> int:
@@ -201,7 +236,8 @@ def _sorted_local(cells: list[Transfer], spec: ModelSpec, itemsize: int) -> tupl
 
 @functools.lru_cache(maxsize=64)
 def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
-               bucket_nbytes: int = DEFAULT_BUCKET_NBYTES, rank: int | None = None) -> ReshardPlan:
+               bucket_nbytes: int = DEFAULT_BUCKET_NBYTES, rank: int | None = None,
+               quantized: frozenset[str] = frozenset()) -> ReshardPlan:
     """Plan moving every tensor from ``src`` to ``dst`` (pure; cached on its arguments).
 
     Args:
@@ -213,6 +249,8 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
             the plan: what each rank of a job needs, at a cost that grows with what the rank moves
             rather than with the cluster. ``None``: the whole plan (every rank's figures; costs the
             whole cluster's transfers).
+        quantized: HF weights of ``dst`` an FP8 engine holds in e4m3 with block scales, whose cells move
+            quantized where they are whole blocks ([Note: quantized cells]).
 
     Raises:
         ValueError: The layouts are of different models or world sizes, ``bucket_nbytes`` < itemsize,
@@ -230,7 +268,11 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
         cells = tuple(_sorted_local(cs, src.spec, itemsize) for cs in local)
     else:
         cells = {rank: _sorted_local(local[0], src.spec, itemsize)}
-    return ReshardPlan(src, dst, itemsize, bucket_nbytes, cells, buckets, keys=keys, rank=rank)
+    unknown = quantized - src.spec.full_shapes().keys()
+    if unknown:
+        raise ValueError(f"quantized names {sorted(unknown)[:3]} are not tensors of the model")
+    return ReshardPlan(src, dst, itemsize, bucket_nbytes, cells, buckets, keys=keys, rank=rank,
+                       quantized=frozenset(quantized))
 
 
 def _whole(src: ShardLayout, dst: ShardLayout) -> tuple[list[list[Transfer]], list[Transfer]]:

@@ -1,5 +1,5 @@
 """The resharding sync's FP8 part: which engines take FP8 weights (:func:`engine_block`), and a rank's FP8
-vLLM-layout tensors made from full tensors (:class:`Fp8Target`).
+vLLM-layout tensors (:class:`Fp8Target`).
 
 [Note: fp8 sync]
 An engine that reports FP8 with 128x128 blocks (``reports_quantization``, read with
@@ -7,21 +7,23 @@ An engine that reports FP8 with 128x128 blocks (``reports_quantization``, read w
 ``weight_scale_inv`` ([Note: fp8 block layout] in :mod:`hybridmem.reshard.fp8`). A block is quantized from
 its own elements alone, and every piece of a checkpoint weight in an engine rank's FP8 tensor is whole
 blocks of it (or ends where the weight ends: ``vllm_layout`` refuses a shard boundary inside a block), so
-the rank's shard quantizes to the blocks of the quantized whole. The resharding sync therefore plans into
-the engine rank's own tensors of the unquantized vLLM layout (:meth:`Fp8Target.plan_layout`: the plan of a
-bf16 engine, its minimum bytes, from any source layout: one training rank, replicated, FSDP2 or Megatron
-shards), and quantizes each weight vLLM quantizes on the receiving rank, piece by piece, as soon as the
-tensor is complete (:meth:`Fp8Target.stream`, :func:`~hybridmem.reshard.fp8.quantize_block_fp8`: vLLM's
-``per_block_cast_to_fp8`` bit for bit): the engine's ``load_layout_weights`` is handed its shard already
-quantized, scales included, under vLLM's names, and the tensors vLLM does not quantize (embeddings, norms,
-head, routers) in the engine's dtype. Between ranks moves the plan's minimum in the trainer's dtype (two
-bytes an element from a bf16 trainer, where the engine holds one; the FP8 bytes are made on the receiving
-rank); what reaches the engine is the FP8 bytes (``SyncStats.engine_nbytes``: one byte a quantized
-element, four a scale). Refused by name when the sync is built (so when the manager is), before anything
-moves: any other quantization, a family without an FP8 layout or a shard boundary inside a block
-(``vllm_layout``), an engine that does not take its own layout as a stream (its tensors written in place
-would be the unquantized layout's; one that loads only HF tensors is not checked), and a training dtype the
-quantizer cannot take.
+the rank's shard is the blocks of the quantized whole. The resharding sync therefore plans into the engine
+rank's own tensors of the unquantized vLLM layout (:meth:`Fp8Target.plan_layout`: the plan of a bf16
+engine, its minimum cells, from any source layout: one training rank, replicated, FSDP2 or Megatron
+shards), with the weights vLLM quantizes named (:meth:`Fp8Target.quantized_names`): each cell of one that is
+whole blocks is quantized by the rank that holds it, and its e4m3 values and block scales are what moves
+between ranks, and what a rank copies of its own; a cell cut inside a block (a training shard boundary
+inside one) moves in the trainer's dtype and the receiving rank quantizes its blocks ([Note: quantized
+cells] in :mod:`hybridmem.reshard.plan`, [Note: fp8 assembly] in :mod:`hybridmem.reshard.fp8_stream`;
+:func:`~hybridmem.reshard.fp8.quantize_block_fp8` is vLLM's ``per_block_cast_to_fp8`` bit for bit). The
+engine's ``load_layout_weights`` is handed its shard quantized, scales included, under vLLM's names, and the
+tensors vLLM does not quantize (embeddings, norms, head, routers) in the engine's dtype: the FP8 bytes
+(``SyncStats.engine_nbytes``: one byte a quantized element, four a scale; ``sent_nbytes`` and
+``received_nbytes`` count what moved between ranks). Refused by name when the sync is built (so when the
+manager is), before anything moves: any other quantization, a family without an FP8 layout or a shard
+boundary inside a block (``vllm_layout``), an engine that does not take its own layout as a stream (its
+tensors written in place would be the unquantized layout's; one that loads only HF tensors is not checked),
+and a training dtype the quantizer cannot take.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from hybridmem.reshard.fp8 import (
     quantize_block_fp8,
     scale_name,
 )
-from hybridmem.reshard.layouts import ShardLayout
+from hybridmem.reshard.layouts import ShardLayout, fp8_quantized_names
 from hybridmem.reshard.transforms import LocalTensor, Piece, piece_view
 
 __all__ = ["engine_block", "Fp8Target", "check_quantizable"]
@@ -95,11 +97,18 @@ class Fp8Target:
         """What an FP8 sync plans into: :attr:`layout` unquantized (each rank's tensors, without scales)."""
         return _unquantized(self.layout)
 
+    def quantized_names(self) -> frozenset[str]:
+        """The checkpoint weights :attr:`layout` holds in e4m3 with block scales (an FP8 sync's plan moves
+        their cells quantized where they are whole blocks)."""
+        return frozenset(fp8_quantized_names(self.layout.spec))
+
     def stream(self, shards: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of every tensor of the rank: ``shards`` (its tensors of :meth:`plan_layout`,
         each complete, in any order), each weight vLLM quantizes made e4m3 and followed by its
         ``weight_scale_inv``, the others cast to :attr:`out_dtype` (a tensor the spec keeps in fp32 stays
-        fp32). Holds one tensor at a time.
+        fp32). Holds one tensor at a time. The offline cut (e.g. over
+        :func:`~hybridmem.reshard.iter_shard` of full tensors); a sync runs
+        :func:`~hybridmem.reshard.fp8_stream.iter_fp8_layout_tensors`, which makes the same tensors.
 
         Raises:
             ValueError: A weight of a dtype the quantizer cannot take, named, before it is quantized.

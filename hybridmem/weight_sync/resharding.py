@@ -39,6 +39,7 @@ from hybridmem.reshard import (
     vllm_layout,
 )
 from hybridmem.reshard.deadline import deadline_bound
+from hybridmem.reshard.fp8_stream import iter_fp8_layout_tensors
 from hybridmem.reshard.hf_source import looks_hf_named
 from hybridmem.weight_sync.base import (
     SyncStats,
@@ -199,9 +200,12 @@ class ReshardSync(WeightSync):
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize,
                                             bucket_nbytes=bucket_nbytes,
-                                           # this rank's share only ([Note: plan schedule] in
-                                           # :mod:`hybridmem.reshard.schedule`)
-                                           rank=self.rank)
+                                            # this rank's share only ([Note: plan schedule] in
+                                            # :mod:`hybridmem.reshard.schedule`)
+                                            rank=self.rank,
+                                            # FP8 weights' cells move quantized ([Note: quantized cells]
+                                            # in :mod:`hybridmem.reshard.plan`)
+                                            quantized=self.fp8.quantized_names() if self.fp8 else frozenset())
         if deadline_s is not None and deadline_s <= 0:
             raise ValueError(f"deadline_s={deadline_s} must be > 0 or None")
         self.deadline_s = (default_deadline_s(self.plan, self.rank) if deadline_s is None
@@ -299,9 +303,13 @@ class ReshardSync(WeightSync):
         handed = [0]
 
         def planned() -> Iterator[tuple[str, torch.Tensor]]:
+            if fp8 is not None:  # [Note: fp8 assembly] in :mod:`hybridmem.reshard.fp8_stream`
+                yield from iter_fp8_layout_tensors(
+                    self.plan, fp8.layout, rank=self.rank, src=src, group=self.group, dtype=self.dtype,
+                    out_dtype=self.out_dtype, stats=collected, deadline_s=deadline_s, checks=checks)
+                return
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,
-                                                    dtype=self.dtype,
-                                                    out_dtype=self.out_dtype if fp8 is None else None,
+                                                    dtype=self.dtype, out_dtype=self.out_dtype,
                                                     stats=collected, deadline_s=deadline_s, target=target,
                                                     borrow=target is not None):
                 if checks is not None:
@@ -310,7 +318,7 @@ class ReshardSync(WeightSync):
                 del tensor
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in (planned() if fp8 is None else fp8.stream(planned())):
+            for name, tensor in planned():
                 if fp8 is None or not fp8.quantized_tensor(name):
                     dtypes.add(tensor.dtype)
                 handed[0] += sum(p.numel for p in expected[name].pieces) * tensor.element_size()

@@ -62,13 +62,19 @@ def test_a_megatron_tp2_trainer_into_fp8_tp2_moves_nothing_between_ranks(tmp_pat
 
 def test_a_megatron_tp2_trainer_into_fp8_tp1_engines_moves_each_ranks_missing_half(tmp_path):
     """Into two TP 1 engines (one a rank) each engine rank needs every weight: it receives the half its
-    Megatron shard lacks, in bf16 (2 bytes an element), and sends its own half to the other."""
+    Megatron shard lacks and sends its own half to the other. Each half of a quantized weight is whole
+    128-blocks, so it moves quantized: per layer half of q (256x256, 2x2 blocks), k and v (128x256, 1x2), o
+    (256x256, 2x2), gate, up and down (256x256, 2x2 each), one byte an element and four a block; the
+    embedding's and head's other halves (128x256) in bf16, two bytes an element (in bf16 throughout the
+    weights' halves alone were WEIGHTS bytes)."""
     plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "1/1/1", "--infer-dtype", "fp8")
+    half_layer = (256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 256 * 256) + 4 * (4 + 2 * 2 + 4 + 3 * 4)
+    moved = 2 * half_layer + 2 * (128 * 256) * 2
     for rank in plan["ranks"]:
         assert rank["state_nbytes"]["engine_weights"] == 2 * _layer(1024, 512, 2) + (2 * 256 * 256 + 256) * 2
-        assert rank["received_nbytes"] == rank["sent_nbytes"] == WEIGHTS // 2 * 2
+        assert rank["received_nbytes"] == rank["sent_nbytes"] == moved == 917_696
         sync = next(s for s in rank["to_infer"] if s["name"] == "weight sync")
-        assert sync["network_nbytes"] == WEIGHTS * 2
+        assert sync["network_nbytes"] == 2 * moved
 
 
 @pytest.mark.parametrize("args,message", [

@@ -109,10 +109,10 @@ def sync_task(ctx, spec, src, dst, *, route, corrupt_rank=None):
     if corrupt_rank == ctx.rank:
         original = execute._unpack
 
-        def corrupting(recvs, bufs, dst_tensors, *rest):
-            for buf in bufs.values():
-                buf[0] += 1.0  # one flipped value in transit
-            original(recvs, bufs, dst_tensors, *rest)
+        def corrupting(arrived, dst_tensors, *rest):
+            for _, (values, *_) in arrived[:1]:
+                values.view(-1)[0] += 1.0  # one flipped value in transit
+            original(arrived, dst_tensors, *rest)
 
         execute._unpack = corrupting
     sync = ReshardSync(spec, src, dst, ctx.group, lambda: train, engine, bucket_nbytes=256, verify=True,

@@ -171,3 +171,46 @@ def test_a_megatron_tp2_trainer_syncs_into_an_fp8_tp2_engine(pool):
         assert not [n for n, t in want[rank].items() if not fp8.same(held[n], t)], rank
         assert engine_nbytes == 2 * layer + 2 * (128 * 256) * 2 + 2 * 256 == 921_280
         assert sent == received == 0, (rank, sent, received)
+
+
+def test_a_megatron_tp2_trainer_sends_quantized_halves_into_fp8_tp1_engines(pool):
+    """Into two TP 1 FP8 engines (one a rank) from bf16 Megatron TP 2: each rank lacks the other half of every
+    weight, whole 128-blocks of it, which its holder quantizes and sends as e4m3 bytes and float32 block
+    scales ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`). Each engine holds vLLM's quantizer's
+    full tensors bit for bit, the checksums of every slice agree, and each rank receives, counted by hand:
+    per layer the other half of q (256x256, 2x2 blocks), k and v (128x256, 1x2 each), o's other columns
+    (256x256, 2x2), of gate and up (256x256, 2x2 each) and down's (256x256, 2x2), one byte an element and
+    four a block; then the other half of the bf16 embedding and head rows (128x256, two bytes an element).
+    In bf16, as the sync moved them before, the weights alone were 786,432 bytes a layer."""
+    fp8 = pytest.importorskip("tests.weight_sync._fp8_engine")
+    spec = ModelSpec.from_hf_config(dict(fp8.CONFIG, model_type="qwen3"))
+    torch.manual_seed(4)
+    full = {n: torch.randn(s).to(torch.bfloat16) for n, s in spec.full_shapes().items()}
+    want = fp8.reference(full)
+    results = pool.run(fp8.sync_task, full, [want, want], 2, 1, None, True, world_size=2)
+    layer = (256 * 256 + 2 * 128 * 256 + 256 * 256 + 2 * 256 * 256 + 256 * 256) + 4 * (4 + 2 * 2 + 4 + 2 * 4 + 4)
+    for rank, (held, _, sent, received) in enumerate(results):
+        assert not [n for n, t in want.items() if not fp8.same(held[n], t)], rank
+        assert received == sent == 2 * layer + 2 * (128 * 256) * 2 == 917_696, (rank, received)
+
+
+def test_cells_cut_inside_a_block_move_unquantized_and_their_blocks_are_quantized_where_they_land(pool):
+    """A Qwen3 with 64-dim heads: Megatron TP 2 holds its k and v heads in 64-row halves, cut inside a
+    128-block, while its q (two heads a rank) and MLP halves are whole blocks. Into two TP 1 FP8 engines the
+    k and v halves travel in bf16 and the receiver quantizes their blocks once both halves are there; the
+    rest travels quantized. Each engine holds vLLM's quantizer's tensors bit for bit and the checksums agree;
+    per layer each rank receives, by hand: q's other 128x256 (1x2 blocks) and o's other 256x128 columns
+    (2x1), quantized; k's and v's other 64x256 in bf16; gate's and up's other 256x256 and down's other
+    256x256 columns (2x2 each), quantized; then half the bf16 embedding and head rows."""
+    fp8 = pytest.importorskip("tests.weight_sync._fp8_engine")
+    config = dict(fp8.CONFIG, head_dim=64)
+    spec = ModelSpec.from_hf_config(dict(config, model_type="qwen3"))
+    torch.manual_seed(5)
+    full = {n: torch.randn(s).to(torch.bfloat16) for n, s in spec.full_shapes().items()}
+    want = fp8.reference(full)
+    results = pool.run(fp8.sync_task, full, [want, want], 2, 1, config, True, world_size=2)
+    layer = ((128 * 256 + 4 * 2) + (256 * 128 + 4 * 2) + 2 * (64 * 256 * 2)
+             + 3 * (256 * 256 + 4 * 4))
+    for rank, (held, _, sent, received) in enumerate(results):
+        assert not [n for n, t in want.items() if not fp8.same(held[n], t)], rank
+        assert received == sent == 2 * layer + 2 * (128 * 256) * 2, (rank, received)

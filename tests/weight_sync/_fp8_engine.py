@@ -122,15 +122,19 @@ def same(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.dtype == want.dtype and torch.equal(got, want)
 
 
-def sync_task(ctx, full: dict[str, torch.Tensor], likes: list[dict[str, torch.Tensor]], tp: int):
+def sync_task(ctx, full: dict[str, torch.Tensor], likes: list[dict[str, torch.Tensor]], tp: int,
+              infer_tp: int | None = None, config: dict | None = None, verify: bool = False):
     """Per rank: the training weights ``full`` sharded as Megatron-core at TP ``tp`` (the reference's
-    shards), synced by a ReshardSync into an :class:`Fp8Engine` at TP ``tp`` holding tensors like
-    ``likes[rank]`` (the rank's reference); returns what the engine holds, the sync's engine bytes and the
-    bytes the rank sent to and received from the others."""
-    spec = ModelSpec.from_hf_config(dict(CONFIG, model_type="qwen3"))
+    shards), synced by a ReshardSync into an :class:`Fp8Engine` at TP ``infer_tp`` (``None``: ``tp``) holding
+    tensors like ``likes[rank]`` (the rank's reference), of the Qwen3 ``config`` (``None``:
+    :data:`CONFIG`), comparing per-slice checksums where ``verify``; returns what the engine holds, the
+    sync's engine bytes and the bytes the rank sent to and received from the others."""
+    spec = ModelSpec.from_hf_config(dict(config or CONFIG, model_type="qwen3"))
+    infer_tp = tp if infer_tp is None else infer_tp
     train = megatron_shard(full, spec, tp=tp, pp=1, ep=1, world=ctx.world_size, rank=ctx.rank)
-    engine = Fp8Engine(likes[ctx.rank], tp=tp)
-    sync = ReshardSync(spec, ParallelLayout(tp=tp), ParallelLayout(tp=tp), ctx.group, lambda: train, engine)
+    engine = Fp8Engine(likes[ctx.rank], tp=infer_tp)
+    sync = ReshardSync(spec, ParallelLayout(tp=tp), ParallelLayout(tp=infer_tp), ctx.group, lambda: train,
+                       engine, verify=verify)
     engine.resume(["weights"])
     stats = sync.sync()
     assert not stats.unwritten and stats.coverage_checked
