@@ -263,7 +263,7 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
         local, remote = _whole(src, dst)
     else:
         local, remote = _share(src, dst, rank)
-    keys, buckets = schedule(remote, src.spec, src.world_size, itemsize, bucket_nbytes)
+    keys, buckets = schedule(remote, src.spec, src.world_size, itemsize, bucket_nbytes, quantized)
     if rank is None:
         cells = tuple(_sorted_local(cs, src.spec, itemsize) for cs in local)
     else:

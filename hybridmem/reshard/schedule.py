@@ -14,6 +14,11 @@ A plan's transfers run in steps keyed ``(window, shift, chunk)``, in ascending k
   destination name), cut between rows and packed in that order into chunks of at most half a bucket,
   so a rank's sends plus receives in one step stay within ``bucket_nbytes`` (unless one row is larger).
 
+A weight whose cells travel quantized ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`) is cut
+only between 128-row blocks (a window's cut moved down to the next block edge, a chunk a whole number of
+blocks), so a cell made of whole blocks stays so in every part, each part still one byte an element where
+the bucket counts it in the wire dtype.
+
 Everything about a step of a pair of ranks follows from that pair's transfers, which sender and receiver
 each know, so a rank schedules its own share without the rest of the plan and both ends of every
 transfer agree on its step and its place in the step. Ascending keys cannot deadlock: the smallest step
@@ -27,6 +32,7 @@ import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
+from hybridmem.reshard.fp8 import FP8_BLOCK
 from hybridmem.reshard.spec import ModelSpec
 
 __all__ = ["StepKey", "schedule", "model_offsets", "transfer_key"]
@@ -55,8 +61,10 @@ def _cut(t, axis: int, lo: int, hi: int):
     return replace(t, box=tuple(box))
 
 
-def _windows(t, offsets: dict[str, tuple[int, int, int]], window: int) -> Iterator[tuple[int, object]]:
-    """``(window, part of t)`` for the runs of ``t``'s axis-0 rows that fall in one window each."""
+def _windows(t, offsets: dict[str, tuple[int, int, int]], window: int,
+             block: int = 1) -> Iterator[tuple[int, object]]:
+    """``(window, part of t)`` for the runs of ``t``'s axis-0 rows that fall in one window each, cut only at
+    rows that are multiples of ``block``."""
     _, offset, row = offsets[t.hf_name]
     (lo, hi) = t.box[0] if t.box else (0, 1)
     w_lo = (offset + lo * row) // window
@@ -66,23 +74,31 @@ def _windows(t, offsets: dict[str, tuple[int, int, int]], window: int) -> Iterat
         return
     start = lo
     for w in range(w_lo, w_hi + 1):
-        stop = min(hi, -(-((w + 1) * window - offset) // row))  # first row of the next window
+        stop = -(-((w + 1) * window - offset) // row)  # first row of the next window
+        stop = min(hi, -(-stop // block) * block)
         if stop > start:
             yield w, _cut(t, 0, start, stop)
             start = stop
 
 
-def _rows(t, max_numel: int, scale: int) -> list:
+def _rows(t, max_numel: int, scale: int, block: int = 1) -> list:
     """``t`` cut along its first axis longer than 1 into parts of at most ``max_numel`` wire elements,
-    rows kept whole."""
+    rows kept whole; a quantized weight (``block`` 128) only along axis 0, in whole blocks of rows."""
     n = t.numel * scale
     axis = next((i for i, (a, b) in enumerate(t.box) if b - a > 1), None)
+    if block > 1:
+        axis = 0 if t.box[0][1] - t.box[0][0] > block else None
     if n <= max_numel or axis is None:
         return [t]
     lo, hi = t.box[axis]
     row = n // (hi - lo)
-    step = max(1, max_numel // row)
+    step = max(block, max_numel // row // block * block)
     return [_cut(t, axis, s, min(hi, s + step)) for s in range(lo, hi, step)]
+
+
+def _block(t, quantized: frozenset[str]) -> int:
+    """The rows a cut of ``t`` must fall between multiples of: 128 for a quantized weight, else 1."""
+    return FP8_BLOCK[0] if t.hf_name in quantized else 1
 
 
 def transfer_key(t, offsets: dict[str, tuple[int, int, int]]) -> tuple:
@@ -93,11 +109,13 @@ def transfer_key(t, offsets: dict[str, tuple[int, int, int]]) -> tuple:
 
 
 def schedule(remote: Iterable, spec: ModelSpec, world: int, itemsize: int,
-             bucket_nbytes: int) -> tuple[tuple[StepKey, ...], tuple[tuple, ...]]:
+             bucket_nbytes: int, quantized: frozenset[str] = frozenset()
+             ) -> tuple[tuple[StepKey, ...], tuple[tuple, ...]]:
     """Cut and order transfers between different ranks into steps (see [Note: plan schedule]).
 
     Every transfer between two ranks must be given with all others between the same two ranks (a
-    rank's own share is enough for the steps it takes part in).
+    rank's own share is enough for the steps it takes part in). Transfers of ``quantized`` weights are cut
+    between 128-row blocks only.
 
     Returns:
         The step keys, ascending, and per step its transfers ordered by source, destination, then
@@ -108,7 +126,7 @@ def schedule(remote: Iterable, spec: ModelSpec, world: int, itemsize: int,
     offsets = model_offsets(spec, itemsize)
     pairs: dict[tuple[int, int, int], list] = {}
     for t in remote:
-        for w, part in _windows(t, offsets, window):
+        for w, part in _windows(t, offsets, window, _block(t, quantized)):
             pairs.setdefault((t.src_rank, t.dst_rank, w), []).append(part)
     steps: dict[StepKey, list] = {}
     for (s, d, w), ts in pairs.items():
@@ -116,7 +134,7 @@ def schedule(remote: Iterable, spec: ModelSpec, world: int, itemsize: int,
         chunk, load = 0, 0
         for t in ts:
             scale = spec.wire_itemsize(t.hf_name, itemsize) // itemsize
-            for part in _rows(t, half, scale):
+            for part in _rows(t, half, scale, _block(t, quantized)):
                 n = part.numel * scale
                 if load and load + n > half:
                     chunk, load = chunk + 1, 0

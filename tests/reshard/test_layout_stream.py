@@ -188,7 +188,8 @@ def test_a_megatron_tp2_trainer_sends_quantized_halves_into_fp8_tp1_engines(pool
     full = {n: torch.randn(s).to(torch.bfloat16) for n, s in spec.full_shapes().items()}
     want = fp8.reference(full)
     results = pool.run(fp8.sync_task, full, [want, want], 2, 1, None, True, world_size=2)
-    layer = (256 * 256 + 2 * 128 * 256 + 256 * 256 + 2 * 256 * 256 + 256 * 256) + 4 * (4 + 2 * 2 + 4 + 2 * 4 + 4)
+    layer = ((256 * 256 + 2 * 128 * 256 + 256 * 256 + 2 * 256 * 256 + 256 * 256)
+             + 4 * (4 + 2 * 2 + 4 + 2 * 4 + 4))
     for rank, (held, _, sent, received) in enumerate(results):
         assert not [n for n, t in want.items() if not fp8.same(held[n], t)], rank
         assert received == sent == 2 * layer + 2 * (128 * 256) * 2 == 917_696, (rank, received)

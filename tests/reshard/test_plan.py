@@ -169,3 +169,33 @@ def test_invalid_mla_layouts_name_the_numbers():
     with pytest.raises(ValueError, match="norm_style='te' is not supported for MLA"):
         megatron_layout(spec, ParallelLayout(tp=2), 2, convention=MegatronConvention(norm_style="te"))
     megatron_layout(spec, ParallelLayout(tp=2), 2)  # 6 and 8 split in two
+
+
+QWEN3_FP8 = ModelSpec(family="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=128, intermediate_size=512, num_hidden_layers=2, vocab_size=256,
+                      tie_word_embeddings=False)
+"""The tiny Qwen3 of tests/planner/test_fp8_plan.py, whose Megatron TP 2 halves are whole 128-blocks."""
+
+
+@pytest.mark.parametrize("bucket", [2**13, 3 * 2**14 + 1000, 2**30])
+def test_a_quantized_plan_cuts_its_fp8_weights_between_blocks_only(bucket):
+    """Buckets too small for a weight's half cut it into parts, and a part cut inside a 128-row block would
+    have to move in bf16: cut between blocks only, every part of a whole-block half still moves quantized,
+    and each of two TP 1 engine ranks receives what it lacks, by hand (tests/planner/test_fp8_plan.py's
+    figure): per layer 393,216 weight elements at one byte and 24 blocks at four, and half the bf16 embedding
+    and head rows."""
+    from hybridmem.reshard.conventions import VLLMConvention
+    from hybridmem.weight_sync.fp8 import Fp8Target
+
+    fp8 = VLLMConvention(weight_block_size=(128, 128))
+    layout = vllm_layout(QWEN3_FP8, ParallelLayout(), 2, convention=fp8)
+    target = Fp8Target(layout, 0)
+    plan = build_plan(megatron_layout(QWEN3_FP8, ParallelLayout(tp=2), 2), target.plan_layout(), itemsize=2,
+                      bucket_nbytes=bucket, quantized=target.quantized_names())
+    cells = [t for step in plan.buckets for t in step if t.hf_name in plan.quantized]
+    assert cells and all(plan.quantizes(t) for t in cells)
+    # the small buckets did cut (uncut: 2 ranks x 7 weights x 2 layers)
+    assert (len(cells) > 2 * 7 * 2) == (bucket < 2**30)
+    moved = 2 * (393_216 + 4 * 24) + 2 * (128 * 256) * 2
+    assert [plan.recv_nbytes(r) for r in range(2)] == [moved] * 2
+    assert [plan.min_recv_nbytes(r) for r in range(2)] == [moved] * 2
