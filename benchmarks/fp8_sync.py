@@ -6,7 +6,7 @@ Every rank runs two ``ReshardSync`` syncs of the same bf16 Megatron shards over 
 (``quantization_config``) and takes its vLLM layout as a stream, one into a stand-in bf16 engine. The
 stand-ins only count what they are handed. Printed per rank: the bytes received from the other ranks
 (FP8: quantized cells as e4m3 bytes and float32 block scales, [Note: quantized cells] in
-``hybridmem/reshard/plan.py``; bf16: two bytes an element), the fewest the plan could receive
+:mod:`hybridmem.reshard.plan`; bf16: two bytes an element), the fewest the plan could receive
 (``min_received_nbytes``), the bytes handed to the engine (its shard: FP8 one byte a quantized element and
 four a scale) and the seconds of the sync (best of ``--repeats``). The FP8 figures are compared with the
 engine layout's own byte count, computed from its shapes alone.
