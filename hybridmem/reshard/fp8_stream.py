@@ -50,7 +50,6 @@ from hybridmem.reshard.fp8 import (
     scale_box,
     scale_name,
 )
-from hybridmem.reshard.layouts import ShardLayout
 from hybridmem.reshard.plan import ReshardPlan, Transfer
 from hybridmem.reshard.spec import ModelSpec
 from hybridmem.reshard.transforms import LocalTensor, Piece, piece_view
@@ -154,22 +153,24 @@ def _place(arrived: list[Arrival], building: dict[str, _Quantized | _Unquantized
     return {t.dst_name for t, _ in arrived}
 
 
-def iter_fp8_layout_tensors(plan: ReshardPlan, layout: ShardLayout, *, rank: int,
+def iter_fp8_layout_tensors(plan: ReshardPlan, tensors: Mapping[str, LocalTensor], *, rank: int,
                             src: Mapping[str, torch.Tensor], group: Any = None,
                             dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
                             stats: list[TransferStats] | None = None, deadline_s: float | None = None,
                             checks: CellChecksums | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for each of this rank's tensors of the FP8 vLLM ``layout``, complete, once:
-    each weight it quantizes as its e4m3 values and then its ``weight_scale_inv``, the others in
-    ``out_dtype`` ([Note: fp8 assembly]).
+    """Yield ``(name, tensor)`` for each of this rank's FP8 ``tensors``, complete, once: each weight they
+    quantize as its e4m3 values and then its ``weight_scale_inv``, the others in ``out_dtype`` ([Note: fp8
+    assembly]).
 
     Every rank of ``group`` runs it with its share of the same plan and exhausts it, as
     :func:`~hybridmem.reshard.execute.iter_layout_tensors`.
 
     Args:
-        plan: A plan into ``layout``'s unquantized twin whose ``quantized`` names the weights ``layout``
-            holds in FP8 ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`).
-        layout: The FP8 vLLM layout (``VLLMConvention(weight_block_size=(128, 128))``).
+        plan: A plan into ``tensors`` unquantized whose ``quantized`` names the weights ``tensors`` hold in
+            FP8 ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`).
+        tensors: The rank's tensors of an FP8 vLLM layout (``VLLMConvention(weight_block_size=(128,
+            128))``), or of an HF layout with the block scales of its quantized weights beside them (an FP8
+            checkpoint's tensors), by name.
         rank: This process's rank in ``group``.
         src: This rank's source tensors by name.
         group: The process group (``None``: the default group).
@@ -182,8 +183,8 @@ def iter_fp8_layout_tensors(plan: ReshardPlan, layout: ShardLayout, *, rank: int
         checks: When given, each destination cell's figures are added to it (compare after the end).
 
     Raises:
-        ValueError: A source tensor is missing or has the wrong shape, or ``layout`` is not the plan's
-            destination quantized.
+        ValueError: A source tensor is missing or has the wrong shape, or ``tensors`` are not the plan's
+            destination's quantized.
         CollectiveTimeoutError: A peer did not complete a bucket within ``deadline_s``.
         RuntimeError: The plan left a destination tensor incomplete (names the tensor).
     """
@@ -191,7 +192,6 @@ def iter_fp8_layout_tensors(plan: ReshardPlan, layout: ShardLayout, *, rank: int
     bound = deadline_bound(deadline_s)
     dtype, device = _check_sources(plan, rank, src, dtype)
     expected = plan.dst.tensors(rank)
-    tensors = layout.tensors(rank)
     missing = ([n for n in expected if n not in tensors]
                + [n for n in tensors if n not in expected and not n.endswith(SCALE_SUFFIX)])
     if missing:

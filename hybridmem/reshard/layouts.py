@@ -84,6 +84,7 @@ __all__ = [
     "hf_layout",
     "to_checkpoint_names",
     "fp8_quantized_names",
+    "with_scales",
     "layout_full_shapes",
 ]
 
@@ -286,14 +287,15 @@ def _part_tensors(layout: ShardLayout, c: RankCoords, part: Part) -> dict[str, L
                 out["lm_head.weight"] = vocab(head)
     out = _to_checkpoint(spec, out)
     if quantized:
-        out = _with_scales(spec, out, quantized)
+        out = with_scales(spec, out, quantized)
     return out
 
 
-def _with_scales(spec: ModelSpec, out: dict[str, LocalTensor],
-                 quantized: list[str]) -> dict[str, LocalTensor]:
+def with_scales(spec: ModelSpec, out: Mapping[str, LocalTensor],
+                quantized: Iterable[str]) -> dict[str, LocalTensor]:
     """``out`` with the block scales of each ``quantized`` tensor right after it (see [Note: fp8 block layout]
-    in :mod:`hybridmem.reshard.fp8`)."""
+    in :mod:`hybridmem.reshard.fp8`): an FP8 vLLM layout's tensors, or an HF layout's as an FP8 checkpoint
+    holds them (each quantized weight's ``weight_scale_inv`` beside it)."""
     shapes, names = spec.full_shapes(), set(quantized)
     result: dict[str, LocalTensor] = {}
     for name, local in out.items():

@@ -15,14 +15,17 @@ whole blocks is quantized by the rank that holds it, and its e4m3 values and blo
 between ranks, and what a rank copies of its own; a cell cut inside a block (a training shard boundary
 inside one) moves in the trainer's dtype and the receiving rank quantizes its blocks ([Note: quantized
 cells] in :mod:`hybridmem.reshard.plan`, [Note: fp8 assembly] in :mod:`hybridmem.reshard.fp8_stream`;
-:func:`~hybridmem.reshard.fp8.quantize_block_fp8` is vLLM's ``per_block_cast_to_fp8`` bit for bit). The
-engine's ``load_layout_weights`` is handed its shard quantized, scales included, under vLLM's names, and the
-tensors vLLM does not quantize (embeddings, norms, head, routers) in the engine's dtype: the FP8 bytes
-(``SyncStats.engine_nbytes``: one byte a quantized element, four a scale; ``sent_nbytes`` and
-``received_nbytes`` count what moved between ranks). Refused by name when the sync is built (so when the
-manager is), before anything moves: any other quantization, a family without an FP8 layout or a shard
-boundary inside a block (``vllm_layout``), an engine that does not take its own layout as a stream (its
-tensors written in place would be the unquantized layout's; one that loads only HF tensors is not checked),
+:func:`~hybridmem.reshard.fp8.quantize_block_fp8` is vLLM's ``per_block_cast_to_fp8`` bit for bit). An
+engine that takes its own layout as a stream (``streams_layout``: vLLM in its own process) is handed its
+shard quantized, scales included, under vLLM's names, and the tensors vLLM does not quantize (embeddings,
+norms, head, routers) in the engine's dtype; any other (vLLM in the trainer's process) is handed through
+``load_weights`` the full tensors of its stage as the FP8 checkpoint holds them (each quantized weight's e4m3
+values and ``weight_scale_inv`` under the checkpoint's names, the rest in the wire dtype), which vLLM loads
+and processes as it loads that checkpoint: never written in place, where vLLM's post-load processing may
+have re-laid the weights and scales for its kernels. ``SyncStats.engine_nbytes`` counts the FP8 bytes
+handed (one byte a quantized element, four a scale), ``sent_nbytes`` and ``received_nbytes`` what moved
+between ranks. Refused by name when the sync is built (so when the manager is), before anything moves: any
+other quantization, a family without an FP8 layout or a shard boundary inside a block (``vllm_layout``),
 and a training dtype the quantizer cannot take.
 """
 
@@ -37,6 +40,7 @@ import torch
 
 from hybridmem.contract.engine import InferenceEngine, capabilities_of
 from hybridmem.reshard import ReshardPlan, stream_peak_nbytes, vllm_layout
+from hybridmem.reshard.conventions import Side
 from hybridmem.reshard.execute import held_dtype
 from hybridmem.reshard.fp8 import (
     FP8_BLOCK,
@@ -47,7 +51,7 @@ from hybridmem.reshard.fp8 import (
     quantize_block_fp8,
     scale_name,
 )
-from hybridmem.reshard.layouts import ShardLayout, fp8_quantized_names
+from hybridmem.reshard.layouts import ShardLayout, fp8_quantized_names, with_scales
 from hybridmem.reshard.transforms import LocalTensor, Piece, piece_view
 
 __all__ = ["engine_block", "Fp8Target", "check_quantizable"]
@@ -80,11 +84,13 @@ def check_quantizable(dtype: torch.dtype, engine: InferenceEngine) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Fp8Target:
-    """One rank's tensors of an FP8 vLLM layout, made from its tensors of the same layout unquantized
-    ([Note: fp8 sync]).
+    """One rank's tensors of an FP8 vLLM layout, or of an HF layout as an FP8 checkpoint holds them, made from
+    its tensors of the same layout unquantized ([Note: fp8 sync]).
 
     Attributes:
-        layout: The FP8 vLLM layout (``VLLMConvention(weight_block_size=(128, 128))``).
+        layout: The FP8 vLLM layout (``VLLMConvention(weight_block_size=(128, 128))``), or an HF layout (the
+            full tensors of each stage: an engine that takes an FP8 checkpoint's tensors through
+            ``load_weights``).
         rank: The engine rank.
         out_dtype: The dtype of the tensors vLLM does not quantize (the engine's); ``None``: as given.
     """
@@ -95,7 +101,13 @@ class Fp8Target:
 
     def plan_layout(self) -> ShardLayout:
         """What an FP8 sync plans into: :attr:`layout` unquantized (each rank's tensors, without scales)."""
-        return _unquantized(self.layout)
+        return self.layout if self.layout.side is Side.HF else _unquantized(self.layout)
+
+    def tensors(self) -> dict[str, LocalTensor]:
+        """The rank's tensors: each quantized weight followed by its ``weight_scale_inv``."""
+        if self.layout.side is Side.HF:
+            return _hf_fp8_tensors(self.layout, self.rank)
+        return self.layout.tensors(self.rank)
 
     def quantized_names(self) -> frozenset[str]:
         """The checkpoint weights :attr:`layout` holds in e4m3 with block scales (an FP8 sync's plan moves
@@ -113,7 +125,7 @@ class Fp8Target:
         Raises:
             ValueError: A weight of a dtype the quantizer cannot take, named, before it is quantized.
         """
-        tensors = self.layout.tensors(self.rank)
+        tensors = self.tensors()
         for name, tensor in shards:
             scale = scale_name(name)
             if scale in tensors:
@@ -131,7 +143,7 @@ class Fp8Target:
 
     def quantized_tensor(self, name: str) -> bool:
         """Whether the rank's tensor ``name`` is an e4m3 weight or its scales."""
-        tensors = self.layout.tensors(self.rank)
+        tensors = self.tensors()
         return name.endswith(SCALE_SUFFIX) or scale_name(name) in tensors
 
     def sync_temp_nbytes(self, plan: ReshardPlan, wire: torch.dtype) -> int:
@@ -145,7 +157,7 @@ class Fp8Target:
         """The most bytes :meth:`stream` holds beyond the tensor it is handed: for a quantized weight, its
         e4m3 tensor and scales, and the quantizer's working tensors for its largest piece (a padded copy in
         ``wire``, two float32 copies, the e4m3 result); for another tensor, its cast."""
-        tensors = self.layout.tensors(self.rank)
+        tensors = self.tensors()
         out = self.out_dtype or wire
         hold = 0
         for name, local in tensors.items():
@@ -181,6 +193,14 @@ def _quantize_pieces(name: str, tensor: torch.Tensor, weight: LocalTensor,
         piece_view(out, piece).copy_(values)
         piece_view(scales, scale_piece).copy_(blocks)
     return out, scales
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_fp8_tensors(layout: ShardLayout, rank: int) -> dict[str, LocalTensor]:
+    """A rank's HF-layout tensors as an FP8 checkpoint holds them (scales beside the quantized weights)."""
+    tensors = layout.tensors(rank)
+    quantized = set(fp8_quantized_names(layout.spec))
+    return with_scales(layout.spec, tensors, [n for n in tensors if n in quantized])
 
 
 @functools.lru_cache(maxsize=8)

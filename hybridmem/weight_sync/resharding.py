@@ -73,9 +73,9 @@ SourceFn = Callable[[], Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.T
 
 class ReshardRoute(Enum):
     """How a :class:`ReshardSync` hands the weights to the engine: the first its capabilities allow
-    (:meth:`of`; [Note: engine capabilities] in :mod:`hybridmem.contract.engine`); into an FP8 engine, its
-    layout streamed, the only route that carries FP8 ([Note: fp8 sync] in
-    :mod:`hybridmem.weight_sync.fp8`)."""
+    (:meth:`of`; [Note: engine capabilities] in :mod:`hybridmem.contract.engine`); into an FP8 engine, one of
+    the streams, its layout's where it takes that, else the FP8 checkpoint's tensors of its stage, never in
+    place ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`)."""
 
     IN_PLACE = "written in place into the engine's own tensors"
     """``writes_in_place``: the plan's vLLM-layout cells are copied into ``named_parameters()``
@@ -131,8 +131,8 @@ class ReshardSync(WeightSync):
 
     Raises:
         ValueError: Into an FP8 engine ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`): another
-            quantization, a family without an FP8 layout, a shard boundary inside a 128-block, an engine that
-            does not take its own layout as a stream, a training dtype the quantizer cannot take; each named.
+            quantization, a family without an FP8 layout, a shard boundary inside a 128-block, a training
+            dtype the quantizer cannot take; each named.
     """
 
     def __init__(self, spec: ModelSpec, src: ParallelLayout | HFSourceLayout, dst: ParallelLayout, group: Any,
@@ -148,15 +148,9 @@ class ReshardSync(WeightSync):
         self.route = ReshardRoute.of(engine)
         """How the weights reach the engine."""
         block = engine_block(engine)
-        if block is not None:
-            if capabilities_of(engine).streams_layout:  # FP8 is made on the rank from its shards, streamed
-                self.route = ReshardRoute.LAYOUT_STREAM
-            if self.route is not ReshardRoute.LAYOUT_STREAM:
-                raise ValueError(
-                    f"{type(engine).__name__} serves FP8 with 128x128 blocks but takes its weights "
-                    f"{self.route.value}: its FP8 weights and block scales are made on each rank from the "
-                    "rank's unquantized shards, so an FP8 engine must take its own layout as a stream "
-                    "(streams_layout, load_layout_weights)")
+        if block is not None:  # FP8 is made on the ranks and streamed, never written in place
+            self.route = (ReshardRoute.LAYOUT_STREAM if capabilities_of(engine).streams_layout
+                          else ReshardRoute.HF_STREAM)
             vllm = dataclasses.replace(vllm or VLLMConvention(), weight_block_size=block)
         sources = self._sources_of(source)
         if isinstance(src, ParallelLayout) and looks_hf_named(sources):
@@ -189,7 +183,10 @@ class ReshardSync(WeightSync):
         """The dtype the engine is handed its own layout in, its own (``describes_weights``; a cast the sync
         report names, [Note: no silent dtype change] in :mod:`hybridmem.weight_sync.base`); ``None``: the
         wire dtype. Into an FP8 engine: that of the tensors it does not quantize."""
-        self.fp8: Fp8Target | None = None if block is None else Fp8Target(own, self.rank, self.out_dtype)
+        self.fp8: Fp8Target | None = None
+        if block is not None:  # its own layout's FP8 tensors, or the stage's as an FP8 checkpoint has them
+            target = own if not streams_hf else hf_layout(spec, dst, world, vllm_version=vllm.version)
+            self.fp8 = Fp8Target(target, self.rank, self.out_dtype)
         """This rank's FP8 tensors, quantized from the plan's tensors ([Note: fp8 sync] in
         :mod:`hybridmem.weight_sync.fp8`); ``None``: the engine is not quantized."""
         if self.fp8 is not None:  # the rank's own shards unquantized, quantized on this rank
@@ -275,7 +272,7 @@ class ReshardSync(WeightSync):
         src_dtypes = {src[n].dtype for n in self.plan.src.tensors(self.rank) if n in src}
         note = dtype_note(src_dtypes, dst_dtypes, self.dtype)
         if self.fp8 is not None:
-            stats = dataclasses.replace(stats, num_tensors=len(self.fp8.layout.tensors(self.rank)))
+            stats = dataclasses.replace(stats, num_tensors=len(self.fp8.tensors()))
             note = _fp8_note(src_dtypes, dst_dtypes, self.dtype)
         return SyncStats(
             **{**asdict(stats), "seconds": time.perf_counter() - start},
@@ -299,13 +296,13 @@ class ReshardSync(WeightSync):
         offers = layout and fp8 is None and capabilities_of(self.engine).offers_layout_targets
         target = self.engine.layout_target if offers else None
         # the rank's tensors as the engine is handed them: of the plan, or of the FP8 layout they are made in
-        expected = (self.plan.dst if fp8 is None else fp8.layout).tensors(self.rank)
+        expected = self.plan.dst.tensors(self.rank) if fp8 is None else fp8.tensors()
         handed = [0]
 
         def planned() -> Iterator[tuple[str, torch.Tensor]]:
             if fp8 is not None:  # [Note: fp8 assembly] in :mod:`hybridmem.reshard.fp8_stream`
                 yield from iter_fp8_layout_tensors(
-                    self.plan, fp8.layout, rank=self.rank, src=src, group=self.group, dtype=self.dtype,
+                    self.plan, fp8.tensors(), rank=self.rank, src=src, group=self.group, dtype=self.dtype,
                     out_dtype=self.out_dtype, stats=collected, deadline_s=deadline_s, checks=checks)
                 return
             for name, tensor in iter_layout_tensors(self.plan, rank=self.rank, src=src, group=self.group,

@@ -701,3 +701,63 @@ def test_weights_content_is_one_state(reprocess_calls):
     engine.resume(["weights", "kv_cache"])
     with pytest.raises(PhaseError, match="phase STALE; the weights were discarded by a sleep"):
         engine.generate([[5, 6]], SamplingParams(max_tokens=2))
+
+
+FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+QWEN3_FIELDS = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                    intermediate_size=512, vocab_size=256)
+
+
+def _quantized_engine(quantization_config, quantization):
+    """A VLLMEngine of a fake LLM whose model config says what vLLM's says of a Qwen3 it serves quantized:
+    the checkpoint's ``quantization_config`` and vLLM's ``quantization`` (vLLM's CPU build cannot build FP8
+    layers, so no real one can be made here)."""
+    transformers = pytest.importorskip("transformers")
+    accel = FakeDeviceAccelerator()
+    llm = FakeLLM(TinyNet(), accel=accel, kv_cache_nbytes=KV_NBYTES)
+    config = transformers.Qwen3Config(**QWEN3_FIELDS, num_hidden_layers=2)
+    if quantization_config is not None:
+        config.quantization_config = quantization_config
+    model_config = llm.llm_engine.vllm_config.model_config
+    model_config.hf_config, model_config.quantization = config, quantization
+    return VLLMEngine(llm, accel=accel, check_names=False)
+
+
+def test_an_fp8_model_is_declared_and_taken_as_its_checkpoints_tensors():
+    """A block-FP8 model: the engine reports it (so the resharding sync quantizes) and is never written in
+    place (vLLM's post-load processing may re-lay its weights and scales): it takes the FP8 checkpoint's
+    tensors through load_weights, which reruns vLLM's processing."""
+    engine = _quantized_engine(FP8_CONFIG, "fp8")
+    assert engine.fp8_block == (128, 128) and engine.quantization_config == FP8_CONFIG
+    assert engine.capabilities.reports_quantization and not engine.capabilities.writes_in_place
+    plain = _quantized_engine(None, None)
+    assert plain.fp8_block is None and plain.quantization_config is None
+    assert not plain.capabilities.reports_quantization and plain.capabilities.writes_in_place
+
+
+@pytest.mark.parametrize(("quantization_config", "quantization", "named"), [
+    ({"quant_method": "awq", "bits": 4}, "awq", "in this process serves has quantization_config "
+                                                "quant_method='awq'"),
+    (dict(FP8_CONFIG, weight_block_size=[64, 64]), "fp8", r"weight_block_size=\[64, 64\]"),
+    (None, "fp8", "was built with quantization='fp8' for a model whose config has no quantization_config"),
+])
+def test_another_quantization_is_refused_when_the_engine_is_built(quantization_config, quantization, named):
+    with pytest.raises(ValueError, match=named):
+        _quantized_engine(quantization_config, quantization)
+
+
+def test_an_fp8_models_name_check_expects_its_block_scales():
+    """The worker's parameters of an FP8 model are checked against the FP8 layout: each quantized weight
+    beside its ``weight_scale_inv`` (vLLM's names, tests/reshard/test_vllm_fp8.py)."""
+    transformers = pytest.importorskip("transformers")
+    from hybridmem.adapters.vllm.names import engine_layout_shapes
+
+    config = transformers.Qwen3Config(**QWEN3_FIELDS, num_hidden_layers=1)
+    parallel = types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    plain, _ = engine_layout_shapes(config, parallel, 0)
+    config.quantization_config = FP8_CONFIG
+    fp8, what = engine_layout_shapes(config, parallel, 0)
+    assert set(fp8) - set(plain) == {f"model.layers.0.{n}.weight_scale_inv" for n in (
+        "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    assert fp8["model.layers.0.self_attn.qkv_proj.weight_scale_inv"].shape == (8, 2)  # 1024 x 256 rows, cols
+    assert "in FP8 (128x128 blocks)" in what

@@ -215,3 +215,21 @@ def test_cells_cut_inside_a_block_move_unquantized_and_their_blocks_are_quantize
     for rank, (held, _, sent, received) in enumerate(results):
         assert not [n for n, t in want.items() if not fp8.same(held[n], t)], rank
         assert received == sent == 2 * layer + 2 * (128 * 256) * 2, (rank, received)
+
+
+def test_an_engine_taking_checkpoint_tensors_gets_the_fp8_checkpoint_from_quantized_halves(pool):
+    """Into two TP 1 engines that take full HF tensors through ``load_weights`` and report FP8 (vLLM in the
+    trainer's process): the halves move quantized as into a streamed layout (917,696 bytes a rank, by hand as
+    above), and each engine is handed, under the checkpoint's names, what vLLM's quantizer makes of the full
+    weights, bit for bit, the checksums of every slice agreeing."""
+    fp8 = pytest.importorskip("tests.weight_sync._fp8_engine")
+    spec = ModelSpec.from_hf_config(dict(fp8.CONFIG, model_type="qwen3"))
+    torch.manual_seed(6)
+    full = {n: torch.randn(s).to(torch.bfloat16) for n, s in spec.full_shapes().items()}
+    want = fp8.checkpoint_reference(full)
+    results = pool.run(fp8.sync_task, full, None, 2, 1, None, True, world_size=2)
+    for rank, (handed, engine_nbytes, sent, received) in enumerate(results):
+        assert handed.keys() == want.keys()
+        assert not [n for n, t in want.items() if not fp8.same(handed[n], t)], rank
+        assert received == sent == 917_696, (rank, received)
+        assert engine_nbytes == 1_838_976  # the whole FP8 checkpoint (tests/weight_sync/test_fp8_sync.py)

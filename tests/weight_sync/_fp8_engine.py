@@ -100,6 +100,45 @@ class Fp8Engine:
             self.written = set()
 
 
+def checkpoint_reference(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The FP8 checkpoint vLLM's quantizer makes of ``full`` (the Qwen3's q/k/v/o and MLP weights e4m3 with
+    their ``weight_scale_inv``; embedding, norms and head as they are), cast to bf16 where unquantized."""
+    quantize = vllm_quantizer()
+    out = {}
+    for name, tensor in full.items():
+        if name.endswith("_proj.weight"):
+            out[name], out[name + "_scale_inv"] = quantize(tensor, [128, 128])
+        else:
+            out[name] = tensor.to(torch.bfloat16)
+    return out
+
+
+class Fp8CheckpointEngine:
+    """Takes full HF-named tensors through ``load_weights`` and reports FP8 (as vLLM in the trainer's process
+    does); keeps what it is handed, by name, and fails on a name handed twice."""
+
+    capabilities = EngineCapabilities(reports_quantization=True)
+    dtype = torch.bfloat16
+    vocab_size = CONFIG["vocab_size"]
+
+    def __init__(self, quantization_config=FP8, tp: int = 1):
+        self.parallel_layout = ParallelLayout(tp=tp)
+        self.quantization_config = quantization_config
+        self.handed: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            assert name not in self.handed, name
+            self.handed[name] = tensor.clone()
+
+    def release(self, tags):
+        if "weights" in tags:
+            self.handed = {}
+
+    def resume(self, tags):
+        pass
+
+
 def full_weights(model) -> dict[str, torch.Tensor]:
     """The training model's full weights by name, cloned."""
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -122,20 +161,23 @@ def same(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.dtype == want.dtype and torch.equal(got, want)
 
 
-def sync_task(ctx, full: dict[str, torch.Tensor], likes: list[dict[str, torch.Tensor]], tp: int,
+def sync_task(ctx, full: dict[str, torch.Tensor], likes: list[dict[str, torch.Tensor]] | None, tp: int,
               infer_tp: int | None = None, config: dict | None = None, verify: bool = False):
     """Per rank: the training weights ``full`` sharded as Megatron-core at TP ``tp`` (the reference's
     shards), synced by a ReshardSync into an :class:`Fp8Engine` at TP ``infer_tp`` (``None``: ``tp``) holding
-    tensors like ``likes[rank]`` (the rank's reference), of the Qwen3 ``config`` (``None``:
-    :data:`CONFIG`), comparing per-slice checksums where ``verify``; returns what the engine holds, the
-    sync's engine bytes and the bytes the rank sent to and received from the others."""
+    tensors like ``likes[rank]`` (the rank's reference), or, where ``likes`` is ``None``, into an
+    :class:`Fp8CheckpointEngine`, of the Qwen3 ``config`` (``None``: :data:`CONFIG`), comparing per-slice
+    checksums where ``verify``; returns what the engine holds (or was handed), the sync's engine bytes and the
+    bytes the rank sent to and received from the others."""
     spec = ModelSpec.from_hf_config(dict(config or CONFIG, model_type="qwen3"))
     infer_tp = tp if infer_tp is None else infer_tp
     train = megatron_shard(full, spec, tp=tp, pp=1, ep=1, world=ctx.world_size, rank=ctx.rank)
-    engine = Fp8Engine(likes[ctx.rank], tp=infer_tp)
+    engine = Fp8Engine(likes[ctx.rank], tp=infer_tp) if likes else Fp8CheckpointEngine(tp=infer_tp)
     sync = ReshardSync(spec, ParallelLayout(tp=tp), ParallelLayout(tp=infer_tp), ctx.group, lambda: train,
                        engine, verify=verify)
     engine.resume(["weights"])
     stats = sync.sync()
-    assert not stats.unwritten and stats.coverage_checked
-    return engine.params, stats.engine_nbytes, stats.sent_nbytes, stats.received_nbytes
+    if likes:
+        assert not stats.unwritten and stats.coverage_checked
+    held = engine.params if likes else engine.handed
+    return held, stats.engine_nbytes, stats.sent_nbytes, stats.received_nbytes

@@ -25,7 +25,9 @@ from hybridmem.weight_sync.fp8 import Fp8Target
 from tests.weight_sync._fp8_engine import (
     CONFIG,
     FP8,
+    Fp8CheckpointEngine,
     Fp8Engine,
+    checkpoint_reference,
     full_weights,
     reference,
     same,
@@ -78,6 +80,31 @@ def test_every_switch_hands_the_engine_vllms_fp8_shard_of_the_trained_weights(dt
     manager.close()
 
 
+def test_an_engine_taking_checkpoint_tensors_is_handed_vllms_fp8_checkpoint_of_the_trained_weights():
+    """An engine that takes full HF-named tensors through ``load_weights`` and reports FP8 (vLLM in the
+    trainer's process, whose post-load processing may re-lay what it holds): after every training step it is
+    handed, by the checkpoint's names, what vLLM's quantizer makes of the full weights, bit for bit: each
+    projection's e4m3 values and ``weight_scale_inv``, the rest in the trainer's dtype. So vLLM loads it as
+    it loads the FP8 checkpoint (tests/reshard/test_vllm_fp8.py: its classes load that checkpoint)."""
+    model, _ = _model(torch.bfloat16)
+    engine = Fp8CheckpointEngine()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = ShardingManager(model, engine, optimizer=opt,
+                              config=HybridConfig(device="cpu", verify_weight_sync=True))
+    assert manager.weight_sync.route is ReshardRoute.HF_STREAM
+    for step in range(2):
+        train_step(model, opt)
+        want = checkpoint_reference(full_weights(model))
+        report = manager.to_infer()
+        assert engine.handed.keys() == want.keys()
+        assert not [n for n, t in want.items() if not same(engine.handed[n], t)], step
+        synced = next(s for s in report.steps if s.name == "weight sync").extra
+        # the FP8 checkpoint of the tiny Qwen3: ENGINE_NBYTES's weights and scales, unfused
+        assert synced["engine_nbytes"] == ENGINE_NBYTES
+        manager.to_train()
+    manager.close()
+
+
 def test_a_rank_of_a_tp2_engine_gets_its_hand_cut_fp8_shard():
     """The quantizing part on rank 1 of TP 2 (each rank's shard of every weight is whole blocks): from the
     rank's unquantized shards, the rank's tensors equal vLLM's quantizer's full tensors cut by hand."""
@@ -103,12 +130,11 @@ def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
         build(model, Fp8Engine(like, dict(FP8, weight_block_size=[64, 64])))
     with pytest.raises(ValueError, match=r"training dtype torch.float64: Fp8Engine serves FP8.*quantizer"):
         build(model.to(torch.float64), Fp8Engine(like))
+    # an engine written in place is handed the FP8 checkpoint's tensors instead (its processing re-run)
     in_place = Fp8Engine(like)
     in_place.capabilities = EngineCapabilities(writes_in_place=True, reports_quantization=True)
     in_place.named_parameters = lambda: iter(())
-    with pytest.raises(ValueError, match="serves FP8 with 128x128 blocks but takes its weights written in "
-                                         "place.*must take its own layout as a stream"):
-        build(model.to(torch.bfloat16), in_place)
+    assert build(model.to(torch.bfloat16), in_place).weight_sync.route is ReshardRoute.HF_STREAM
     copy = Fp8Engine(like)  # a copy of the training module would be handed its names, unquantized
     copy.capabilities = EngineCapabilities(loads_training_names=True, reports_quantization=True)
     with pytest.raises(ValueError, match="Fp8Engine serves FP8 with 128x128 blocks, which only the "

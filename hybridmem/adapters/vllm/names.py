@@ -128,7 +128,8 @@ def engine_layout_shapes(hf_config: Any, parallel: Any, rank: int) -> tuple[dict
         ValueError: The model is not one the resharding engine knows (``ModelSpec.from_hf_config``).
     """
     from hybridmem.config import ParallelLayout  # noqa: PLC0415 - keeps the adapter import light
-    from hybridmem.reshard import ModelSpec, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard import ModelSpec, VLLMConvention, vllm_layout  # noqa: PLC0415
+    from hybridmem.reshard.fp8 import block_from_hf_config  # noqa: PLC0415
 
     spec = ModelSpec.from_hf_config(hf_config)
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
@@ -136,8 +137,12 @@ def engine_layout_shapes(hf_config: Any, parallel: Any, rank: int) -> tuple[dict
     ep = tp if getattr(parallel, "enable_expert_parallel", False) and spec.num_experts else 1
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep)
     world = tp * pp
-    tensors = vllm_layout(spec, layout, world).tensors(rank % world)
-    return tensors, f"the vLLM layout tp={tp} pp={pp} ep={ep} of {spec.family}, rank {rank % world}"
+    # an FP8 model's layout holds each quantized weight's scales beside it
+    block = block_from_hf_config(hf_config)
+    tensors = vllm_layout(spec, layout, world, convention=VLLMConvention(weight_block_size=block)).tensors(
+        rank % world)
+    fp8 = " in FP8 (128x128 blocks)" if block else ""
+    return tensors, f"the vLLM layout tp={tp} pp={pp} ep={ep} of {spec.family}{fp8}, rank {rank % world}"
 
 
 def sync_rule(hf_config: Any, world_size: int) -> tuple[list[str] | None, list[str]]:

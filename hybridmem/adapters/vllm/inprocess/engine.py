@@ -44,6 +44,7 @@ from hybridmem.adapters.vllm.inprocess.weights import (
     in_place_tensors,
     stream_weights,
 )
+from hybridmem.adapters.vllm.quantization import quantization_config_of, served_fp8_block
 from hybridmem.adapters.vllm.worker import probe_worker
 from hybridmem.contract.engine import EngineCapabilities
 from hybridmem.contract.generation import GenerationOutput
@@ -135,11 +136,18 @@ class VLLMEngine:
         if reprocess_after_update is None:
             reprocess_after_update = attr_path(llm, f"{_CONFIG}.model_config.use_mla") is True
         self.reprocess_after_update = bool(reprocess_after_update)
+        model_config = attr_path(llm, f"{_CONFIG}.model_config")
+        self.fp8_block = served_fp8_block(getattr(model_config, "hf_config", None), "in this process",
+                                          getattr(model_config, "quantization", None))
+        """The FP8 block the served model holds its weights in (``(128, 128)``), or ``None``: unquantized (see
+        [Note: vllm quantization] in :mod:`hybridmem.adapters.vllm.quantization`)."""
         (self.worker_info,) = llm.collective_rpc(probe_worker)
         check_layout(llm, self.worker_info, check_names)
         self.capabilities = EngineCapabilities(
             frees_memory=self.frees_memory, memory_note=self.memory_note,
-            writes_in_place=not self.worker_info.repacked, reports_residency=True,
+            # an FP8 model's weights reach it as its checkpoint's tensors, processed by vLLM again
+            writes_in_place=not self.worker_info.repacked and self.fp8_block is None,
+            reports_quantization=self.fp8_block is not None, reports_residency=True,
             keeps_addresses=True,  # CuMemAllocator re-maps a woken pool at the same addresses
             checks_weights=True, describes_weights=True, reports_model_type=True, reports_layout=True,
             sizes_kv_by_share=True,
@@ -148,8 +156,11 @@ class VLLMEngine:
             releases_kv_alone=not self.frees_memory,
         )
         """See [Note: engine capabilities] in :mod:`hybridmem.contract.engine`; ``writes_in_place`` is off
-        where the backend repacks its parameters after loading (vLLM's CPU build); ``releases_kv_alone`` only
-        without a sleep mode, where a release frees nothing."""
+        where the backend repacks its parameters after loading (vLLM's CPU build) and for an FP8 model (its
+        post-load processing may re-lay weights and scales for its kernels: the sync hands it the FP8
+        checkpoint's tensors through :meth:`load_weights` instead, [Note: fp8 sync] in
+        :mod:`hybridmem.weight_sync.fp8`); ``releases_kv_alone`` only without a sleep mode, where a release
+        frees nothing."""
         self._state = EngineState(sleep_mode=self.frees_memory)
         self._memory = SleepMode(llm, self.accel, self._state, kv_only_release=kv_only_release,
                                  nbytes_hint=nbytes_hint)
@@ -241,6 +252,11 @@ class VLLMEngine:
         """The element type vLLM holds the weights in (``model_config.dtype``)."""
         dtype = attr_path(self.llm, f"{_CONFIG}.model_config.dtype")
         return dtype if isinstance(dtype, torch.dtype) else None
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        """The served model's ``quantization_config`` (FP8 with 128x128 blocks; ``None``: unquantized)."""
+        return quantization_config_of(attr_path(self.llm, f"{_CONFIG}.model_config.hf_config"))
 
     @property
     def parallel_layout(self) -> dict[str, int]:

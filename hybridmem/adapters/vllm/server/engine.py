@@ -147,6 +147,7 @@ from hybridmem.adapters.vllm.busy_poll import default_busy_poll
 from hybridmem.adapters.vllm.names import sync_rule
 from hybridmem.adapters.vllm.outputs import GREEDY
 from hybridmem.adapters.vllm.plugin import BACKEND_NAME
+from hybridmem.adapters.vllm.quantization import quantization_config_of, served_fp8_block
 from hybridmem.adapters.vllm.server.buckets import (
     Buckets,
     bucket_limit,
@@ -164,7 +165,7 @@ from hybridmem.contract.engine import EngineCapabilities, check_tags
 from hybridmem.contract.generation import GenerationOutput
 from hybridmem.contract.kinds import ENGINE_TAGS, KV_CACHE, WEIGHTS
 from hybridmem.errors import EngineFault, EngineProcessError, PhaseError, add_note
-from hybridmem.reshard.fp8 import FP8_DTYPE, SCALE_SUFFIX, block_from_hf_config
+from hybridmem.reshard.fp8 import FP8_DTYPE, SCALE_SUFFIX
 
 __all__ = ["VLLMServerEngine", "InFlight", "UPDATE_MIN_BPS"]
 
@@ -241,7 +242,7 @@ class VLLMServerEngine:
                  release_now: bool = True):
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level={sleep_level}; expected 1 or 2")
-        self.fp8_block = _fp8_block(hf_config, client.where)
+        self.fp8_block = served_fp8_block(hf_config, f"at {client.where}")
         """The FP8 block the served model holds its weights in (``(128, 128)``), or ``None``: unquantized (see
         [Note: vllm fp8 server])."""
         self.client = client
@@ -493,10 +494,7 @@ class VLLMServerEngine:
     def quantization_config(self) -> dict[str, Any] | None:
         """The served model's ``quantization_config`` (FP8 with 128x128 blocks; ``None``: unquantized), as
         its config has it (see [Note: vllm fp8 server])."""
-        quant = getattr(self.hf_config, "quantization_config", None)
-        if not quant:
-            return None
-        return dict(quant) if isinstance(quant, Mapping) else dict(quant.to_dict())
+        return quantization_config_of(self.hf_config)
 
     @property
     def parallel_layout(self) -> dict[str, int]:
@@ -944,19 +942,6 @@ def _bucket_nbytes(bucket_nbytes: int | None, device: torch.device, staging_dir:
     if bucket_nbytes is None:
         bucket_nbytes = default_bucket_nbytes(device.type, free_nbytes=limit)
     return check_bucket_nbytes(bucket_nbytes, limit_nbytes=limit, what=where)
-
-
-def _fp8_block(hf_config: Any, where: str) -> tuple[int, int] | None:
-    """The FP8 block of the served model's ``quantization_config`` (``None``: none).
-
-    Raises:
-        ValueError: Another quantization (another method, FP8 per tensor, another block), named with the
-            engine (see [Note: vllm fp8 server]).
-    """
-    try:
-        return block_from_hf_config(hf_config)
-    except ValueError as exc:
-        raise ValueError(f"the model the vLLM engine at {where} serves has {exc}") from None
 
 
 def check_fp8_layout(layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], who: str) -> None:
