@@ -69,6 +69,7 @@ from hybridmem.reshard import (
     ReshardPlan,
     VLLMConvention,
     build_plan,
+    hf_layout,
     hf_source_layout,
     megatron_layout,
     vllm_layout,
@@ -429,13 +430,17 @@ def predict_rank(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
     :func:`rank_states` (computed when not given); ``engine_process``: the engine's transfer buckets held
     on the device throughout (``engine_bucket_nbytes`` each, ``None``: the engine's default); ``infer_fp8``:
     an FP8 engine, synced as ``ReshardSync`` syncs one ([Note: fp8 sync] in
-    :mod:`hybridmem.weight_sync.fp8`): the plan into the rank's unquantized shards, each cell of a weight vLLM
-    quantizes that is whole blocks moved as e4m3 bytes and block scales, the others in the training dtype
-    ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`)."""
+    :mod:`hybridmem.weight_sync.fp8`): the plan into the rank's unquantized shards (an engine in its own
+    process, which takes its own layout), or into its stage's full tensors (vLLM in the trainer's process,
+    which takes the FP8 checkpoint's tensors), each cell of a weight vLLM quantizes that is whole blocks moved
+    as e4m3 bytes and block scales, the others in the training dtype ([Note: quantized cells] in
+    :mod:`hybridmem.reshard.plan`)."""
     src = _train_layout(spec, setup, world)
     if infer_fp8:
         _check_fp8(spec, setup)
-        target = Fp8Target(_engine_layout(spec, infer, world, True), rank, _DTYPES.get(infer_bytes))
+        into = (_engine_layout(spec, infer, world, True) if engine_process
+                else hf_layout(spec, infer, world))
+        target = Fp8Target(into, rank, _DTYPES.get(infer_bytes))
         plan = build_plan(src, target.plan_layout(), itemsize=setup.param_bytes,
                           bucket_nbytes=bucket_nbytes, rank=rank, quantized=target.quantized_names())
         temp = target.sync_temp_nbytes(plan, _DTYPES[setup.param_bytes])
@@ -568,8 +573,8 @@ def plan_cluster(spec: ModelSpec, setup: TrainingSetup, infer: ParallelLayout, w
         engine_bucket_nbytes: Bytes per bucket (``VLLMServerEngine``'s ``bucket_nbytes``); ``None``: the
             engine's default.
         infer_fp8: The engine serves FP8 with 128x128 block scales (the tensors vLLM does not quantize in
-            ``infer_bytes``), synced from the ranks' unquantized shards ([Note: fp8 sync] in
-            :mod:`hybridmem.weight_sync.fp8`).
+            ``infer_bytes``), synced into the ranks' unquantized shards (``engine_process``) or their stages'
+            full tensors ([Note: fp8 sync] in :mod:`hybridmem.weight_sync.fp8`).
 
     Raises:
         ValueError: A layout that does not fit the model or the world (named by the layouts' checks; an

@@ -88,8 +88,9 @@ def build_parser() -> OneLineErrorParser:
                    help="default: fp32 for Megatron (main grads), the param dtype for fsdp2")
     p.add_argument("--infer-dtype", default="bf16", choices=sorted(DTYPE_BYTES),
                    help="the engine's weights (default bf16); fp8: vLLM's block FP8, one byte a quantized "
-                        "weight element and four a 128x128 block's scale, the rest in --param-dtype, synced "
-                        "as unquantized shards, quantized on each rank (families "
+                        "weight element and four a 128x128 block's scale, the rest in --param-dtype; whole "
+                        "blocks move quantized, into the engine's shards (--engine-process) or its stage's "
+                        "full tensors (vLLM in the trainer's process) (families "
                         f"{', '.join(FP8_FAMILIES)})")
     p.add_argument("--optimizer-bytes-per-param", type=int, default=12,
                    help="Megatron (default 12: fp32 Adam)")

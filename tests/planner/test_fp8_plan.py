@@ -44,20 +44,32 @@ def test_one_engine_holds_fp8_weights_with_scales_and_the_rest_in_the_param_dtyp
 # The weight elements of the tiny Qwen3, by hand: per layer q [512, 256], k and v [256, 256], o [256, 512],
 # gate, up and down 3 x [512, 256]; two layers; embedding and head [256, 256].
 WEIGHTS = 2 * (512 * 256 + 2 * 256 * 256 + 256 * 512 + 3 * 512 * 256) + 2 * 256 * 256
+HALF_LAYER = (256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 256 * 256) + 4 * (4 + 2 * 2 + 4 + 3 * 4)
+"""What a rank missing half of every weight of a layer receives, quantized: half of q (256x256, 2x2 blocks), k
+and v (128x256, 1x2), o (256x256, 2x2), gate, up and down (256x256, 2x2 each), one byte an element and four a
+block."""
+MISSING_HALVES = 2 * HALF_LAYER + 2 * (128 * 256) * 2
+"""Both layers' missing halves, quantized, and the embedding's and head's other halves (128x256) in bf16."""
 
 
-def test_a_megatron_tp2_trainer_into_fp8_tp2_moves_nothing_between_ranks(tmp_path):
+@pytest.mark.parametrize("where", ["own process", "in process"])
+def test_a_megatron_tp2_trainer_into_fp8_tp2(tmp_path, where):
     """Megatron TP 2 over 2 ranks holds half of every weight (whole 128-blocks) and the norms whole, which is
-    each TP 2 engine rank's unquantized shard: the FP8 sync quantizes it where it lies, and each rank's engine
-    holds half the FP8 rows or columns."""
-    plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "2/1/1", "--infer-dtype", "fp8")
+    each TP 2 engine rank's unquantized shard, and each rank's engine holds half the FP8 rows or columns.
+    An engine in its own process takes that shard, quantized where it lies: nothing moves between the ranks.
+    vLLM in the trainer's process takes its stage's FP8 checkpoint tensors, whole: each rank receives the
+    other halves, quantized (as into TP 1 engines, below)."""
+    process = ["--engine-process"] if where == "own process" else []
+    plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "2/1/1", "--infer-dtype", "fp8",
+                 *process)
     assert WEIGHTS == 1_703_936
+    moved = 0 if process else MISSING_HALVES
     for rank in plan["ranks"]:
         assert rank["state_nbytes"]["engine_weights"] == 2 * _layer(512, 256, 2) + (256 * 256 + 256) * 2 \
             == 921_280
-        assert rank["received_nbytes"] == rank["sent_nbytes"] == 0
+        assert rank["received_nbytes"] == rank["sent_nbytes"] == moved
         sync = next(s for s in rank["to_infer"] if s["name"] == "weight sync")
-        assert sync["network_nbytes"] == 0
+        assert sync["network_nbytes"] == 2 * moved
 
 
 def test_a_megatron_tp2_trainer_into_fp8_tp1_engines_moves_each_ranks_missing_half(tmp_path):
@@ -67,9 +79,9 @@ def test_a_megatron_tp2_trainer_into_fp8_tp1_engines_moves_each_ranks_missing_ha
     (256x256, 2x2), gate, up and down (256x256, 2x2 each), one byte an element and four a block; the
     embedding's and head's other halves (128x256) in bf16, two bytes an element (in bf16 throughout the
     weights' halves alone were WEIGHTS bytes)."""
-    plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "1/1/1", "--infer-dtype", "fp8")
-    half_layer = (256 * 256 + 2 * 128 * 256 + 256 * 256 + 3 * 256 * 256) + 4 * (4 + 2 * 2 + 4 + 3 * 4)
-    moved = 2 * half_layer + 2 * (128 * 256) * 2
+    plan = _plan(tmp_path, "--world", "2", "--train", "2/1/1", "--infer", "1/1/1", "--infer-dtype", "fp8",
+                 "--engine-process")
+    moved = MISSING_HALVES
     for rank in plan["ranks"]:
         assert rank["state_nbytes"]["engine_weights"] == 2 * _layer(1024, 512, 2) + (2 * 256 * 256 + 256) * 2
         assert rank["received_nbytes"] == rank["sent_nbytes"] == moved == 917_696
