@@ -326,6 +326,21 @@ def _data_numel(local: Any) -> int:
     return sum(p.numel for p in local.pieces)
 
 
+def _stream_books(plan: ReshardPlan, rank: int) -> tuple[dict[str, Any], dict[str, int],
+                                                        dict[str, list[Transfer]], dict[str, tuple[int, int]],
+                                                        dict[str, int]]:
+    """What a stream of ``rank``'s destination tensors keeps track of ([Note: layout streams]): the tensors,
+    the data elements each still lacks, the local cells of each, the buckets each receives in
+    (:func:`_received_spans`) and each one's place in destination order."""
+    expected = plan.dst.tensors(rank)
+    remaining = {name: _data_numel(local) for name, local in expected.items()}
+    cells: dict[str, list[Transfer]] = defaultdict(list)
+    for t in plan.local[rank]:
+        cells[t.dst_name].append(t)
+    order = {name: i for i, name in enumerate(expected)}
+    return expected, remaining, cells, _received_spans(plan, rank), order
+
+
 def _received_spans(plan: ReshardPlan, rank: int) -> dict[str, tuple[int, int]]:
     """The first and last bucket of each destination tensor of ``rank`` that receives cells from others."""
     spans: dict[str, tuple[int, int]] = {}
@@ -421,13 +436,7 @@ def iter_layout_tensors(plan: ReshardPlan, *, rank: int, src: Mapping[str, torch
     bound = deadline_bound(deadline_s)
     dtype, device = _check_sources(plan, rank, src, dtype)
     held = dtype if out_dtype is None else out_dtype
-    expected = plan.dst.tensors(rank)
-    remaining = {name: _data_numel(local) for name, local in expected.items()}
-    cells: dict[str, list[Transfer]] = defaultdict(list)
-    for t in plan.local[rank]:
-        cells[t.dst_name].append(t)
-    spans = _received_spans(plan, rank)
-    order = {name: i for i, name in enumerate(expected)}
+    expected, remaining, cells, spans, order = _stream_books(plan, rank)
     in_flight: dict[str, torch.Tensor] = {}
     sent = received = peak = 0
 

@@ -36,7 +36,7 @@ from hybridmem.reshard.execute import (
     _check_sources,
     _data_numel,
     _exchange,
-    _received_spans,
+    _stream_books,
     _warm_group,
     held_dtype,
     pack_cell,
@@ -191,17 +191,11 @@ def iter_fp8_layout_tensors(plan: ReshardPlan, tensors: Mapping[str, LocalTensor
     start = time.perf_counter()
     bound = deadline_bound(deadline_s)
     dtype, device = _check_sources(plan, rank, src, dtype)
-    expected = plan.dst.tensors(rank)
+    expected, remaining, cells, spans, order = _stream_books(plan, rank)
     missing = ([n for n in expected if n not in tensors]
                + [n for n in tensors if n not in expected and not n.endswith(SCALE_SUFFIX)])
     if missing:
         raise ValueError(f"rank {rank}: the FP8 layout and the plan's destination differ in {missing[:3]}")
-    remaining = {name: _data_numel(local) for name, local in expected.items()}
-    cells: dict[str, list[Transfer]] = defaultdict(list)
-    for t in plan.local[rank]:
-        cells[t.dst_name].append(t)
-    spans = _received_spans(plan, rank)
-    order = {name: i for i, name in enumerate(expected)}
     building: dict[str, _Quantized | _Unquantized] = {}
     shapes = plan.src.spec.full_shapes()
     sent = received = peak = 0
