@@ -7,7 +7,9 @@ the FP8 checkpoint, with ``quantization_config`` as the Hub's FP8 checkpoints ha
 model with vLLM's classes and ``quantization="fp8"`` (:mod:`tests.reshard._fp8_tasks`: only the ScaledMM
 kernel choice is a stand-in) at each (tp, pp, ep) of :data:`CASES` and load it with ``load_weights``. Every
 rank's parameters must equal, bit for bit, what a sync from the bf16 weights gives that rank
-(:class:`~hybridmem.weight_sync.fp8.Fp8Target`: the rank's unquantized shards quantized piece by piece), and
+(:class:`~hybridmem.weight_sync.fp8.Fp8Target`: the rank's unquantized shards quantized piece by piece), what
+the sync's stream hands it over the four ranks from FSDP2-sharded bf16 weights (cells moving quantized, or in
+bf16 where a row split falls inside a block: :func:`tests.reshard._fp8_tasks.fp8_streamed`), and
 what hybridmem's quantizer over the bf16 stream (:func:`~hybridmem.reshard.fp8.quantize_stream`) cut by the
 FP8 vLLM layout (:func:`~hybridmem.reshard.iter_shard`) gives offline.
 The dense models' parameters after vLLM's ``process_weights_after_loading`` (the block kernels' base
@@ -106,6 +108,14 @@ def _checkpoint(root: str, kw: dict) -> tuple[str, dict, tuple]:
     return path, bf16, quantized
 
 
+def _same_streamed(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """An e4m3 weight or its scales bit for bit; another tensor by value (the stream keeps a router bias the
+    model keeps in float32 in float32, where the offline cut has it in the checkpoint's bf16: exact)."""
+    if want.dtype == torch.float8_e4m3fn or got.dtype == torch.float8_e4m3fn or want.dtype == got.dtype:
+        return got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+    return got.dtype == torch.float32 and torch.equal(got, want.to(torch.float32))
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -139,6 +149,9 @@ def main(report_path: str, models: list[str]) -> int:
             path, bf16, quantized = made[model]
             layout = layout_of(path, tp, pp, ep)
             got = pool.run(_fp8_tasks.fp8_loaded_parameters, path, tp, pp, ep, world_size=WORLD)
+            with open(f"{path}/config.json") as f:
+                saved = json.load(f)
+            streamed = pool.run(_fp8_tasks.fp8_streamed, saved, bf16, tp, pp, ep, world_size=WORLD)
             family = MODELS[model]["model_type"]
             case = {"model": model, "family": family, "tp": tp, "pp": pp, "ep": ep, "ranks": []}
             for rank in range(WORLD):
@@ -161,6 +174,11 @@ def main(report_path: str, models: list[str]) -> int:
                 bad += [f"synced: {n}" for n in sorted(set(ours) ^ set(handed))]
                 bad += [f"synced: {n}" for n, t in handed.items() if n in ours and (
                     t.dtype != ours[n].dtype or not torch.equal(_bits(t), _bits(ours[n])))]
+                # what the sync's stream hands it from FSDP2-sharded weights over the gloo ranks
+                over = streamed[rank]["handed"]
+                bad += [f"streamed: {n}" for n in sorted(set(ours) ^ set(over))]
+                bad += [f"streamed: {n}" for n, t in over.items()
+                        if n in ours and not _same_streamed(t, ours[n])]
                 kv = [n for n in theirs if n.endswith(KV_CACHE_SCALES)]
                 if any(float(theirs[n]) != -1.0 for n in kv):
                     bad.append("kv-cache scales not at vLLM's 'not loaded' -1")
@@ -175,6 +193,7 @@ def main(report_path: str, models: list[str]) -> int:
                     "fp8_tensors": sum(t.dtype == torch.float8_e4m3fn for t in ours.values()),
                     "scales": sum(n.endswith("_scale_inv") for n in ours),
                     "fp8_nbytes": fp8_bytes, "bf16_nbytes": bf16_bytes,
+                    "streamed_cells": {k: streamed[rank][k] for k in ("quantized_cells", "loose_cells")},
                     "kernels": sorted(set(got[rank]["kernels"].values())),
                     "processed": "error" if "error" in processed else len(processed),
                     "processing_error": processed.get("error") if "error" in processed else None})

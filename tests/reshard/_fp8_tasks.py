@@ -119,3 +119,35 @@ def fp8_refusal(ctx, model_dir: str, tp: int, pp: int, ep: int) -> str | None:
         except (ValueError, RuntimeError) as exc:
             return f"{step}: {exc}"
     return None
+
+
+def fp8_streamed(ctx, config: dict, bf16: dict, tp: int, pp: int, ep: int) -> dict:
+    """What the resharding sync hands this rank of an FP8 engine at (tp, pp, ep) from the bf16 weights
+    ``bf16`` held as FSDP2 holds them (every tensor's rows split over all ranks, ``Shard(0)``): the plan into
+    the rank's unquantized vLLM shards with the FP8 weights' cells moving quantized where they are whole
+    blocks and in bf16 where a row split falls inside one, over this pool's gloo group, assembled by
+    :func:`~hybridmem.reshard.fp8_stream.iter_fp8_layout_tensors` (small buckets, so cells are cut too)."""
+    import torch
+
+    from hybridmem.config import ParallelLayout
+    from hybridmem.reshard import ModelSpec, build_plan, hf_source_layout, vllm_layout
+    from hybridmem.reshard.conventions import VLLMConvention
+    from hybridmem.reshard.fp8_stream import iter_fp8_layout_tensors
+    from hybridmem.reshard.transforms import build_local
+    from hybridmem.weight_sync.fp8 import Fp8Target
+
+    spec = ModelSpec.from_hf_config(config)
+    layout = vllm_layout(spec, ParallelLayout(tp=tp, pp=pp, ep=ep), ctx.world_size,
+                         convention=VLLMConvention(weight_block_size=(128, 128)))
+    target = Fp8Target(layout, ctx.rank)
+    source = hf_source_layout(spec, ctx.world_size, shard_size=ctx.world_size)
+    src = {name: build_local(local, bf16, dtype=torch.bfloat16)
+           for name, local in source.tensors(ctx.rank).items()}
+    plan = build_plan(source, target.plan_layout(), itemsize=2, bucket_nbytes=1 << 16, rank=ctx.rank,
+                      quantized=target.quantized_names())
+    handed = dict(iter_fp8_layout_tensors(plan, target.tensors(), rank=ctx.rank, src=src, group=ctx.group,
+                                          dtype=torch.bfloat16))
+    quantized_cells = sum(plan.quantizes(t) for step in plan.buckets for t in step)
+    loose_cells = sum(t.hf_name in plan.quantized and not plan.quantizes(t)
+                      for step in plan.buckets for t in step)
+    return {"handed": handed, "quantized_cells": quantized_cells, "loose_cells": loose_cells}
