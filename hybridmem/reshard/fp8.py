@@ -137,11 +137,21 @@ def quantize_block_fp8(weight: torch.Tensor, *, name: str = "weight") -> tuple[t
     rows, cols = weight.shape
     br, bc = FP8_BLOCK
     grid_r, grid_c = -(-rows // br), -(-cols // bc)
-    padded = weight.new_zeros((grid_r * br, grid_c * bc))
-    padded[:rows, :cols] = weight
+    if rows % br or cols % bc:
+        padded = weight.new_zeros((grid_r * br, grid_c * bc))
+        padded[:rows, :cols] = weight
+    else:  # whole blocks: no padded copy
+        padded = weight.contiguous()
     blocks = padded.view(grid_r, br, grid_c, bc)
-    scale = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(_AMAX_FLOOR) / _FP8_MAX
-    quantized = (blocks * (1.0 / scale)).to(FP8_DTYPE).view(grid_r * br, grid_c * bc)
+    # The same figures as vLLM's, computed with fewer passes: a block's largest |w| is the larger of its
+    # maximum and its negated minimum, each exact in the weight's dtype and in float32 (so taken before the
+    # cast); the product in float32, made in one float32 copy (a copy even of a float32 weight, never it).
+    amax = torch.maximum(blocks.amax(dim=3, keepdim=True), -blocks.amin(dim=3, keepdim=True))
+    scale = amax.amax(dim=1, keepdim=True).float().clamp(_AMAX_FLOOR) / _FP8_MAX
+    scaled = blocks.to(torch.float32, copy=True)
+    scaled.mul_(1.0 / scale)
+    quantized = scaled.to(FP8_DTYPE).view(grid_r * br, grid_c * bc)
+    del scaled
     return quantized[:rows, :cols].contiguous(), scale.view(grid_r, grid_c)
 
 

@@ -67,7 +67,9 @@ def test_quantizer_is_vllms_bit_for_bit(compiled):
     theirs = _vllm_quantizer(compiled)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for x in _edge_tensors(dtype):
+            before = x.clone()
             w, s = quantize_block_fp8(x)
+            assert torch.equal(x, before)  # left as it was (an fp32 weight of whole blocks too)
             w_ref, s_ref = theirs(x, [128, 128])
             assert w.dtype == w_ref.dtype == torch.float8_e4m3fn and s.dtype == s_ref.dtype == torch.float32
             assert torch.equal(w.view(torch.uint8), w_ref.view(torch.uint8)), (dtype, tuple(x.shape))
