@@ -46,7 +46,7 @@ PRESETS = {
                        head_dim=64, intermediate_size=3072, num_hidden_layers=28, vocab_size=151936,
                        tie_word_embeddings=True),
     # hidden 256, 4x128 q heads, 2 kv heads, MLP 512, vocab 256 (a smoke run; its figures are counted by hand
-    # in tests/benchmarks/test_fp8_sync.py)
+    # in tests/benchmarks/test_fp8_sync_benchmark.py)
     "tiny": dict(model_type="qwen3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=128, intermediate_size=512, num_hidden_layers=2, vocab_size=256,
                  tie_word_embeddings=False),
