@@ -259,6 +259,9 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
             in a layout table; the message names the tensor).
     """
     _check(src, dst, itemsize, bucket_nbytes, rank)
+    unknown = quantized - src.spec.full_shapes().keys()
+    if unknown:  # before any planning
+        raise ValueError(f"quantized names {sorted(unknown)[:3]} are not tensors of the model")
     if rank is None:
         local, remote = _whole(src, dst)
     else:
@@ -268,9 +271,6 @@ def build_plan(src: ShardLayout, dst: ShardLayout, *, itemsize: int = 2,
         cells = tuple(_sorted_local(cs, src.spec, itemsize) for cs in local)
     else:
         cells = {rank: _sorted_local(local[0], src.spec, itemsize)}
-    unknown = quantized - src.spec.full_shapes().keys()
-    if unknown:
-        raise ValueError(f"quantized names {sorted(unknown)[:3]} are not tensors of the model")
     return ReshardPlan(src, dst, itemsize, bucket_nbytes, cells, buckets, keys=keys, rank=rank,
                        quantized=frozenset(quantized))
 

@@ -15,7 +15,7 @@ A plan's transfers run in steps keyed ``(window, shift, chunk)``, in ascending k
   so a rank's sends plus receives in one step stay within ``bucket_nbytes`` (unless one row is larger).
 
 A weight whose cells travel quantized ([Note: quantized cells] in :mod:`hybridmem.reshard.plan`) is cut
-only between 128-row blocks (a window's cut moved down to the next block edge, a chunk a whole number of
+only between 128-row blocks (a window's cut moved on to the next block edge, a chunk a whole number of
 blocks), so a cell made of whole blocks stays so in every part, each part still one byte an element where
 the bucket counts it in the wire dtype.
 
