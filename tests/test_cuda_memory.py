@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -17,7 +19,24 @@ pytestmark = [pytest.mark.cuda,
 MIB = 1 << 20
 
 
-def _model_with_state(num_layers: int = 8, dim: int = 1024):
+@pytest.fixture(autouse=True)
+def _clean_device():
+    """Each test starts from an empty caching allocator: a model an earlier test left in a reference cycle
+    (or in a failed test's traceback) is freed by the collector at an unknown time otherwise, in the middle
+    of this test's figures."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _model_with_state(num_layers: int = 8, dim: int = 2048):
+    """``num_layers`` bias-free ``dim x dim`` fp32 layers with grads and one AdamW step. At the default
+    ``dim`` each tensor is 16 MiB: the caching allocator gives every tensor over 10 MiB a segment of its
+    own, so freeing the tensors gives whole segments back to the device. (Tensors of 1-10 MiB share 20 MiB
+    segments, which go back only once every tensor in them is freed: a live tensor of another owner in the
+    last segment keeps the segment's offloaded tensors' bytes from ``mem_get_info``.)"""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(dim, dim, bias=False) for _ in range(num_layers))).cuda()
     for p in model.parameters():
@@ -32,7 +51,7 @@ def test_offload_frees_exactly_the_formula_and_returns_it_to_the_device():
     torch.cuda.empty_cache()
     model, opt = _model_with_state()
     before = snapshot(model, opt)
-    per_tensor = 1024 * 1024 * 4
+    per_tensor = 2048 * 2048 * 4
     expected = 8 * per_tensor * (1 + 1 + 2)  # params, grads, exp_avg + exp_avg_sq
     mgr = ShardingManager(model, optimizer=opt, accel=get_accelerator("cuda"),
                           config=HybridConfig(skip_zero_grads=False))

@@ -36,10 +36,14 @@ def _manager(model, opt, *, config=None, kv=KV_NBYTES, accel=None):
 
 
 def _device_storages(model, opt):
-    yield from (t.untyped_storage() for t in [*model.parameters(), *model.buffers()])
-    yield from (p.grad.untyped_storage() for p in model.parameters() if p.grad is not None)
+    """The storages of the model's and optimizer's tensors on the model's device (AdamW's ``step`` stays
+    on the CPU beside CUDA parameters, where it is no device memory to free)."""
+    device = next(model.parameters()).device
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
     for state in opt.state.values():
-        yield from (v.untyped_storage() for v in state.values() if isinstance(v, torch.Tensor))
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    yield from (t.untyped_storage() for t in tensors if t.device == device)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
