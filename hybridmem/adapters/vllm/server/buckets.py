@@ -301,10 +301,12 @@ def open_buckets(descriptor: Mapping[str, Any], *, bucket_nbytes: int,
 
 @contextlib.contextmanager
 def one_thread(device: torch.device) -> Iterator[None]:
-    """Torch on one thread while the block runs, for a CPU ``device``: the figures of a tensor, taken on
-    each side while the other side copies a bucket on the same cores, where each of the checksum's many
-    small chunk operations would wait for the slowest of torch's threads (on cpu-2c beside a vLLM
-    worker: 1.4 s for 633 MB on two threads, 0.2 s on one)."""
+    """Torch on one thread while the block runs, for a CPU ``device``: a bucket's copies and the figures
+    of a tensor, taken on each side while the other side copies a bucket on the same cores, where each
+    of torch's parallel operations would wait for the slowest of its threads (on cpu-2c beside a vLLM
+    worker: the checksum of 633 MB 1.4 s on two threads, 0.2 s on one; the stand-in worker of
+    ``benchmarks/bucket_transport.py --device cpu --quick`` copying 10 MB out of 1 MiB buckets 92 ms a
+    round on two threads, against the trainer's copies into the other bucket)."""
     if device.type != "cpu" or torch.get_num_threads() == 1:
         yield
         return

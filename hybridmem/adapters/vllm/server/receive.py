@@ -185,7 +185,8 @@ class StreamUpdate:
                 self._figures[name] = (before[0] + part[0], before[1] + part[1])
                 self._copied_into[name] = target.data_ptr()
             else:
-                into.copy_(source)
+                with one_thread(into.device):
+                    into.copy_(source)
             self.received[name] = entry["end"]
         self.copy_s += time.perf_counter() - start
         if bucket.device.type == "cuda":  # copied out before the trainer may write the bucket again
