@@ -18,8 +18,9 @@ takes every update with the very receive code vLLM's workers run
 :mod:`hybridmem.adapters.vllm.server.receive`) into device tensors of its own. It refuses to run if
 anything it imported pulled vLLM in.
 
-Rounds: one warm-up, ``--rounds`` timed (without figures: the transport alone), one with figures (the
-engine's default ``verify=True``: each tensor's checksum on both sides). The sources are negated between
+Rounds: one warm-up, ``--rounds`` timed (without figures: the transport alone), two with figures (the
+engine's default ``verify=True``: each tensor's checksum on both sides; the first is each process's first
+use of the checksum's kernels, the second is what every later switch pays). The sources are negated between
 rounds, so each round writes other values than the one before. Printed and written (``--json``):
 
 - the sync in GB/s (the model's bytes over the wall time of a round, from the trainer's wait for its
@@ -293,6 +294,22 @@ def raw_copy_s(sources: dict[str, torch.Tensor], device: torch.device, repeats: 
     return best
 
 
+def checksum_model_s(sources: dict[str, torch.Tensor], device: torch.device) -> list[float]:
+    """Seconds of :func:`~hybridmem.reshard.checksum.tensor_checksum` of every source on the trainer's
+    device, one read each, three times (the first in this process came with the round with figures)."""
+    from hybridmem.reshard.checksum import tensor_checksum
+
+    out = []
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        for t in sources.values():
+            tensor_checksum(t)
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def host_staged(sources: dict[str, torch.Tensor], device: torch.device, *, pinned: bool) -> dict[str, float]:
     """Every source through one host buffer of the model's size and back into device tensors of its shapes
     (the staging path: device -> host, then host -> device); the buffer is allocated and touched before the
@@ -391,7 +408,9 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        plan = [False] * (1 + args.rounds) + [True]  # warm-up, timed, with figures
+        # warm-up, timed, with figures twice (the first use of the checksum's kernels in each process,
+        # then as every later switch runs them)
+        plan = [False] * (1 + args.rounds) + [True, True]
         for generation, verify in enumerate(plan, start=1):
             if generation > 1:
                 with torch.no_grad():
@@ -422,7 +441,10 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
             seconds = time.perf_counter() - t0
             listener.expect(None)
             rounds.append({"generation": generation, "verify": verify, "seconds": seconds,
-                           "buckets_handed": stats.num_handed, "gbps": total / seconds / GB})
+                           "buckets_handed": stats.num_handed, "gbps": total / seconds / GB,
+                           "trainer_checksum_s": stats.checksum_s,
+                           "worker_checksum_s": stats.worker_checksum_s,
+                           "worker_copy_s": stats.worker_copy_s})
         figures["trainer_memory"] = {**device_memory(device, base), **host_memory()}
         worker.send("done")
         result = json.loads(worker.expect("result", timeout_s=WAIT_S))
@@ -431,15 +453,17 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         worker.close()
         listener.close()
         buckets.close()
-    timed = [r["seconds"] for r in rounds[1:-1]]
+    timed = [r["seconds"] for r in rounds[1:] if not r["verify"]]
     figures.update({
         "rounds": rounds, "sync_s": statistics.median(timed), "first_sync_s": rounds[0]["seconds"],
-        "verify_sync_s": rounds[-1]["seconds"], "worker_memory": result["memory"],
+        "verify_sync_s": rounds[-1]["seconds"], "first_verify_sync_s": rounds[-2]["seconds"],
+        "worker_checksum_s": rounds[-1]["worker_checksum_s"], "worker_memory": result["memory"],
         "different": result["different"], "weights_equal": not result["different"] and rc == 0,
         "vllm_imported": result["vllm_imported"]})
     figures["sync_gbps"] = total / figures["sync_s"] / GB
     figures["ratio_to_raw"] = figures["sync_gbps"] / figures["raw_copy_gbps"]
     figures["ratio_met"] = figures["ratio_to_raw"] >= TARGET_RATIO
+    figures["checksum_s"] = checksum_model_s(sources, device)
     if device.type == "cuda":
         staged = {}
         for kind in ("pinned", "pageable"):
@@ -448,6 +472,10 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         figures["host_staged"] = staged
     figures["seconds"] = time.perf_counter() - start
     return figures
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def _mem(nbytes: int | None) -> str:
@@ -459,11 +487,15 @@ def summary(f: dict[str, Any]) -> list[str]:
     lines = [f"- {f['transport']}: {f['tensors']} tensors, {f['total_nbytes'] / GB:.3f} GB, buckets 2 x "
              f"{f['bucket_nbytes'] / 2**20:.0f} MiB, {len(f['larger_than_bucket'])} tensors larger than a "
              f"bucket",
-             f"- sync {f['sync_gbps']:.1f} GB/s (median of {len(f['rounds']) - 2} rounds, "
+             f"- sync {f['sync_gbps']:.1f} GB/s (median of {len(f['rounds']) - 3} rounds, "
              f"{f['sync_s'] * 1e3:.1f} ms; first {f['first_sync_s'] * 1e3:.1f} ms; with figures "
-             f"{f['verify_sync_s'] * 1e3:.1f} ms); "
+             f"{f['verify_sync_s'] * 1e3:.1f} ms, the worker's checksums {_ms(f['worker_checksum_s'])} ms of "
+             f"it; the first round with figures {f['first_verify_sync_s'] * 1e3:.1f} ms); "
              f"raw device copy {f['raw_copy_gbps']:.1f} GB/s; ratio {f['ratio_to_raw']:.2f} (target "
              f"{f['target_ratio']}: {'met' if f['ratio_met'] else 'missed'})"]
+    lines.append(f"- checksum of the model where it lies (the trainer's figures, one read): "
+                 f"{min(f['checksum_s']) * 1e3:.1f} ms, {f['total_nbytes'] / min(f['checksum_s']) / GB:.1f} "
+                 f"GB/s (best of 3)")
     for kind, s in f.get("host_staged", {}).items():
         lines.append(f"- host-staged ({kind}): {s['gbps']:.1f} GB/s (device->host "
                      f"{s['d2h_s'] * 1e3:.0f} ms, host->device {s['h2d_s'] * 1e3:.0f} ms); the sync "

@@ -16,7 +16,7 @@ size. ``one pass`` says whether the CPU kernel ([Note: fused figures] in
 :mod:`hybridmem.reshard.fused_checksum`) served the copy with figures.
 
     python benchmarks/checksum.py                       # 10, 100, 400 MB; fp32 and bf16; on CPU
-    python benchmarks/checksum.py --device cuda --mb 100 400
+    python benchmarks/checksum.py --device cuda --mb 100 1000 --reps 5 --json checksum.json
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -79,18 +80,23 @@ def main() -> None:
           "figures on one thread ms | figures' share: (with - copy) / copy | one pass | checksum peak RSS "
           "growth MiB |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    rows = []
     for mb in args.mb:
         for dtype in args.dtypes:
             case = json.dumps([mb * 10**6, dtype, args.device, args.reps])
             out = subprocess.run([sys.executable, "-c", _CHILD, case], env=env, check=True,
                                  capture_output=True, text=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
+            rows.append({"dtype": dtype, **r})
             copy_ms, checksum_ms = r["copy_s"] * 1e3, r["checksum_s"] * 1e3
             copy1_ms, fused1_ms = r["copy1_s"] * 1e3, r["fused1_s"] * 1e3
             print(f"| {r['nbytes'] / 1e6:.0f} | {dtype} | {copy_ms:.2f} | {checksum_ms:.2f} | "
                   f"{checksum_ms / copy_ms:.2f} | {copy1_ms:.2f} | {fused1_ms:.2f} | "
                   f"{(fused1_ms - copy1_ms) / copy1_ms:.2f} | {'yes' if r['one_pass'] else 'no'} | "
                   f"{r['peak_bytes'] / 2**20:.1f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

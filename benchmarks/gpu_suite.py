@@ -28,6 +28,8 @@ into one markdown report (printed, and written to ``OUT/gpu_suite.md``) and one 
   worker process running the worker side's own receive code; GB/s against a raw device copy and against
   host staging, device and host memory of both processes, the worker's tensors checked equal (on CPU: the
   CUDA transfer skipped with the reason, the same path with the ``/dev/shm`` buckets at ~10 MB).
+- ``checksum``: ``checksum.py``: the one checksum of the weights (``tensor_checksum``, and the figures
+  taken while copying) beside a plain copy of the same tensor, 100 MB and 1 GB, fp32 and bf16.
 - ``demo``: the GRPO demo on the device, torch, Megatron and FSDP2 trainers (one process: one GPU), and the
   torch trainer in a Ray worker actor holding the GPU's placement-group bundle (``--launcher ray``; on a GPU
   where Ray is installed).
@@ -59,7 +61,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GB = 1e9
-PARTS = ("tests", "dsa", "lora", "switch", "tms", "kv", "buckets", "demo")
+PARTS = ("tests", "dsa", "lora", "switch", "tms", "kv", "buckets", "checksum", "demo")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -164,6 +166,11 @@ def build_jobs(device: str, quick: bool, out: Path, parts: tuple[str, ...]) -> l
         jobs.append(Job(part="buckets", label="bucket transport", timeout_s=120, result="buckets.json",
                         argv=(py, f"{bench}/bucket_transport.py", "--device", device,
                               *(("--quick",) if quick else ()), "--json", str(out / "buckets.json"))))
+    if "checksum" in parts:
+        jobs.append(Job(part="checksum", label="checksum", timeout_s=90, result="checksum.json",
+                        argv=(py, f"{bench}/checksum.py", "--device", device, "--mb",
+                              *(("10",) if quick else ("100", "1000")), "--reps", "3" if quick else "5",
+                              "--json", str(out / "checksum.json"))))
     if "demo" in parts:
         for trainer in ("torch", "megatron", "fsdp"):
             jobs.append(Job(part="demo", label=f"demo --trainer {trainer}", timeout_s=240,
@@ -401,6 +408,18 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
             lines.append(f"no figures ({r.status})")
         lines.append("")
 
+    for r in by_part.get("checksum", []):
+        lines += ["## The weights' checksum beside a copy (`checksum.py`)", "",
+                  "| MB | dtype | copy ms | checksum ms (a read) | read / copy | copy with figures ms |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        for row in (r.result or {}).get("rows", []):
+            lines.append(f"| {row['nbytes'] / 1e6:.0f} | {row['dtype']} | {_ms(row['copy_s'])} | "
+                         f"{_ms(row['checksum_s'])} | {row['checksum_s'] / row['copy_s']:.2f} | "
+                         f"{_ms(row['fused1_s'])} |")
+        if not r.result:
+            lines.append(f"no figures ({r.status})")
+        lines.append("")
+
     demos = [r for r in by_part.get("demo", []) if r.result]
     if demos:
         lines += ["## GRPO demo (1 process; ray: 1 worker actor)", "",
@@ -501,5 +520,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE))
+    # The report reads sibling scripts and hybridmem's formatting: from the source tree, where hybridmem
+    # is not installed (a bare GPU machine, docs/gpu.md), as the parts read it through PYTHONPATH.
+    sys.path[:0] = [str(HERE), str(ROOT)]
     raise SystemExit(main())

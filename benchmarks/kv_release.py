@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -168,6 +169,22 @@ def import_torch_memory_saver():
     return saver
 
 
+def end_process() -> None:
+    """End this benchmark's process once its figures are written, past torch_memory_saver's teardown where
+    it was loaded.
+
+    On an H200 (torch 2.11, torch_memory_saver 0.0.10) a process that used torch_memory_saver's ``torch``
+    hook mode aborts while the interpreter tears its objects down, after every figure was printed and
+    written ("only support interesting region", from the library's free hook): the exit status then says
+    the run failed when it did not. So such a process flushes its output and leaves with ``os._exit(0)``;
+    any other process exits as usual.
+    """
+    if "torch_memory_saver" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def bench_torch_memory_saver(accel: Accelerator, nbytes: int, cycles: int,
                              graph_check: bool = False) -> Result | None:
     """SGLang's torch_memory_saver pausing one tensor of ``nbytes`` (no CPU backup), if importable."""
@@ -276,3 +293,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()

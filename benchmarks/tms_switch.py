@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from kv_release import import_torch_memory_saver  # a sibling script of benchmarks/
+from kv_release import end_process, import_torch_memory_saver  # a sibling script of benchmarks/
 from switch_latency import DTYPES, build, device_tensors
 
 from hybridmem.accel import get_accelerator
@@ -109,3 +109,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process()

@@ -20,7 +20,8 @@ from tests._full import TESTS_FULL
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 SECTIONS = ("## CUDA tests", "## DeepSeek sparse attention in vLLM", "## LoRA with vLLM", "## Switch latency",
-            "## First three cycles", "## KV cache release / resume", "## Bucket transport", "## GRPO demo",
+            "## First three cycles", "## KV cache release / resume", "## Bucket transport",
+            "## The weights' checksum", "## GRPO demo",
             "## Device in INFER", "## Targets", "## Jobs")
 BUCKET_TENSORS = 17
 """``bucket_transport.py --quick`` on CPU: the embedding, two layers of seven tensors, the final norm, the
@@ -39,7 +40,8 @@ def _suite(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_cpu_quick_dry_run_runs_every_part(tmp_path):
-    parts = ["tests", "dsa", "lora", "switch", "tms", "kv", "buckets"] + (["demo"] if TESTS_FULL else [])
+    parts = ["tests", "dsa", "lora", "switch", "tms", "kv", "buckets", "checksum"] + (
+        ["demo"] if TESTS_FULL else [])
     proc = _suite(tmp_path, "--quick", "--parts", ",".join(parts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_suite.json").read_text())
@@ -78,8 +80,14 @@ def test_cpu_quick_dry_run_runs_every_part(tmp_path):
     # the stand-in ran the worker side's receive code without vLLM ([Note: vllm receive] in
     # :mod:`hybridmem.adapters.vllm.server.receive`)
     assert buckets["vllm_imported"] is False
-    assert [r["verify"] for r in buckets["rounds"]] == [False] * 4 + [True]
+    assert [r["verify"] for r in buckets["rounds"]] == [False] * 4 + [True] * 2  # cold and warm figures
+    assert len(buckets["checksum_s"]) == 3 and all(s > 0 for s in buckets["checksum_s"])
     assert all(r["buckets_handed"] >= 10 for r in buckets["rounds"])  # ~9.9 MB through 1 MiB buckets
+    checksum = runs["checksum"]["result"]
+    # 10 MB as (rows, 4096): 610 rows of fp32 or 1220 of bf16, 9,994,240 bytes either way
+    assert [(r["dtype"], r["nbytes"]) for r in checksum["rows"]] == [("float32", 9_994_240),
+                                                                      ("bfloat16", 9_994_240)]
+    assert all(r["checksum_s"] > 0 and r["copy_s"] > 0 for r in checksum["rows"])
 
     text = (tmp_path / "gpu_suite.md").read_text()
     assert "skipped: needs --device cuda" in text
