@@ -146,12 +146,20 @@ class Fp8Target:
         tensors = self.tensors()
         return name.endswith(SCALE_SUFFIX) or scale_name(name) in tensors
 
-    def sync_temp_nbytes(self, plan: ReshardPlan, wire: torch.dtype) -> int:
+    def sync_temp_nbytes(self, plan: ReshardPlan, wire: torch.dtype, *, verify: bool = False) -> int:
         """The rank's peak transient bytes of an FP8 sync over ``plan`` (into :meth:`plan_layout`): the plan's
         staging, its tensors in flight in the ``wire`` dtype, and what quantizing holds
-        (:meth:`hold_nbytes`)."""
+        (:meth:`hold_nbytes`); with ``verify`` (``verify_weight_sync``), also what the checks of the
+        largest quantized weight hold: the float32 image of its cells the receiver reads its figures
+        from, and a float32 cell dequantized into it (8 bytes an element; [Note: fp8 assembly] in
+        :mod:`hybridmem.reshard.fp8_stream`)."""
+        check = 0
+        if verify:
+            tensors = self.tensors()
+            check = max((8 * local.numel for name, local in tensors.items()
+                         if not name.endswith(SCALE_SUFFIX) and scale_name(name) in tensors), default=0)
         return (plan.peak_temp_nbytes(self.rank) + stream_peak_nbytes(plan, self.rank, wire)
-                + self.hold_nbytes(wire))
+                + self.hold_nbytes(wire) + check)
 
     def hold_nbytes(self, wire: torch.dtype) -> int:
         """The most bytes :meth:`stream` holds beyond the tensor it is handed: for a quantized weight, its

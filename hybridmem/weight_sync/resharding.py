@@ -226,7 +226,7 @@ class ReshardSync(WeightSync):
         if self.route is ReshardRoute.IN_PLACE:
             return staging
         if self.fp8 is not None:
-            return self.fp8.sync_temp_nbytes(self.plan, self.dtype)
+            return self.fp8.sync_temp_nbytes(self.plan, self.dtype, verify=self.verify)
         return staging + stream_peak_nbytes(self.plan, self.rank, self.out_dtype or self.dtype)
 
     def collective(self) -> tuple[Any, float] | None:

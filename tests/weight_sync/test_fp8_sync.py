@@ -153,18 +153,22 @@ def test_what_cannot_be_synced_into_fp8_is_refused_when_the_manager_is_built():
         build(qwen2, Fp8Engine(like))
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_a_syncs_transient_memory_stays_within_its_estimate(dtype):
+def test_a_syncs_transient_memory_stays_within_its_estimate(dtype, verify):
     """What one sync allocates and has not yet freed, measured by torch's profiler (each op's own
-    allocations, then the frees), never exceeds ``temp_nbytes()``, the figure the memory plan reserves; and
-    it holds at least the largest tensor handed (qkv: 1024 x 256 e4m3 bytes)."""
+    allocations, then the frees), never exceeds ``temp_nbytes()``, the figure the memory plan reserves, with
+    the checks (``verify``) and without; and it holds at least the largest tensor handed (qkv: 1024 x 256
+    e4m3 bytes)."""
     from torch.profiler import ProfilerActivity, profile
 
     spec = ModelSpec.from_hf_config(dict(CONFIG, model_type="qwen3"))
     torch.manual_seed(0)
     full = {n: torch.randn(shape, dtype=dtype) for n, shape in spec.full_shapes().items()}
     engine = Fp8Engine(reference(full))
-    sync = ReshardSync(spec, ParallelLayout(), ParallelLayout(), None, lambda: full, engine)
+    sync = ReshardSync(spec, ParallelLayout(), ParallelLayout(), None, lambda: full, engine, verify=verify)
+    engine.resume(["weights"])
+    sync.sync()  # the checksum's cached weight vectors and the plan's caches outlive a sync: fill them first
     engine.resume(["weights"])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         sync.sync()
@@ -176,7 +180,8 @@ def test_a_syncs_transient_memory_stays_within_its_estimate(dtype):
     for _, change in changes:
         alive += change
         peak = max(peak, alive)
-    assert not engine.unwritten_weights() and alive == 0
+    # with the checks, the sync keeps a few bytes of its last comparison (a flag per rank)
+    assert not engine.unwritten_weights() and alive <= (64 if verify else 0)
     assert 1024 * 256 <= peak <= sync.temp_nbytes(), (peak, sync.temp_nbytes())
 
 
