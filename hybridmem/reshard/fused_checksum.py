@@ -94,9 +94,11 @@ def fused_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: in
         rp: The row weights' period (1: every row weighs 1).
         cp: The column weights' period.
     """
+    if (src.device.type != "cpu" or src.dtype not in _BITS or src.dtype in _REFUSED or src.dim() != 1
+            or not src.is_contiguous()):
+        return None  # before the kernel: a GPU process never imports numba (about a second on first use)
     kernel = _kernel()
-    if (kernel is None or src.dtype not in _BITS or src.dtype in _REFUSED or src.device.type != "cpu"
-            or src.dim() != 1 or not src.is_contiguous()):
+    if kernel is None:
         return None
     if dst is not None and (dst.dtype != src.dtype or dst.device.type != "cpu" or dst.dim() != 1
                             or dst.numel() != src.numel() or not dst.is_contiguous()

@@ -11,6 +11,8 @@ slice is unchanged; only the position-weighted sum (row weights ``u(row)`` in ``
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -143,6 +145,21 @@ def test_a_kernel_that_cannot_take_a_dtype_leaves_it_to_torch(monkeypatch, caplo
         assert torch.equal(dst, t.reshape(-1)) and _agree(got, _reference(t, ((0, 30), (0, 40))))
     assert len(calls) == 1 and fused_checksum._REFUSED == {torch.bfloat16}
     assert [r.getMessage() for r in caplog.records if "cannot take torch.bfloat16" in r.getMessage()]
+
+
+def test_figures_of_a_tensor_off_the_cpu_never_load_the_cpu_kernel():
+    """The one-pass kernel is numba's, for CPU tensors: a process whose tensors lie elsewhere (a GPU worker;
+    here torch's ``meta`` device) must not import numba to learn that (about a second on first use, paid by
+    each side of an engine-process sync). Run in a fresh interpreter, where nothing imported numba yet."""
+    probe = ("import sys, torch\n"
+             "from hybridmem.reshard.fused_checksum import fused_figures\n"
+             "x = torch.empty(64, device='meta')\n"
+             "assert fused_figures(x, None, 0, 8, 61, 53) is None\n"
+             "assert fused_figures(x, torch.empty(64, device='meta'), 0, 8, 61, 53) is None\n"
+             "print('numba' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]
 
 
 def test_copy_checksum_sees_a_range_written_at_another_place():
