@@ -349,6 +349,12 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
                 f"| {f['to_infer_speedup_vs_naive']:.1f}x / {f['to_train_speedup_vs_naive']:.1f}x "
                 f"| {f['freed_share']:.4f} ({f['freed_source']}) |")
         lines.append("")
+        for f in switch:  # where a steady switch's time goes (older JSON has no steps)
+            for key, label in (("to_infer_steps", "TRAIN->INFER"), ("to_train_steps", "INFER->TRAIN")):
+                if key in f["steady"]:
+                    lines.append(f"- {_gib(f['total_nbytes'])}, steady {label} by step (ms): " + ", ".join(
+                        f"{name} {sec * 1e3:.1f}" for name, sec in f["steady"][key].items()))
+        lines.append("")
 
     tms_runs = by_part.get("tms", [])
     tms = {r.result["total_nbytes"]: r.result for r in tms_runs if r.result and "total_nbytes" in r.result}

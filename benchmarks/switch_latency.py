@@ -158,9 +158,13 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
             raise RuntimeError(f"hybridmem moved {off.copied_nbytes} bytes, expected {total}")
         on = manager.to_train()
         cycles.append({"to_infer_s": off.seconds, "to_train_s": on.seconds, "freed_nbytes": off.freed_nbytes,
-                       "train_step_s": step_s})
+                       "train_step_s": step_s, "to_infer_steps": {st.name: st.seconds for st in off.steps},
+                       "to_train_steps": {st.name: st.seconds for st in on.steps}})
     steady_off = statistics.median(c["to_infer_s"] for c in cycles[1:])
     steady_on = statistics.median(c["to_train_s"] for c in cycles[1:])
+    # where a steady switch's time goes: each step's median (the copies, the frees, empty_cache, ...)
+    steady_steps = {key: {name: statistics.median(c[key][name] for c in cycles[1:])
+                          for name in cycles[1][key]} for key in ("to_infer_steps", "to_train_steps")}
     freed_share = (statistics.median(freed) if freed else cycles[-1]["freed_nbytes"]) / total
     manager.close()
     return {
@@ -171,7 +175,7 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
                 "h2d_gbps": total / raw_h2d / 1e9},
         "naive": {"offload_s": naive_off, "onload_s": naive_on},
         "cycles": cycles,
-        "steady": {"to_infer_s": steady_off, "to_train_s": steady_on},
+        "steady": {"to_infer_s": steady_off, "to_train_s": steady_on, **steady_steps},
         "to_infer_ratio_to_raw": raw_d2h / steady_off,
         "to_train_ratio_to_raw": raw_h2d / steady_on,
         "to_infer_speedup_vs_naive": naive_off / steady_off,
@@ -264,6 +268,9 @@ def main() -> None:
                   "right after construction "
                   f"{fig['first_right_after_construction']['to_infer_s'] / steady['to_infer_s']:.2f}x; "
                   f"prewarming off {fig['first_without_prewarm']['to_infer_s'] / steady['to_infer_s']:.2f}x")
+    for key, label in (("to_infer_steps", "TRAIN->INFER"), ("to_train_steps", "INFER->TRAIN")):
+        console.print(f"steady {label} by step (ms): " + ", ".join(
+            f"{name} {seconds * 1e3:.1f}" for name, seconds in steady[key].items()))
     console.print(f"device memory freed by TRAIN->INFER ({fig['freed_source']}): "
                   f"{fig['freed_share'] * 100:.2f}% of the {format_nbytes(fig['total_nbytes'])} offloaded")
     res = fig["residency_in_infer"]
