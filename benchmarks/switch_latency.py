@@ -158,8 +158,7 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
             raise RuntimeError(f"hybridmem moved {off.copied_nbytes} bytes, expected {total}")
         on = manager.to_train()
         cycles.append({"to_infer_s": off.seconds, "to_train_s": on.seconds, "freed_nbytes": off.freed_nbytes,
-                       "train_step_s": step_s, "to_infer_steps": {st.name: st.seconds for st in off.steps},
-                       "to_train_steps": {st.name: st.seconds for st in on.steps}})
+                       "train_step_s": step_s, "to_infer_steps": _steps(off), "to_train_steps": _steps(on)})
     steady_off = statistics.median(c["to_infer_s"] for c in cycles[1:])
     steady_on = statistics.median(c["to_train_s"] for c in cycles[1:])
     # where a steady switch's time goes: each step's median (the copies, the frees, empty_cache, ...)
@@ -187,6 +186,18 @@ def measure(accel: Accelerator, *, num_params: float, dtype: torch.dtype, hidden
         "freed_source": "mem_get_info" if freed else "tracked",
         "residency_in_infer": None if residency is None else residency.to_dict(),
     }
+
+
+def _steps(report) -> dict[str, float]:
+    """Seconds of each step of a switch, and of an offload or onload step its copies' and its frees' or
+    allocations' share (``offload param: copy``, ``onload param: allocate``, ...)."""
+    out = {}
+    for st in report.steps:
+        out[st.name] = st.seconds
+        for key in ("copy_s", "free_s", "allocate_s"):
+            if key in st.extra:
+                out[f"{st.name}: {key.removesuffix('_s')}"] = st.extra[key]
+    return out
 
 
 def targets_met(fig: dict) -> dict[str, bool]:

@@ -105,6 +105,11 @@ class TransferStats:
     """Bytes of all-zero storages released (or re-zeroed) without a copy."""
     seconds: float = 0.0
     """Wall time, including waiting for the copies to finish."""
+    copy_s: float = 0.0
+    """Of :attr:`seconds`, from issuing the first copy to the host's wait for the last one."""
+    device_memory_s: float = 0.0
+    """Of :attr:`seconds`, freeing the device storages (offload; the device gets them back at the
+    manager's ``empty_cache`` step) or allocating them (onload)."""
 
     @property
     def device_nbytes(self) -> int:
@@ -324,6 +329,7 @@ class Offloader(ABC):
             arenas = self._reserve_arenas(slots)
             stream = self._stream()
             event = self.accel.new_event()
+            copy_start = time.perf_counter()
             with self.accel.on_side_stream(stream):
                 for slot in slots:
                     if not slot.zero:
@@ -331,6 +337,7 @@ class Offloader(ABC):
                         host.copy_(storage_view(slot.storage, slot.dtype, slot.numel), non_blocking=True)
                 event.record(stream)
             event.synchronize()  # [Note: copy ordering]: no storage is freed before its copy is done
+            free_start = time.perf_counter()
             # [Note: offload journal]: record, then free.
             self._slots = slots
             self.pool.hold(self.owner)
@@ -340,8 +347,10 @@ class Offloader(ABC):
                     slot.storage.resize_(0)
                 else:
                     _rehome(slot)
+            free_s = time.perf_counter() - free_start
             self._guarded = guard(self.held_by_user(freed), self.kind.value)
-        return self._stats("offload", slots, time.perf_counter() - start)
+        return self._stats("offload", slots, time.perf_counter() - start, copy_s=free_start - copy_start,
+                           device_memory_s=free_s)
 
     def _mark_zero(self, slots: list[_Slot]) -> None:
         # One reduction per storage on the device and a single sync: far cheaper than copying.
@@ -378,6 +387,7 @@ class Offloader(ABC):
         self._guarded = []
         with record_function(f"hybridmem.onload.{self.owner}"):
             self._allocate(slots)
+            allocate_s = time.perf_counter() - start
             for slot in slots:  # [Note: foreign storages]: finish a re-homing that was interrupted
                 for view in slot.views or ():
                     view.point_at(slot.storage)
@@ -385,6 +395,7 @@ class Offloader(ABC):
                       for dtype in {s.dtype for s in slots if not s.zero}}
             stream = self._stream()
             event = self.accel.new_event()
+            copy_start = time.perf_counter()
             with self.accel.on_side_stream(stream):
                 for slot in slots:
                     dev = storage_view(slot.storage, slot.dtype, slot.numel)
@@ -396,10 +407,12 @@ class Offloader(ABC):
                 event.record(stream)
             self.accel.current_stream().wait_event(event)
             event.synchronize()  # the report's time is the real copy time; arenas may be reused next
+            copy_s = time.perf_counter() - copy_start
         self._state = OffloadState.ON_DEVICE
         self._slots = []
         self.pool.unhold(self.owner)
-        return self._stats("onload", slots, time.perf_counter() - start)
+        return self._stats("onload", slots, time.perf_counter() - start, copy_s=copy_s,
+                           device_memory_s=allocate_s)
 
     def _allocate(self, slots: list[_Slot]) -> None:
         done: list[_Slot] = []
@@ -413,8 +426,11 @@ class Offloader(ABC):
                 slot.storage.resize_(0)
             raise
 
-    def _stats(self, direction: str, slots: list[_Slot], seconds: float) -> TransferStats:
+    def _stats(self, direction: str, slots: list[_Slot], seconds: float, *, copy_s: float = 0.0,
+               device_memory_s: float = 0.0) -> TransferStats:
         return TransferStats(
+            copy_s=copy_s,
+            device_memory_s=device_memory_s,
             kind=self.kind,
             owner=self.owner,
             direction=direction,

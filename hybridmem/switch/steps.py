@@ -183,7 +183,8 @@ class OffloadStep(SwitchStep):
     def run(self) -> StepResult:
         s = self.offloader.offload()
         return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes,
-                          zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+                          zero_nbytes=s.zero_nbytes, seconds=s.seconds,
+                          extra={"copy_s": s.copy_s, "free_s": s.device_memory_s})
 
     def undo(self) -> None:
         self.offloader.onload()
@@ -204,7 +205,8 @@ class OnloadStep(SwitchStep):
     def run(self) -> StepResult:
         s = self.offloader.onload()
         return StepResult(kind=self.kind, copied_nbytes=s.copied_nbytes,
-                          zero_nbytes=s.zero_nbytes, seconds=s.seconds)
+                          zero_nbytes=s.zero_nbytes, seconds=s.seconds,
+                          extra={"copy_s": s.copy_s, "allocate_s": s.device_memory_s})
 
     def undo(self) -> None:
         self.offloader.offload()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -150,6 +152,26 @@ def test_onload_oom_halfway_frees_what_it_took_and_keeps_host_copy(tiny_setup, m
     monkeypatch.setattr(torch.UntypedStorage, "resize_", real_resize)
     param_off.onload()
     assert_bitwise_equal(before, snapshot(model, opt))
+
+
+def test_stats_split_the_time_between_copies_and_device_memory(tiny_setup, monkeypatch):
+    """An offload's ``device_memory_s`` is its frees and an onload's its allocations, ``copy_s`` its copies:
+    with each ``resize_`` made 20 ms slower on purpose, the slowdown lands in ``device_memory_s`` alone."""
+    model, opt = tiny_setup()
+    train_step(model, opt, 0)
+    _, (_, _, param_off) = _offloaders(model, opt, "cpu")
+    real_resize = torch.UntypedStorage.resize_
+    delay = 0.02
+
+    def slow_resize(self, nbytes):
+        time.sleep(delay)
+        return real_resize(self, nbytes)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", slow_resize)
+    for stats in (param_off.offload(), param_off.onload()):
+        floor = delay * stats.num_storages
+        assert stats.num_storages > 1 and stats.device_memory_s >= floor, stats
+        assert stats.copy_s < floor / 2 and stats.copy_s + stats.device_memory_s <= stats.seconds, stats
 
 
 def test_optimizer_state_created_after_first_offload_grows_arena(tiny_setup):
