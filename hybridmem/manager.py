@@ -387,13 +387,27 @@ class ShardingManager:
         self._check_coresidents_offloaded("switch to INFER")
         with HeldSignals() as held:
             held.on_signal = lambda: self._signal_outcome(Direction.TO_INFER)
-            report = self._to_infer(held)
+            with self._discovery_held():
+                report = self._to_infer(held)
         if report is None:  # a held signal stopped the switch and its handler did not raise
             raise SwitchError(
                 "TRAIN->INFER interrupted by a signal; rolled back, phase is TRAIN with all training state "
                 "on the device", direction="to_infer", step="(between steps)", phase_after=self.phase,
             )
         return report
+
+    @contextlib.contextmanager
+    def _discovery_held(self) -> Iterator[None]:
+        """Within one switch, each offloader finds its storages once per state ([Note: discovery within a
+        switch] in :mod:`hybridmem.offload.base`)."""
+        with contextlib.ExitStack() as stack:
+            for offloader in self.offloaders.values():
+                stack.enter_context(offloader.discovery_held())
+            yield
+
+    def _forget_discovery(self) -> None:
+        for offloader in self.offloaders.values():
+            offloader.forget_discovery()
 
     def _to_infer(self, held: HeldSignals) -> SwitchReport | None:
         self._machine.fire(Trigger.BEGIN_INFER, operation="switch to INFER")
@@ -409,7 +423,8 @@ class ShardingManager:
         start = time.perf_counter()
         before = self.memory()
         run = run_steps(Direction.TO_INFER, steps, before=before, held=held,
-                        accel=self.accel, memory=self.memory)
+                        accel=self.accel, memory=self.memory,
+                        touched=self._forget_discovery)
         if run.error is not None or run.interrupted:
             self._vote_no(run)
             _release_frames(run.error)
@@ -436,14 +451,16 @@ class ShardingManager:
         with HeldSignals() as held:
             held.on_signal = lambda: self._signal_outcome(Direction.TO_TRAIN)
             self._machine.fire(Trigger.BEGIN_TRAIN, operation="switch to TRAIN")
-            return self._finish_to_train(held, abort_trigger=Trigger.ABORT_TRAIN)
+            with self._discovery_held():
+                return self._finish_to_train(held, abort_trigger=Trigger.ABORT_TRAIN)
 
     def recover(self) -> SwitchReport:
         """From FAILED, bring every part back to TRAIN (each step is a no-op where already done)."""
         with HeldSignals() as held:
             held.on_signal = lambda: self._signal_outcome(Direction.TO_TRAIN)
             self._machine.fire(Trigger.RECOVER, operation="recover")
-            return self._finish_to_train(held, abort_trigger=Trigger.FAIL)
+            with self._discovery_held():
+                return self._finish_to_train(held, abort_trigger=Trigger.FAIL)
 
     def _finish_to_train(self, held: HeldSignals, *, abort_trigger: Trigger) -> SwitchReport:
         steps = self.steps(Direction.TO_TRAIN)
@@ -457,7 +474,8 @@ class ShardingManager:
         start = time.perf_counter()
         before = self.memory()
         run = run_steps(Direction.TO_TRAIN, steps, before=before, held=held,
-                        accel=self.accel, memory=self.memory)
+                        accel=self.accel, memory=self.memory,
+                        touched=self._forget_discovery)
         if run.error is not None:
             self._machine.fire(Trigger.FAIL, operation="record a failed switch")
             self._guard.arm()

@@ -54,13 +54,29 @@ bytes. A tensor the offloader was not given (a user's own view of a parameter) k
 and its old bytes: it no longer aliases the parameter after the first switch. Re-homing needs the
 storage's size on the device for a moment (the new storage exists before it is freed), one storage at
 a time; :meth:`Offloader.rehome_nbytes` tells the memory plan.
+
+[Note: discovery within a switch]
+Finding an offloader's storages walks every tensor it is given (the modules' parameters, their grads,
+every optimizer state): for a model of 600 parameters about 2.5 ms a walk on cpu-2c, and one switch asks
+for them many times (each step's estimate three times for the memory plan, then every owner's bytes
+before and after each step and in the residency report): 21 walks, about half of a 100 ms TRAIN->INFER
+whose copies took 43. Between switches the training loop may change them (grads appear or become
+``None``, the optimizer creates its state), so nothing is kept across switches. Within one, the manager
+holds each offloader's discovery (:meth:`Offloader.discovery_held`): the first walk's result is kept
+until the offloader's own offload or onload changes its state (both forget it on entry, and the offload
+itself always walks its tensors again: what is copied and freed never comes from a kept result), or a
+step that may touch the training tensors ran (``SwitchStep.touches_training_tensors``, true unless the
+step says otherwise, so a step registered from outside makes every offloader look again; see
+:func:`hybridmem.switch.transaction.run_steps`). The kept result only feeds figures: the memory plan's
+estimates, the memory after each step and the residency report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
@@ -212,6 +228,9 @@ class Offloader(ABC):
         # [Note: offloaded tensors refuse reads] in :mod:`hybridmem.offload.guard`
         self._guarded: list[torch.Tensor] = []
         self._copy_stream = None  # created lazily: no device work at construction
+        # see [Note: discovery within a switch]
+        self._memo_depth = 0
+        self._memo: list[tuple[torch.UntypedStorage, torch.dtype, tuple[_View, ...] | None]] | None = None
 
     @abstractmethod
     def tensors(self) -> Iterable[torch.Tensor]:
@@ -231,6 +250,23 @@ class Offloader(ABC):
         return self._state
 
     # Discovery ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def discovery_held(self) -> Iterator[None]:
+        """Within the block, this offloader's storages are found once per state ([Note: discovery within a
+        switch]); nestable."""
+        self._memo_depth += 1
+        try:
+            yield
+        finally:
+            self._memo_depth -= 1
+            if self._memo_depth == 0:
+                self._memo = None
+
+    def forget_discovery(self) -> None:
+        """Find the storages anew at the next look (a step may have changed them; [Note: discovery within a
+        switch])."""
+        self._memo = None
+
     def _device_tensors(self) -> list[torch.Tensor]:
         """:meth:`tensors` on this offloader's device."""
         return [t for t in self.tensors() if t is not None and t.device.type == self.accel.device.type]
@@ -239,7 +275,9 @@ class Offloader(ABC):
                   ) -> list[tuple[torch.UntypedStorage, torch.dtype, tuple[_View, ...] | None]]:
         """Unique storages of ``tensors`` (default: :meth:`_device_tensors`) that hold memory, in first-seen
         order, each with its dtype and, for a foreign storage, every tensor on it (see [Note: foreign
-        storages])."""
+        storages]). Inside :meth:`discovery_held`, the default's result is kept until the state changes."""
+        if tensors is None and self._memo is not None:
+            return self._memo
         found: dict[int, tuple[torch.UntypedStorage, torch.dtype, list[_View] | None]] = {}
         for t in self._device_tensors() if tensors is None else tensors:
             storage = t.untyped_storage()
@@ -251,7 +289,10 @@ class Offloader(ABC):
             views = found[key][2]
             if views is not None:
                 views.append(_View.of(t))
-        return [(s, d, None if v is None else tuple(v)) for s, d, v in found.values()]
+        out = [(s, d, None if v is None else tuple(v)) for s, d, v in found.values()]
+        if tensors is None and self._memo_depth > 0:
+            self._memo = out
+        return out
 
     def live_nbytes(self) -> int:
         """Device bytes an offload would free now (or an onload would allocate, when on host)."""
@@ -312,6 +353,7 @@ class Offloader(ABC):
         """
         if self._state is OffloadState.ON_HOST:
             return TransferStats(kind=self.kind, owner=self.owner, direction="offload")
+        self.forget_discovery()  # what it frees, and re-homes, is found anew (and found anew after it)
         start = time.perf_counter()
         with record_function(f"hybridmem.offload.{self.owner}"):
             if self.pool.is_held(self.owner):
@@ -381,6 +423,7 @@ class Offloader(ABC):
         """
         if self._state is OffloadState.ON_DEVICE:
             return TransferStats(kind=self.kind, owner=self.owner, direction="onload")
+        self.forget_discovery()
         start = time.perf_counter()
         slots = self._slots
         unguard(self._guarded)  # before any tensor is touched: every way back to the device lifts the guard

@@ -100,6 +100,7 @@ class AgreeStep(SwitchStep):
     name = "agree on the outcome"
     kind = None
     commits = True
+    touches_training_tensors = False
 
     def __init__(self, agreement: SwitchAgreement):
         self.agreement = agreement

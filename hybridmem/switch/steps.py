@@ -149,6 +149,11 @@ class SwitchStep(ABC):
     commits: bool = False
     """Once this step ran, the switch is decided: a held signal no longer rolls it back (the ranks' vote,
     [Note: switch agreement] in :mod:`hybridmem.switch.agreement`)."""
+    touches_training_tensors: bool = True
+    """Whether the step may change which storages the training state's tensors hold (other than by an
+    offloader's own offload or onload): after it, the offloaders find their storages anew ([Note:
+    discovery within a switch] in :mod:`hybridmem.offload.base`). ``True`` unless a step says otherwise,
+    so a step registered from outside is never trusted to leave them alone."""
 
     @abstractmethod
     def estimate(self) -> StepEstimate:
@@ -169,6 +174,8 @@ class SwitchStep(ABC):
 
 class OffloadStep(SwitchStep):
     """Offload an :class:`~hybridmem.offload.Offloader`; undo onloads."""
+
+    touches_training_tensors = False
 
     def __init__(self, offloader: Offloader):
         self.offloader = offloader
@@ -192,6 +199,8 @@ class OffloadStep(SwitchStep):
 
 class OnloadStep(SwitchStep):
     """Onload an :class:`~hybridmem.offload.Offloader`; undo offloads."""
+
+    touches_training_tensors = False
 
     def __init__(self, offloader: Offloader):
         self.offloader = offloader
@@ -231,6 +240,8 @@ _TAG_KIND = {WEIGHTS: StateKind.ENGINE_WEIGHTS, KV_CACHE: StateKind.KV_CACHE}
 class EngineResumeStep(SwitchStep):
     """``engine.resume([tag])``; undo releases."""
 
+    touches_training_tensors = False
+
     def __init__(self, engine: InferenceEngine, tag: str):
         self.engine = engine
         self.tag = tag
@@ -253,6 +264,8 @@ class EngineResumeStep(SwitchStep):
 class EngineReleaseStep(SwitchStep):
     """``engine.release([tag])``: the memory is discarded, not copied (see [Note: engine memory tags] in
     :mod:`hybridmem.contract.engine`)."""
+
+    touches_training_tensors = False
 
     def __init__(self, engine: InferenceEngine, tag: str):
         self.engine = engine
@@ -278,6 +291,8 @@ class WeightSyncStep(SwitchStep):
     """Run a :class:`~hybridmem.weight_sync.WeightSync` and fail with ``WeightCoverageError`` when it left
     engine tensors unwritten ([Note: weight coverage] in :mod:`hybridmem.weight_sync`); nothing to undo (the
     engine weights are released by the undo of the engine-weights resume)."""
+
+    touches_training_tensors = False
 
     name = "weight sync"
     kind = StateKind.ENGINE_WEIGHTS
@@ -324,6 +339,8 @@ class WeightSyncStep(SwitchStep):
 
 class EmptyCacheStep(SwitchStep):
     """Return the caching allocator's free blocks to the device; nothing to undo."""
+
+    touches_training_tensors = False
 
     name = "empty cache"
     kind = None

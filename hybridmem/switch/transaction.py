@@ -146,11 +146,14 @@ class SwitchRun:
 
 
 def run_steps(direction: Direction, steps: list[SwitchStep], *, before: MemoryFigures, held: HeldSignals,
-              accel: Accelerator, memory: Callable[[], MemoryFigures]) -> SwitchRun:
+              accel: Accelerator, memory: Callable[[], MemoryFigures],
+              touched: Callable[[], None] | None = None) -> SwitchRun:
     """Run ``steps`` in order, journaling each before it starts (see [Note: switch transactions]).
 
     Stops at the first step that raises (``failed_step``, ``error``), or, for TRAIN->INFER, where a held
-    signal is pending between steps (``interrupted``). ``memory()`` gives the figures after each step.
+    signal is pending between steps (``interrupted``). ``memory()`` gives the figures after each step;
+    ``touched()`` runs before it after a step that may change the training tensors' storages
+    (:attr:`~hybridmem.switch.steps.SwitchStep.touches_training_tensors`).
     """
     accel.reset_peak()
     run = SwitchRun(entered=[], reports=[], tracked_peak_nbytes=before.allocated_nbytes)
@@ -171,6 +174,8 @@ def run_steps(direction: Direction, steps: list[SwitchStep], *, before: MemoryFi
             return run
         seconds = time.perf_counter() - start
         committed = committed or step.commits
+        if touched is not None and step.touches_training_tensors:
+            touched()
         after = memory()
         run.tracked_peak_nbytes = max(run.tracked_peak_nbytes, after.allocated_nbytes)
         run.reports.append(
