@@ -308,7 +308,7 @@ class Offloader(ABC):
             return {}
         totals: dict[torch.dtype, int] = {}
         for storage, dtype, _ in self._storages():
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             totals[dtype] = totals.get(dtype, 0) + storage.nbytes() // itemsize
         return totals
 
@@ -318,7 +318,7 @@ class Offloader(ABC):
         host already (see [Note: host memory plan] in :mod:`hybridmem.switch.memplan`)."""
         total = 0
         for dtype, numel in self.arena_needs().items():
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            nbytes = numel * dtype.itemsize
             total += max(0, nbytes - self.pool.arena_nbytes(self.owner, dtype))
         return total
 

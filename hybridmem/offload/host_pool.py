@@ -144,7 +144,7 @@ class HostBufferPool:
                 f"host arena {owner}/{dtype} holds the only copy of offloaded bytes; growing it to {numel} "
                 f"elements would drop them (internal error: onload {owner!r} first)"
             )
-        need = numel * torch.empty((), dtype=dtype).element_size()
+        need = numel * dtype.itemsize
         held_elsewhere = (self.held_nbytes() + sum(self._pending.values())
                           - (0 if current is None else current.untyped_storage().nbytes()))
         if self.budget_nbytes is not None and held_elsewhere + need > self.budget_nbytes:
@@ -173,7 +173,7 @@ class HostBufferPool:
                 if numel <= 0 or key in self._pending or owner in self._held or (
                         current is not None and current.numel() >= numel):
                     continue
-                nbytes = numel * torch.empty((), dtype=dtype).element_size()
+                nbytes = numel * dtype.itemsize
                 others = (self.held_nbytes() + sum(self._pending.values())
                           - (0 if current is None else current.untyped_storage().nbytes()))
                 if self.budget_nbytes is not None and others + nbytes > self.budget_nbytes:
