@@ -154,7 +154,7 @@ class _Slot:
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.numel = self.nbytes // torch.empty((), dtype=self.dtype).element_size()
+        self.numel = self.nbytes // self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -429,8 +429,9 @@ class Offloader(ABC):
         unguard(self._guarded)  # before any tensor is touched: every way back to the device lifts the guard
         self._guarded = []
         with record_function(f"hybridmem.onload.{self.owner}"):
+            allocate_start = time.perf_counter()
             self._allocate(slots)
-            allocate_s = time.perf_counter() - start
+            allocate_s = time.perf_counter() - allocate_start
             for slot in slots:  # [Note: foreign storages]: finish a re-homing that was interrupted
                 for view in slot.views or ():
                     view.point_at(slot.storage)
