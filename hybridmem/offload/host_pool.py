@@ -188,7 +188,7 @@ class HostBufferPool:
                                       name="hybridmem-prewarm", daemon=False)
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
-        return sum(n * torch.empty((), dtype=k[1]).element_size() for k, n in todo)
+        return sum(n * k[1].itemsize for k, n in todo)
 
     def _prewarm(self, todo: list[tuple[tuple[str, torch.dtype], int]]) -> None:
         for key, numel in todo:

@@ -125,7 +125,7 @@ def _check_sources(plan: ReshardPlan, rank: int, src: Mapping[str, torch.Tensor]
             )
     first = next(iter(src.values()))
     dtype = first.dtype if dtype is None else dtype
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if itemsize != plan.itemsize:
         raise ValueError(f"rank {rank}: wire dtype {dtype} has {itemsize} bytes per element, plan has "
                          f"{plan.itemsize}")

@@ -173,7 +173,7 @@ def compare_refits(ctx: Any, spec: ModelSpec, src: ParallelLayout, dst: Parallel
                 dst_params[op.param_name].data[op.my_slice].numel() * dst_params[op.param_name].element_size()
                 for op in megatron_plan.recv_ops if op.peer_rank != ctx.rank)
 
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             t0 = time.perf_counter()
             plan = build_plan(src_layout, dst_layout, itemsize=itemsize, rank=ctx.rank)
             plan_s = time.perf_counter() - t0

@@ -194,7 +194,7 @@ class ReshardSync(WeightSync):
         else:
             dst_layout = (hf_layout(spec, dst, world, vllm_version=vllm.version if vllm is not None else None)
                           if streams_hf else own)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         self.plan: ReshardPlan = build_plan(src_layout, dst_layout, itemsize=itemsize,
                                             bucket_nbytes=bucket_nbytes,
                                             # this rank's share only ([Note: plan schedule] in
