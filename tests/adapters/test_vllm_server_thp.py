@@ -23,9 +23,8 @@ import json, torch
 t = torch.empty(64 << 20, dtype=torch.uint8)
 t.fill_(1)
 ptr = t.data_ptr()
-huge = None
-lines = open("/proc/self/smaps").read().splitlines()
-for i, line in enumerate(lines):
+huge, inside = None, False
+for line in open("/proc/self/smaps").read().splitlines():
     head = line.split()[0]
     if "-" in head and all(c in "0123456789abcdef-" for c in head):
         lo, hi = (int(x, 16) for x in head.split("-"))
