@@ -23,8 +23,10 @@ rank 0 of the engine's trainer ranks (:func:`launch_server`):
   CPU allocator then asks for transparent huge pages for its large blocks: the tensors vLLM's reload
   allocates every update fault in 2 MiB pages instead of 4 KiB ones; on cpu-2c a 604 MiB update's
   copies out of the buckets fell from 248-258 ms to 159-185 ms and the sync from 655-665 ms to 557-615
-  ms. Only the server's processes: the trainer's own process keeps its environment)
-  (:func:`server_env`);
+  ms. Only the server's processes: the trainer's own process keeps its environment; the worker also asks
+  for huge pages for each tensor it copies into, which is what covers an AsyncLLM's engine core, forked
+  after the trainer's allocator read the switch: [Note: huge pages for fresh tensors] in
+  :mod:`hybridmem.accel.huge_pages`) (:func:`server_env`);
 - the server writes its output to a log file; rank 0 waits for ``GET /health`` within the deadline and,
   when the server exits first or the deadline passes, kills it and raises
   :class:`~hybridmem.errors.EngineProcessError` with the last lines of that log; the URL, or the error,
@@ -65,6 +67,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from hybridmem.accel.huge_pages import THP_VAR
 from hybridmem.adapters.vllm.busy_poll import default_busy_poll
 from hybridmem.adapters.vllm.plugin import BACKEND_NAME
 from hybridmem.errors import EngineProcessError
@@ -162,9 +165,6 @@ def cpu_threads_bind(tensor_parallel_size: int, cores: Sequence[int]) -> str:
     return "|".join(",".join(str(c) for c in share) for share in shares)
 
 
-THP_VAR = "THP_MEM_ALLOC_ENABLE"
-"""PyTorch's switch for transparent huge pages in its CPU allocator (``c10/core/alloc_cpu.cpp``), read once
-per process."""
 
 
 def server_env(*, tensor_parallel_size: int, env: Mapping[str, str] | None = None,

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hybridmem.accel.huge_pages import advise_huge_pages
 from hybridmem.adapters.vllm.server.buckets import dtype_name, dtype_of, one_thread
 from hybridmem.adapters.vllm.server.channel import ChannelError, Connection
 from hybridmem.reshard.checksum import copy_checksum, tensor_checksum
@@ -168,7 +169,9 @@ class StreamUpdate:
     def copy(self, bucket: torch.Tensor, entries: list[dict[str, Any]]) -> None:
         """Step 2: the ranges of one bucket into their tensors (the bucket is free once this returns); with
         ``verify``, each range's figures taken as it is copied
-        (:func:`~hybridmem.reshard.checksum.copy_checksum`)."""
+        (:func:`~hybridmem.reshard.checksum.copy_checksum`). Before a tensor's first range its memory is
+        asked for huge pages on a CPU ([Note: huge pages for fresh tensors] in
+        :mod:`hybridmem.accel.huge_pages`: vLLM's reload gives fresh tensors every update)."""
         start = time.perf_counter()
         for entry in entries:
             name = entry["name"]
@@ -177,6 +180,8 @@ class StreamUpdate:
             target = self.target(name).data.view(-1)
             source = bucket[entry["offset"]:entry["offset"] + entry["end"] - entry["start"]].view(dtype)
             self.touched = True
+            if entry["start"] == 0:  # its first range: pages nobody touched yet come as huge ones
+                advise_huge_pages(target)
             into = target[entry["start"] // size:entry["end"] // size]
             if self.verify:
                 with one_thread(into.device):
