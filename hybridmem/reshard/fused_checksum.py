@@ -16,8 +16,10 @@ from their bits (a shift, ``fpext``), the two float8 types through a 256-entry t
 column's ``1 + (col mod cp) / cp``; float64 sums in another order than torch's chunks, so the two agree
 to float64 rounding, which is what the figures' comparison allows.
 
-Numba is optional (vLLM brings it): without it, on another device, for another dtype or for a
-non-contiguous range, :func:`fused_figures` answers ``None`` and the caller reads with torch
+On a GPU the same is a Triton kernel ([Note: fused figures on a GPU] in
+:mod:`hybridmem.reshard.fused_triton`). Numba is optional (vLLM brings it): without it (or Triton on a
+GPU), for another dtype or for a non-contiguous range, :func:`fused_figures` answers ``None`` and the
+caller reads with torch
 (``tests/reshard/test_checksum.py`` runs both). The kernel holds no GIL and starts no threads of its own
 (a vLLM worker and the trainer each run it on their one thread, [Note: vllm packing] in
 :mod:`hybridmem.adapters.vllm.server.packing`); numba compiles it once per element type and machine and
@@ -33,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hybridmem.reshard.fused_triton import triton_figures
 
 __all__ = ["fused_figures"]
 
@@ -87,16 +91,17 @@ def fused_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: in
     where no kernel serves these tensors.
 
     Args:
-        src: 1-D, contiguous, on the CPU.
-        dst: 1-D, as many elements, the same dtype, contiguous, on the CPU; or ``None``.
+        src: 1-D, contiguous, on the CPU (on a GPU: :func:`~hybridmem.reshard.fused_triton.triton_figures`).
+        dst: 1-D, as many elements, the same dtype, contiguous, on the same device; or ``None``.
         lo: The tensor's index of the first element.
         cols: Elements per row of the tensor (``tensor_checksum``'s view).
         rp: The row weights' period (1: every row weighs 1).
         cp: The column weights' period.
     """
-    if (src.device.type != "cpu" or src.dtype not in _BITS or src.dtype in _REFUSED or src.dim() != 1
-            or not src.is_contiguous()):
-        return None  # before the kernel: a GPU process never imports numba (0.4 s on cpu-2c)
+    if src.device.type != "cpu":  # before the CPU kernel: a GPU process never imports numba (0.4 s on cpu-2c)
+        return triton_figures(src, dst, lo, cols, rp, cp)
+    if src.dtype not in _BITS or src.dtype in _REFUSED or src.dim() != 1 or not src.is_contiguous():
+        return None
     kernel = _kernel()
     if kernel is None:
         return None

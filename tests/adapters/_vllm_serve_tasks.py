@@ -6,6 +6,7 @@ models on the trained weights; the server's own state is read over HTTP here, no
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -321,6 +322,7 @@ SCENARIOS = {"http_tp1": http_tp1, "by_hand": by_hand, "fsdp_tp2": fsdp_tp2, "la
              "bad_flag": bad_flag}
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # an abort (a C++ thread left running at exit) shows every stack
     os.environ.update(VLLM_ENV)
     # launch sizes the KV cache to the model (the default under test)
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
