@@ -12,7 +12,9 @@ figures] in :mod:`hybridmem.reshard.fused_checksum`). Each program of the kernel
 :data:`TILE` elements in float64 and writes its two sums; torch adds the tiles' sums up in a fixed order,
 so a range gives the same figures every time, and the torch read's figures to float64 rounding (the
 figures' comparison allows that). A range is read as at most three rectangles of the tensor's rows (a
-partial first row, whole rows, a partial last row), so no element's row is found by a division.
+partial first row, whole rows, a partial last row), so no element's row is found by a division. The
+transient is the tiles' sums: 16 bytes per :data:`TILE` elements (8 MiB for a 1 GiB bf16 tensor, where
+torch's chunked read takes a 32 MiB float64 buffer).
 
 Element types: float32, float64, bfloat16 and float16 (widened exactly); others are read with torch. With
 no Triton, or where the kernel fails to build or run (it is then not tried again in this process, a
