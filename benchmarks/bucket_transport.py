@@ -31,6 +31,11 @@ rounds, so each round writes other values than the one before. Printed and writt
   device, the whole model through pinned and through pageable host memory; on CUDA only);
 - memory during the sync: ``torch.cuda.max_memory_allocated`` in both processes against what each held
   before the first round, and each process's resident set (``VmRSS``) and peak (``VmHWM``);
+- against vLLM's own packed IPC (CUDA only): the same tensors between the same two processes through
+  ``packed_ipc_producer`` / ``packed_ipc_consumer`` of vLLM's ``distributed/weight_transfer/packed_tensor.py``
+  (loaded from its file, which imports only torch: the installed vLLM's, or the copy
+  ``HYBRIDMEM_VLLM_PACKED_TENSOR`` names), one warm-up and two timed rounds after the worker zeroed its
+  tensors (``--no-vllm-reference`` skips them);
 - the check: after the last round the worker regenerates every source from its seed (the same
   generator on the same device, negated as often as the trainer negated it) and compares it with
   ``torch.equal`` to what it received; any difference, or a worker that failed (figures that differ, a
@@ -182,16 +187,37 @@ def worker_main(init_path: str) -> int:
         base = torch.cuda.memory_allocated(device)
     print("ready", flush=True)
     generation = 0
+    different: list[str] | None = None  # of the buckets' last round, taken before any vLLM round
     for line in sys.stdin:
         words = line.split()
         if words == ["done"]:
             break
+        if words == ["vllm"]:
+            if different is None:
+                different = check(layout, dest, generation, device)
+            vllm_packed_round(dest, device)
+            continue
         generation, verify = int(words[0]), bool(int(words[1]))
         channel = WorkerChannel(init["channel"], rank=0, run=init["run"], generation=generation)
         update = StreamUpdate(layout, run=init["run"], verify=verify, who="stand-in worker rank 0",
                               tensors=dest)
         receive_stream(channel, buckets, update, wait_s=WAIT_S)
     memory = {**device_memory(device, base), **host_memory()}
+    vllm_different = None
+    if different is None:
+        different = check(layout, dest, generation, device)
+    else:  # vLLM's packed rounds wrote last: what they left
+        vllm_different = check(layout, dest, generation, device)
+    print("result " + json.dumps({"memory": memory, "different": different, "generation": generation,
+                                  "vllm_different": vllm_different, "vllm_imported": "vllm" in sys.modules}),
+          flush=True)
+    return 1 if different or vllm_different else 0
+
+
+def check(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], dest: dict[str, torch.Tensor],
+          generation: int, device: torch.device) -> list[str]:
+    """The tensors of ``dest`` that differ from the sources as the trainer held them at ``generation``
+    (regenerated from their seeds)."""
     sign = -1 if generation % 2 == 0 else 1  # generation g carries the sources negated g - 1 times
     different = []
     for i, (name, (shape, dtype)) in enumerate(layout.items()):
@@ -201,9 +227,106 @@ def worker_main(init_path: str) -> int:
         if not torch.equal(dest[name], want):
             different.append(name)
         del want
-    print("result " + json.dumps({"memory": memory, "different": different, "generation": generation,
-                                  "vllm_imported": "vllm" in sys.modules}), flush=True)
-    return 1 if different else 0
+    return different
+
+
+def vllm_packed_module() -> tuple[Any, str] | str:
+    """vLLM's own ``packed_tensor.py`` (it imports only torch) loaded from its file without importing vLLM,
+    and the file; or why it cannot be: ``HYBRIDMEM_VLLM_PACKED_TENSOR`` names the file (a GPU machine
+    without vLLM gets it carried there), else the installed vLLM's is used."""
+    import importlib.util
+
+    path = os.environ.get("HYBRIDMEM_VLLM_PACKED_TENSOR")
+    if not path:
+        spec = importlib.util.find_spec("vllm")  # a top-level package is found without running it
+        if spec is None or not spec.submodule_search_locations:
+            return ("vLLM is not installed and HYBRIDMEM_VLLM_PACKED_TENSOR names no copy of its "
+                    "distributed/weight_transfer/packed_tensor.py")
+        path = os.path.join(next(iter(spec.submodule_search_locations)), "distributed", "weight_transfer",
+                            "packed_tensor.py")
+    if not os.path.isfile(path):
+        return f"no vLLM packed_tensor.py at {path}"
+    spec = importlib.util.spec_from_file_location("vllm_packed_tensor_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("packed_ipc_producer", "packed_ipc_consumer", "PackedBufferImporter"):
+        if not hasattr(module, name):
+            return f"{path} has no {name} (another vLLM release than 0.32/0.33)"
+    return module, path
+
+
+def vllm_packed_round(dest: dict[str, torch.Tensor], device: torch.device) -> None:
+    """The worker's side of one update through vLLM's own packed IPC: each ``chunk`` line opened with
+    ``packed_ipc_consumer`` (vLLM's: the buffer mapped once per update, every tensor cloned out of it), each
+    tensor copied into this worker's tensor as vLLM's default weight loader does (``param.data.copy_``),
+    then ``chunk-done``; ``end`` closes the mapping (vLLM's ``finish_weight_update``)."""
+    from hybridmem.adapters.vllm.server.buckets import decode_ipc
+
+    module = vllm_packed_module()
+    assert not isinstance(module, str), module
+    packed = module[0]
+    importer = packed.PackedBufferImporter()
+    for t in dest.values():  # what the round writes is checked afterwards: nothing left from before
+        t.zero_()
+    sync(device)
+    print("vllm-ready", flush=True)
+    for line in sys.stdin:
+        kind, _, rest = line.strip().partition(" ")
+        if kind == "end":
+            importer.close()
+            print("vllm-ok", flush=True)
+            return
+        chunk = json.loads(rest)
+        handle = {chunk["uuid"]: decode_ipc(chunk["ipc"], device.index)}
+        with torch.no_grad():
+            for name, tensor in packed.packed_ipc_consumer(handle, chunk["names"], chunk["shapes"],
+                                                           chunk["dtype_names"], chunk["tensor_sizes"],
+                                                           device.index, importer):
+                dest[name].data.copy_(tensor)
+        torch.cuda.current_stream(device).synchronize()  # the producer reuses the buffer once answered
+        print("chunk-done", flush=True)
+
+
+def vllm_packed_reference(worker: Worker, sources: dict[str, torch.Tensor], device: torch.device,
+                          total: int, rounds: int) -> dict[str, Any]:
+    """The same tensors between the same two processes through vLLM's own packed IPC
+    (``packed_ipc_producer``: one buffer, packed and handed over one chunk at a time, as vLLM's ``ipc``
+    backend sends them): seconds a round (one warm-up, then the median of ``rounds``), or why it did not
+    run."""
+    from hybridmem.adapters.vllm.server.buckets import encode_ipc
+
+    if device.type != "cuda":
+        return {"skipped": "vLLM's packed IPC is CUDA only"}
+    module = vllm_packed_module()
+    if isinstance(module, str):
+        return {"skipped": module}
+    packed, path = module
+    largest = max(t.numel() * t.element_size() for t in sources.values())
+    # vLLM refuses a tensor larger than its buffer: the buffer a user of it would have to set
+    buffer_nbytes = max(packed.DEFAULT_PACKED_BUFFER_SIZE_BYTES, -(-largest // 2**20) * 2**20)
+    uuid_ = str(torch.cuda.get_device_properties(device).uuid)
+    seconds, chunks = [], 0
+    for _ in range(1 + rounds):
+        worker.send("vllm")
+        worker.expect("vllm-ready", timeout_s=WAIT_S)
+        sync(device)
+        t0 = time.perf_counter()
+        chunks = 0
+        for chunk in packed.packed_ipc_producer(iter(sources.items()), uuid_, lambda item: item[1],
+                                                buffer_size_bytes=buffer_nbytes):
+            worker.send("chunk " + json.dumps({
+                "uuid": uuid_, "ipc": encode_ipc(chunk.ipc_handle[uuid_]), "names": chunk.names,
+                "shapes": chunk.shapes, "dtype_names": chunk.dtype_names,
+                "tensor_sizes": chunk.tensor_sizes}))
+            worker.expect("chunk-done", timeout_s=WAIT_S)
+            chunks += 1
+        seconds.append(time.perf_counter() - t0)
+        worker.send("end")
+        worker.expect("vllm-ok", timeout_s=WAIT_S)
+        torch.cuda.ipc_collect()
+    median = statistics.median(seconds[1:])
+    return {"source": path, "buffer_nbytes": buffer_nbytes, "chunks": chunks, "seconds": median,
+            "first_seconds": seconds[0], "gbps": total / median / GB}
 
 
 class Worker:
@@ -446,6 +569,8 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
                            "worker_checksum_s": stats.worker_checksum_s,
                            "worker_copy_s": stats.worker_copy_s})
         figures["trainer_memory"] = {**device_memory(device, base), **host_memory()}
+        if args.vllm_reference:
+            figures["vllm_packed"] = vllm_packed_reference(worker, sources, device, total, rounds=2)
         worker.send("done")
         result = json.loads(worker.expect("result", timeout_s=WAIT_S))
         rc = worker.proc.wait(timeout=WAIT_S)
@@ -459,10 +584,14 @@ def _trainer(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         "verify_sync_s": rounds[-1]["seconds"], "first_verify_sync_s": rounds[-2]["seconds"],
         "worker_checksum_s": rounds[-1]["worker_checksum_s"], "worker_memory": result["memory"],
         "different": result["different"], "weights_equal": not result["different"] and rc == 0,
+        "vllm_different": result["vllm_different"],
         "vllm_imported": result["vllm_imported"]})
     figures["sync_gbps"] = total / figures["sync_s"] / GB
     figures["ratio_to_raw"] = figures["sync_gbps"] / figures["raw_copy_gbps"]
     figures["ratio_met"] = figures["ratio_to_raw"] >= TARGET_RATIO
+    reference = figures.get("vllm_packed", {})
+    if "gbps" in reference:
+        reference["ratio_to_raw"] = reference["gbps"] / figures["raw_copy_gbps"]
     figures["checksum_s"] = checksum_model_s(sources, device)
     if device.type == "cuda":
         staged = {}
@@ -493,6 +622,16 @@ def summary(f: dict[str, Any]) -> list[str]:
              f"it; the first round with figures {f['first_verify_sync_s'] * 1e3:.1f} ms); "
              f"raw device copy {f['raw_copy_gbps']:.1f} GB/s; ratio {f['ratio_to_raw']:.2f} (target "
              f"{f['target_ratio']}: {'met' if f['ratio_met'] else 'missed'})"]
+    ref = f.get("vllm_packed")
+    if ref and "gbps" in ref:
+        mib = ref["buffer_nbytes"] / 2**20
+        lines.append(f"- vLLM's own packed IPC (its packed_tensor.py: one {mib:.0f} MiB buffer, "
+                     f"{ref['chunks']} chunks, each tensor cloned out of it and copied into the worker's "
+                     f"tensor): {ref['gbps']:.1f} GB/s ({ref['seconds'] * 1e3:.1f} ms, median of 2; first "
+                     f"{ref['first_seconds'] * 1e3:.1f} ms), ratio {ref['ratio_to_raw']:.2f} to the raw "
+                     f"copy; the buckets {f['sync_gbps'] / ref['gbps']:.2f}x as fast")
+    elif ref:
+        lines.append(f"- vLLM's own packed IPC: skipped ({ref['skipped']})")
     lines.append(f"- checksum of the model where it lies (the trainer's figures, one read): "
                  f"{min(f['checksum_s']) * 1e3:.1f} ms, {f['total_nbytes'] / min(f['checksum_s']) / GB:.1f} "
                  f"GB/s (best of 3)")
@@ -507,6 +646,10 @@ def summary(f: dict[str, Any]) -> list[str]:
                      f"{_mem(m['rss_peak_nbytes'])})")
     verdict = "equal to the sources" if f["weights_equal"] else f"**DIFFERENT**: {f['different']}"
     lines.append(f"- the worker's tensors after the last round: {verdict}")
+    if f.get("vllm_different") is not None:
+        bad = f["vllm_different"]
+        verdict = f"**DIFFERENT**: {bad}" if bad else "equal to the sources"
+        lines.append(f"- the worker's tensors after vLLM's packed rounds: {verdict}")
     return lines
 
 
@@ -520,6 +663,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tamper", action="store_true",
                         help="change one source value before the last round behind the figures' back (the "
                              "check must fail: exit status 1)")
+    parser.add_argument("--no-vllm-reference", dest="vllm_reference", action="store_false",
+                        help="skip the rounds through vLLM's own packed IPC (its packed_tensor.py, loaded "
+                             "from the installed vLLM or the file HYBRIDMEM_VLLM_PACKED_TENSOR names; CUDA "
+                             "only)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -550,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("\n".join(summary(out)))
     if not out["weights_equal"]:
-        print(f"FAILED: the worker's tensors differ from the sources: {out['different']}", file=sys.stderr)
+        print(f"FAILED: the worker's tensors differ from the sources: {out['different']} (after vLLM's "
+              f"packed rounds: {out.get('vllm_different')})", file=sys.stderr)
         return 1
     return 0
 
