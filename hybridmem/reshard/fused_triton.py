@@ -16,9 +16,12 @@ partial first row, whole rows, a partial last row), so no element's row is found
 transient is the tiles' sums: 16 bytes per :data:`TILE` elements (8 MiB for a 1 GiB bf16 tensor, where
 torch's chunked read takes a 32 MiB float64 buffer).
 
-Element types: float32, float64, bfloat16 and float16 (widened exactly); others are read with torch. With
-no Triton, or where the kernel fails to build or run (it is then not tried again in this process, a
-warning says why), :func:`triton_figures` answers ``None`` and the caller reads with torch.
+Element types: float32, float64, bfloat16 and float16 (widened exactly); others are read with torch. An
+element type's first use in a process checks the kernel on the first elements against the figures'
+definition computed with torch (:func:`_self_check`): both sides of a sync compare figures, and where one
+side read with torch, a kernel a compiler got wrong would fail every sync instead of once. With no Triton,
+or where the kernel fails to build, run or pass that check (it is then not tried again in this process,
+a warning says why), :func:`triton_figures` answers ``None`` and the caller reads with torch.
 ``HYBRIDMEM_FUSED_CHECKSUM=0`` turns it off with the CPU kernel. Triton's interpreter
 (``TRITON_INTERPRET=1``) runs the same kernel on CPU tensors: that is how the tests without a GPU check its
 arithmetic (``tests/reshard/test_fused_triton.py``).
@@ -110,6 +113,56 @@ def _rectangles(n: int, lo: int, cols: int) -> list[tuple[int, int, int, int, in
     return out
 
 
+def _launch(kernel: Any, src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: int, rp: int,
+            cp: int) -> tuple[float, float]:
+    """Run the kernel over the rectangles of ``src`` (checked by :func:`triton_figures`)."""
+    rectangles = _rectangles(src.numel(), lo, cols)
+    grids = []
+    for _, rows, ncols, _, _ in rectangles:
+        br, bc = _shape(ncols)
+        grids.append((br, bc, -(-ncols // bc), -(-rows // br)))
+    partial = torch.empty(2 * sum(c * r for _, _, c, r in grids), dtype=torch.float64, device=src.device)
+    source, target = src.detach(), (src.detach() if dst is None else dst.detach())
+    start = 0
+    for (offset, rows, ncols, row_lo, col_lo), (br, bc, col_tiles, row_tiles) in zip(rectangles, grids,
+                                                                                   strict=True):
+        programs = col_tiles * row_tiles
+        kernel[(programs,)](source[offset:], target[offset:], partial[2 * start:], rows, ncols, col_tiles,
+                            ncols, row_lo, col_lo, rp, cp, write=dst is not None,
+                            widen=src.element_size() == 2, br=br, bc=bc)
+        start += programs
+    figures = partial.view(-1, 2).sum(0).tolist()
+    return float(figures[0]), float(figures[1])
+
+
+_CHECKED: set[torch.dtype] = set()
+"""Element types whose first use in this process matched the definition (see :func:`_self_check`)."""
+_CHECK_NUMEL = 1 << 16
+
+
+def _self_check(kernel: Any, src: torch.Tensor, cols: int) -> str | None:
+    """On an element type's first use in a process: the kernel's figures and copy of the first elements of
+    ``src`` (up to :data:`_CHECK_NUMEL`, from a row's middle, so all three rectangles run) against the
+    figures' definition computed with torch in float64 (a product of weights and values, nothing shared with
+    the kernel); why they differ, or ``None``. A kernel that a compiler got wrong then fails here once,
+    instead of failing every weight sync's comparison against the other side's torch figures."""
+    sample = src[:_CHECK_NUMEL].detach()
+    lo, rp, cp = cols // 2, 61, 53
+    index = torch.arange(lo, lo + sample.numel(), dtype=torch.int64, device=sample.device)
+    row, col = index // cols, index % cols
+    weights = (1 + (row % rp).double() / rp) * (1 + (col % cp).double() / cp)
+    values = sample.double()
+    want = (values.sum().item(), (values * weights).sum().item())
+    copy = torch.zeros_like(sample)
+    got = [_launch(kernel, sample, copy, lo, cols, rp, cp), _launch(kernel, sample, None, lo, cols, rp, cp)]
+    for figures in got:
+        if any(abs(a - b) > 1e-9 * max(1.0, abs(b)) for a, b in zip(figures, want, strict=True)):
+            return f"its figures of {sample.numel()} {sample.dtype} elements are {figures}, torch's {want}"
+    if not torch.equal(copy, sample):
+        return f"its copy of {sample.numel()} {sample.dtype} elements differs from the source"
+    return None
+
+
 def triton_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: int, rp: int,
                    cp: int) -> tuple[float, float] | None:
     """The figures of ``src``'s elements, numbered from ``lo`` in rows of ``cols`` (see [Note: fused figures
@@ -131,29 +184,17 @@ def triton_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: i
     kernel = _kernel()
     if kernel is None:
         return None
-    n = src.numel()
-    if n == 0:
+    if src.numel() == 0:
         return 0.0, 0.0
-    rectangles = _rectangles(n, lo, cols)
-    grids = []
-    for _, rows, ncols, _, _ in rectangles:
-        br, bc = _shape(ncols)
-        grids.append((br, bc, -(-ncols // bc), -(-rows // br)))
-    partial = torch.empty(2 * sum(c * r for _, _, c, r in grids), dtype=torch.float64, device=src.device)
-    source, target = src.detach(), (src.detach() if dst is None else dst.detach())
-    start = 0
     try:
-        for (offset, rows, ncols, row_lo, col_lo), (br, bc, col_tiles, row_tiles) in zip(rectangles, grids,
-                                                                                       strict=True):
-            programs = col_tiles * row_tiles
-            kernel[(programs,)](source[offset:], target[offset:], partial[2 * start:], rows, ncols, col_tiles,
-                                ncols, row_lo, col_lo, rp, cp, write=dst is not None,
-                                widen=src.element_size() == 2, br=br, bc=bc)
-            start += programs
-        figures = partial.view(-1, 2).sum(0).tolist()
+        if src.dtype not in _CHECKED:
+            wrong = _self_check(kernel, src, cols)
+            if wrong is not None:
+                raise ArithmeticError(f"the kernel disagrees with the figures' definition: {wrong}")
+            _CHECKED.add(src.dtype)
+        return _launch(kernel, src, dst, lo, cols, rp, cp)
     except Exception as exc:  # a Triton that cannot build or run it here: torch reads from now on
         _FAILED.append(f"{type(exc).__name__}: {exc}")
         log.warning("hybridmem: the GPU one-pass checksum kernel failed (%s); figures are read with torch",
                     _FAILED[0])
         return None  # a copy may have written part of dst: the caller copies the whole range again
-    return float(figures[0]), float(figures[1])

@@ -97,6 +97,34 @@ def test_a_kernel_that_fails_hands_the_range_to_torch_and_is_not_tried_again(mon
     assert Broken.calls == 1, "a kernel that failed was tried again"
 
 
+def test_a_kernel_built_wrong_is_caught_on_its_first_use_and_torch_reads_instead(monkeypatch, caplog):
+    """A kernel that runs but sums wrong (as a miscompiled one would): its first use in the process compares
+    it with the definition, so it is dropped there, and no weight sync ever compares its figures."""
+    launches = []
+
+    class Wrong:
+        def __getitem__(self, grid):
+            def launch(source, target, partial, rows, ncols, *args, write, **kwargs):
+                launches.append(grid)
+                partial.zero_()  # every tile's sums 0
+                if write:
+                    target[:rows * ncols].copy_(source[:rows * ncols])
+            return launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fused_triton, "_kernel", lambda: Wrong())
+    monkeypatch.setattr(fused_triton, "_FAILED", [])
+    monkeypatch.setattr(fused_triton, "_CHECKED", set())
+    x, dst = torch.randn(5000) + 1.0, torch.zeros(5000)
+    with caplog.at_level(logging.WARNING, logger="hybridmem.reshard.fused_triton"):
+        assert fused_triton.triton_figures(x, dst, 37, 300, 61, 53) is None
+    assert "disagrees with the figures' definition" in caplog.text
+    tried = len(launches)
+    assert fused_triton.triton_figures(x, None, 0, 300, 61, 53) is None
+    assert len(launches) == tried, "a kernel found wrong was run again"
+    assert _close(copy_checksum(dst, x, 37, (5000 // 300 + 1, 300)), _reference(x, 37, 300, 61, 53))
+
+
 def test_tensors_the_kernel_does_not_take_are_left_to_torch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fused_triton, "_kernel", lambda: pytest.fail("the kernel was asked"))
