@@ -20,11 +20,14 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import sys
+from pathlib import Path
 
 import torch
 
-__all__ = ["HUGE_PAGE_NBYTES", "MIN_ADVISED_NBYTES", "THP_VAR", "advise_huge_pages", "wanted"]
+__all__ = ["HUGE_PAGE_NBYTES", "MIN_ADVISED_NBYTES", "THP_MODE_PATH", "THP_VAR", "advise_huge_pages",
+           "kernel_mode", "wanted"]
 
 HUGE_PAGE_NBYTES = 2 << 20
 """A transparent huge page on x86-64 and arm64 with 4 KiB base pages."""
@@ -32,7 +35,18 @@ MIN_ADVISED_NBYTES = 2 * HUGE_PAGE_NBYTES
 """Smaller tensors are left alone (a system call for at most one huge page)."""
 THP_VAR = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages in its CPU allocator (``c10/core/alloc_cpu.cpp``)."""
+THP_MODE_PATH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+"""Where Linux says its THP mode."""
 _MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
+
+
+def kernel_mode() -> str | None:
+    """The kernel's THP mode (``always``, ``madvise`` or ``never``), or ``None`` where it has none."""
+    try:
+        match = re.search(r"\[(\w+)\]", THP_MODE_PATH.read_text())
+    except OSError:
+        return None
+    return match.group(1) if match else None
 
 
 def wanted(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from hybridmem.accel.huge_pages import THP_MODE_PATH, kernel_mode
 from hybridmem.adapters.vllm.server.process import THP_VAR, server_command, server_env
-
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 # A 64 MiB tensor, every page touched; the kB of its mapping the kernel backs with huge pages.
 _PROBE = r"""
@@ -36,15 +33,6 @@ print(json.dumps(huge))
 """
 
 
-def _mode() -> str | None:
-    """The kernel's THP mode (``always``, ``madvise`` or ``never``), or ``None`` where it has none."""
-    try:
-        match = re.search(r"\[(\w+)\]", THP_MODE.read_text())
-    except OSError:
-        return None
-    return match.group(1) if match else None
-
-
 def _huge_kib(env: dict[str, str]) -> int:
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120,
                          check=True).stdout
@@ -61,11 +49,11 @@ def test_the_server_on_a_cpu_asks_for_huge_pages_unless_the_caller_chose():
     assert env[THP_VAR] == "0"
 
 
-@pytest.mark.skipif(_mode() in (None, "never"),
-                    reason=f"the kernel gives no transparent huge pages ({THP_MODE})")
+@pytest.mark.skipif(kernel_mode() in (None, "never"),
+                    reason=f"the kernel gives no transparent huge pages ({THP_MODE_PATH})")
 def test_a_process_with_the_servers_environment_gets_huge_pages_for_its_tensors():
     base = {k: v for k, v in os.environ.items() if k != THP_VAR}
     env = server_env(tensor_parallel_size=1, base=base, on_cpu=True)
     assert _huge_kib(env) >= 2048, "no huge page backs a 64 MiB tensor in the server's environment"
-    if _mode() == "madvise":  # only a process that asks gets them: the switch is what made the difference
+    if kernel_mode() == "madvise":  # only a process that asks gets them: the switch made the difference
         assert _huge_kib({**env, THP_VAR: "0"}) == 0

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from hybridmem.accel.huge_pages import THP_VAR, wanted
-
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+from hybridmem.accel.huge_pages import THP_MODE_PATH, THP_VAR, kernel_mode, wanted
 
 # One update of one 64 MiB float32 tensor, fresh from the allocator, through the receive side's copy out of a
 # bucket; then the kB of the tensor's bytes the kernel backs with huge pages, and whether the bytes arrived.
@@ -42,15 +38,6 @@ print(json.dumps({"huge_kib": huge, "equal": bool(torch.equal(target, bucket.vie
 """
 
 
-def _mode() -> str | None:
-    """The kernel's THP mode (``always``, ``madvise`` or ``never``), or ``None`` where it has none."""
-    try:
-        match = re.search(r"\[(\w+)\]", THP_MODE.read_text())
-    except OSError:
-        return None
-    return match.group(1) if match else None
-
-
 def _probe(**env: str) -> dict:
     base = {k: v for k, v in os.environ.items() if k != THP_VAR}
     out = subprocess.run([sys.executable, "-c", _PROBE], env={**base, **env}, capture_output=True, text=True,
@@ -64,14 +51,14 @@ def test_huge_pages_are_wanted_unless_pytorchs_switch_says_0():
     assert wanted({THP_VAR: "0"}) is False
 
 
-@pytest.mark.skipif(_mode() in (None, "never"),
-                    reason=f"the kernel gives no transparent huge pages ({THP_MODE})")
+@pytest.mark.skipif(kernel_mode() in (None, "never"),
+                    reason=f"the kernel gives no transparent huge pages ({THP_MODE_PATH})")
 def test_the_worker_copies_into_fresh_tensors_backed_by_huge_pages():
     got = _probe()
     assert got["equal"], "the bucket's bytes did not arrive"
     # the 2 MiB-aligned inside of 64 MiB is at least 62 MiB; the kernel may fall back to small pages for a few
     assert got["huge_kib"] >= 32 << 10, f"{got['huge_kib']} kB of the 64 MiB tensor in huge pages"
-    if _mode() == "madvise":  # only memory that was asked for gets them: the advice made the difference
+    if kernel_mode() == "madvise":  # only memory that was asked for gets them: the advice made the difference
         off = _probe(**{THP_VAR: "0"})
         assert off["equal"]
         assert off["huge_kib"] == 0, f"{off['huge_kib']} kB in huge pages with {THP_VAR}=0"
