@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TILE", "triton_figures", "available"]
+__all__ = ["TILE", "triton_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +81,6 @@ def _kernel() -> Any:
         tl.store(partial + 2 * pid + 1, tl.sum(tl.sum(x * v[None, :], axis=1) * u, axis=0))
 
     return figures_kernel
-
-
-def available() -> bool:
-    """Whether the kernel can be tried here (Triton importable, not turned off, not failed before)."""
-    return not _FAILED and _kernel() is not None
 
 
 def _shape(ncols: int) -> tuple[int, int]:
