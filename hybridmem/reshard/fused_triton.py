@@ -168,6 +168,9 @@ def triton_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: i
         src: 1-D, contiguous, on a CUDA device (any device under Triton's interpreter).
         dst: 1-D, as many elements, the same dtype and device, contiguous; or ``None``.
         lo, cols, rp, cp: As :func:`~hybridmem.reshard.fused_checksum.fused_figures`.
+
+    Raises:
+        torch.OutOfMemoryError: The device had no room for the tiles' sums (the kernel stays in use).
     """
     if (src.dtype not in _TYPES or src.dim() != 1 or not src.is_contiguous() or _FAILED
             or (src.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")):
@@ -188,6 +191,8 @@ def triton_figures(src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: i
                 raise ArithmeticError(f"the kernel disagrees with the figures' definition: {wrong}")
             _CHECKED.add(src.dtype)
         return _launch(kernel, src, dst, lo, cols, rp, cp)
+    except torch.OutOfMemoryError:  # the device's state, not the kernel's: the caller's to handle
+        raise
     except Exception as exc:  # a Triton that cannot build or run it here: torch reads from now on
         _FAILED.append(f"{type(exc).__name__}: {exc}")
         log.warning("hybridmem: the GPU one-pass checksum kernel failed (%s); figures are read with torch",

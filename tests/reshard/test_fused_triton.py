@@ -125,6 +125,20 @@ def test_a_kernel_built_wrong_is_caught_on_its_first_use_and_torch_reads_instead
     assert _close(copy_checksum(dst, x, 37, (5000 // 300 + 1, 300)), _reference(x, 37, 300, 61, 53))
 
 
+def test_a_device_out_of_memory_is_raised_and_the_kernel_stays_in_use(monkeypatch):
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 MiB")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fused_triton, "_kernel", lambda: object())
+    monkeypatch.setattr(fused_triton, "_FAILED", [])
+    monkeypatch.setattr(fused_triton, "_CHECKED", {torch.float32})
+    monkeypatch.setattr(fused_triton, "_launch", full)
+    with pytest.raises(torch.OutOfMemoryError):
+        fused_triton.triton_figures(torch.randn(100), None, 0, 10, 61, 53)
+    assert fused_triton._FAILED == [], "an out-of-memory device turned the kernel off for the process"
+
+
 def test_tensors_the_kernel_does_not_take_are_left_to_torch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fused_triton, "_kernel", lambda: pytest.fail("the kernel was asked"))
