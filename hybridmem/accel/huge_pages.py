@@ -2,16 +2,16 @@
 
 [Note: huge pages for fresh tensors]
 Copying into memory nobody has touched yet costs a page fault per 4 KiB page: for the tensors vLLM's reload
-allocates at every weight update, on a CPU, that is most of the worker's copy time (cpu-2c: a 604 MiB update's
-copies out of the buckets took 248-258 ms, 159-185 ms when the same pages came as 2 MiB ones). PyTorch's own
-switch, ``THP_MEM_ALLOC_ENABLE=1``, is read once per process when its CPU allocator first runs, so it helps a
-process started with it (``vllm serve``, whose environment hybridmem sets) and not one forked from a trainer
-that already allocated (AsyncLLM's engine core). :func:`advise_huge_pages` asks for the same pages for one
-tensor's memory (``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned part of its bytes, Linux's own call), so the
-first write faults them in as huge pages wherever the kernel's THP mode is ``always`` or ``madvise``. A
-caller that set ``THP_MEM_ALLOC_ENABLE=0`` chose small pages: nothing is asked then (:func:`wanted`). Memory
-already touched keeps its pages (the kernel may merge them later); nothing is moved or copied, and a failed
-call changes nothing, so the advice never fails a copy.
+allocates at every weight update, on a CPU, that is about a third of the worker's copy time (cpu-2c: a 604 MiB
+update's copies out of the buckets took 238-258 ms, 159-185 ms when the same pages came as 2 MiB ones).
+PyTorch's own switch, ``THP_MEM_ALLOC_ENABLE=1``, is read once per process when its CPU allocator first runs,
+so it helps a process started with it (``vllm serve``, whose environment hybridmem sets) and not one forked
+from a trainer that already allocated (AsyncLLM's engine core). :func:`advise_huge_pages` asks for the same
+pages for one tensor's memory (``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned part of its bytes, Linux's
+own call), so the first write faults them in as huge pages wherever the kernel's THP mode is ``always`` or
+``madvise``. A caller that set ``THP_MEM_ALLOC_ENABLE=0`` chose small pages: nothing is asked then
+(:func:`wanted`). Memory already touched keeps its pages (the kernel may merge them later); nothing is moved
+or copied, and a failed call changes nothing, so the advice never fails a copy.
 """
 
 from __future__ import annotations
