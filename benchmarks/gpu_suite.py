@@ -416,12 +416,15 @@ def report(info: dict, runs: list[JobRun], device: str) -> str:
 
     for r in by_part.get("checksum", []):
         lines += ["## The weights' checksum beside a copy (`checksum.py`)", "",
-                  "| MB | dtype | copy ms | checksum ms (a read) | read / copy | copy with figures ms |",
-                  "|---:|---|---:|---:|---:|---:|"]
+                  "| MB | dtype | copy ms | checksum ms (a read) | read / copy | copy with figures ms "
+                  "| one pass | torch's chunked read ms |",
+                  "|---:|---|---:|---:|---:|---:|---|---:|"]
         for row in (r.result or {}).get("rows", []):
+            chunks = row.get("chunks_s")
             lines.append(f"| {row['nbytes'] / 1e6:.0f} | {row['dtype']} | {_ms(row['copy_s'])} | "
                          f"{_ms(row['checksum_s'])} | {row['checksum_s'] / row['copy_s']:.2f} | "
-                         f"{_ms(row['fused1_s'])} |")
+                         f"{_ms(row['fused1_s'])} | {'yes' if row.get('one_pass') else 'no'} | "
+                         f"{'-' if chunks is None else _ms(chunks)} |")
         if not r.result:
             lines.append(f"no figures ({r.status})")
         lines.append("")
