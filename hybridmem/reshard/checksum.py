@@ -44,6 +44,7 @@ from hybridmem.reshard.deadline import Bound, exchange, global_rank, wait_all
 from hybridmem.reshard.execute import pack_cell
 from hybridmem.reshard.fp8 import dequantize_block_fp8
 from hybridmem.reshard.fused_checksum import fused_figures
+from hybridmem.reshard.fused_triton import row_rectangles
 from hybridmem.reshard.plan import ReshardPlan, Transfer, cell_dtype
 from hybridmem.reshard.transforms import Box, piece_view
 
@@ -190,17 +191,9 @@ def range_checksum(x: torch.Tensor, lo: int, shape: Sequence[int]) -> tuple[floa
     if figures is not None:
         return figures
     total = weighted = 0.0
-    k, n = 0, x.numel()
-    while k < n:
-        row, col = divmod(lo + k, cols)
-        if col or n - k < cols:  # a part of one row
-            count = min(cols - col, n - k)
-            figures = _figures(x[k:k + count][None], row, rp, col, cp)
-        else:  # whole rows
-            count = (n - k) // cols * cols
-            figures = _figures(x[k:k + count].view(-1, cols), row, rp, 0, cp)
+    for offset, rows, width, row_lo, col_lo in row_rectangles(x.numel(), lo, cols):
+        figures = _figures(x[offset:offset + rows * width].view(rows, width), row_lo, rp, col_lo, cp)
         total, weighted = total + figures[0], weighted + figures[1]
-        k += count
     return total, weighted
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TILE", "triton_figures"]
+__all__ = ["TILE", "row_rectangles", "triton_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,11 @@ def _shape(ncols: int) -> tuple[int, int]:
     return TILE // bc, bc
 
 
-def _rectangles(n: int, lo: int, cols: int) -> list[tuple[int, int, int, int, int]]:
+def row_rectangles(n: int, lo: int, cols: int) -> list[tuple[int, int, int, int, int]]:
     """The rectangles ``(offset, rows, columns, first row, first column)`` of the range of ``n`` elements
     from element ``lo`` of a tensor with rows of ``cols``: a partial first row, whole rows, a partial last
-    row (those present)."""
+    row (those present), in order (how the kernel and torch's chunked read,
+    :func:`~hybridmem.reshard.checksum.range_checksum`, both cut a range)."""
     out, k = [], 0
     row, col = divmod(lo, cols)
     if col:
@@ -111,7 +112,7 @@ def _rectangles(n: int, lo: int, cols: int) -> list[tuple[int, int, int, int, in
 def _launch(kernel: Any, src: torch.Tensor, dst: torch.Tensor | None, lo: int, cols: int, rp: int,
             cp: int) -> tuple[float, float]:
     """Run the kernel over the rectangles of ``src`` (checked by :func:`triton_figures`)."""
-    rectangles = _rectangles(src.numel(), lo, cols)
+    rectangles = row_rectangles(src.numel(), lo, cols)
     grids = []
     for _, rows, ncols, _, _ in rectangles:
         br, bc = _shape(ncols)
@@ -137,7 +138,7 @@ _CHECK_NUMEL = 1 << 16
 
 def _self_check(kernel: Any, src: torch.Tensor, cols: int) -> str | None:
     """On an element type's first use in a process: the kernel's figures and copy of the first elements of
-    ``src`` (up to :data:`_CHECK_NUMEL`, from a row's middle, so all three rectangles run) against the
+    ``src`` (up to :data:`_CHECK_NUMEL`, from a row's middle, so a partial row is among them) against the
     figures' definition computed with torch in float64 (a product of weights and values, nothing shared with
     the kernel); why they differ, or ``None``. A kernel that a compiler got wrong then fails here once,
     instead of failing every weight sync's comparison against the other side's torch figures."""

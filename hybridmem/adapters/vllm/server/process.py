@@ -165,8 +165,6 @@ def cpu_threads_bind(tensor_parallel_size: int, cores: Sequence[int]) -> str:
     return "|".join(",".join(str(c) for c in share) for share in shares)
 
 
-
-
 def server_env(*, tensor_parallel_size: int, env: Mapping[str, str] | None = None,
                base: Mapping[str, str] | None = None, on_cpu: bool) -> dict[str, str]:
     """The server's environment (see [Note: vllm server process]): ``base`` (default ``os.environ``)
